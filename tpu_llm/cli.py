@@ -1,0 +1,132 @@
+"""Command line: `tpu-llm <command>` or `python -m tpu_llm <command>` (Google fire).
+
+  train       train (or resume) a run:  tpu-llm train --config configs/tiny.yaml --model.n_layer=6
+  generate    sample from a run:        tpu-llm generate --run_dir runs/tiny --prompt "def "
+  data        tpu-llm data prepare --input 'corpus/*.txt' --output shards/ --tokenizer byte
+  tokenizer   tpu-llm tokenizer train --input 'corpus/*.txt' --vocab_size 8000 --output sp.model
+  bench       tpu-llm bench   (the shakespeare_char benchmark; see README)
+
+Config overrides are dotted flags (`--train.steps=100`) or `--set train.steps=100` (repeatable).
+A user mistake prints one line starting with "error:" and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _quiet_tensorflow() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
+
+
+class DataCommands:
+    """Pre-tokenize text into TFRecord shards."""
+
+    def prepare(self, input: str = "", output: str = "", tokenizer: str = "byte", tokenizer_model: str = "",
+                shards: int = 8, overwrite: bool = False):
+        """Tokenize --input (files/globs; "" = embedded corpus) into --shards TFRecord files in --output."""
+        from tpu_llm import data, perf
+        from tpu_llm.config import DataConfig
+        from tpu_llm.errors import UserError
+        from tpu_llm.tokenizer import build_tokenizer
+
+        if not output:
+            raise UserError("data prepare needs --output DIR (local or gs://) for the shards")
+        if not isinstance(shards, int) or shards < 1:
+            raise UserError(f"--shards={shards!r} must be a positive integer")
+        cfg = DataConfig(train=_join(input), tokenizer=tokenizer, tokenizer_model=tokenizer_model,
+                         format="text")
+        if cfg.train:
+            files = data.expand_globs(cfg.train, "--input")
+            data.detect_format(files, "text", "--input")
+            source = data.Source(files, "text", description=f"{cfg.train}: {len(files)} files")
+        else:
+            files = data.embedded_corpus_files()
+            source = data.Source(files, "text", description=f"embedded corpus: {len(files)} files")
+        tok = build_tokenizer(tokenizer, tokenizer_model, files)
+        print(f"tokenizing {source.description} with the {tok.kind} tokenizer into {shards} shards")
+        bar = perf.Progress(len(files), label="files ")
+        meta = data.write_shards(source, tok, output, shards, overwrite=overwrite,
+                                 progress=lambda i, n, tokens: (i % 50 == 0 or i == n) and bar.update(
+                                     i, f"{perf.format_count(tokens)} tokens"))
+        bar.close()
+        print(f"wrote {meta['tokens']:,} tokens in {meta['records']:,} records to {output} "
+              f"({meta['shards']} shards, {meta['seconds']} s); train with "
+              f"--data.train='{output.rstrip('/')}/*.tfrecord' --data.tokenizer={tok.kind}")
+
+
+class TokenizerCommands:
+    """Train a SentencePiece tokenizer."""
+
+    def train(self, input: str = "", vocab_size: int = 8000, output: str = "tokenizer.model"):
+        """Train a BPE SentencePiece model (byte fallback) on --input files/globs; write --output."""
+        from tpu_llm import data
+        from tpu_llm.errors import UserError
+        from tpu_llm.tokenizer import train_sentencepiece
+
+        if not isinstance(vocab_size, int) or vocab_size < 260:
+            raise UserError(f"--vocab_size={vocab_size!r} must be an integer >= 260 "
+                            "(256 byte-fallback pieces plus specials)")
+        files = data.expand_globs(_join(input), "--input") if input else data.embedded_corpus_files()
+        data.detect_format(files, "text", "--input")
+        tok = train_sentencepiece(files, vocab_size, output)
+        print(f"wrote {output}: {tok.vocab_size} pieces from {len(files)} files; use it with "
+              f"--data.tokenizer=sentencepiece --data.tokenizer_model={output}")
+
+
+class Commands:
+    def __init__(self):
+        self.data = DataCommands()
+        self.tokenizer = TokenizerCommands()
+
+    def train(self, config: str = "", set=None, **overrides):
+        """Train or resume. --config FILE.yaml; overrides as --section.key=value or --set k=v."""
+        from tpu_llm.config import load_config, parse_set_args
+        from tpu_llm.controller import train
+
+        cfg = load_config(config or None, {**parse_set_args(set), **overrides})
+        train(cfg)
+
+    def generate(self, run_dir: str, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1):
+        """Sample text from the newest checkpoint of --run_dir."""
+        from tpu_llm.config import SampleConfig
+        from tpu_llm.controller import print_samples
+        from tpu_llm.generate import load_for_generation
+
+        model, tokenizer, cfg = load_for_generation(run_dir)
+        cfg.sample = SampleConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, prompt=str(prompt),
+                                  temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed)
+        from tpu_llm.config import validate
+        validate(cfg)
+        print_samples(model, tokenizer, cfg)
+
+    def bench(self, data: str = "", steps: int = 2000, config: str = "configs/shakespeare_char.yaml",
+              run_dir: str = "", set=None, **overrides):
+        """The shakespeare_char benchmark: tokens/s, ms/step, MFU, final train/validation loss."""
+        from tpu_llm.bench import shakespeare_char
+
+        shakespeare_char(data=data, steps=steps, config=config, run_dir=run_dir, set_args=set,
+                         overrides=overrides)
+
+
+def _join(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value or "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_tensorflow()
+    import fire
+
+    from tpu_llm.errors import EXIT_USER_ERROR, UserError
+
+    try:
+        fire.Fire(Commands, command=argv, name="tpu-llm")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,260 @@
+"""Run configuration: one schema, every default defined once.
+
+A run is configured by the dataclasses below, then a YAML file (`configs/*.yaml`), then command-line
+overrides in dotted form (`--model.n_layer=6`, or `--set model.n_layer=6`), later layers winning.
+Unknown keys, wrong types and inconsistent values are rejected with a one-line `UserError` naming the
+key and the valid choices. `docs`-style help for every field is its comment here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any
+
+import yaml
+
+from tpu_llm.errors import UserError
+
+TOKENIZERS = ("byte", "char", "sentencepiece")
+DATA_FORMATS = ("auto", "text", "tfrecord")
+STRATEGIES = ("auto", "default")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads per block
+    n_embd: int = 128  # model width
+    max_len: int = 256  # longest context (learned positions)
+    dropout: float = 0.0  # on attention probabilities and residual branches
+    bias: bool = True  # biases in Dense and LayerNorm layers
+    vocab_size: int = 0  # 0: the tokenizer's size; larger pads the table (e.g. to a multiple of 128)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train: str = ""  # comma-separated files/globs (local or gs://); "" = embedded stdlib corpus
+    validation: str = ""  # same; "" = hold out validation_fraction of `train`
+    validation_fraction: float = 0.1  # by file when there are >= 10 files, else the tail of each file
+    format: str = "auto"  # auto | text | tfrecord (pre-tokenized shards from `tpu-llm data prepare`)
+    tokenizer: str = "byte"  # byte | char (vocabulary built from the data) | sentencepiece
+    tokenizer_model: str = ""  # SentencePiece .model file when tokenizer=sentencepiece
+    seq_len: int = 128  # tokens per training window
+    shuffle_buffer: int = 1024  # windows held for shuffling
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 300  # optimizer steps in total (a resumed run continues up to this)
+    batch_size: int = 16  # global batch in sequences per optimizer step (all replicas, all micro-steps)
+    grad_accum: int = 1  # micro-steps accumulated per optimizer step
+    steps_per_loop: int = 25  # steps run inside one host call (logging happens between loops)
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # floor of the cosine decay
+    warmup_steps: int = 50  # linear warmup from 0 to lr
+    decay_steps: int = 0  # cosine decay length; 0 = `steps`
+    weight_decay: float = 0.1  # AdamW decoupled decay (not applied to norms, biases, embeddings)
+    beta1: float = 0.9
+    beta2: float = 0.99
+    epsilon: float = 1e-8
+    clip_norm: float = 1.0  # global-norm gradient clipping; 0 = off
+    eval_every: int = 100  # steps between validation passes; 0 = only at the end
+    eval_steps: int = 10  # validation batches per pass
+    seed: int = 1337
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every_steps: int = 100  # save every N steps (and always at the end); 0 = only at the end
+    keep: int = 3  # newest checkpoints kept
+
+
+@dataclasses.dataclass
+class SampleConfig:
+    num_samples: int = 2  # samples printed after training
+    max_new_tokens: int = 200
+    prompt: str = ""  # "" = start from the end-of-text token
+    temperature: float = 0.8
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Config:
+    run_dir: str = "runs/tiny"  # local path or gs://bucket/path; re-using it resumes
+    strategy: str = "auto"  # auto | default
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and validation
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults <- YAML file at `path` <- dotted `overrides`; validated."""
+    cfg = Config()
+    if path:
+        _apply(cfg, _read_yaml(path), source=path)
+    for key, value in (overrides or {}).items():
+        _set_dotted(cfg, key, value, source="command line")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict, source: str) -> Config:
+    cfg = Config()
+    _apply(cfg, data, source=source)
+    validate(cfg)
+    return cfg
+
+
+def parse_set_args(items: list[str] | str | None) -> dict[str, Any]:
+    """`--set a.b=1 --set c.d=x` (or one comma-free string) -> {'a.b': 1, 'c.d': 'x'}."""
+    if not items:
+        return {}
+    if isinstance(items, str):
+        items = [items]
+    out = {}
+    for item in items:
+        if "=" not in str(item):
+            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set model.n_layer=6")
+        key, value = str(item).split("=", 1)
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return out
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.exists(path):
+        here = sorted(os.listdir("configs")) if os.path.isdir("configs") else []
+        hint = f"; available: {', '.join(here)}" if here else ""
+        raise UserError(f"config file {path!r} not found{hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}: YAML syntax error{where}: {problem}; fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
+    return data
+
+
+def _apply(obj: Any, data: dict, source: str, prefix: str = "") -> None:
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        if key not in fields:
+            raise UserError(_unknown_key_message(full, list(fields), prefix, source))
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise UserError(f"{source}: '{full}' is a section; give it keys such as "
+                                f"{', '.join(f.name for f in dataclasses.fields(current))[:80]}")
+            _apply(current, value, source, prefix=f"{full}.")
+        else:
+            setattr(obj, key, _coerce(full, value, fields[key].type, source))
+
+
+def _set_dotted(cfg: Config, key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    nested: dict = value
+    for part in reversed(parts):
+        nested = {part: nested}
+    _apply(cfg, nested, source)
+
+
+def _unknown_key_message(full: str, valid: list[str], prefix: str, source: str) -> str:
+    name = full[len(prefix):]
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+    section = prefix.rstrip(".") or "the top level"
+    return f"{source}: unknown config key '{full}'; {hint}valid keys in {section}: {', '.join(valid)}"
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _coerce(key: str, value: Any, type_name: Any, source: str) -> Any:
+    expected = _TYPES[type_name if isinstance(type_name, str) else type_name.__name__]
+    if expected is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if expected is str and isinstance(value, (list, tuple)):  # fire turns `a,b` into a tuple
+        return ",".join(str(v) for v in value)
+    if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
+        raise UserError(f"{source}: '{key}' must be {expected.__name__}, got {value!r} "
+                        f"({type(value).__name__})")
+    return value
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(f"config: {message}")
+
+
+def validate(cfg: Config) -> None:
+    m, d, t, c, s = cfg.model, cfg.data, cfg.train, cfg.checkpoint, cfg.sample
+    _check(cfg.strategy in STRATEGIES,
+           f"strategy={cfg.strategy!r}; valid choices: {', '.join(STRATEGIES)}")
+    _check(bool(cfg.run_dir), "run_dir is empty; give a local path or gs://bucket/path")
+    for name in ("n_layer", "n_head", "n_embd", "max_len"):
+        _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be >= 1")
+    _check(m.n_embd % m.n_head == 0,
+           f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+           f"valid n_head values: {', '.join(str(h) for h in _divisors(m.n_embd) if h <= 64)}")
+    _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (0 = the tokenizer's)")
+    _check(d.tokenizer in TOKENIZERS,
+           f"data.tokenizer={d.tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
+    _check(d.format in DATA_FORMATS,
+           f"data.format={d.format!r}; valid choices: {', '.join(DATA_FORMATS)}")
+    _check(d.tokenizer != "sentencepiece" or bool(d.tokenizer_model),
+           "data.tokenizer=sentencepiece needs data.tokenizer_model=PATH.model "
+           "(make one with `tpu-llm tokenizer train`)")
+    _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
+    _check(d.seq_len <= m.max_len,
+           f"data.seq_len={d.seq_len} exceeds model.max_len={m.max_len}; "
+           f"lower data.seq_len or raise model.max_len")
+    _check(0.0 < d.validation_fraction < 1.0,
+           f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
+    _check(d.shuffle_buffer >= 1, f"data.shuffle_buffer={d.shuffle_buffer} must be >= 1")
+    for name in ("steps", "batch_size", "grad_accum", "steps_per_loop", "eval_steps"):
+        _check(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)} must be >= 1")
+    for name in ("warmup_steps", "decay_steps", "eval_every"):
+        _check(getattr(t, name) >= 0, f"train.{name}={getattr(t, name)} must be >= 0")
+    _check(t.batch_size % t.grad_accum == 0,
+           f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
+           f"valid grad_accum values: {', '.join(map(str, _divisors(t.batch_size)))}")
+    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}), lr > 0")
+    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
+    _check(t.weight_decay >= 0 and t.clip_norm >= 0, "train.weight_decay and train.clip_norm must be >= 0")
+    _check(c.every_steps >= 0 and c.keep >= 1,
+           f"checkpoint.every_steps ({c.every_steps}) must be >= 0 and checkpoint.keep ({c.keep}) >= 1")
+    _check(s.temperature >= 0, f"sample.temperature={s.temperature} must be >= 0 (0 = greedy)")
+    _check(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1]")
+    _check(s.top_k >= 0 and s.max_new_tokens >= 0 and s.num_samples >= 0,
+           "sample.top_k, sample.max_new_tokens and sample.num_samples must be >= 0")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]

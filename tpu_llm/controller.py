@@ -1,0 +1,216 @@
+"""The training controller: builds a run from its config and drives it (Orbit's Controller role).
+
+It owns everything between host calls: intervals, logging, TensorBoard summaries, evaluation,
+checkpoints, resume, and the samples printed at the end. The compiled loops live in `train.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import keras
+import tensorflow as tf
+
+from tpu_llm import data, perf
+from tpu_llm.checkpoint import Checkpointer, open_run_dir, resolve_tokenizer
+from tpu_llm.config import Config
+from tpu_llm.distribute import Distribution, get_strategy
+from tpu_llm.errors import UserError
+from tpu_llm.generate import Sampler
+from tpu_llm.model import GPT
+from tpu_llm.tokenizer import build_tokenizer, load_tokenizer
+from tpu_llm.train import Trainer, make_optimizer
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run is made of, built by `build_run`."""
+
+    cfg: Config
+    dist: Distribution
+    tokenizer: object
+    model: GPT
+    optimizer: object
+    trainer: Trainer
+    train_iterator: object
+    val_dataset: object
+    checkpointer: Checkpointer
+    sources: tuple
+    resumed_from: str | None
+
+
+def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
+    """Saved tokenizer of the run > tokenizer of pre-tokenized shards > a new one from the config."""
+    if train_src.format == "tfrecord":
+        shard_dir = os.path.dirname(train_src.files[0])
+        fresh = load_tokenizer(shard_dir)
+        if fresh is None:
+            raise UserError(f"{shard_dir} has TFRecord shards but no tokenizer.json; write shards with "
+                            "`tpu-llm data prepare`")
+        if fresh.kind != cfg.data.tokenizer:
+            raise UserError(f"the shards in {shard_dir} were made with the {fresh.kind} tokenizer; set "
+                            f"data.tokenizer={fresh.kind}")
+    elif load_tokenizer(cfg.run_dir) is not None and cfg.data.tokenizer != "sentencepiece":
+        fresh = None  # resuming: the run's own tokenizer is used (a char vocabulary is not rebuilt)
+    else:
+        text_files = sorted(set(train_src.files) | set(val_src.files))
+        fresh = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_model, text_files)
+    return resolve_tokenizer(cfg.run_dir, cfg.data.tokenizer, fresh)
+
+
+def build_run(cfg: Config) -> Run:
+    keras.utils.set_random_seed(cfg.train.seed)
+    dist = get_strategy(cfg)
+    train_src, val_src = data.resolve_sources(cfg.data)
+    tokenizer = setup_tokenizer(cfg, train_src, val_src)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    elif cfg.model.vocab_size < tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                        f"{tokenizer.vocab_size} ids; set it to 0 (automatic) or >= {tokenizer.vocab_size}")
+    open_run_dir(cfg, tokenizer)
+
+    with dist.strategy.scope():
+        model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+        optimizer = make_optimizer(cfg.train, model)
+    trainer = Trainer(dist, model, optimizer, cfg.train)
+
+    def dataset(source, training):
+        fn = data.make_dataset_fn(source, tokenizer, cfg.data.seq_len, cfg.train.batch_size,
+                                  training=training, seed=cfg.train.seed,
+                                  shuffle_buffer=cfg.data.shuffle_buffer)
+        return dist.strategy.distribute_datasets_from_function(fn)
+
+    train_iterator = iter(dataset(train_src, training=True))
+    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, model=model, optimizer=optimizer,
+                                data=train_iterator)
+    resumed_from = checkpointer.restore_latest()
+    return Run(cfg, dist, tokenizer, model, optimizer, trainer, train_iterator,
+               dataset(val_src, training=False), checkpointer, (train_src, val_src), resumed_from)
+
+
+class MetricsLog:
+    """TensorBoard summaries plus an append-only metrics.jsonl in the run directory."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
+                        for split in ("train", "validation")}
+
+    def write(self, split: str, step: int, values: dict) -> None:
+        with self.writers[split].as_default(step=step):
+            for key, value in values.items():
+                tf.summary.scalar(key, value)
+        with tf.io.gfile.GFile(self.path, "a") as f:
+            f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
+
+    def flush(self) -> None:
+        for w in self.writers.values():
+            w.flush()
+
+
+def evaluate(run: Run) -> float:
+    iterator = iter(run.val_dataset)
+    try:
+        return float(run.trainer.eval_loop(iterator, tf.constant(run.cfg.train.eval_steps)))
+    except tf.errors.OutOfRangeError:
+        raise UserError(f"validation data ({run.sources[1].description}) holds less than one batch of "
+                        f"{run.cfg.train.batch_size} x {run.cfg.data.seq_len + 1} tokens; add data or lower "
+                        "train.batch_size / data.seq_len") from None
+
+
+def _next_boundary(step: int, every: int, total: int) -> int:
+    return min(total, (step // every + 1) * every) if every > 0 else total
+
+
+def train(cfg: Config, say=print, samples: bool = True) -> dict:
+    """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary."""
+    run = build_run(cfg)
+    t, d = cfg.train, cfg.data
+    step = int(run.optimizer.iterations.numpy())
+    tokens_per_step = t.batch_size * d.seq_len
+    flops_per_token = run.model.flops_per_token(d.seq_len)
+    peak, peak_how = run.dist.peak_flops()
+
+    say(f"run_dir   {cfg.run_dir}")
+    say(f"strategy  {run.dist.name} ({run.dist.reason}); {run.dist.num_replicas} replica(s), "
+        f"XLA step: {'on' if run.dist.jit_compile else 'off'}")
+    say(f"data      train: {run.sources[0].description}; validation: {run.sources[1].description}")
+    say(f"tokenizer {run.tokenizer.kind}, {run.tokenizer.vocab_size} ids")
+    say(f"model     {run.model.num_params():,} parameters ({cfg.model.n_layer} layers, {cfg.model.n_head} "
+        f"heads, width {cfg.model.n_embd}); {perf.format_count(flops_per_token)}FLOP/token")
+    say(f"batch     {t.batch_size} x {d.seq_len} tokens = {tokens_per_step:,} per step; "
+        f"{t.steps_per_loop} steps per host call; MFU peak: {perf.format_count(peak)}FLOP/s ({peak_how})")
+    if run.resumed_from:
+        say(f"resumed   from {run.resumed_from} at step {step} (model, optimizer and data position)")
+    if step >= t.steps:
+        say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
+
+    log = MetricsLog(cfg.run_dir)
+    progress = perf.Progress(t.steps, initial=step, label="step ")
+    timed_steps, timed_seconds, first_loop = 0, 0.0, True
+    last = {"loss": float("nan")}
+    val_loss = None
+    while step < t.steps:
+        end = min(step + t.steps_per_loop, _next_boundary(step, t.eval_every, t.steps),
+                  _next_boundary(step, cfg.checkpoint.every_steps, t.steps))
+        start = time.perf_counter()
+        try:
+            out = run.trainer.train_loop(run.train_iterator, tf.constant(end - step))
+        except tf.errors.OutOfRangeError:
+            raise UserError(f"training data ({run.sources[0].description}) holds less than one batch of "
+                            f"{t.batch_size} x {d.seq_len + 1} tokens; add data or lower train.batch_size "
+                            "/ data.seq_len") from None
+        loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # waits for the loop
+        seconds = time.perf_counter() - start
+        n, step = end - step, end
+        if not first_loop:  # the first loop includes tracing and XLA compilation
+            timed_steps, timed_seconds = timed_steps + n, timed_seconds + seconds
+        first_loop = False
+        tok_s = n * tokens_per_step / seconds
+        mfu = tok_s * flops_per_token / peak
+        lr = float(run.optimizer.learning_rate)
+        last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tok_s, "mfu": mfu,
+                "ms_per_step": 1000 * seconds / n}
+        log.write("train", step, last)
+        progress.update(step, f"loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
+                              f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%")
+        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+            val_loss = evaluate(run)
+            log.write("validation", step, {"loss": val_loss})
+            progress.message(f"eval      step {step}: validation loss {val_loss:.4f}")
+        if step == t.steps or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0):
+            run.checkpointer.save(step)
+    progress.close()
+    log.flush()
+
+    summary = {"step": step, "train_loss": last["loss"], "val_loss": val_loss,
+               "tokens_per_sec": timed_steps * tokens_per_step / timed_seconds if timed_seconds else None,
+               "ms_per_step": 1000 * timed_seconds / timed_steps if timed_steps else None,
+               "params": run.model.num_params(), "run_dir": cfg.run_dir}
+    if summary["tokens_per_sec"]:
+        summary["mfu"] = summary["tokens_per_sec"] * flops_per_token / peak
+        say(f"done      step {step}: train loss {last['loss']:.4f}"
+            + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
+            + f"; {perf.format_count(summary['tokens_per_sec'])} tok/s, {summary['ms_per_step']:.1f} ms/step, "
+              f"MFU {100 * summary['mfu']:.1f}% (after the first, compiling, loop)")
+    if samples and cfg.sample.num_samples and cfg.sample.max_new_tokens:
+        print_samples(run.model, run.tokenizer, cfg, say)
+    return summary
+
+
+def print_samples(model: GPT, tokenizer, cfg: Config, say=print) -> list[str]:
+    s = cfg.sample
+    sampler = Sampler(model, tokenizer.eos_id, tokenizer.vocab_size)
+    prompt = tokenizer.encode(s.prompt) if s.prompt else []
+    texts = []
+    for i in range(s.num_samples):
+        ids = sampler.generate(prompt, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed + i)
+        texts.append(s.prompt + tokenizer.decode(ids))
+        say(f"--- sample {i + 1} (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
+            f"seed {s.seed + i})")
+        say(texts[-1])
+    return texts

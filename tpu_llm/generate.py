@@ -1,0 +1,99 @@
+"""Sampling with a KV cache: temperature, top-k, top-p; deterministic for a given seed.
+
+The prompt is run once to fill the cache (prefill), then each new token costs one single-token
+forward pass (`decode`, compiled with XLA, static shapes). When the cache is full (max_len), the
+newest half of the context is re-run to refill it, so samples can be longer than the context.
+Random draws use stateless ops keyed by (seed, position): the same seed gives the same text.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+
+from tpu_llm.model import GPT
+
+
+def sample_logits(logits, temperature, top_k, top_p, seed):
+    """One token id per row of `logits` (B, V); temperature 0 is greedy, top_k 0 / top_p 1 are off."""
+    logits = tf.cast(logits, tf.float32)
+    if temperature == 0:
+        return tf.argmax(logits, axis=-1, output_type=tf.int32)
+    logits = logits / temperature
+    ordered = tf.sort(logits, axis=-1, direction="DESCENDING")  # (B, V)
+    if top_k > 0:
+        kth = ordered[:, min(top_k, logits.shape[-1]) - 1][:, None]
+        logits = tf.where(logits < kth, -1e9, logits)
+        ordered = tf.where(ordered < kth, -1e9, ordered)
+    if top_p < 1.0:
+        probs = tf.nn.softmax(ordered, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        before = tf.cumsum(probs, axis=-1, exclusive=True)
+        cutoff = tf.reduce_min(tf.where(before < top_p, ordered, 1e9), axis=-1, keepdims=True)
+        logits = tf.where(logits < cutoff, -1e9, logits)
+    return tf.cast(tf.random.stateless_categorical(logits, 1, seed)[:, 0], tf.int32)
+
+
+class Sampler:
+    def __init__(self, model: GPT, eos_id: int, vocab_size: int):
+        self.model, self.eos_id = model, eos_id
+        self.vocab_size = vocab_size  # the tokenizer's; ids past it only pad the embedding table
+        self.max_len = model.cfg.max_len
+        self._prefill = tf.function(self._prefill_fn, reduce_retracing=True)
+        self._decode = tf.function(self._decode_fn, jit_compile=True)
+
+    def _prefill_fn(self, tokens):
+        cache = self.model.empty_cache(tf.shape(tokens)[0])
+        logits, cache = self.model.call_with_cache(tokens, cache, 0)
+        return logits[:, -1, :self.vocab_size], cache
+
+    def _decode_fn(self, token, cache, pos):
+        logits, cache = self.model.call_with_cache(token[:, None], cache, pos)
+        return logits[:, -1, :self.vocab_size], cache
+
+    def generate(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = False) -> list[int]:
+        """The new token ids that follow `prompt` (which may be empty: starts after end-of-text)."""
+        context = list(prompt) or [self.eos_id]
+        out: list[int] = []
+        logits, cache = self._prefill(tf.constant([context[-self.max_len:]], tf.int32))
+        pos = min(len(context), self.max_len)
+        for i in range(max_new_tokens):
+            token = sample_logits(logits, temperature, top_k, top_p, tf.constant([seed, i], tf.int64))
+            token_id = int(token[0])
+            if stop_at_eos and token_id == self.eos_id:
+                break
+            out.append(token_id)
+            context.append(token_id)
+            if i == max_new_tokens - 1:
+                break
+            if pos == self.max_len:  # cache full: re-run the newest half of the context
+                keep = context[-(self.max_len // 2 or 1):]
+                logits, cache = self._prefill(tf.constant([keep], tf.int32))
+                pos = len(keep)
+            else:
+                logits, cache = self._decode(token, cache, tf.constant(pos, tf.int32))
+                pos += 1
+        return out
+
+
+def load_for_generation(run_dir: str):
+    """(model, tokenizer, config) restored from the newest checkpoint in `run_dir`."""
+    from tpu_llm.checkpoint import CHECKPOINT_DIR, Checkpointer, read_saved_config
+    from tpu_llm.config import config_from_dict
+    from tpu_llm.errors import UserError
+    from tpu_llm.tokenizer import load_tokenizer
+
+    saved = read_saved_config(run_dir)
+    tokenizer = load_tokenizer(run_dir) if saved else None
+    if saved is None or tokenizer is None:
+        raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
+                        "pass the --run_dir of a `tpu-llm train` run")
+    cfg = config_from_dict(saved, source=os.path.join(run_dir, "config.yaml"))
+    model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model=model)
+    if ckpt.latest is None:
+        raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")
+    ckpt.checkpoint.restore(ckpt.latest).expect_partial()
+    return model, tokenizer, cfg

@@ -1,0 +1,223 @@
+"""Tokenizers: byte-level, character-level and SentencePiece, applied with TF ops inside tf.data.
+
+Every tokenizer turns a batch of strings into a RaggedTensor of int32 ids on the host CPU
+(`encode_tf`), never inside the training step. It is saved into the run directory
+(`tokenizer.json`, plus `tokenizer.model` for SentencePiece) so `generate` and resumed runs use
+exactly the one the model was trained with.
+
+- byte: ids 0..255 are the raw UTF-8 bytes (tensorflow-text's ByteSplitter), 256 is end-of-text.
+  Lossless for any input, including invalid UTF-8.
+- char: one id per Unicode character seen in the data, then end-of-text and unknown.
+- sentencepiece: a model trained by `tpu-llm tokenizer train` (BPE with byte fallback), applied with
+  tensorflow-text's SentencepieceTokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import tensorflow as tf
+
+from tpu_llm.errors import UserError
+
+SPEC_FILE = "tokenizer.json"
+SP_MODEL_FILE = "tokenizer.model"
+
+
+class ByteTokenizer:
+    kind = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def __init__(self):
+        import tensorflow_text as tf_text  # loads the custom ops; not needed by other tokenizers
+
+        self._splitter = tf_text.ByteSplitter()
+
+    def encode_tf(self, texts: tf.Tensor) -> tf.RaggedTensor:
+        return tf.cast(self._splitter.split(texts), tf.int32)
+
+    def encode(self, text: str | bytes) -> list[int]:
+        return list(text.encode("utf-8") if isinstance(text, str) else text)
+
+    def decode_bytes(self, ids) -> bytes:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def spec(self) -> dict:
+        return {"kind": self.kind}
+
+
+class CharTokenizer:
+    """Characters seen in the data get ids 0..n-1 in code-point order; then end-of-text, unknown."""
+
+    kind = "char"
+
+    def __init__(self, chars: str):
+        self.chars = "".join(sorted(set(chars)))
+        self.eos_id = len(self.chars)
+        self.unk_id = len(self.chars) + 1
+        self.vocab_size = len(self.chars) + 2
+        self._ids = {ch: i for i, ch in enumerate(self.chars)}
+        self._table = None
+
+    @classmethod
+    def from_files(cls, files: list[str]) -> "CharTokenizer":
+        chars: set[str] = set()
+        for path in files:
+            with tf.io.gfile.GFile(path, "rb") as f:
+                chars.update(f.read().decode("utf-8", errors="replace"))
+        return cls("".join(chars))
+
+    def encode_tf(self, texts: tf.Tensor) -> tf.RaggedTensor:
+        if self._table is None:  # built lazily, inside whatever graph first needs it
+            keys = tf.constant([ord(c) for c in self.chars], tf.int32)
+            values = tf.range(len(self.chars), dtype=tf.int32)
+            self._table = tf.lookup.StaticHashTable(
+                tf.lookup.KeyValueTensorInitializer(keys, values), default_value=self.unk_id)
+        codepoints = tf.strings.unicode_decode(texts, "UTF-8", errors="replace")
+        return tf.ragged.map_flat_values(self._table.lookup, codepoints)
+
+    def encode(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return [self._ids.get(ch, self.unk_id) for ch in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] if i < len(self.chars) else "\ufffd" if i == self.unk_id else ""
+                       for i in (int(i) for i in ids))
+
+    def spec(self) -> dict:
+        return {"kind": self.kind, "chars": self.chars}
+
+
+class SentencePieceTokenizer:
+    kind = "sentencepiece"
+
+    def __init__(self, model_proto: bytes, source: str = ""):
+        import sentencepiece as spm
+        import tensorflow_text as tf_text
+
+        self.model_proto = model_proto
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        except Exception:  # sentencepiece raises a bare RuntimeError with a C++ message
+            raise UserError(f"{source or 'tokenizer'}: not a SentencePiece model; make one with "
+                            "`tpu-llm tokenizer train --input ... --vocab_size N`") from None
+        self._tf = tf_text.SentencepieceTokenizer(model=model_proto, out_type=tf.int32)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eos_id = self._sp.eos_id()
+        if self.eos_id < 0:
+            raise UserError(f"{source}: the SentencePiece model has no end-of-text piece; "
+                            "retrain it with `tpu-llm tokenizer train`")
+
+    @classmethod
+    def from_file(cls, path: str) -> "SentencePieceTokenizer":
+        if not tf.io.gfile.exists(path):
+            raise UserError(f"data.tokenizer_model={path!r} does not exist; train one with "
+                            "`tpu-llm tokenizer train --input ... --vocab_size N --output PATH`")
+        with tf.io.gfile.GFile(path, "rb") as f:
+            return cls(f.read(), source=path)
+
+    def encode_tf(self, texts: tf.Tensor) -> tf.RaggedTensor:
+        return self._tf.tokenize(texts)
+
+    def encode(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._sp.encode(text))
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+    def spec(self) -> dict:
+        return {"kind": self.kind, "model": SP_MODEL_FILE,
+                "sha256": hashlib.sha256(self.model_proto).hexdigest()}
+
+
+Tokenizer = ByteTokenizer | CharTokenizer | SentencePieceTokenizer
+
+
+def build_tokenizer(kind: str, model_path: str = "", text_files: list[str] | None = None) -> Tokenizer:
+    """A fresh tokenizer from the data config (char vocabularies are built from `text_files`)."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "char":
+        if not text_files:
+            raise UserError("data.tokenizer=char builds its vocabulary from text files, but the data "
+                            "has none; use data.tokenizer=byte or point data.train at text files")
+        return CharTokenizer.from_files(text_files)
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer.from_file(model_path)
+    raise UserError(f"data.tokenizer={kind!r}; valid choices: byte, char, sentencepiece")
+
+
+def save_tokenizer(tok: Tokenizer, run_dir: str) -> None:
+    tf.io.gfile.makedirs(run_dir)
+    if isinstance(tok, SentencePieceTokenizer):
+        with tf.io.gfile.GFile(os.path.join(run_dir, SP_MODEL_FILE), "wb") as f:
+            f.write(tok.model_proto)
+    with tf.io.gfile.GFile(os.path.join(run_dir, SPEC_FILE), "w") as f:
+        f.write(json.dumps(tok.spec(), ensure_ascii=False))
+
+
+def load_tokenizer(run_dir: str) -> Tokenizer | None:
+    """The tokenizer saved in `run_dir`, or None if the directory has none."""
+    path = os.path.join(run_dir, SPEC_FILE)
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path, "r") as f:
+        spec = json.loads(f.read())
+    if spec["kind"] == "byte":
+        return ByteTokenizer()
+    if spec["kind"] == "char":
+        return CharTokenizer(spec["chars"])
+    with tf.io.gfile.GFile(os.path.join(run_dir, spec["model"]), "rb") as f:
+        return SentencePieceTokenizer(f.read(), source=os.path.join(run_dir, spec["model"]))
+
+
+def train_sentencepiece(files: list[str], vocab_size: int, output: str,
+                        max_sentences: int = 2_000_000) -> SentencePieceTokenizer:
+    """Train a BPE SentencePiece model with byte fallback on the lines of `files`.
+
+    Normalisation is the identity and whitespace is kept as is, so decode(encode(text)) == text for
+    any UTF-8 text (byte fallback covers characters the vocabulary lacks).
+    """
+    import io
+
+    import sentencepiece as spm
+
+    def lines():
+        count = 0
+        for path in files:
+            with tf.io.gfile.GFile(path, "rb") as f:
+                for line in f:
+                    line = line.decode("utf-8", errors="replace").rstrip("\n")
+                    if line.strip():
+                        yield line
+                        count += 1
+                        if count >= max_sentences:
+                            return
+
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines(), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_digits=True,
+            user_defined_symbols=["\n", "\t"], character_coverage=0.9995, num_threads=os.cpu_count(),
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    except RuntimeError as e:
+        raise UserError(f"sentencepiece training failed: {str(e).splitlines()[-1].strip()}; "
+                        "try a smaller --vocab_size or more input text") from None
+    tok = SentencePieceTokenizer(model.getvalue(), source=output)
+    parent = os.path.dirname(output)
+    if parent:
+        tf.io.gfile.makedirs(parent)
+    with tf.io.gfile.GFile(output, "wb") as f:
+        f.write(tok.model_proto)
+    return tok

@@ -1,0 +1,128 @@
+"""The compiled training and evaluation loops (Orbit-style: many steps per host call).
+
+`Trainer.train_loop(iterator, n)` is one `tf.function` that runs n optimizer steps with a `tf.range`
+loop. Each step is `strategy.run(replica_step)`; inside, the forward/backward pass over the
+micro-batches is a separate `tf.function(jit_compile=True)` (the program a TPU compiles; on CPU the
+same code compiles with XLA), then the gradients are all-reduced, clipped by their global norm and
+applied by Keras' AdamW. Gradients are reduced here rather than inside the optimizer so that
+clipping sees the global gradient and later features (compression) have one place to hook in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tpu_llm.config import TrainConfig
+from tpu_llm.distribute import Distribution
+from tpu_llm.model import GPT, decay_mask, loss_fn
+
+
+class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup to `peak`, then cosine decay to `floor` at `decay_steps`, flat after."""
+
+    def __init__(self, peak: float, floor: float, warmup_steps: int, decay_steps: int):
+        self.peak, self.floor = peak, floor
+        self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, warmup_steps + 1)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        warm = self.peak * (step + 1.0) / float(max(self.warmup_steps, 1))
+        progress = tf.clip_by_value((step - self.warmup_steps) / (self.decay_steps - self.warmup_steps),
+                                    0.0, 1.0)
+        cosine = self.floor + 0.5 * (1.0 + tf.cos(math.pi * progress)) * (self.peak - self.floor)
+        return tf.where(step < self.warmup_steps, warm, cosine)
+
+    def get_config(self):
+        return {"peak": self.peak, "floor": self.floor, "warmup_steps": self.warmup_steps,
+                "decay_steps": self.decay_steps}
+
+
+def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
+    """AdamW with decoupled weight decay on Dense kernels only; create inside the strategy scope."""
+    schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps or cfg.steps)
+    optimizer = keras.optimizers.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay,
+                                       beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon)
+    decayed = {id(v) for v in decay_mask(model)}
+    optimizer.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
+                                                  if id(v) not in decayed])
+    optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+class Trainer:
+    def __init__(self, dist: Distribution, model: GPT, optimizer, cfg: TrainConfig):
+        self.strategy = dist.strategy
+        self.model, self.optimizer = model, optimizer
+        self.grad_accum, self.clip_norm = cfg.grad_accum, cfg.clip_norm
+        self.num_replicas = dist.num_replicas
+        self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=dist.jit_compile)
+        self._eval_loss = tf.function(self._eval_loss_fn, jit_compile=dist.jit_compile)
+        self.train_loop = tf.function(self._train_loop)
+        self.eval_loop = tf.function(self._eval_loop)
+
+    # ---- per replica -----------------------------------------------------------------------------
+
+    def _loss_and_grads_fn(self, inputs, targets):
+        """Mean loss over this replica's micro-batches, and gradients pre-scaled for a SUM reduce."""
+        variables = self.model.trainable_variables
+        k = self.grad_accum
+        scale = 1.0 / (k * self.num_replicas)
+
+        def micro(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(self.model(x, training=True), y)
+                scaled = loss * scale
+            return loss, tape.gradient(scaled, variables)
+
+        if k == 1:
+            return micro(inputs, targets)
+        xs = tf.reshape(inputs, [k, -1, inputs.shape[-1]])  # (k, b/k, T)
+        ys = tf.reshape(targets, [k, -1, targets.shape[-1]])
+        loss_sum, grads = micro(xs[0], ys[0])
+        for i in tf.range(1, k):
+            loss_i, grads_i = micro(xs[i], ys[i])
+            loss_sum += loss_i
+            grads = [g + gi for g, gi in zip(grads, grads_i)]
+        return loss_sum / k, grads
+
+    def _replica_step(self, inputs, targets):
+        loss, grads = self._loss_and_grads(inputs, targets)
+        ctx = tf.distribute.get_replica_context()
+        grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
+        grad_norm = tf.linalg.global_norm(grads)
+        if self.clip_norm > 0:
+            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=grad_norm)
+        # apply in cross-replica context: the gradients are already reduced, so the optimizer
+        # must not all-reduce them again (it does when called from a replica context)
+        ctx.merge_call(lambda _, g: self.optimizer.apply(g, self.model.trainable_variables), args=(grads,))
+        return loss, grad_norm
+
+    def _eval_loss_fn(self, inputs, targets):
+        return loss_fn(self.model(inputs, training=False), targets)
+
+    # ---- loops (one host call each) --------------------------------------------------------------
+
+    def _first(self, per_replica):
+        return self.strategy.experimental_local_results(per_replica)[0]
+
+    def _train_loop(self, iterator, num_steps):
+        loss_sum = tf.constant(0.0)
+        grad_norm = tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            inputs, targets = next(iterator)
+            loss, norm = self.strategy.run(self._replica_step, args=(inputs, targets))
+            loss_sum += self._first(loss)
+            grad_norm = self._first(norm)
+        return {"loss": loss_sum / tf.cast(num_steps, tf.float32), "grad_norm": grad_norm}
+
+    def _eval_loop(self, iterator, num_steps):
+        total = tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            inputs, targets = next(iterator)
+            loss = self.strategy.run(self._eval_loss, args=(inputs, targets))
+            total += self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None)
+        return total / tf.cast(num_steps, tf.float32)
