@@ -75,7 +75,8 @@ class Trainer:
             with tf.GradientTape() as tape:
                 loss = loss_fn(self.model(x, training=True), y)
                 scaled = loss * scale
-            return loss, tape.gradient(scaled, variables)
+            # embedding gradients arrive as IndexedSlices; dense tensors all-reduce and add simply
+            return loss, [tf.convert_to_tensor(g) for g in tape.gradient(scaled, variables)]
 
         if k == 1:
             return micro(inputs, targets)

@@ -1,0 +1,130 @@
+"""End-to-end training through the controller: learning, checkpoints, resume, run-directory safety."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tpu_llm.checkpoint import Checkpointer
+from tpu_llm.config import load_config
+from tpu_llm.controller import build_run, train
+from tpu_llm.errors import UserError
+from tpu_llm.model import GPT
+from tpu_llm.train import make_optimizer
+
+
+def cfg_for(run_dir, **overrides):
+    """A tiny model on the embedded corpus; overrides are dotted keys, e.g. {"train.steps": 4}."""
+    base = {"run_dir": str(run_dir), "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32,
+            "model.max_len": 32, "data.seq_len": 32, "train.batch_size": 8, "train.steps": 8,
+            "train.steps_per_loop": 4, "train.warmup_steps": 2, "train.eval_every": 0,
+            "train.eval_steps": 2, "checkpoint.every_steps": 4, "sample.num_samples": 0}
+    return load_config(None, {**base, **overrides})
+
+
+def quiet(*_):
+    pass
+
+
+def weights(model):
+    return [v.numpy() for v in model.weights]
+
+
+def snapshot(directory):
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
+def test_loss_falls_on_the_embedded_corpus(tmp_path):
+    result = train(cfg_for(tmp_path / "run", **{"train.steps": 40, "train.steps_per_loop": 10,
+                                                "train.lr": 3e-3, "checkpoint.every_steps": 0}), say=quiet)
+    lines = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+    losses = [l["loss"] for l in lines if l["split"] == "train"]
+    assert losses[0] > 4.5  # about ln(257) = 5.55 at the start
+    assert losses[-1] < losses[0] - 1.5
+    assert result["val_loss"] is not None and result["step"] == 40
+
+
+def test_checkpoint_restore_is_bit_identical(tmp_path):
+    cfg = cfg_for(tmp_path / "run")
+    train(cfg, say=quiet)
+    run = build_run(cfg_for(tmp_path / "run"))  # a fresh process would do exactly this
+    assert run.resumed_from.endswith("ckpt-8")
+    model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+    optimizer = make_optimizer(cfg.train, model)
+    Checkpointer(str(tmp_path / "run"), 3, model=model, optimizer=optimizer).checkpoint.restore(
+        run.resumed_from).expect_partial()
+    for a, b in zip(weights(run.model) + [v.numpy() for v in run.optimizer.variables],
+                    weights(model) + [v.numpy() for v in optimizer.variables]):
+        np.testing.assert_array_equal(a, b)
+    assert int(run.optimizer.iterations.numpy()) == 8
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    def cfg(run, steps):  # an explicit decay length: the schedule must not depend on train.steps
+        return cfg_for(tmp_path / run, **{"train.steps": steps, "train.decay_steps": 12})
+
+    train(cfg("straight", 12), say=quiet)
+    train(cfg("resumed", 8), say=quiet)  # stops at a checkpoint
+    train(cfg("resumed", 12), say=quiet)  # the same command with more steps resumes
+
+    def losses(run):
+        return [l["loss"] for l in map(json.loads, open(tmp_path / run / "metrics.jsonl"))
+                if l["split"] == "train"]
+    assert losses("resumed") == losses("straight")
+    for x, y in zip(weights(build_run(cfg("straight", 12)).model), weights(build_run(cfg("resumed", 12)).model)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_run_directory_of_another_model_is_refused_and_left_untouched(tmp_path):
+    train(cfg_for(tmp_path / "run", **{"train.steps": 4}), say=quiet)
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(UserError, match=r"model.n_layer=2 \(this config has 3\)"):
+        train(cfg_for(tmp_path / "run", **{"model.n_layer": 3}), say=quiet)
+    with pytest.raises(UserError, match="data.tokenizer=byte"):
+        train(cfg_for(tmp_path / "run", **{"data.tokenizer": "char"}), say=quiet)
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_a_checkpoint_without_its_config_is_refused_when_it_does_not_fit(tmp_path):
+    train(cfg_for(tmp_path / "run", **{"train.steps": 4}), say=quiet)
+    os.remove(tmp_path / "run" / "config.yaml")
+    before = {k: v for k, v in snapshot(tmp_path / "run").items() if k.startswith("checkpoints")}
+    with pytest.raises(UserError, match="does not fit this model"):
+        build_run(cfg_for(tmp_path / "run", **{"model.n_embd": 64}))
+    assert {k: v for k, v in snapshot(tmp_path / "run").items() if k.startswith("checkpoints")} == before
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "not-a-dir"
+    path.write_text("keep me")
+    with pytest.raises(UserError, match="is a file, not a directory"):
+        train(cfg_for(path), say=quiet)
+    assert path.read_text() == "keep me"
+
+
+def test_training_data_smaller_than_one_batch_is_a_clear_error(tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("just a few words\n" * 3)
+    with pytest.raises(UserError, match="less than one batch"):
+        train(cfg_for(tmp_path / "run", **{"data.train": str(tiny), "data.validation": str(tiny)}),
+              say=quiet)
+
+
+def test_samples_are_printed_after_training(tmp_path):
+    lines = []
+    train(cfg_for(tmp_path / "run", **{"train.steps": 4, "sample.num_samples": 2,
+                                       "sample.max_new_tokens": 40, "sample.prompt": "import "}),
+          say=lines.append)
+    samples = [l for l in lines if l.startswith("--- sample")]
+    assert len(samples) == 2
+    texts = [lines[lines.index(s) + 1] for s in samples]
+    assert all(t.startswith("import ") for t in texts) and texts[0] != texts[1]
+    assert tf.io.gfile.exists(str(tmp_path / "run" / "logs" / "train"))
