@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import tiny_config
 
 from tpu_llm.checkpoint import Checkpointer
-from tpu_llm.config import load_config
 from tpu_llm.controller import build_run, train
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
@@ -16,12 +16,9 @@ from tpu_llm.train import make_optimizer
 
 
 def cfg_for(run_dir, **overrides):
-    """A tiny model on the embedded corpus; overrides are dotted keys, e.g. {"train.steps": 4}."""
-    base = {"run_dir": str(run_dir), "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32,
-            "model.max_len": 32, "data.seq_len": 32, "train.batch_size": 8, "train.steps": 8,
-            "train.steps_per_loop": 4, "train.warmup_steps": 2, "train.eval_every": 0,
-            "train.eval_steps": 2, "checkpoint.every_steps": 4, "sample.num_samples": 0}
-    return load_config(None, {**base, **overrides})
+    """`tiny_config` with its run directory at `run_dir` (and its small corpus beside it)."""
+    return tiny_config(run_dir.parent, **{"run_dir": str(run_dir), "train.steps": 8, "train.steps_per_loop": 4,
+                                          "checkpoint.every_steps": 4, **overrides})
 
 
 def quiet(*_):
@@ -43,7 +40,8 @@ def snapshot(directory):
 
 
 def test_loss_falls_on_the_embedded_corpus(tmp_path):
-    result = train(cfg_for(tmp_path / "run", **{"train.steps": 40, "train.steps_per_loop": 10,
+    result = train(cfg_for(tmp_path / "run", **{"data.train": "", "data.seq_len": 32, "train.batch_size": 8,
+                                                "train.steps": 40, "train.steps_per_loop": 10,
                                                 "train.lr": 3e-3, "checkpoint.every_steps": 0}), say=quiet)
     lines = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     losses = [l["loss"] for l in lines if l["split"] == "train"]

@@ -83,9 +83,10 @@ class Commands:
     def train(self, config: str = "", set=None, **overrides):
         """Train or resume. --config FILE.yaml; overrides as --section.key=value or --set k=v."""
         from tpu_llm.config import load_config, parse_set_args
-        from tpu_llm.controller import train
 
         cfg = load_config(config or None, {**parse_set_args(set), **overrides})
+        from tpu_llm.controller import train  # TensorFlow loads only once the config is valid
+
         train(cfg)
 
     def generate(self, run_dir: str, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
@@ -115,6 +116,26 @@ def _join(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value or "")
 
 
+def _merge_set_flags(argv: list[str]) -> list[str]:
+    """Fire keeps only the last of repeated flags: fold every `--set K=V` into one list-valued --set."""
+    items, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":  # what follows is for fire itself
+            rest += argv[i:]
+            break
+        if arg == "--set" and i + 1 < len(argv):
+            items.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--set="):
+            items.append(arg[len("--set="):])
+        else:
+            rest.append(arg)
+        i += 1
+    return argv if len(items) < 2 else rest[:1] + [f"--set={items!r}"] + rest[1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_tensorflow()
     import fire
@@ -122,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpu_llm.errors import EXIT_USER_ERROR, UserError
 
     try:
+        argv = _merge_set_flags(sys.argv[1:] if argv is None else list(argv))
         fire.Fire(Commands, command=argv, name="tpu-llm")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

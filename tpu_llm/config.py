@@ -132,8 +132,17 @@ def parse_set_args(items: list[str] | str | None) -> dict[str, Any]:
         if "=" not in str(item):
             raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set model.n_layer=6")
         key, value = str(item).split("=", 1)
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        out[key.strip()] = _parse_value(value)
     return out
+
+
+def _parse_value(text: str) -> Any:
+    """A YAML scalar (6, 0.5, true); anything else (a prompt like `def f():`, `[x`) stays the raw string."""
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (str, int, float, bool)) else text
 
 
 def _read_yaml(path: str) -> dict:
@@ -197,6 +206,11 @@ def _coerce(key: str, value: Any, type_name: Any, source: str) -> Any:
         return value.lower() == "true"
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if expected is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if expected is str and isinstance(value, (list, tuple)):  # fire turns `a,b` into a tuple

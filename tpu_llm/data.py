@@ -85,9 +85,10 @@ def resolve_sources(cfg: DataConfig) -> tuple[Source, Source]:
         vfmt = detect_format(val_files, cfg.format, "data.validation")
         return (Source(train_files, fmt, description=f"{cfg.train}: {len(train_files)} files"),
                 Source(val_files, vfmt, description=f"{cfg.validation}: {len(val_files)} files"))
-    if len(train_files) >= 10:  # enough files: hold out whole files
-        val = [f for f in train_files if stable_fraction(f) < frac]
-        train = [f for f in train_files if stable_fraction(f) >= frac]
+    if len(train_files) >= 10:  # enough files: hold out whole files (hashed relative to their root)
+        root = os.path.commonpath(train_files) if len(set(train_files)) > 1 else ""
+        val = [f for f in train_files if stable_fraction(f, root) < frac]
+        train = [f for f in train_files if stable_fraction(f, root) >= frac]
         if val and train:
             return (Source(train, fmt, description=f"{cfg.train}: {len(train)} files"),
                     Source(val, fmt, description=f"{cfg.train}: {len(val)} held-out files"))
@@ -139,7 +140,7 @@ def check_text_file(path: str, key: str) -> None:
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as e:
-        if e.start < len(head) - 3:  # not just a character cut at the end of the sniffed bytes
+        if len(head) < SNIFF_BYTES or e.start < len(head) - 3:  # not a character cut by the sniff
             raise UserError(f"{key}: {path} is not UTF-8 text (byte 0x{head[e.start]:02x} at "
                             f"offset {e.start}); convert it to UTF-8 first") from None
 
@@ -206,12 +207,14 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
             files = files.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
         if training:
             files = files.shuffle(len(source.files), seed=seed, reshuffle_each_iteration=True).repeat()
-        docs = files.interleave(read_documents(source), cycle_length=4, num_parallel_calls=AUTOTUNE,
-                                deterministic=True)
+        # a long document spans several records of one shard: tfrecord shards are read one at a
+        # time so its records stay contiguous; text files are whole documents and can interleave
+        docs = files.interleave(read_documents(source), cycle_length=1 if source.format == "tfrecord" else 4,
+                                num_parallel_calls=AUTOTUNE, deterministic=True)
         if source.format == "text":
             docs = docs.batch(16).map(lambda t: tokenizer.encode_tf(t), num_parallel_calls=AUTOTUNE)
             docs = docs.unbatch()
-        docs = docs.map(lambda d: tf.concat([tf.cast(d, tf.int32), eos], axis=0))
+            docs = docs.map(lambda d: tf.concat([tf.cast(d, tf.int32), eos], axis=0))  # shards hold theirs
         windows = pack(docs, window)
         if ctx.num_input_pipelines > 1 and not shard_files:
             windows = windows.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
@@ -234,7 +237,8 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
                  progress: Callable[[int, int, int], None] | None = None) -> dict:
     """Tokenize `source` once and write `num_shards` TFRecord files plus `meta.json` to `output`.
 
-    Documents are dealt round-robin to shards. Each shard is written under a temporary name and
+    Shard i holds the i-th contiguous run of documents, so reading the shards in order gives the
+    input order; a long document is split across consecutive records of one shard. Each shard is written under a temporary name and
     renamed when complete, so an interrupted run never leaves a truncated shard behind.
     """
     from tpu_llm.tokenizer import save_tokenizer
@@ -252,11 +256,12 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
     tokens = records = 0
     start = time.time()
     for i, doc in enumerate(docs):
+        shard = i * num_shards // len(source.files)  # contiguous runs of documents, in input order
         ids = doc.numpy().tolist() + [tokenizer.eos_id]
         for lo in range(0, len(ids), RECORD_MAX_TOKENS):
             feature = tf.train.Feature(int64_list=tf.train.Int64List(value=ids[lo:lo + RECORD_MAX_TOKENS]))
             example = tf.train.Example(features=tf.train.Features(feature={TFRECORD_FEATURE: feature}))
-            writers[records % num_shards].write(example.SerializeToString())
+            writers[shard].write(example.SerializeToString())
             records += 1
         tokens += len(ids)
         if progress:
@@ -265,6 +270,8 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
         w.close()
     for n in names:
         tf.io.gfile.rename(n + ".tmp", n, overwrite=True)
+    for path in set(existing) - set(names):  # overwritten: no stale shard (other --shards) may remain
+        tf.io.gfile.remove(path)
     save_tokenizer(tokenizer, output)
     meta = {"files": len(source.files), "tokens": tokens, "records": records, "shards": num_shards,
             "tokenizer": tokenizer.spec(), "seconds": round(time.time() - start, 1)}

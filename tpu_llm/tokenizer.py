@@ -74,11 +74,12 @@ class CharTokenizer:
         return cls("".join(chars))
 
     def encode_tf(self, texts: tf.Tensor) -> tf.RaggedTensor:
-        if self._table is None:  # built lazily, inside whatever graph first needs it
-            keys = tf.constant([ord(c) for c in self.chars], tf.int32)
-            values = tf.range(len(self.chars), dtype=tf.int32)
-            self._table = tf.lookup.StaticHashTable(
-                tf.lookup.KeyValueTensorInitializer(keys, values), default_value=self.unk_id)
+        if self._table is None:  # built lazily, but eagerly (init_scope): every graph can capture it
+            with tf.init_scope():
+                keys = tf.constant([ord(c) for c in self.chars], tf.int32)
+                values = tf.range(len(self.chars), dtype=tf.int32)
+                self._table = tf.lookup.StaticHashTable(
+                    tf.lookup.KeyValueTensorInitializer(keys, values), default_value=self.unk_id)
         codepoints = tf.strings.unicode_decode(texts, "UTF-8", errors="replace")
         return tf.ragged.map_flat_values(self._table.lookup, codepoints)
 
@@ -213,7 +214,7 @@ def train_sentencepiece(files: list[str], vocab_size: int, output: str,
             unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
     except RuntimeError as e:
         raise UserError(f"sentencepiece training failed: {str(e).splitlines()[-1].strip()}; "
-                        "try a smaller --vocab_size or more input text") from None
+                        "change --vocab_size as it says, or give more input text") from None
     tok = SentencePieceTokenizer(model.getvalue(), source=output)
     parent = os.path.dirname(output)
     if parent:

@@ -1,0 +1,240 @@
+"""Input pipeline: packing, batches and targets, source resolution, bad input, TFRecord shards."""
+
+import glob
+import os
+import random
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import write_corpus
+from tpu_llm import data
+from tpu_llm.config import DataConfig
+from tpu_llm.errors import UserError
+from tpu_llm.tokenizer import ByteTokenizer, load_tokenizer
+
+SEQ, BATCH = 16, 4
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def token_stream(files, tok) -> list[int]:
+    """What the pipeline must read, in order: each document's tokens, then end-of-text."""
+    out = []
+    for path in files:
+        out += tok.encode(open(path, "rb").read()) + [tok.eos_id]
+    return out
+
+
+def first_batches(dataset, n):
+    return [(x.numpy(), y.numpy()) for x, y in dataset.take(n)]
+
+
+def text_dataset(files, training=False, seed=0, tok=None):
+    fn = data.make_dataset_fn(data.Source(list(files), "text"), tok or ByteTokenizer(), SEQ, BATCH,
+                              training=training, seed=seed, shuffle_buffer=32)
+    return fn()
+
+
+# --- pack ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 5, 17])
+def test_pack_keeps_every_token_in_order(window):
+    rng = random.Random(window)
+    docs = [list(range(i * 1000, i * 1000 + n)) for i, n in enumerate([7, 0, 3, 40, 1, window, 2 * window, 11])]
+    docs += [[rng.randrange(300) for _ in range(rng.randrange(30))] for _ in range(10)]
+    dataset = tf.data.Dataset.from_generator(lambda: iter(docs), output_signature=tf.TensorSpec([None], tf.int32))
+    packed = data.pack(dataset, window)
+    assert packed.element_spec.shape.as_list() == [window]
+    windows = [w.tolist() for w in packed.as_numpy_iterator()]
+    assert all(len(w) == window for w in windows)
+    flat = [t for d in docs for t in d]
+    keep = len(flat) // window * window
+    assert [t for w in windows for t in w] == flat[:keep]
+    assert len(windows) == len(flat) // window
+
+
+# --- make_dataset_fn ---------------------------------------------------------------------------------
+
+
+def test_batches_are_shifted_windows_of_the_token_stream(corpus_files):
+    tok = ByteTokenizer()
+    stream = token_stream(corpus_files, tok)
+    dataset = text_dataset(corpus_files, tok=tok)
+    for spec in dataset.element_spec:
+        assert spec.dtype == tf.int32 and spec.shape.is_fully_defined() and spec.shape.as_list() == [BATCH, SEQ]
+    n = len(stream) // (SEQ + 1) // BATCH  # whole batches in one pass
+    batches = first_batches(dataset, n)
+    windows = np.array(stream[: n * BATCH * (SEQ + 1)], np.int32).reshape(n, BATCH, SEQ + 1)
+    for (x, y), w in zip(batches, windows):
+        assert x.dtype == np.int32 and y.dtype == np.int32
+        np.testing.assert_array_equal(x, w[:, :-1])
+        np.testing.assert_array_equal(y, w[:, 1:])
+    doc_ends = np.cumsum([len(tok.encode(open(f, "rb").read())) + 1 for f in corpus_files]) - 1
+    covered = int((doc_ends < windows.size).sum())
+    assert covered >= 2 and int((windows == tok.eos_id).sum()) == covered  # one after each document
+    # Evaluation may want more batches than one pass holds: the validation data repeats.
+    assert len(first_batches(dataset, n + 2)) == n + 2
+
+
+def test_training_batches_static_shapes_and_shifted_targets(corpus_files):
+    dataset = text_dataset(corpus_files, training=True, seed=1)
+    for spec in dataset.element_spec:
+        assert spec.shape.is_fully_defined() and spec.shape.as_list() == [BATCH, SEQ] and spec.dtype == tf.int32
+    docs = [open(f, "rb").read() for f in corpus_files]
+    for x, y in first_batches(dataset, 8):
+        np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+        for row_x, row_y in zip(x, y):  # each window: pieces of documents (in shuffled order), EOS between
+            window = row_x.tolist() + [int(row_y[-1])]
+            pieces = bytes(t if t != 256 else 0 for t in window).split(b"\0")
+            if len(pieces) == 1:
+                assert any(pieces[0] in d for d in docs)
+            else:
+                assert any(d.endswith(pieces[0]) for d in docs) and any(d.startswith(pieces[-1]) for d in docs)
+                assert all(p in docs for p in pieces[1:-1])
+
+
+def test_validation_is_deterministic(corpus_files):
+    a, b = text_dataset(corpus_files), text_dataset(corpus_files)
+    first = first_batches(a, 4)
+    for again in (first_batches(a, 4), first_batches(b, 4)):
+        for (x1, y1), (x2, y2) in zip(first, again):
+            np.testing.assert_array_equal(x1, x2)
+            np.testing.assert_array_equal(y1, y2)
+
+
+# --- resolve_sources ---------------------------------------------------------------------------------
+
+
+def test_embedded_corpus_split_is_disjoint_and_stable():
+    train, val = data.resolve_sources(DataConfig())
+    assert train.files and val.files and train.format == val.format == "text"
+    assert not set(train.files) & set(val.files)
+    assert len(val.files) < len(train.files)
+    assert all(f.endswith(".py") for f in train.files + val.files)
+    again = data.resolve_sources(DataConfig())
+    assert (again[0].files, again[1].files) == (train.files, val.files)
+
+
+def test_few_files_split_by_byte_range(tmp_path):
+    path = tmp_path / "one.txt"
+    text = "".join(f"line {i}: héllo ✓\n" for i in range(200))
+    path.write_text(text, encoding="utf-8")
+    train, val = data.resolve_sources(DataConfig(train=str(path), validation_fraction=0.2))
+    assert train.files == val.files == [str(path)]
+    assert (train.byte_range, val.byte_range) == ((0.0, 0.8), (0.8, 1.0))
+
+    def read(source):
+        return next(iter(data.read_documents(source)(tf.constant(str(path))))).numpy()
+
+    raw = text.encode("utf-8")
+    head, tail = read(train), read(val)
+    assert head + tail == raw  # head and tail: disjoint and complete
+    assert len(head) == int(len(raw) * 0.8)
+
+
+def test_explicit_validation_files(tmp_path, corpus_files):
+    other = write_corpus(tmp_path / "val", files=1)
+    train, val = data.resolve_sources(DataConfig(train=",".join(corpus_files), validation=other[0]))
+    assert train.files == corpus_files and val.files == other
+    assert train.byte_range == val.byte_range == (0.0, 1.0)
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+def resolve_error(**kwargs) -> str:
+    with pytest.raises(UserError) as e:
+        data.resolve_sources(DataConfig(**kwargs))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_missing_glob(tmp_path, corpus_files):
+    pattern = str(tmp_path / "nothing" / "*.txt")
+    message = resolve_error(train=pattern)
+    assert message.startswith("data.train:") and pattern in message
+    message = resolve_error(train=corpus_files[0], validation=pattern)
+    assert message.startswith("data.validation:") and pattern in message
+
+
+def test_empty_files(tmp_path):
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_bytes(b"")
+    message = resolve_error(train=str(tmp_path / "*.txt"))
+    assert message.startswith("data.train:") and "empty" in message
+
+
+def test_binary_file(tmp_path, corpus_files):
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    message = resolve_error(train=f"{corpus_files[0]},{binary}")
+    assert message.startswith("data.train:") and str(binary) in message and "binary" in message
+
+
+@pytest.mark.parametrize("text", ["café crème brûlée\n" * 50, "café"])  # long, and short with the bad byte last
+def test_latin1_file(tmp_path, text):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(text.encode("latin-1"))
+    message = resolve_error(train=str(path))
+    assert message.startswith("data.train:") and str(path) in message and "not UTF-8" in message
+    assert "0xe9" in message
+
+
+def test_character_cut_by_the_sniffed_head_is_not_an_error(tmp_path):
+    path = tmp_path / "cut.txt"
+    path.write_bytes(b"x" * (data.SNIFF_BYTES - 1) + "é and more text\n".encode("utf-8"))
+    train, _ = data.resolve_sources(DataConfig(train=str(path)))
+    assert train.files == [str(path)]
+
+
+# --- TFRecord shards ---------------------------------------------------------------------------------
+
+
+def test_shards_give_the_same_stream_as_text(tmp_path, corpus_files, monkeypatch):
+    monkeypatch.setattr(data, "RECORD_MAX_TOKENS", 1000)  # split each document across several records
+    tok = ByteTokenizer()
+    out = str(tmp_path / "shards")
+    meta = data.write_shards(data.Source(corpus_files, "text"), tok, out, num_shards=2)
+    shards = sorted(glob.glob(os.path.join(out, "*.tfrecord")))
+    assert [os.path.basename(s) for s in shards] == ["data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
+    assert not glob.glob(os.path.join(out, "*.tmp"))
+    stream = token_stream(corpus_files, tok)
+    assert meta["tokens"] == len(stream) and meta["files"] == len(corpus_files) and meta["records"] > len(corpus_files)
+    assert load_tokenizer(out).spec() == tok.spec()
+
+    assert data.detect_format(shards, "auto", "data.train") == "tfrecord"
+    fn = data.make_dataset_fn(data.Source(shards, "tfrecord"), tok, SEQ, BATCH, training=False, seed=0,
+                              shuffle_buffer=32)
+    dataset = fn()
+    assert [s.shape.as_list() for s in dataset.element_spec] == [[BATCH, SEQ], [BATCH, SEQ]]
+    n = len(stream) // (SEQ + 1) // BATCH
+    for (x1, y1), (x2, y2) in zip(first_batches(dataset, n), first_batches(text_dataset(corpus_files, tok=tok), n)):
+        np.testing.assert_array_equal(x1, x2)
+        np.testing.assert_array_equal(y1, y2)
+
+
+def test_too_few_shards_to_hold_out_validation(tmp_path, corpus_files):
+    out = tmp_path / "shards"
+    data.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=2)
+    message = resolve_error(train=str(out / "*.tfrecord"))
+    assert "data.validation" in message
+
+
+def test_write_shards_refuses_to_overwrite(tmp_path, corpus_files):
+    tok, out = ByteTokenizer(), str(tmp_path / "shards")
+    source = data.Source(corpus_files, "text")
+    data.write_shards(source, tok, out, num_shards=3)
+    before = {p: open(p, "rb").read() for p in glob.glob(os.path.join(out, "*"))}
+    with pytest.raises(UserError, match="already holds 3 shards; pass --overwrite"):
+        data.write_shards(source, tok, out, num_shards=2)
+    assert {p: open(p, "rb").read() for p in glob.glob(os.path.join(out, "*"))} == before
+    # With overwrite, the new set replaces the old one entirely: no stale shard of the 3-shard set.
+    data.write_shards(data.Source(corpus_files[:1], "text"), tok, out, num_shards=2, overwrite=True)
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "*.tfrecord"))) == [
+        "data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]

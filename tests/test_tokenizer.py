@@ -1,0 +1,163 @@
+"""Tokenizers: lossless round trips (non-ASCII, whitespace, invalid UTF-8), TF ops equal Python, save/load."""
+
+import os
+
+import pytest
+import tensorflow as tf
+
+from conftest import write_corpus
+from tpu_llm.errors import UserError
+from tpu_llm.tokenizer import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
+                               build_tokenizer, load_tokenizer, save_tokenizer, train_sentencepiece)
+
+SP_VOCAB = 400  # 256 byte pieces + specials + the corpus's ~110 distinct characters + a few merges
+TEXTS = ["héllo wörld ✓ 日本語", "", "a", "def f(x):\n\treturn x  # two  spaces\n\n", "  lead and trail  ",
+         "emoji 🎉 and 𝔘 (outside the BMP)", "Ελληνικά русский"]
+
+
+def encode_tf(tok, texts):
+    return tok.encode_tf(tf.constant(texts)).to_list()
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory, corpus_files):
+    path = str(tmp_path_factory.mktemp("sp") / "sub" / "sp.model")
+    tok = train_sentencepiece(corpus_files, SP_VOCAB, path)
+    assert os.path.getsize(path) > 0  # written, parent directory created
+    return tok, path
+
+
+# --- byte ------------------------------------------------------------------------------------------
+
+
+def test_byte_round_trip_non_ascii():
+    tok = ByteTokenizer()
+    text = "héllo wörld ✓ 日本語"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and len(ids) > len(text)
+    assert tok.decode(ids) == text
+    assert (tok.vocab_size, tok.eos_id) == (257, 256)
+    assert tok.decode(ids + [tok.eos_id]) == text  # end-of-text is not a byte
+
+
+def test_byte_invalid_utf8_is_lossless():
+    tok = ByteTokenizer()
+    raw = b"\xff\xfe\x80abc"
+    ids = tok.encode(raw)
+    assert ids == [255, 254, 128, 97, 98, 99]
+    assert tok.decode_bytes(ids) == raw
+    assert tok.decode(ids) == raw.decode("utf-8", errors="replace")  # never raises
+    assert encode_tf(tok, [raw]) == [ids]
+
+
+def test_byte_encode_tf_matches_encode():
+    tok = ByteTokenizer()
+    assert encode_tf(tok, TEXTS) == [tok.encode(t) for t in TEXTS]
+    assert tok.encode_tf(tf.constant(TEXTS)).dtype == tf.int32
+
+
+# --- char ------------------------------------------------------------------------------------------
+
+
+def test_char_round_trip_and_unknown():
+    tok = CharTokenizer("héllo wörld ✓ 日本語\n\t")
+    assert tok.chars == "".join(sorted(set("héllo wörld ✓ 日本語\n\t")))
+    assert (tok.eos_id, tok.unk_id, tok.vocab_size) == (len(tok.chars), len(tok.chars) + 1, len(tok.chars) + 2)
+    text = "wörld\t日本 héllo\n"
+    assert tok.decode(tok.encode(text)) == text
+    ids = tok.encode("hé Z語€")
+    assert ids[3] == tok.unk_id and ids[5] == tok.unk_id and ids.count(tok.unk_id) == 2
+    assert tok.decode(ids) == "hé \ufffd語\ufffd"
+    assert tok.decode(tok.encode(text) + [tok.eos_id]) == text
+
+
+def test_char_encode_tf_matches_encode():
+    tok = CharTokenizer("abcé日 \n")
+    texts = ["abc", "é日 x\n", "", "zzz", "日本"]
+    assert encode_tf(tok, texts) == [tok.encode(t) for t in texts]
+
+
+def test_char_from_files_covers_the_corpus(corpus_files):
+    tok = build_tokenizer("char", text_files=corpus_files)
+    for path in corpus_files:
+        text = open(path, encoding="utf-8").read()
+        ids = tok.encode(text)
+        assert tok.unk_id not in ids and tok.decode(ids) == text
+    assert encode_tf(tok, TEXTS) == [tok.encode(t) for t in TEXTS]
+
+
+def test_char_tokenizer_in_several_graphs():
+    # One tokenizer feeds the train and the validation pipelines (two tf.data graphs) and eager code.
+    tok = CharTokenizer("abc")
+    texts = tf.constant(["abcd", "cab"])
+    for _ in range(2):
+        ds = tf.data.Dataset.from_tensors(texts).map(tok.encode_tf)
+        assert next(iter(ds)).to_list() == [[0, 1, 2, 4], [2, 0, 1]]
+    assert tf.function(lambda t: tok.encode_tf(t).flat_values)(texts).numpy().tolist() == [0, 1, 2, 4, 2, 0, 1]
+    assert encode_tf(tok, ["ba"]) == [[1, 0]]
+
+
+def test_char_needs_text_files():
+    with pytest.raises(UserError, match="data.tokenizer=char"):
+        build_tokenizer("char", text_files=[])
+
+
+# --- sentencepiece ---------------------------------------------------------------------------------
+
+
+def test_sentencepiece_trained(sp):
+    tok, _ = sp
+    assert tok.kind == "sentencepiece" and tok.vocab_size == SP_VOCAB and tok.eos_id == 2
+    assert len(tok.encode("The quick brown fox")) < len("The quick brown fox")  # merges were learned
+
+
+@pytest.mark.parametrize("text", TEXTS + ["tabs\t\tand\nnewlines\n\n  and   spaces", "\n", "x\r\ny"])
+def test_sentencepiece_round_trip_is_exact(sp, text):
+    tok, _ = sp
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_sentencepiece_encode_tf_matches_encode(sp):
+    tok, _ = sp
+    assert encode_tf(tok, TEXTS) == [tok.encode(t) for t in TEXTS]
+    assert tok.decode(tok.encode(TEXTS[0]) + [tok.eos_id]) == TEXTS[0]
+
+
+def test_sentencepiece_from_file_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        SentencePieceTokenizer.from_file(str(tmp_path / "missing.model"))
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(UserError, match="not a SentencePiece model"):
+        SentencePieceTokenizer.from_file(str(bad))
+
+
+def test_sentencepiece_vocab_too_small(tmp_path, corpus_files):
+    with pytest.raises(UserError, match="sentencepiece training failed: .*vocab_size"):
+        train_sentencepiece(corpus_files, 280, str(tmp_path / "small.model"))
+    assert not (tmp_path / "small.model").exists()
+
+
+# --- save / load -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["byte", "char", "sentencepiece"])
+def test_save_load_round_trip(tmp_path, sp, kind):
+    tok = {"byte": lambda: ByteTokenizer(), "char": lambda: CharTokenizer("héllo ✓ 日本語\n\t\"\\"),
+           "sentencepiece": lambda: SentencePieceTokenizer.from_file(sp[1])}[kind]()
+    run_dir = str(tmp_path / "run")
+    assert load_tokenizer(run_dir) is None
+    save_tokenizer(tok, run_dir)
+    assert os.path.exists(os.path.join(run_dir, SPEC_FILE))
+    assert os.path.exists(os.path.join(run_dir, SP_MODEL_FILE)) == (kind == "sentencepiece")
+    loaded = load_tokenizer(run_dir)
+    assert type(loaded) is type(tok) and loaded.kind == kind
+    assert loaded.spec() == tok.spec()
+    assert (loaded.vocab_size, loaded.eos_id) == (tok.vocab_size, tok.eos_id)
+    text = "héllo ✓ 日本語\n\t\"\\"
+    assert loaded.encode(text) == tok.encode(text) and loaded.decode(loaded.encode(text)) == text
