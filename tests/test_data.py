@@ -92,11 +92,26 @@ def test_training_batches_static_shapes_and_shifted_targets(corpus_files):
         for row_x, row_y in zip(x, y):  # each window: pieces of documents (in shuffled order), EOS between
             window = row_x.tolist() + [int(row_y[-1])]
             pieces = bytes(t if t != 256 else 0 for t in window).split(b"\0")
-            if len(pieces) == 1:
-                assert any(pieces[0] in d for d in docs)
-            else:
-                assert any(d.endswith(pieces[0]) for d in docs) and any(d.startswith(pieces[-1]) for d in docs)
-                assert all(p in docs for p in pieces[1:-1])
+            assert all(any(p in d for d in docs) for p in pieces)
+            if len(pieces) > 1:  # a document ends here; the next starts at a random offset < one window
+                assert any(d.endswith(pieces[0]) for d in docs)
+                assert any(pieces[-1] in d[:SEQ + 1 + len(pieces[-1])] for d in docs)
+
+
+def test_each_training_pass_over_a_document_starts_at_a_new_random_offset(tmp_path):
+    path = tmp_path / "one.txt"
+    doc = bytes(range(32, 127)) * 5  # 475 tokens: offsets up to min(SEQ, 475 // 8) = 16
+    path.write_bytes(doc)
+    fn = data.make_dataset_fn(data.Source([str(path)], "text"), ByteTokenizer(), SEQ, 1, training=True,
+                              seed=3, shuffle_buffer=1)  # buffer 1: windows in stream order
+    stream = [t for x, y in first_batches(fn(), 200) for t in x[0].tolist() + [int(y[0, -1])]]
+    passes = bytes(t if t != 256 else 0 for t in stream).split(b"\0")[1:-1]  # whole passes only
+    assert len(passes) >= 4
+    offsets = [len(doc) - len(p) for p in passes]
+    assert all(doc[o:] == p and 0 <= o <= SEQ for o, p in zip(offsets, passes))
+    assert len(set(offsets)) > 1
+    again = [t for x, y in first_batches(fn(), 200) for t in x[0].tolist() + [int(y[0, -1])]]
+    assert again == stream  # the offsets are a function of the seed: the stream is reproducible
 
 
 def test_validation_is_deterministic(corpus_files):

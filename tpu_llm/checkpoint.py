@@ -69,12 +69,11 @@ def resolve_tokenizer(run_dir: str, wanted_kind: str, fresh: Tokenizer | None) -
     return saved
 
 
-def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> bool:
-    """Check and initialise `cfg.run_dir`; returns True if it already held a run (a resume)."""
+def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> None:
+    """Check `cfg.run_dir` (usable, same model as any run already in it), then record config and tokenizer."""
     run_dir = cfg.run_dir
     check_run_dir_usable(run_dir)
     saved = read_saved_config(run_dir)
-    has_checkpoint = tf.train.latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR)) is not None
     if saved is not None:
         differences = _model_differences(saved.get("model", {}), cfg.model)
         if differences:
@@ -83,7 +82,6 @@ def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> bool:
     _write_atomically(os.path.join(run_dir, CONFIG_FILE), cfg.to_yaml())
     if load_tokenizer(run_dir) is None:
         save_tokenizer(tokenizer, run_dir)
-    return has_checkpoint or saved is not None
 
 
 def _model_differences(saved: dict, current: ModelConfig) -> list[str]:

@@ -187,13 +187,27 @@ def pack(tokens: tf.data.Dataset, window: int) -> tf.data.Dataset:
     return tokens.scan(tf.zeros([0], tf.int32), step).unbatch()
 
 
+def _random_start(index, doc, window, seed):
+    """Drop a random prefix (< one window, < 1/8 of the document) from pass `index` over a document.
+
+    Without it every epoch cuts a document into the same windows, and a small corpus trained for
+    several epochs is memorised window by window. The offset is a pure function of (seed, index),
+    so the stream stays deterministic and resumable.
+    """
+    limit = tf.minimum(window - 1, tf.shape(doc)[0] // 8) + 1  # start in [0, limit)
+    start = tf.random.stateless_uniform([], seed=tf.stack([tf.cast(seed, tf.int64), index]), minval=0,
+                                        maxval=limit, dtype=tf.int32)
+    return doc[start:]
+
+
 def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, *, training: bool,
                     seed: int, shuffle_buffer: int) -> Callable:
     """A function of `tf.distribute.InputContext` returning this host's batched dataset.
 
     Each element is `(inputs, targets)`, both int32 `(per_replica_batch, seq_len)`; targets are the
-    inputs shifted by one token. Training data repeats forever and is shuffled; validation is read
-    in order, so every evaluation sees the same batches.
+    inputs shifted by one token. Training data repeats forever, is shuffled, and starts each pass
+    over a document at a random offset (`_random_start`); validation is read in order, so every
+    evaluation sees the same batches.
     """
     window = seq_len + 1
     eos = tf.constant([tokenizer.eos_id], tf.int32)
@@ -215,6 +229,8 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
             docs = docs.batch(16).map(lambda t: tokenizer.encode_tf(t), num_parallel_calls=AUTOTUNE)
             docs = docs.unbatch()
             docs = docs.map(lambda d: tf.concat([tf.cast(d, tf.int32), eos], axis=0))  # shards hold theirs
+        if training:
+            docs = docs.enumerate().map(lambda i, d: _random_start(i, d, window, seed))
         windows = pack(docs, window)
         if ctx.num_input_pipelines > 1 and not shard_files:
             windows = windows.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)

@@ -92,8 +92,9 @@ class Trainer:
     def _replica_step(self, inputs, targets):
         loss, grads = self._loss_and_grads(inputs, targets)
         ctx = tf.distribute.get_replica_context()
-        grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
-        loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
+        if self.num_replicas > 1:  # with one replica the reduction is the identity: skip its copies
+            grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+            loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
         grad_norm = tf.linalg.global_norm(grads)
         if self.clip_norm > 0:
             grads, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=grad_norm)
