@@ -64,9 +64,13 @@ def test_parameter_count_and_flops_per_token():
 
 
 def test_weight_decay_applies_to_dense_kernels_only():
-    names = [v.path for v in decay_mask(small_model())]
-    assert names and all(n.endswith("kernel") for n in names)
-    assert not any("wte" in n or "wpe" in n or "ln" in n for n in names)
+    model = small_model()
+    optimizer = make_optimizer(TrainConfig(lr=0.1, min_lr=0.1, warmup_steps=0, weight_decay=0.5), model)
+    before = {v.path: v.numpy() for v in model.trainable_variables}
+    optimizer.apply([tf.zeros(v.shape) for v in model.trainable_variables], model.trainable_variables)
+    decayed = {v.path for v in model.trainable_variables if (v.numpy() != before[v.path]).any()}
+    assert decayed == {v.path for v in decay_mask(model)}
+    assert decayed and all(p.endswith("kernel") for p in decayed)  # not norms, biases, embeddings
 
 
 def test_warmup_then_cosine_schedule():
