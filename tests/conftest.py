@@ -8,7 +8,9 @@ Use from any test file:
         cfg = tiny_config(tmp_path, **{"train.steps": 2})      # dotted keys ...
         cfg = tiny_config(tmp_path, model__n_layer=1)            # ... or `__` for the dot
 
-Importing this module does not import TensorFlow.
+The test process splits its CPU into `CPU_DEVICES` logical devices before TensorFlow starts, so
+multi-device code (MirroredStrategy, `cpu_devices`) runs in-process; single-device code uses the
+first of them, exactly as it would without the split.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before anything imports TensorFlow
 
 import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+CPU_DEVICES = 4
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * CPU_DEVICES)
 
 from tpu_llm.config import Config, load_config  # noqa: E402
 

@@ -12,6 +12,7 @@ from tpu_llm.checkpoint import Checkpointer
 from tpu_llm.controller import build_run, train
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
+from tpu_llm.tokenizer import train_sentencepiece
 from tpu_llm.train import make_optimizer
 
 
@@ -126,3 +127,16 @@ def test_samples_are_printed_after_training(tmp_path):
     texts = [lines[lines.index(s) + 1] for s in samples]
     assert all(t.startswith("import ") for t in texts) and texts[0] != texts[1]
     assert tf.io.gfile.exists(str(tmp_path / "run" / "logs" / "train"))
+
+
+def test_a_different_sentencepiece_model_is_refused_on_resume(tmp_path):
+    cfg_for(tmp_path / "run")  # writes the small corpus beside the run
+    files = sorted(str(p) for p in (tmp_path / "corpus").glob("*.txt"))
+    train_sentencepiece(files, 400, str(tmp_path / "a.model"))
+    train_sentencepiece(files, 420, str(tmp_path / "b.model"))
+    sp = {"data.tokenizer": "sentencepiece", "train.steps": 2, "train.steps_per_loop": 2}
+    train(cfg_for(tmp_path / "run", **sp, **{"data.tokenizer_model": str(tmp_path / "a.model")}), say=quiet)
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(UserError, match="different SentencePiece model"):
+        train(cfg_for(tmp_path / "run", **sp, **{"data.tokenizer_model": str(tmp_path / "b.model")}), say=quiet)
+    assert snapshot(tmp_path / "run") == before

@@ -55,17 +55,18 @@ def check_run_dir_usable(run_dir: str) -> None:
                         "fix its permissions or choose another --run_dir") from None
 
 
-def resolve_tokenizer(run_dir: str, wanted_kind: str, fresh: Tokenizer | None) -> Tokenizer | None:
-    """The saved tokenizer if the run has one (it must match what the config asks for), else `fresh`."""
-    saved = load_tokenizer(run_dir)
+def resolve_tokenizer(run_dir: str, saved: Tokenizer | None, wanted_kind: str,
+                      fresh: Tokenizer | None) -> Tokenizer | None:
+    """The run's `saved` tokenizer if it has one (it must match the config and `fresh`), else `fresh`."""
     if saved is None:
         return fresh
     if saved.kind != wanted_kind:
         raise UserError(f"run_dir {run_dir!r} was trained with data.tokenizer={saved.kind}, this config "
                         f"asks for {wanted_kind}; use the same tokenizer or another --run_dir")
-    if fresh is not None and saved.kind == "sentencepiece" and saved.spec() != fresh.spec():
-        raise UserError(f"data.tokenizer_model does not match the tokenizer saved in {run_dir!r} "
-                        "(different SentencePiece model); use the original model or another --run_dir")
+    if fresh is not None and saved.spec() != fresh.spec():
+        what = "SentencePiece model" if saved.kind == "sentencepiece" else "vocabulary"
+        raise UserError(f"the tokenizer of this config/data (a different {what}) does not match the one "
+                        f"saved in {run_dir!r}; use the original tokenizer or another --run_dir")
     return saved
 
 
@@ -100,10 +101,16 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 class Checkpointer:
-    """Saves and restores everything needed to resume: model, optimizer (with its step), data."""
+    """Saves and restores everything needed to resume: model, optimizer (with its step), data.
+
+    Objects a checkpoint does not hold (the input iterator of a strategy whose iterators cannot be
+    saved, see `controller.build_run`) are left out of the restore rather than failing it, so a
+    checkpoint moves between strategies.
+    """
 
     def __init__(self, run_dir: str, keep: int, **trackables):
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
+        self.trackables = trackables
         self.checkpoint = tf.train.Checkpoint(**trackables)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=keep)
 
@@ -111,18 +118,20 @@ class Checkpointer:
     def latest(self) -> str | None:
         return self.manager.latest_checkpoint
 
-    def restore_latest(self) -> str | None:
-        """Restore the newest checkpoint, if any; returns its path."""
+    def restore_latest(self) -> tuple[str | None, set[str]]:
+        """Restore the newest checkpoint, if any: (its path, the names of the objects restored)."""
         path = self.manager.latest_checkpoint
         if path is None:
-            return None
+            return None, set()
+        held = {name.split("/")[0] for name, _ in tf.train.list_variables(path)}
+        objects = {k: v for k, v in self.trackables.items() if k in held or k in ("model", "optimizer")}
         try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
+            tf.train.Checkpoint(**objects).restore(path).assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.OpError) as e:
             first = str(e).strip().splitlines()[0][:160]
             raise UserError(f"checkpoint {path} does not fit this model ({first}); resume with the "
                             "config it was made with, or use another --run_dir") from None
-        return path
+        return path, set(objects)
 
     def save(self, step: int) -> str:
         return self.manager.save(checkpoint_number=step)

@@ -92,15 +92,14 @@ class Commands:
     def generate(self, run_dir: str, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1):
         """Sample text from the newest checkpoint of --run_dir."""
-        from tpu_llm.config import SampleConfig
+        from tpu_llm.config import config_from_dict
         from tpu_llm.controller import print_samples
         from tpu_llm.generate import load_for_generation
 
         model, tokenizer, cfg = load_for_generation(run_dir)
-        cfg.sample = SampleConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, prompt=str(prompt),
-                                  temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed)
-        from tpu_llm.config import validate
-        validate(cfg)
+        sample = {"num_samples": num_samples, "max_new_tokens": max_new_tokens, "prompt": str(prompt),
+                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        cfg = config_from_dict({**cfg.to_dict(), "sample": sample}, source="command line")  # checks types
         print_samples(model, tokenizer, cfg)
 
     def bench(self, data: str = "", steps: int = 2000, config: str = "configs/shakespeare_char.yaml",

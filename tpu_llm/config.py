@@ -19,7 +19,7 @@ from tpu_llm.errors import UserError
 
 TOKENIZERS = ("byte", "char", "sentencepiece")
 DATA_FORMATS = ("auto", "text", "tfrecord")
-STRATEGIES = ("auto", "default")
+STRATEGIES = ("auto", "default", "mirrored")
 
 
 @dataclasses.dataclass
@@ -85,7 +85,8 @@ class SampleConfig:
 @dataclasses.dataclass
 class Config:
     run_dir: str = "runs/tiny"  # local path or gs://bucket/path; re-using it resumes
-    strategy: str = "auto"  # auto | default
+    strategy: str = "auto"  # auto | default | mirrored (see tpu_llm/distribute.py)
+    cpu_devices: int = 1  # split the CPU into N logical devices and mirror over them (N > 1)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -231,6 +232,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.strategy in STRATEGIES,
            f"strategy={cfg.strategy!r}; valid choices: {', '.join(STRATEGIES)}")
     _check(bool(cfg.run_dir), "run_dir is empty; give a local path or gs://bucket/path")
+    _check(cfg.cpu_devices >= 1, f"cpu_devices={cfg.cpu_devices} must be >= 1")
+
     for name in ("n_layer", "n_head", "n_embd", "max_len"):
         _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be >= 1")
     _check(m.n_embd % m.n_head == 0,
@@ -254,11 +257,11 @@ def validate(cfg: Config) -> None:
     _check(d.shuffle_buffer >= 1, f"data.shuffle_buffer={d.shuffle_buffer} must be >= 1")
     for name in ("steps", "batch_size", "grad_accum", "steps_per_loop", "eval_steps"):
         _check(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)} must be >= 1")
-    for name in ("warmup_steps", "decay_steps", "eval_every"):
-        _check(getattr(t, name) >= 0, f"train.{name}={getattr(t, name)} must be >= 0")
     _check(t.batch_size % t.grad_accum == 0,
            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
            f"valid grad_accum values: {', '.join(map(str, _divisors(t.batch_size)))}")
+    for name in ("warmup_steps", "decay_steps", "eval_every"):
+        _check(getattr(t, name) >= 0, f"train.{name}={getattr(t, name)} must be >= 0")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}), lr > 0")
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
     _check(t.weight_decay >= 0 and t.clip_norm >= 0, "train.weight_decay and train.clip_norm must be >= 0")

@@ -40,10 +40,12 @@ class Run:
     checkpointer: Checkpointer
     sources: tuple
     resumed_from: str | None
+    data_resume: str  # how the data position was restored on resume
 
 
 def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
-    """Saved tokenizer of the run > tokenizer of pre-tokenized shards > a new one from the config."""
+    """The run's saved tokenizer (checked against the data's) or a new one from the config."""
+    saved = load_tokenizer(cfg.run_dir)
     if train_src.format == "tfrecord":
         shard_dir = os.path.dirname(train_src.files[0])
         fresh = load_tokenizer(shard_dir)
@@ -53,17 +55,27 @@ def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
         if fresh.kind != cfg.data.tokenizer:
             raise UserError(f"the shards in {shard_dir} were made with the {fresh.kind} tokenizer; set "
                             f"data.tokenizer={fresh.kind}")
-    elif load_tokenizer(cfg.run_dir) is not None and cfg.data.tokenizer != "sentencepiece":
+    elif saved is not None and cfg.data.tokenizer != "sentencepiece":
         fresh = None  # resuming: the run's own tokenizer is used (a char vocabulary is not rebuilt)
     else:
         text_files = sorted(set(train_src.files) | set(val_src.files))
         fresh = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_model, text_files)
-    return resolve_tokenizer(cfg.run_dir, cfg.data.tokenizer, fresh)
+    return resolve_tokenizer(cfg.run_dir, saved, cfg.data.tokenizer, fresh)
+
+
+def check_batch_split(batch_size: int, replicas: int, grad_accum: int) -> None:
+    k = replicas * grad_accum
+    if batch_size % k:
+        below, above = batch_size // k * k, (batch_size // k + 1) * k
+        nearest = f"{below} or {above}" if below else str(above)
+        raise UserError(f"train.batch_size={batch_size} does not split evenly into {replicas} replica(s) x "
+                        f"train.grad_accum={grad_accum} micro-batches; nearest valid values: {nearest}")
 
 
 def build_run(cfg: Config) -> Run:
+    dist = get_strategy(cfg)  # first: it may split the CPU into logical devices
+    check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum)
     keras.utils.set_random_seed(cfg.train.seed)
-    dist = get_strategy(cfg)
     train_src, val_src = data.resolve_sources(cfg.data)
     tokenizer = setup_tokenizer(cfg, train_src, val_src)
     if cfg.model.vocab_size == 0:
@@ -78,18 +90,32 @@ def build_run(cfg: Config) -> Run:
         optimizer = make_optimizer(cfg.train, model)
     trainer = Trainer(dist, model, optimizer, cfg.train)
 
-    def dataset(source, training):
+    def dataset(source, training, skip_steps=0):
         fn = data.make_dataset_fn(source, tokenizer, cfg.data.seq_len, cfg.train.batch_size,
                                   training=training, seed=cfg.train.seed,
-                                  shuffle_buffer=cfg.data.shuffle_buffer)
+                                  shuffle_buffer=cfg.data.shuffle_buffer, skip_steps=skip_steps)
         return dist.strategy.distribute_datasets_from_function(fn)
 
+    # The default strategy's iterator is saved in the checkpoint (resume restores its state). Other
+    # strategies' iterators cannot be saved: there, resuming replays the deterministic stream up to
+    # the restored step, which gives the same batches, only slower.
     train_iterator = iter(dataset(train_src, training=True))
-    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, model=model, optimizer=optimizer,
-                                data=train_iterator)
-    resumed_from = checkpointer.restore_latest()
+    trackables = {"model": model, "optimizer": optimizer}
+    if isinstance(train_iterator, tf.__internal__.tracking.Trackable):
+        trackables["data"] = train_iterator
+    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, **trackables)
+    resumed_from, restored = checkpointer.restore_latest()
+    data_resume = "data iterator restored"
+    if resumed_from and "data" not in restored:
+        step = int(optimizer.iterations.numpy())
+        train_iterator = iter(dataset(train_src, training=True, skip_steps=step))
+        data_resume = f"data stream replayed to step {step}"
+        if "data" in trackables:  # later checkpoints save the new iterator
+            trackables["data"] = train_iterator
+            checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, **trackables)
     return Run(cfg, dist, tokenizer, model, optimizer, trainer, train_iterator,
-               dataset(val_src, training=False), checkpointer, (train_src, val_src), resumed_from)
+               dataset(val_src, training=False), checkpointer, (train_src, val_src), resumed_from,
+               data_resume)
 
 
 class MetricsLog:
@@ -145,7 +171,7 @@ def train(cfg: Config, say=print, samples: bool = True) -> dict:
     say(f"batch     {t.batch_size} x {d.seq_len} tokens = {tokens_per_step:,} per step; "
         f"{t.steps_per_loop} steps per host call; MFU peak: {perf.format_count(peak)}FLOP/s ({peak_how})")
     if run.resumed_from:
-        say(f"resumed   from {run.resumed_from} at step {step} (model, optimizer and data position)")
+        say(f"resumed   from {run.resumed_from} at step {step} ({run.data_resume})")
     if step >= t.steps:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
 

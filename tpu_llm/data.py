@@ -201,13 +201,14 @@ def _random_start(index, doc, window, seed):
 
 
 def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, *, training: bool,
-                    seed: int, shuffle_buffer: int) -> Callable:
+                    seed: int, shuffle_buffer: int, skip_steps: int = 0) -> Callable:
     """A function of `tf.distribute.InputContext` returning this host's batched dataset.
 
     Each element is `(inputs, targets)`, both int32 `(per_replica_batch, seq_len)`; targets are the
     inputs shifted by one token. Training data repeats forever, is shuffled, and starts each pass
     over a document at a random offset (`_random_start`); validation is read in order, so every
-    evaluation sees the same batches.
+    evaluation sees the same batches. `skip_steps` drops the batches of that many global steps (this
+    host's share), to resume where an earlier run stopped.
     """
     window = seq_len + 1
     eos = tf.constant([tokenizer.eos_id], tf.int32)
@@ -237,6 +238,8 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
         if training:
             windows = windows.shuffle(shuffle_buffer, seed=seed)
         batches = windows.batch(per_replica, drop_remainder=True)
+        if skip_steps:  # each global step takes one batch per replica fed by this pipeline
+            batches = batches.skip(skip_steps * ctx.num_replicas_in_sync // ctx.num_input_pipelines)
         batches = batches.map(lambda w: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE)
         if not training:
             batches = batches.repeat()  # an eval pass may ask for more batches than one epoch holds

@@ -1,8 +1,13 @@
 """How the job is distributed: the one place that chooses a tf.distribute strategy.
 
 The trainer, data and model code ask this module for a `Distribution` and never branch on the
-strategy themselves. For now every run uses TF's default strategy (one device); TPU, Mirrored,
-multi-worker and parameter-server strategies plug in here.
+strategy themselves. Implemented so far: TF's default strategy (one device) and MirroredStrategy
+(synchronous data parallel) over several GPUs or over the CPU split into `cpu_devices` logical
+devices. TPU, multi-worker and parameter-server strategies plug in here.
+
+Splitting a 2-core CPU into 2 logical devices is not only for testing multi-device code: XLA:CPU
+spends much of a small model's step in per-kernel overhead, and two replicas running side by side
+overlap it (`make bench`: 14.4k vs 10.2k tokens/s for the same global batch).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import tensorflow as tf
 
 from tpu_llm import perf
 from tpu_llm.config import Config
+from tpu_llm.errors import UserError
 
 
 @dataclasses.dataclass
@@ -32,15 +38,50 @@ class Distribution:
         tpu = perf.tpu_peak_flops(self.device_kind) if self.device_kind.startswith("TPU") else None
         if tpu:
             return tpu * self.num_replicas, f"{self.device_kind} bf16 peak (published)"
-        device = "/GPU:0" if self.device_kind == "GPU" else "/CPU:0"
-        flops = perf.measured_matmul_flops(device)
-        return flops * self.num_replicas, f"measured {device} float32 matmul"
+        if self.device_kind == "GPU":
+            return perf.measured_matmul_flops("/GPU:0") * self.num_replicas, "measured /GPU:0 float32 matmul"
+        # logical CPU devices share the same cores: the measured matmul already uses all of them
+        return perf.measured_matmul_flops("/CPU:0"), "measured CPU float32 matmul"
+
+
+def split_cpu(n: int) -> list[str]:
+    """Names of `n` logical CPU devices, splitting the physical CPU if TensorFlow has not started yet."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        if len(tf.config.get_logical_device_configuration(cpu) or []) < n:
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    except RuntimeError:  # the runtime is up: the split is fixed for this process
+        pass
+    have = tf.config.list_logical_devices("CPU")
+    if len(have) < n:
+        raise UserError(f"cpu_devices={n}, but TensorFlow already started in this process with {len(have)} "
+                        "CPU device(s); set cpu_devices in the config or on the command line of a new run")
+    return [d.name for d in have[:n]]
 
 
 def get_strategy(cfg: Config) -> Distribution:
-    """The distribution for this run. `auto` and `default` both use TF's default strategy for now."""
-    gpus = tf.config.list_logical_devices("GPU")
+    """The distribution for this run (call before any other TensorFlow work: it may split the CPU)."""
+    gpus = tf.config.list_physical_devices("GPU")  # (listing logical devices would start the runtime)
+    if cfg.strategy == "default":
+        if cfg.cpu_devices > 1:
+            raise UserError(f"cpu_devices={cfg.cpu_devices} needs strategy=mirrored or auto; "
+                            "strategy=default runs on one device")
+        return Distribution(tf.distribute.get_strategy(), "default", "strategy=default",
+                            "GPU" if gpus else "CPU")
+    if len(gpus) > 1:
+        return Distribution(tf.distribute.MirroredStrategy(), "mirrored",
+                            f"strategy={cfg.strategy}: {len(gpus)} GPUs, synchronous data parallel", "GPU")
+    if cfg.cpu_devices > 1:
+        names = split_cpu(cfg.cpu_devices)
+        # logical CPUs share one memory: reduce on the first of them. (The default, collective
+        # all-reduce, also breaks when a process builds a second strategy of another size.)
+        strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=tf.distribute.ReductionToOneDevice())
+        return Distribution(strategy, "mirrored",
+                            f"strategy={cfg.strategy}: cpu_devices={cfg.cpu_devices} logical CPU devices, "
+                            "synchronous data parallel", "CPU")
+    if cfg.strategy == "mirrored" and len(gpus) < 2:
+        raise UserError("strategy=mirrored found one device (no second GPU); set cpu_devices=N to mirror "
+                        "over N logical CPU devices, or use strategy=auto / default")
     kind = "GPU" if gpus else "CPU"
-    reason = ("strategy=default" if cfg.strategy == "default"
-              else f"strategy=auto: no TPU or multi-device set-up requested; one {kind} device")
-    return Distribution(tf.distribute.get_strategy(), "default", reason, kind)
+    return Distribution(tf.distribute.get_strategy(), "default",
+                        f"strategy=auto: one {kind} device and cpu_devices=1", kind)

@@ -40,10 +40,22 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
                 "decay_steps": self.decay_steps}
 
 
+class ReducedGradientsAdamW(keras.optimizers.AdamW):
+    """Keras AdamW for gradients the trainer has already all-reduced.
+
+    Called in a replica context, Keras' TF optimizer sums the gradients across replicas itself. The
+    trainer reduces them first (so that clipping sees the global gradient), so that second sum is
+    switched off here.
+    """
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        return list(grads_and_vars)
+
+
 def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
     """AdamW with decoupled weight decay on Dense kernels only; create inside the strategy scope."""
     schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps or cfg.steps)
-    optimizer = keras.optimizers.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay,
+    optimizer = ReducedGradientsAdamW(learning_rate=schedule, weight_decay=cfg.weight_decay,
                                        beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon)
     decayed = {id(v) for v in decay_mask(model)}
     optimizer.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
@@ -98,10 +110,13 @@ class Trainer:
         grad_norm = tf.linalg.global_norm(grads)
         if self.clip_norm > 0:
             grads, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=grad_norm)
-        # apply in cross-replica context: the gradients are already reduced, so the optimizer
-        # must not all-reduce them again (it does when called from a replica context)
-        ctx.merge_call(lambda _, g: self.optimizer.apply(g, self.model.trainable_variables), args=(grads,))
+        self.optimizer.apply(grads, self.model.trainable_variables)
         return loss, grad_norm
+
+    def _eval_step(self, inputs, targets):
+        # the compiled function is called from a plain replica function, as in training: passed to
+        # MirroredStrategy.run directly, its variable captures cross devices (CPU:1 from CPU:0)
+        return self._eval_loss(inputs, targets)
 
     def _eval_loss_fn(self, inputs, targets):
         return loss_fn(self.model(inputs, training=False), targets)
@@ -125,6 +140,6 @@ class Trainer:
         total = tf.constant(0.0)
         for _ in tf.range(num_steps):
             inputs, targets = next(iterator)
-            loss = self.strategy.run(self._eval_loss, args=(inputs, targets))
+            loss = self.strategy.run(self._eval_step, args=(inputs, targets))
             total += self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None)
         return total / tf.cast(num_steps, tf.float32)
