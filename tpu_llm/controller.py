@@ -118,6 +118,11 @@ def build_run(cfg: Config) -> Run:
                data_resume)
 
 
+def say_now(text: str) -> None:
+    """print, flushed: progress must show up as it happens when stdout is a pipe or a file."""
+    print(text, flush=True)
+
+
 class MetricsLog:
     """TensorBoard summaries plus an append-only metrics.jsonl in the run directory."""
 
@@ -152,8 +157,9 @@ def _next_boundary(step: int, every: int, total: int) -> int:
     return min(total, (step // every + 1) * every) if every > 0 else total
 
 
-def train(cfg: Config, say=print, samples: bool = True) -> dict:
+def train(cfg: Config, say=None, samples: bool = True) -> dict:
     """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary."""
+    say = say or say_now
     run = build_run(cfg)
     t, d = cfg.train, cfg.data
     step = int(run.optimizer.iterations.numpy())
@@ -228,8 +234,8 @@ def train(cfg: Config, say=print, samples: bool = True) -> dict:
     return summary
 
 
-def print_samples(model: GPT, tokenizer, cfg: Config, say=print) -> list[str]:
-    s = cfg.sample
+def print_samples(model: GPT, tokenizer, cfg: Config, say=None) -> list[str]:
+    say, s = say or say_now, cfg.sample
     sampler = Sampler(model, tokenizer.eos_id, tokenizer.vocab_size)
     prompt = tokenizer.encode(s.prompt) if s.prompt else []
     texts = []
