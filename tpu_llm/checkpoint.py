@@ -118,12 +118,17 @@ class Checkpointer:
     def latest(self) -> str | None:
         return self.manager.latest_checkpoint
 
-    def restore_latest(self) -> tuple[str | None, set[str]]:
-        """Restore the newest checkpoint, if any: (its path, the names of the objects restored)."""
+    def held(self) -> set[str]:
+        """Names of the objects the newest checkpoint holds (empty without a checkpoint)."""
+        path = self.manager.latest_checkpoint
+        return {name.split("/")[0] for name, _ in tf.train.list_variables(path)} if path else set()
+
+    def restore_latest(self) -> str | None:
+        """Restore the newest checkpoint into the objects it holds, if any; returns its path."""
         path = self.manager.latest_checkpoint
         if path is None:
-            return None, set()
-        held = {name.split("/")[0] for name, _ in tf.train.list_variables(path)}
+            return None
+        held = self.held()
         objects = {k: v for k, v in self.trackables.items() if k in held or k in ("model", "optimizer")}
         try:
             tf.train.Checkpoint(**objects).restore(path).assert_existing_objects_matched()
@@ -131,7 +136,7 @@ class Checkpointer:
             first = str(e).strip().splitlines()[0][:160]
             raise UserError(f"checkpoint {path} does not fit this model ({first}); resume with the "
                             "config it was made with, or use another --run_dir") from None
-        return path, set(objects)
+        return path
 
     def save(self, step: int) -> str:
         return self.manager.save(checkpoint_number=step)

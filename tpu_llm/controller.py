@@ -96,23 +96,26 @@ def build_run(cfg: Config) -> Run:
                                   shuffle_buffer=cfg.data.shuffle_buffer, skip_steps=skip_steps)
         return dist.strategy.distribute_datasets_from_function(fn)
 
-    # The default strategy's iterator is saved in the checkpoint (resume restores its state). Other
-    # strategies' iterators cannot be saved: there, resuming replays the deterministic stream up to
-    # the restored step, which gives the same batches, only slower.
-    train_iterator = iter(dataset(train_src, training=True))
-    trackables = {"model": model, "optimizer": optimizer}
-    if isinstance(train_iterator, tf.__internal__.tracking.Trackable):
-        trackables["data"] = train_iterator
-    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, **trackables)
-    resumed_from, restored = checkpointer.restore_latest()
+    # The default strategy's input iterator is saved in the checkpoint (resume restores its state).
+    # Other strategies' iterators cannot be saved: there, resuming replays the deterministic stream
+    # up to the restored step, which gives the same batches, only slower.
+    state = {"model": model, "optimizer": optimizer}
+    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, **state)
+    resumed_from = checkpointer.latest
+    train_dataset = dataset(train_src, training=True)
+    saves_position = isinstance(train_dataset, tf.data.Dataset)  # its iterator is checkpointable
+    restore_position = saves_position and "data" in checkpointer.held()
     data_resume = "data iterator restored"
-    if resumed_from and "data" not in restored:
+    if resumed_from and not restore_position:  # the restored step says how far to replay
+        checkpointer.restore_latest()
         step = int(optimizer.iterations.numpy())
-        train_iterator = iter(dataset(train_src, training=True, skip_steps=step))
+        train_dataset = dataset(train_src, training=True, skip_steps=step)
         data_resume = f"data stream replayed to step {step}"
-        if "data" in trackables:  # later checkpoints save the new iterator
-            trackables["data"] = train_iterator
-            checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, **trackables)
+    train_iterator = iter(train_dataset)
+    if saves_position:
+        checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, **state, data=train_iterator)
+    if restore_position:
+        checkpointer.restore_latest()
     return Run(cfg, dist, tokenizer, model, optimizer, trainer, train_iterator,
                dataset(val_src, training=False), checkpointer, (train_src, val_src), resumed_from,
                data_resume)

@@ -257,8 +257,9 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
     """Tokenize `source` once and write `num_shards` TFRecord files plus `meta.json` to `output`.
 
     Shard i holds the i-th contiguous run of documents, so reading the shards in order gives the
-    input order; a long document is split across consecutive records of one shard. Each shard is written under a temporary name and
-    renamed when complete, so an interrupted run never leaves a truncated shard behind.
+    input order; a long document is split across consecutive records of one shard. Each shard is
+    written under a temporary name and renamed when complete, so an interrupted run never leaves a
+    truncated shard behind.
     """
     from tpu_llm.tokenizer import save_tokenizer
 

@@ -7,7 +7,7 @@ devices. TPU, multi-worker and parameter-server strategies plug in here.
 
 Splitting a 2-core CPU into 2 logical devices is not only for testing multi-device code: XLA:CPU
 spends much of a small model's step in per-kernel overhead, and two replicas running side by side
-overlap it (`make bench`: 14.4k vs 10.2k tokens/s for the same global batch).
+overlap it (`make bench`: 13.4k-15.4k vs 10.0k tokens/s for the same global batch).
 """
 
 from __future__ import annotations
