@@ -121,7 +121,9 @@ def test_seq_len_exceeds_max_len():
     ({"data.tokenizer": "bpe"}, "valid choices: byte, char, sentencepiece"),
     ({"data.tokenizer": "sentencepiece"}, "data.tokenizer_model"),
     ({"model.dropout": 1.0}, "model.dropout=1.0"),
-    ({"strategy": "tpu"}, "valid choices: auto, default"),
+    ({"strategy": "horovod"}, "valid choices: auto, tpu, mirrored, multi_worker, parameter_server, default"),
+    ({"strategy": "multi_worker", "cpu_devices": 2}, "strategy=multi_worker runs one device per process"),
+    ({"cluster.communication": "mpi"}, "valid choices: auto, ring, nccl"),
 ])
 def test_inconsistent_values_rejected(overrides, culprit):
     with pytest.raises(UserError, match="^config: ") as e:

@@ -1,23 +1,109 @@
-"""Strategy selection and MirroredStrategy over logical CPU devices: same training as one device."""
+"""Strategies: selection, Mirrored over logical CPUs, multi-worker and parameter-server clusters of
+local processes (`tpu-llm launch`), and checkpoints moving between strategies."""
 
+import io
 import json
+import sys
+import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import tiny_config
 
+from tpu_llm import cli, launch
 from tpu_llm.config import load_config
 from tpu_llm.controller import build_run, train
-from tpu_llm.distribute import get_strategy
+from tpu_llm.distribute import Found, choose, get_strategy
 from tpu_llm.errors import UserError
+from tpu_llm.generate import load_for_generation
 
 
 def quiet(*_):
     pass
 
 
+def metrics(run_dir, split="train"):
+    return [line for line in map(json.loads, open(run_dir / "metrics.jsonl")) if line["split"] == split]
+
+
 def train_losses(run_dir):
-    return [l["loss"] for l in map(json.loads, open(run_dir / "metrics.jsonl")) if l["split"] == "train"]
+    return [line["loss"] for line in metrics(run_dir)]
+
+
+def checkpoint_weights(run_dir) -> dict:
+    model, _, _ = load_for_generation(str(run_dir))
+    return {w.path.split("/", 1)[1]: w.numpy() for w in model.weights}  # without the model's unique name
+
+
+# ---- selection ------------------------------------------------------------------------------------
+
+WORKERS = {"worker": ["a:1", "b:1"]}
+PS_CLUSTER = {"chief": ["c:1"], "worker": ["a:1", "b:1"], "ps": ["p:1"]}
+
+
+@pytest.mark.parametrize("overrides, found, chosen", [
+    ({}, Found(), "default"),
+    ({}, Found(gpus=1), "default"),
+    ({}, Found(gpus=4), "mirrored"),
+    ({"cpu_devices": 2}, Found(), "mirrored"),
+    ({}, Found(tpu="/dev/accel0 present"), "tpu"),
+    ({}, Found(gpus=4, tpu="TPU_NAME set"), "tpu"),
+    ({}, Found(cluster=WORKERS, task=("worker", 1)), "multi_worker"),
+    ({}, Found(gpus=4, cluster=WORKERS, task=("worker", 0)), "multi_worker"),  # each worker mirrors its GPUs
+    ({}, Found(cluster={"worker": ["a:1"]}, task=("worker", 0)), "default"),  # a cluster of one
+    ({}, Found(cluster=PS_CLUSTER, task=("chief", 0)), "parameter_server"),
+    ({"strategy": "default"}, Found(gpus=4, tpu="x"), "default"),
+    ({"strategy": "tpu", "tpu": "my-tpu"}, Found(), "tpu"),
+    ({"strategy": "multi_worker"}, Found(cluster={"worker": ["a:1"]}, task=("worker", 0)), "multi_worker"),
+])
+def test_auto_and_explicit_choices(overrides, found, chosen):
+    name, reason = choose(load_config(None, overrides), found)
+    assert name == chosen and reason.startswith(f"strategy={overrides.get('strategy', 'auto')}")
+
+
+@pytest.mark.parametrize("overrides, found, message", [
+    ({"strategy": "tpu"}, Found(), "strategy=tpu found no TPU (looked for tpu=..., TPU_NAME, COLAB_TPU_ADDR"),
+    ({"strategy": "mirrored"}, Found(gpus=1), "strategy=mirrored found one device"),
+    ({"strategy": "multi_worker"}, Found(), "tpu-llm launch --workers 2 -- train"),
+    ({"strategy": "multi_worker"}, Found(cluster=PS_CLUSTER, task=("chief", 0)), "and no ps tasks"),
+    ({"strategy": "parameter_server"}, Found(cluster=WORKERS), "needs TF_CONFIG with chief, worker and ps"),
+])
+def test_a_strategy_that_cannot_run_here_names_what_was_looked_for(overrides, found, message):
+    with pytest.raises(UserError) as e:
+        choose(load_config(None, overrides), found)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_strategy_tpu_without_a_tpu_fails_in_one_line_from_the_command_line(capsys, monkeypatch):
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    monkeypatch.delenv("COLAB_TPU_ADDR", raising=False)
+    assert cli.main(["train", "--strategy=tpu", "--run_dir=/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: strategy=tpu found no TPU") and "strategy=auto" in err and "\n" not in err
+
+
+def test_info_explains_the_choice(capsys, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": WORKERS, "task": {"type": "worker", "index": 1}}))
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "TF_CONFIG 2 worker; this process is worker 1" in out
+    assert "strategy  multi_worker (strategy=auto: TF_CONFIG with 2 tasks)" in out
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    assert cli.main(["info"]) == 2
+    assert "TF_CONFIG is not valid" in capsys.readouterr().err
+
+
+def test_selection_in_process_and_batch_split(tmp_path):
+    assert get_strategy(load_config(None, {})).name == "default"
+    assert get_strategy(load_config(None, {"cpu_devices": 2})).name == "mirrored"
+    with pytest.raises(UserError, match="already started in this process with 4 CPU"):
+        get_strategy(load_config(None, {"cpu_devices": 8}))
+    with pytest.raises(UserError, match="nearest valid values: 9 or 12"):
+        build_run(tiny_config(tmp_path, **{"train.batch_size": 10}, cpu_devices=3))
+
+
+# ---- Mirrored -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -47,19 +133,6 @@ def test_checkpoints_move_between_mirrored_and_one_device(tmp_path):
     assert back.dist.num_replicas == 2 and back.resumed_from.endswith("ckpt-6")
 
 
-def test_selection_and_its_errors(tmp_path):
-    assert get_strategy(load_config(None, {})).name == "default"
-    assert get_strategy(load_config(None, {"cpu_devices": 2})).name == "mirrored"
-    with pytest.raises(UserError, match="strategy=mirrored found one device"):
-        get_strategy(load_config(None, {"strategy": "mirrored"}))
-    with pytest.raises(UserError, match="needs strategy=mirrored or auto"):
-        get_strategy(load_config(None, {"strategy": "default", "cpu_devices": 2}))
-    with pytest.raises(UserError, match="already started in this process with 4 CPU"):
-        get_strategy(load_config(None, {"cpu_devices": 8}))
-    with pytest.raises(UserError, match="nearest valid values: 9 or 12"):
-        build_run(tiny_config(tmp_path, **{"train.batch_size": 10}, cpu_devices=3))
-
-
 def test_mirrored_resume_replays_the_stream_to_the_exact_position(tmp_path):
     def cfg(run, steps):
         return tiny_config(tmp_path / run, **{"train.steps": steps, "train.decay_steps": 8,
@@ -69,3 +142,79 @@ def test_mirrored_resume_replays_the_stream_to_the_exact_position(tmp_path):
     train(cfg("resumed", 4), say=quiet)
     train(cfg("resumed", 8), say=quiet)
     assert train_losses(tmp_path / "resumed" / "run") == train_losses(tmp_path / "straight" / "run")
+
+
+# ---- clusters of local processes ------------------------------------------------------------------
+
+# the same tiny run, as command-line flags for `tpu-llm train` in each launched process
+TINY_FLAGS = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.max_len=32",
+              "--data.seq_len=16", "--data.shuffle_buffer=64", "--train.batch_size=8", "--train.warmup_steps=1",
+              "--train.eval_every=0", "--train.eval_steps=2", "--checkpoint.every_steps=0",
+              "--sample.num_samples=0"]
+
+
+def launched(tmp_path, workers, ps, steps, extra=()):
+    cfg = tiny_config(tmp_path)  # writes the corpus; its run_dir is the cluster's
+    out = io.StringIO()
+    args = ["train", f"--run_dir={cfg.run_dir}", f"--data.train={cfg.data.train}", f"--train.steps={steps}",
+            *TINY_FLAGS, *extra]
+    code = launch.launch(workers, ps, args, out=out)
+    return code, out.getvalue(), cfg
+
+
+def test_multi_worker_processes_end_identical_and_equal_to_one_process(tmp_path):
+    code, log, cfg = launched(tmp_path / "cluster", workers=2, ps=0, steps=6, extra=["--train.steps_per_loop=3"])
+    assert code == 0, log
+    assert "[worker 0] strategy  multi_worker" in log and "2 replica(s)" in log
+    prints = [line.split("fingerprint ")[1] for line in log.splitlines() if "fingerprint" in line]
+    assert len(prints) == 2 and prints[0] == prints[1], log  # both workers hold the same weights
+    single = tiny_config(tmp_path / "single", **{"train.steps": 6, "train.steps_per_loop": 3,
+                                                 "train.batch_size": 8})
+    train(single, say=quiet, samples=False)  # one process, the same global batches
+    np.testing.assert_allclose(train_losses(tmp_path / "cluster" / "run"), train_losses(tmp_path / "single" / "run"),
+                               rtol=1e-5)
+    ours, theirs = checkpoint_weights(tmp_path / "cluster" / "run"), checkpoint_weights(tmp_path / "single" / "run")
+    assert ours.keys() == theirs.keys() and len(ours) > 10
+    for name in ours:
+        np.testing.assert_allclose(ours[name], theirs[name], atol=1e-5, err_msg=name)
+    assert not list((tmp_path / "cluster" / "run").glob(".scratch-*"))  # worker 1's scratch saves are gone
+
+
+def test_parameter_server_cluster_trains_asynchronously_and_the_loss_falls(tmp_path):
+    code, log, cfg = launched(tmp_path, workers=2, ps=1, steps=40,
+                              extra=["--train.steps_per_loop=5", "--train.lr=3e-3"])
+    assert code == 0, log
+    assert "[chief 0] strategy  parameter_server" in log and "ASYNCHRONOUS" in log
+    assert "[worker 1] serving   worker 1" in log and "[ps 0] serving   ps 0" in log
+    losses = train_losses(tmp_path / "run")
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.3, losses
+    [summary] = metrics(tmp_path / "run", "summary")
+    assert summary["strategy"] == "parameter_server" and summary["step"] == 40
+    assert 0 <= summary["staleness"] <= summary["staleness_max"] <= 8
+    assert tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints")).get_tensor(
+        "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE") == 40
+
+
+FAKE_TASK = """
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+print("up", task["type"], task["index"], flush=True)
+if task["index"] == 1:
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def test_launch_fails_fast_when_a_worker_dies(tmp_path):
+    out, start = io.StringIO(), time.time()
+    code = launch.launch(3, 0, ["-c", FAKE_TASK], out=out, program=[sys.executable])
+    assert code == 3 and time.time() - start < 60
+    log = out.getvalue()
+    assert "[worker 1] up worker 1" in log and "launch    worker 1 exited with status 3: stopping every task" in log
+
+
+def test_launch_usage_errors(capsys):
+    assert cli.main(["launch", "--workers", "2"]) == 2
+    assert "needs the command to run after --" in capsys.readouterr().err
+    assert cli.main(["launch", "--workers", "0", "--", "train"]) == 2
+    assert "need at least 1 worker" in capsys.readouterr().err

@@ -67,3 +67,17 @@ def test_padded_vocabulary_ids_are_never_sampled():
     model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=16, max_len=8), 64).build_weights()
     sampler = Sampler(model, eos_id=9, vocab_size=10)  # table padded from 10 to 64 ids
     assert max(sampler.generate([1, 2], 30, temperature=2.0, seed=1)) < 10
+
+
+def test_generation_loads_every_trained_weight(tmp_path):
+    # regression: Keras 3 keeps the blocks in a list TF checkpoints did not see into, so generation
+    # restored only the embeddings and sampled from untrained blocks
+    from conftest import tiny_config
+
+    from tpu_llm.controller import train, weights_fingerprint
+    from tpu_llm.generate import load_for_generation
+
+    summary = train(tiny_config(tmp_path, **{"train.steps": 2}), say=lambda *_: None, samples=False)
+    model, _, _ = load_for_generation(str(tmp_path / "run"))
+    assert weights_fingerprint(model) == summary["fingerprint"]
+    assert len(tf.train.list_variables(str(tmp_path / "run" / "checkpoints" / "ckpt-2"))) > len(model.weights)

@@ -106,13 +106,18 @@ class Checkpointer:
     Objects a checkpoint does not hold (the input iterator of a strategy whose iterators cannot be
     saved, see `controller.build_run`) are left out of the restore rather than failing it, so a
     checkpoint moves between strategies.
+
+    Under multi_worker every worker must take part in a save (TF's rule: saving may need its
+    collectives); only the chief writes the run's checkpoints, the others (`scratch` = a worker name)
+    write to a scratch directory that is deleted straight after. All of them restore from the run's.
     """
 
-    def __init__(self, run_dir: str, keep: int, **trackables):
+    def __init__(self, run_dir: str, keep: int, scratch: str = "", **trackables):
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
         self.trackables = trackables
         self.checkpoint = tf.train.Checkpoint(**trackables)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=keep)
+        self.scratch = os.path.join(run_dir, f".scratch-{scratch}") if scratch else ""
 
     @property
     def latest(self) -> str | None:
@@ -139,4 +144,8 @@ class Checkpointer:
         return path
 
     def save(self, step: int) -> str:
-        return self.manager.save(checkpoint_number=step)
+        if not self.scratch:
+            return self.manager.save(checkpoint_number=step)
+        path = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(step)
+        tf.io.gfile.rmtree(self.scratch)
+        return path

@@ -5,6 +5,8 @@
   data        tpu-llm data prepare --input 'corpus/*.txt' --output shards/ --tokenizer byte
   tokenizer   tpu-llm tokenizer train --input 'corpus/*.txt' --vocab_size 8000 --output sp.model
   bench       tpu-llm bench   (the shakespeare_char benchmark; see README)
+  info        tpu-llm info --config configs/tiny.yaml   (devices found, the strategy chosen and why)
+  launch      tpu-llm launch --workers 2 [--ps 1] -- train --config configs/tiny.yaml   (local cluster)
 
 Config overrides are dotted flags (`--train.steps=100`) or `--set train.steps=100` (repeatable).
 A user mistake prints one line starting with "error:" and exits with status 2.
@@ -102,6 +104,22 @@ class Commands:
         cfg = config_from_dict({**cfg.to_dict(), "sample": sample}, source="command line")  # checks types
         print_samples(model, tokenizer, cfg)
 
+    def info(self, config: str = "", set=None, **overrides):
+        """What this machine offers (GPUs, TPU, TF_CONFIG) and which strategy a run would use, and why."""
+        from tpu_llm.config import load_config, parse_set_args
+
+        cfg = load_config(config or None, {**parse_set_args(set), **overrides})
+        import tensorflow as tf
+
+        from tpu_llm import distribute
+
+        found = distribute.look_around(cfg)
+        print(f"tensorflow {tf.__version__}, keras {__import__('keras').__version__}")
+        for line in found.describe():
+            print(line)
+        name, reason = distribute.choose(cfg, found)
+        print(f"strategy  {name} ({reason})")
+
     def bench(self, data: str = "", steps: int = 2000, config: str = "configs/shakespeare_char.yaml",
               run_dir: str = "", set=None, **overrides):
         """The shakespeare_char benchmark: tokens/s, ms/step, MFU, final train/validation loss."""
@@ -142,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     from tpu_llm.errors import EXIT_USER_ERROR, UserError
 
     try:
-        argv = _merge_set_flags(sys.argv[1:] if argv is None else list(argv))
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["launch"]:  # its own parser: what follows `--` goes to the tasks verbatim
+            from tpu_llm import launch
+
+            return launch.main(argv[1:])
+        argv = _merge_set_flags(argv)
         fire.Fire(Commands, command=argv, name="tpu-llm")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,7 +19,8 @@ from tpu_llm.errors import UserError
 
 TOKENIZERS = ("byte", "char", "sentencepiece")
 DATA_FORMATS = ("auto", "text", "tfrecord")
-STRATEGIES = ("auto", "default", "mirrored")
+STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "parameter_server", "default")
+COMMUNICATIONS = ("auto", "ring", "nccl")
 
 
 @dataclasses.dataclass
@@ -83,10 +84,19 @@ class SampleConfig:
 
 
 @dataclasses.dataclass
+class ClusterConfig:
+    # how multi_worker all-reduces: auto (TF picks), ring (gRPC, CPUs), nccl (GPUs)
+    communication: str = "auto"
+    timeout_seconds: int = 0  # a collective waiting longer than this fails the step (a dead peer); 0 = wait
+
+
+@dataclasses.dataclass
 class Config:
     run_dir: str = "runs/tiny"  # local path or gs://bucket/path; re-using it resumes
-    strategy: str = "auto"  # auto | default | mirrored (see tpu_llm/distribute.py)
+    strategy: str = "auto"  # auto | tpu | mirrored | multi_worker | parameter_server | default
+    tpu: str = ""  # "" (Colab/Kaggle, or TPU_NAME) | local (on a TPU VM) | a TPU name or grpc:// address
     cpu_devices: int = 1  # split the CPU into N logical devices and mirror over them (N > 1)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)  # multi-worker and ps
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -233,6 +243,13 @@ def validate(cfg: Config) -> None:
            f"strategy={cfg.strategy!r}; valid choices: {', '.join(STRATEGIES)}")
     _check(bool(cfg.run_dir), "run_dir is empty; give a local path or gs://bucket/path")
     _check(cfg.cpu_devices >= 1, f"cpu_devices={cfg.cpu_devices} must be >= 1")
+    _check(cfg.cpu_devices == 1 or cfg.strategy in ("auto", "mirrored"),
+           f"cpu_devices={cfg.cpu_devices} splits one CPU for strategy=mirrored (or auto); "
+           f"strategy={cfg.strategy} runs one device per process, so drop cpu_devices")
+    _check(cfg.cluster.communication in COMMUNICATIONS,
+           f"cluster.communication={cfg.cluster.communication!r}; valid choices: {', '.join(COMMUNICATIONS)}")
+    _check(cfg.cluster.timeout_seconds >= 0,
+           f"cluster.timeout_seconds={cfg.cluster.timeout_seconds} must be >= 0 (0 = no timeout)")
 
     for name in ("n_layer", "n_head", "n_embd", "max_len"):
         _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be >= 1")

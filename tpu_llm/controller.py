@@ -7,6 +7,7 @@ checkpoints, resume, and the samples printed at the end. The compiled loops live
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -17,7 +18,7 @@ import tensorflow as tf
 from tpu_llm import data, perf
 from tpu_llm.checkpoint import Checkpointer, open_run_dir, resolve_tokenizer
 from tpu_llm.config import Config
-from tpu_llm.distribute import Distribution, get_strategy
+from tpu_llm.distribute import Distribution, get_strategy, serve_if_cluster_server
 from tpu_llm.errors import UserError
 from tpu_llm.generate import Sampler
 from tpu_llm.model import GPT
@@ -73,7 +74,7 @@ def check_batch_split(batch_size: int, replicas: int, grad_accum: int) -> None:
 
 
 def build_run(cfg: Config) -> Run:
-    dist = get_strategy(cfg)  # first: it may split the CPU into logical devices
+    dist = get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = data.resolve_sources(cfg.data)
@@ -83,7 +84,8 @@ def build_run(cfg: Config) -> Run:
     elif cfg.model.vocab_size < tokenizer.vocab_size:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                         f"{tokenizer.vocab_size} ids; set it to 0 (automatic) or >= {tokenizer.vocab_size}")
-    open_run_dir(cfg, tokenizer)
+    if dist.is_chief:  # the other workers of a cluster follow the chief and write nothing
+        open_run_dir(cfg, tokenizer)
 
     with dist.strategy.scope():
         model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
@@ -91,29 +93,36 @@ def build_run(cfg: Config) -> Run:
     trainer = Trainer(dist, model, optimizer, cfg.train)
 
     def dataset(source, training, skip_steps=0):
+        # asynchronous workers must not share one seed (see data.make_dataset_fn)
+        seed = None if dist.asynchronous and training else cfg.train.seed
         fn = data.make_dataset_fn(source, tokenizer, cfg.data.seq_len, cfg.train.batch_size,
-                                  training=training, seed=cfg.train.seed,
-                                  shuffle_buffer=cfg.data.shuffle_buffer, skip_steps=skip_steps)
-        return dist.strategy.distribute_datasets_from_function(fn)
+                                  training=training, seed=seed, shuffle_buffer=cfg.data.shuffle_buffer,
+                                  skip_steps=skip_steps)
+        return dist.distribute_dataset(fn)
 
     # The default strategy's input iterator is saved in the checkpoint (resume restores its state).
-    # Other strategies' iterators cannot be saved: there, resuming replays the deterministic stream
-    # up to the restored step, which gives the same batches, only slower.
+    # Other synchronous strategies' iterators cannot be saved: there, resuming replays the
+    # deterministic stream up to the restored step, which gives the same batches, only slower.
+    # Asynchronous workers read in no fixed order, so they have no position to restore.
     state = {"model": model, "optimizer": optimizer}
-    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, **state)
+    scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
+    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, **state)
     resumed_from = checkpointer.latest
     train_dataset = dataset(train_src, training=True)
     saves_position = isinstance(train_dataset, tf.data.Dataset)  # its iterator is checkpointable
     restore_position = saves_position and "data" in checkpointer.held()
     data_resume = "data iterator restored"
-    if resumed_from and not restore_position:  # the restored step says how far to replay
+    if resumed_from and dist.asynchronous:
+        checkpointer.restore_latest()
+        data_resume = "asynchronous workers draw a new data order"
+    elif resumed_from and not restore_position:  # the restored step says how far to replay
         checkpointer.restore_latest()
         step = int(optimizer.iterations.numpy())
         train_dataset = dataset(train_src, training=True, skip_steps=step)
         data_resume = f"data stream replayed to step {step}"
     train_iterator = iter(train_dataset)
     if saves_position:
-        checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, **state, data=train_iterator)
+        checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, **state, data=train_iterator)
     if restore_position:
         checkpointer.restore_latest()
     return Run(cfg, dist, tokenizer, model, optimizer, trainer, train_iterator,
@@ -127,17 +136,21 @@ def say_now(text: str) -> None:
 
 
 class MetricsLog:
-    """TensorBoard summaries plus an append-only metrics.jsonl in the run directory."""
+    """TensorBoard summaries plus an append-only metrics.jsonl in the run directory (chief only)."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, enabled: bool = True):
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.enabled = enabled
         self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
-                        for split in ("train", "validation")}
+                        for split in ("train", "validation")} if enabled else {}
 
     def write(self, split: str, step: int, values: dict) -> None:
-        with self.writers[split].as_default(step=step):
-            for key, value in values.items():
-                tf.summary.scalar(key, value)
+        if not self.enabled:
+            return
+        if split in self.writers:  # the end-of-run summary goes to metrics.jsonl only
+            with self.writers[split].as_default(step=step):
+                for key, value in values.items():
+                    tf.summary.scalar(key, value)
         with tf.io.gfile.GFile(self.path, "a") as f:
             f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
 
@@ -149,7 +162,7 @@ class MetricsLog:
 def evaluate(run: Run) -> float:
     iterator = iter(run.val_dataset)
     try:
-        return float(run.trainer.eval_loop(iterator, tf.constant(run.cfg.train.eval_steps)))
+        return run.trainer.evaluate(iterator, run.cfg.train.eval_steps)
     except tf.errors.OutOfRangeError:
         raise UserError(f"validation data ({run.sources[1].description}) holds less than one batch of "
                         f"{run.cfg.train.batch_size} x {run.cfg.data.seq_len + 1} tokens; add data or lower "
@@ -162,8 +175,14 @@ def _next_boundary(step: int, every: int, total: int) -> int:
 
 def train(cfg: Config, say=None, samples: bool = True) -> dict:
     """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary."""
+    if serve_if_cluster_server(cfg):  # a parameter-server cluster's worker or ps task: serves, never returns
+        return {}
     say = say or say_now
     run = build_run(cfg)
+    tell = say  # the lines every process prints, chief or not
+    if not run.dist.is_chief:  # the chief prints and logs for the whole cluster
+        say(f"worker    {run.dist.task}: training in step with the chief, which prints the progress")
+        say = _quiet
     t, d = cfg.train, cfg.data
     step = int(run.optimizer.iterations.numpy())
     tokens_per_step = t.batch_size * d.seq_len
@@ -171,8 +190,9 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     peak, peak_how = run.dist.peak_flops()
 
     say(f"run_dir   {cfg.run_dir}")
-    say(f"strategy  {run.dist.name} ({run.dist.reason}); {run.dist.num_replicas} replica(s), "
-        f"XLA step: {'on' if run.dist.jit_compile else 'off'}")
+    say(f"strategy  {run.dist.name} ({run.dist.reason}); {run.dist.num_replicas} replica(s)"
+        + (f" per step, {run.dist.num_workers} workers" if run.dist.asynchronous else "")
+        + f"; XLA: {run.dist.xla}")
     say(f"data      train: {run.sources[0].description}; validation: {run.sources[1].description}")
     say(f"tokenizer {run.tokenizer.kind}, {run.tokenizer.vocab_size} ids")
     say(f"model     {run.model.num_params():,} parameters ({cfg.model.n_layer} layers, {cfg.model.n_head} "
@@ -184,22 +204,23 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     if step >= t.steps:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
 
-    log = MetricsLog(cfg.run_dir)
-    progress = perf.Progress(t.steps, initial=step, label="step ")
+    log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief)
+    progress = perf.Progress(t.steps, initial=step, label="step ", quiet=not run.dist.is_chief)
     timed_steps, timed_seconds, first_loop = 0, 0.0, True
     last = {"loss": float("nan")}
     val_loss = None
     while step < t.steps:
-        end = min(step + t.steps_per_loop, _next_boundary(step, t.eval_every, t.steps),
+        end = min(step + t.steps_per_loop * run.dist.loops_per_call(),
+                  _next_boundary(step, t.eval_every, t.steps),
                   _next_boundary(step, cfg.checkpoint.every_steps, t.steps))
         start = time.perf_counter()
         try:
-            out = run.trainer.train_loop(run.train_iterator, tf.constant(end - step))
+            out = run.trainer.run(run.train_iterator, end - step, t.steps_per_loop)  # waits for the steps
         except tf.errors.OutOfRangeError:
             raise UserError(f"training data ({run.sources[0].description}) holds less than one batch of "
                             f"{t.batch_size} x {d.seq_len + 1} tokens; add data or lower train.batch_size "
                             "/ data.seq_len") from None
-        loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # waits for the loop
+        loss, grad_norm = out["loss"], out["grad_norm"]
         seconds = time.perf_counter() - start
         n, step = end - step, end
         if not first_loop:  # the first loop includes tracing and XLA compilation
@@ -210,9 +231,13 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
         lr = float(run.optimizer.learning_rate)
         last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tok_s, "mfu": mfu,
                 "ms_per_step": 1000 * seconds / n}
+        stale = ""
+        if run.dist.asynchronous:  # updates by other workers between a step's read and its write
+            last.update(staleness=out["staleness"], staleness_max=out["staleness_max"])
+            stale = f" | stale {out['staleness']:.1f} (max {out['staleness_max']:.0f})"
         log.write("train", step, last)
         progress.update(step, f"loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
-                              f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%")
+                              f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%{stale}")
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
             val_loss = evaluate(run)
             log.write("validation", step, {"loss": val_loss})
@@ -225,16 +250,44 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     summary = {"step": step, "train_loss": last["loss"], "val_loss": val_loss,
                "tokens_per_sec": timed_steps * tokens_per_step / timed_seconds if timed_seconds else None,
                "ms_per_step": 1000 * timed_seconds / timed_steps if timed_steps else None,
-               "params": run.model.num_params(), "run_dir": cfg.run_dir}
+               "params": run.model.num_params(), "run_dir": cfg.run_dir, "strategy": run.dist.name,
+               "replicas": run.dist.num_replicas}
+    if run.dist.asynchronous:
+        summary.update(staleness=last.get("staleness"), staleness_max=last.get("staleness_max"))
     if summary["tokens_per_sec"]:
         summary["mfu"] = summary["tokens_per_sec"] * flops_per_token / peak
         say(f"done      step {step}: train loss {last['loss']:.4f}"
             + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
             + f"; {perf.format_count(summary['tokens_per_sec'])} tok/s, {summary['ms_per_step']:.1f} ms/step, "
               f"MFU {100 * summary['mfu']:.1f}% (after the first, compiling, loop)")
-    if samples and cfg.sample.num_samples and cfg.sample.max_new_tokens:
-        print_samples(run.model, run.tokenizer, cfg, say)
+    # equal on every worker of a synchronous cluster: a check that they trained the same model
+    summary["fingerprint"] = weights_fingerprint(run.model)
+    if run.dist.task:
+        tell(f"weights   {run.dist.task} at step {step}: fingerprint {summary['fingerprint']}")
+    if timed_steps:
+        log.write("summary", step, {k: v for k, v in summary.items() if k != "run_dir"})
+    if samples and run.dist.is_chief and cfg.sample.num_samples and cfg.sample.max_new_tokens:
+        print_samples(local_copy(run.model, cfg), run.tokenizer, cfg, say)
     return summary
+
+
+def weights_fingerprint(model: GPT) -> str:
+    digest = hashlib.sha256()
+    for array in model.get_weights():
+        digest.update(array.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def local_copy(model: GPT, cfg: Config) -> GPT:
+    """The model's weights in a model of this process's default device, outside any strategy: sampling
+    needs no replicas, and variables on ps tasks or TPU cores cannot be read by a host-compiled step."""
+    copy = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+    copy.set_weights(model.get_weights())
+    return copy
+
+
+def _quiet(*_) -> None:
+    pass
 
 
 def print_samples(model: GPT, tokenizer, cfg: Config, say=None) -> list[str]:

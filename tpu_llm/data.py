@@ -25,6 +25,7 @@ import tensorflow as tf
 from tpu_llm.config import DataConfig
 from tpu_llm.errors import UserError
 
+FILES_PER_PIPELINE = 4  # fewer files per input pipeline: split by window, not by file
 AUTOTUNE = tf.data.AUTOTUNE
 SNIFF_BYTES = 4096  # bytes read from each file to tell text from binary
 SNIFF_MAX_FILES = 256  # files sniffed up front (each costs a request on gs://)
@@ -201,7 +202,7 @@ def _random_start(index, doc, window, seed):
 
 
 def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, *, training: bool,
-                    seed: int, shuffle_buffer: int, skip_steps: int = 0) -> Callable:
+                    seed: int | None, shuffle_buffer: int, skip_steps: int = 0) -> Callable:
     """A function of `tf.distribute.InputContext` returning this host's batched dataset.
 
     Each element is `(inputs, targets)`, both int32 `(per_replica_batch, seq_len)`; targets are the
@@ -209,19 +210,28 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     over a document at a random offset (`_random_start`); validation is read in order, so every
     evaluation sees the same batches. `skip_steps` drops the batches of that many global steps (this
     host's share), to resume where an earlier run stopped.
+
+    Several input pipelines (one per worker) split the data by file when every pipeline gets at
+    least `FILES_PER_PIPELINE` files; otherwise each reads and shuffles the whole stream the same
+    way and keeps every n-th window, so that together they feed exactly the global batches a single
+    process would (same windows, same steps). `seed=None` draws the order from each pipeline's
+    clock instead: parameter-server workers build the same dataset graph, and a fixed seed would
+    give them all the same batches.
     """
     window = seq_len + 1
     eos = tf.constant([tokenizer.eos_id], tf.int32)
 
     def dataset_fn(ctx: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         ctx = ctx or tf.distribute.InputContext()
+        pipelines, index = ctx.num_input_pipelines, ctx.input_pipeline_id
         per_replica = ctx.get_per_replica_batch_size(global_batch)
+        order = seed if seed is not None else tf.cast(tf.timestamp() * 1e6, tf.int64) % (2 ** 31)
         files = tf.data.Dataset.from_tensor_slices(source.files)
-        shard_files = ctx.num_input_pipelines > 1 and len(source.files) >= ctx.num_input_pipelines
+        shard_files = pipelines > 1 and len(source.files) >= FILES_PER_PIPELINE * pipelines
         if shard_files:
-            files = files.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            files = files.shard(pipelines, index)
         if training:
-            files = files.shuffle(len(source.files), seed=seed, reshuffle_each_iteration=True).repeat()
+            files = files.shuffle(len(source.files), seed=order, reshuffle_each_iteration=True).repeat()
         # a long document spans several records of one shard: tfrecord shards are read one at a
         # time so its records stay contiguous; text files are whole documents and can interleave
         docs = files.interleave(read_documents(source), cycle_length=1 if source.format == "tfrecord" else 4,
@@ -231,15 +241,15 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
             docs = docs.unbatch()
             docs = docs.map(lambda d: tf.concat([tf.cast(d, tf.int32), eos], axis=0))  # shards hold theirs
         if training:
-            docs = docs.enumerate().map(lambda i, d: _random_start(i, d, window, seed))
+            docs = docs.enumerate().map(lambda i, d: _random_start(i, d, window, order))
         windows = pack(docs, window)
-        if ctx.num_input_pipelines > 1 and not shard_files:
-            windows = windows.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
         if training:
-            windows = windows.shuffle(shuffle_buffer, seed=seed)
+            windows = windows.shuffle(shuffle_buffer, seed=order)
+        if pipelines > 1 and not shard_files:  # after the shuffle: every pipeline shuffled alike
+            windows = windows.shard(pipelines, index)
         batches = windows.batch(per_replica, drop_remainder=True)
         if skip_steps:  # each global step takes one batch per replica fed by this pipeline
-            batches = batches.skip(skip_steps * ctx.num_replicas_in_sync // ctx.num_input_pipelines)
+            batches = batches.skip(skip_steps * ctx.num_replicas_in_sync // pipelines)
         batches = batches.map(lambda w: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE)
         if not training:
             batches = batches.repeat()  # an eval pass may ask for more batches than one epoch holds

@@ -1,9 +1,19 @@
 """How the job is distributed: the one place that chooses a tf.distribute strategy.
 
-The trainer, data and model code ask this module for a `Distribution` and never branch on the
-strategy themselves. Implemented so far: TF's default strategy (one device) and MirroredStrategy
-(synchronous data parallel) over several GPUs or over the CPU split into `cpu_devices` logical
-devices. TPU, multi-worker and parameter-server strategies plug in here.
+The trainer, data and controller ask this module for a `Distribution` and never branch on the
+strategy themselves; what differs between strategies is handed to them here (how datasets are
+distributed, how a loop of steps is run, who writes the run directory).
+
+  tpu               TPUStrategy (tpu_llm/tpu.py): synchronous data parallel over the TPU cores
+  mirrored          synchronous data parallel over the GPUs of one machine, or over the CPU split
+                    into `cpu_devices` logical devices
+  multi_worker      MultiWorkerMirroredStrategy: synchronous, one process per machine, TF_CONFIG
+  parameter_server  ParameterServerStrategy + ClusterCoordinator: ASYNCHRONOUS updates, a chief
+                    schedules loops of steps to whichever worker is free; variables live on ps tasks
+  default           one device
+
+`choose` is pure (what was found -> which strategy and why), so `tpu-llm info` can explain the
+choice without building anything, and tests can cover every branch offline.
 
 Splitting a 2-core CPU into 2 logical devices is not only for testing multi-device code: XLA:CPU
 spends much of a small model's step in per-kernel overhead, and two replicas running side by side
@@ -13,12 +23,100 @@ overlap it (`make bench`: 13.4k-15.4k vs 10.0k tokens/s for the same global batc
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from typing import Callable
 
 import tensorflow as tf
 
 from tpu_llm import perf
 from tpu_llm.config import Config
 from tpu_llm.errors import UserError
+
+RUN_HERE = "strategy=auto, mirrored (cpu_devices=N) or default"
+
+
+@dataclasses.dataclass
+class Found:
+    """What this process can see, gathered without starting TensorFlow's runtime."""
+
+    gpus: int = 0
+    tpu: str | None = None  # evidence of a TPU (tpu_llm.tpu.find_tpu), or None
+    cluster: dict = dataclasses.field(default_factory=dict)  # TF_CONFIG["cluster"]: task type -> addresses
+    task: tuple[str, int] | None = None  # TF_CONFIG["task"]: this process's (type, index)
+
+    @property
+    def cluster_size(self) -> int:
+        return sum(len(v) for v in self.cluster.values())
+
+    def describe(self) -> list[str]:
+        tasks = ", ".join(f"{len(v)} {k}" for k, v in self.cluster.items())
+        return [f"GPUs      {self.gpus}",
+                f"TPU       {self.tpu or 'none found (no tpu=, TPU_NAME, COLAB_TPU_ADDR or TPU device files)'}",
+                f"TF_CONFIG {f'{tasks}; this process is {self.task[0]} {self.task[1]}' if self.cluster else 'not set'}"]
+
+
+def look_around(cfg: Config) -> Found:
+    from tpu_llm import tpu
+
+    cluster, task = read_tf_config()
+    return Found(gpus=len(tf.config.list_physical_devices("GPU")), tpu=tpu.find_tpu(cfg.tpu),
+                 cluster=cluster, task=task)
+
+
+def read_tf_config() -> tuple[dict, tuple[str, int] | None]:
+    text = os.environ.get("TF_CONFIG", "").strip()
+    if not text:
+        return {}, None
+    try:
+        spec = json.loads(text)
+        cluster = {k: list(v) for k, v in spec.get("cluster", {}).items()}
+        task = spec.get("task") or {}
+        return cluster, ((str(task["type"]), int(task.get("index", 0))) if task else None)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UserError(f"TF_CONFIG is not valid ({e}); expected JSON like "
+                        '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", '
+                        '"index": 0}}') from None
+
+
+def choose(cfg: Config, found: Found) -> tuple[str, str]:
+    """(strategy name, why) for `cfg.strategy` given what was found; a request that cannot run here
+    is a UserError naming what was looked for and the alternatives."""
+    want, ps = cfg.strategy, "ps" in found.cluster
+    if want == "tpu":
+        if found.tpu or cfg.tpu:
+            return "tpu", f"strategy=tpu: {found.tpu or f'tpu={cfg.tpu!r}'}"
+        raise UserError("strategy=tpu found no TPU (looked for tpu=..., TPU_NAME, COLAB_TPU_ADDR and TPU device "
+                        f"files); set tpu=local on a TPU VM or tpu=<name>, or use {RUN_HERE}")
+    if want in ("multi_worker", "parameter_server"):
+        if want == "parameter_server" and not (ps and found.cluster.get("worker")):
+            raise UserError("strategy=parameter_server needs TF_CONFIG with chief, worker and ps tasks; start a "
+                            "local cluster with `tpu-llm launch --workers 2 --ps 1 -- train ...`")
+        if want == "multi_worker" and (ps or not found.cluster):
+            raise UserError("strategy=multi_worker needs TF_CONFIG listing the workers (and no ps tasks); start "
+                            "local workers with `tpu-llm launch --workers 2 -- train ...`")
+        return want, f"strategy={want}: TF_CONFIG with {found.cluster_size} tasks"
+    if want == "mirrored":
+        if found.gpus > 1:
+            return "mirrored", f"strategy=mirrored: {found.gpus} GPUs"
+        if cfg.cpu_devices > 1:
+            return "mirrored", f"strategy=mirrored: cpu_devices={cfg.cpu_devices} logical CPU devices"
+        raise UserError("strategy=mirrored found one device (no second GPU); set cpu_devices=N to mirror over N "
+                        "logical CPU devices, or use strategy=auto / default")
+    if want == "default":
+        return "default", "strategy=default"
+    # auto
+    if found.tpu:
+        return "tpu", f"strategy=auto: a TPU ({found.tpu})"
+    if ps:
+        return "parameter_server", f"strategy=auto: TF_CONFIG has ps tasks ({found.cluster_size} tasks)"
+    if found.cluster_size > 1:  # before local GPUs: each worker mirrors over its own GPUs
+        return "multi_worker", f"strategy=auto: TF_CONFIG with {found.cluster_size} tasks"
+    if found.gpus > 1:
+        return "mirrored", f"strategy=auto: {found.gpus} GPUs"
+    if cfg.cpu_devices > 1:
+        return "mirrored", f"strategy=auto: cpu_devices={cfg.cpu_devices} logical CPU devices"
+    return "default", f"strategy=auto: one {'GPU' if found.gpus else 'CPU'} device, no TPU, no TF_CONFIG"
 
 
 @dataclasses.dataclass
@@ -27,21 +125,61 @@ class Distribution:
     name: str  # what was chosen
     reason: str  # why, in words, for `tpu-llm info` and the training log
     device_kind: str  # "CPU", "GPU" or the TPU's device kind, for the MFU peak
-    jit_compile: bool = True  # compile the per-replica step with XLA
+    jit_compile: bool = True  # wrap the per-replica forward/backward in tf.function(jit_compile=True)
+    xla: str = "per-replica step compiled with XLA"  # how XLA is used, for the log
+    coordinator: object = None  # parameter_server: the ClusterCoordinator that schedules steps
+    is_chief: bool = True  # writes the run directory (config, checkpoints, logs); prints progress
+    task: str = ""  # this process's place in a cluster, e.g. "worker 1 of 2"
+    chips: int = 0  # TPU chips in the slice (the published peak is per chip)
 
     @property
     def num_replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
 
+    @property
+    def asynchronous(self) -> bool:
+        """Steps run concurrently on several workers against shared variables (parameter_server)."""
+        return self.coordinator is not None
+
+    @property
+    def num_workers(self) -> int:
+        return self.coordinator.strategy._num_workers if self.coordinator else 1  # noqa: SLF001
+
+    def distribute_dataset(self, dataset_fn: Callable):
+        """A dataset for `strategy.run` (sync) or one per worker (parameter_server); iterate it with iter()."""
+        if self.coordinator:
+            return self.coordinator.create_per_worker_dataset(
+                lambda: self.strategy.distribute_datasets_from_function(dataset_fn))
+        return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+    def loops_per_call(self) -> int:
+        """How many loops of `steps_per_loop` one controller call should ask for: parameter_server queues
+        two per worker so that a free worker always finds one (the load balancing), sync strategies one."""
+        return 2 * self.num_workers if self.coordinator else 1
+
+    def run_loops(self, loop: Callable, iterator, num_steps: int, chunk: int) -> list[tuple[int, dict]]:
+        """Run `loop(iterator, n)` for `num_steps` steps in all: [(n, result), ...].
+
+        Synchronous strategies make one call. parameter_server cuts the steps into loops of at most
+        `chunk` steps and schedules each to whichever worker is free, then waits for all of them.
+        """
+        if not self.coordinator:
+            return [(num_steps, loop(iterator, tf.constant(num_steps)))]
+        sizes = [min(chunk, num_steps - start) for start in range(0, num_steps, chunk)]
+        pending = [(n, self.coordinator.schedule(loop, args=(iterator, tf.constant(n)))) for n in sizes]
+        self.coordinator.join()
+        return [(n, remote.fetch()) for n, remote in pending]
+
     def peak_flops(self) -> tuple[float, str]:
         """(peak FLOP/s of all replicas together, how it was obtained)."""
         tpu = perf.tpu_peak_flops(self.device_kind) if self.device_kind.startswith("TPU") else None
         if tpu:
-            return tpu * self.num_replicas, f"{self.device_kind} bf16 peak (published)"
+            chips = self.chips or self.num_replicas
+            return tpu * chips, f"{self.device_kind} bf16 peak (published) x {chips} chips"
         if self.device_kind == "GPU":
             return perf.measured_matmul_flops("/GPU:0") * self.num_replicas, "measured /GPU:0 float32 matmul"
         # logical CPU devices share the same cores: the measured matmul already uses all of them
-        return perf.measured_matmul_flops("/CPU:0"), "measured CPU float32 matmul"
+        return perf.measured_matmul_flops("/CPU:0"), "measured CPU float32 matmul of this process"
 
 
 def split_cpu(n: int) -> list[str]:
@@ -59,29 +197,86 @@ def split_cpu(n: int) -> list[str]:
     return [d.name for d in have[:n]]
 
 
-def get_strategy(cfg: Config) -> Distribution:
-    """The distribution for this run (call before any other TensorFlow work: it may split the CPU)."""
-    gpus = tf.config.list_physical_devices("GPU")  # (listing logical devices would start the runtime)
-    if cfg.strategy == "default":
-        if cfg.cpu_devices > 1:
-            raise UserError(f"cpu_devices={cfg.cpu_devices} needs strategy=mirrored or auto; "
-                            "strategy=default runs on one device")
-        return Distribution(tf.distribute.get_strategy(), "default", "strategy=default",
-                            "GPU" if gpus else "CPU")
-    if len(gpus) > 1:
-        return Distribution(tf.distribute.MirroredStrategy(), "mirrored",
-                            f"strategy={cfg.strategy}: {len(gpus)} GPUs, synchronous data parallel", "GPU")
-    if cfg.cpu_devices > 1:
+def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
+    """The distribution for this run (call before any other TensorFlow work: it may split the CPU or
+    configure collectives)."""
+    found = found or look_around(cfg)
+    name, reason = choose(cfg, found)
+    kind = "GPU" if found.gpus else "CPU"
+    if name == "tpu":
+        from tpu_llm import tpu
+
+        # No quiet fallback to the CPU when a TPU was seen but cannot be reached: a half-made
+        # connection may already have changed TF's default devices, and a user on a TPU VM wants
+        # the TPU. The error says how to run without it.
+        strategy, kind, described, chips = tpu.tpu_strategy(cfg.tpu)
+        # TPUStrategy compiles the whole replica function for the TPU: no nested jit_compile needed
+        return Distribution(strategy, "tpu", f"{reason}; {described}", kind, jit_compile=False,
+                            xla="whole replica step compiled for the TPU", chips=chips)
+    if name == "multi_worker":
+        return _multi_worker(cfg, reason, kind, found)
+    if name == "parameter_server":
+        return _parameter_server(reason, kind, found)
+    if name == "mirrored" and found.gpus > 1:
+        return Distribution(tf.distribute.MirroredStrategy(), name, f"{reason}, synchronous data parallel", "GPU")
+    if name == "mirrored":
         names = split_cpu(cfg.cpu_devices)
         # logical CPUs share one memory: reduce on the first of them. (The default, collective
         # all-reduce, also breaks when a process builds a second strategy of another size.)
         strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=tf.distribute.ReductionToOneDevice())
-        return Distribution(strategy, "mirrored",
-                            f"strategy={cfg.strategy}: cpu_devices={cfg.cpu_devices} logical CPU devices, "
-                            "synchronous data parallel", "CPU")
-    if cfg.strategy == "mirrored" and len(gpus) < 2:
-        raise UserError("strategy=mirrored found one device (no second GPU); set cpu_devices=N to mirror "
-                        "over N logical CPU devices, or use strategy=auto / default")
-    kind = "GPU" if gpus else "CPU"
-    return Distribution(tf.distribute.get_strategy(), "default",
-                        f"strategy=auto: one {kind} device and cpu_devices=1", kind)
+        return Distribution(strategy, name, f"{reason}, synchronous data parallel", "CPU")
+    return Distribution(tf.distribute.get_strategy(), "default", reason, kind)
+
+
+def _is_chief(found: Found) -> bool:
+    task_type, index = found.task or ("worker", 0)
+    return task_type == "chief" or (task_type == "worker" and index == 0 and "chief" not in found.cluster)
+
+
+def _multi_worker(cfg: Config, reason: str, kind: str, found: Found) -> Distribution:
+    if not found.task:
+        raise UserError('TF_CONFIG has no "task" entry; give each process {"type": "worker", "index": i}')
+    impl = tf.distribute.experimental.CommunicationImplementation
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation={"auto": impl.AUTO, "ring": impl.RING, "nccl": impl.NCCL}[cfg.cluster.communication],
+        timeout_seconds=cfg.cluster.timeout_seconds or None)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    workers = len(found.cluster.get("worker", [])) + len(found.cluster.get("chief", []))
+    return Distribution(strategy, "multi_worker",
+                        f"{reason}, synchronous data parallel, {cfg.cluster.communication} all-reduce", kind,
+                        is_chief=_is_chief(found), task=f"{found.task[0]} {found.task[1]} of {workers} workers")
+
+
+def _parameter_server(reason: str, kind: str, found: Found) -> Distribution:
+    if not found.task or found.task[0] != "chief":
+        raise UserError("this process is a parameter-server cluster's worker or ps task: start it with "
+                        "`tpu-llm train` (it serves) or use `tpu-llm launch --workers N --ps M -- train ...`")
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    # A step reads variables that live on another task; XLA cannot compile such a step (it would need
+    # the variables on the worker's device), so the workers run it as a TF graph.
+    return Distribution(strategy, "parameter_server", f"{reason}, ASYNCHRONOUS updates", kind,
+                        jit_compile=False, xla="off (variables live on the ps tasks)", coordinator=coordinator,
+                        task=f"chief of {len(found.cluster['worker'])} workers and {len(found.cluster['ps'])} ps")
+
+
+def serve_if_cluster_server(cfg: Config) -> bool:
+    """In a parameter-server cluster every task runs the same command; worker and ps tasks start a
+    TF server here and block (the chief drives them). Returns False for every other process."""
+    if cfg.strategy not in ("auto", "parameter_server"):
+        return False
+    cluster, task = read_tf_config()
+    if "ps" not in cluster or not task or task[0] not in ("worker", "ps"):
+        return False
+    import tensorflow_text  # noqa: F401  (the chief ships input pipelines that tokenize with its ops)
+
+    config = tf.compat.v1.ConfigProto()
+    if task[0] == "worker":  # closures from the chief run concurrently with the worker's own ops
+        config.inter_op_parallelism_threads = 4
+    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task[0], task_index=task[1],
+                                  config=config, protocol="grpc", start=True)
+    print(f"serving   {task[0]} {task[1]} of a parameter-server cluster at {cluster[task[0]][task[1]]}; "
+          "the chief drives training", flush=True)
+    server.join()
+    return True

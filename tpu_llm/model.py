@@ -105,6 +105,10 @@ class GPT(keras.Model):
                                           name="wpe")
         self.drop = keras.layers.Dropout(cfg.dropout)
         self.blocks = [Block(cfg, name=f"block_{i}") for i in range(cfg.n_layer)]
+        for i, block in enumerate(self.blocks):
+            # Keras 3 tracks a list of layers for `weights`, but TF checkpoints do not see into it
+            # (tf.train.Checkpoint(model=...) would save only the embeddings and the final norm)
+            self._track_trackable(block, name=f"block_{i}", overwrite=True)
         self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, center=cfg.bias, name="ln_f")
 
     def build_weights(self) -> "GPT":

@@ -7,6 +7,7 @@ MFU printed on a laptop is against what that laptop can actually do.
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 
@@ -55,9 +56,10 @@ def format_seconds(s: float) -> str:
 class Progress:
     """A one-line progress bar on a terminal; plain log lines (one per update) otherwise."""
 
-    def __init__(self, total: int, initial: int = 0, label: str = "", stream=None, width: int = 20):
+    def __init__(self, total: int, initial: int = 0, label: str = "", stream=None, width: int = 20,
+                 quiet: bool = False):
         self.total, self.initial, self.label, self.width = total, initial, label, width
-        self.stream = stream or sys.stderr
+        self.stream = stream or (io.StringIO() if quiet else sys.stderr)
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.start = time.perf_counter()
 

@@ -66,10 +66,14 @@ def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
 
 class Trainer:
     def __init__(self, dist: Distribution, model: GPT, optimizer, cfg: TrainConfig):
-        self.strategy = dist.strategy
+        self.dist, self.strategy = dist, dist.strategy
         self.model, self.optimizer = model, optimizer
         self.grad_accum, self.clip_norm = cfg.grad_accum, cfg.clip_norm
         self.num_replicas = dist.num_replicas
+        if dist.asynchronous:
+            with self.strategy.scope():  # on a ps task; atomic increments, unlike the optimizer's step
+                self.updates = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=dist.jit_compile)
         self._eval_loss = tf.function(self._eval_loss_fn, jit_compile=dist.jit_compile)
         self.train_loop = tf.function(self._train_loop)
@@ -102,7 +106,7 @@ class Trainer:
         return loss_sum / k, grads
 
     def _replica_step(self, inputs, targets):
-        loss, grads = self._loss_and_grads(inputs, targets)
+        loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
         ctx = tf.distribute.get_replica_context()
         if self.num_replicas > 1:  # with one replica the reduction is the identity: skip its copies
             grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
@@ -111,7 +115,19 @@ class Trainer:
         if self.clip_norm > 0:
             grads, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=grad_norm)
         self.optimizer.apply(grads, self.model.trainable_variables)
-        return loss, grad_norm
+        return loss, grad_norm, staleness
+
+    def _staleness_measured(self, loss_and_grads, inputs, targets):
+        """loss_and_grads(inputs, targets), plus how many updates other workers applied between this
+        step reading the variables and applying its gradients (0 when training is synchronous)."""
+        if not self.dist.asynchronous:
+            return (*loss_and_grads(inputs, targets), tf.constant(0.0))
+        version = self.updates.read_value()
+        with tf.control_dependencies([version]):  # read before the forward pass reads the weights
+            loss, grads = loss_and_grads(inputs, targets)
+        with tf.control_dependencies([loss]):  # count once the gradients exist
+            after = self.updates.assign_add(1)
+        return loss, grads, tf.cast(after - version - 1, tf.float32)
 
     def _eval_step(self, inputs, targets):
         # the compiled function is called from a plain replica function, as in training: passed to
@@ -121,20 +137,43 @@ class Trainer:
     def _eval_loss_fn(self, inputs, targets):
         return loss_fn(self.model(inputs, training=False), targets)
 
+    # ---- host side --------------------------------------------------------------------------------
+
+    def run(self, iterator, num_steps: int, steps_per_loop: int) -> dict:
+        """Train `num_steps` steps; returns the mean loss and staleness, the last gradient norm and the
+        largest staleness, as Python floats. Waits for the steps to finish."""
+        start = int(self.optimizer.iterations.numpy())
+        done = self.dist.run_loops(self.train_loop, iterator, num_steps, steps_per_loop)
+        out = {key: sum(n * float(r[key]) for n, r in done) / num_steps for key in ("loss", "staleness")}
+        out["grad_norm"] = float(done[-1][1]["grad_norm"])
+        out["staleness_max"] = max(float(r["staleness_max"]) for _, r in done)
+        if self.dist.asynchronous:
+            # concurrent workers' increments of the step counter can race: the steps the chief
+            # scheduled and saw finish are the count that is saved and resumed from
+            self.optimizer.iterations.assign(start + num_steps)
+        return out
+
+    def evaluate(self, iterator, num_steps: int) -> float:
+        [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+        return float(loss)
+
     # ---- loops (one host call each) --------------------------------------------------------------
 
     def _first(self, per_replica):
         return self.strategy.experimental_local_results(per_replica)[0]
 
     def _train_loop(self, iterator, num_steps):
-        loss_sum = tf.constant(0.0)
-        grad_norm = tf.constant(0.0)
+        loss_sum = staleness_sum = staleness_max = grad_norm = tf.constant(0.0)
         for _ in tf.range(num_steps):
             inputs, targets = next(iterator)
-            loss, norm = self.strategy.run(self._replica_step, args=(inputs, targets))
+            loss, norm, staleness = self.strategy.run(self._replica_step, args=(inputs, targets))
             loss_sum += self._first(loss)
             grad_norm = self._first(norm)
-        return {"loss": loss_sum / tf.cast(num_steps, tf.float32), "grad_norm": grad_norm}
+            staleness_sum += self._first(staleness)
+            staleness_max = tf.maximum(staleness_max, self._first(staleness))
+        steps = tf.cast(num_steps, tf.float32)
+        return {"loss": loss_sum / steps, "grad_norm": grad_norm, "staleness": staleness_sum / steps,
+                "staleness_max": staleness_max}
 
     def _eval_loop(self, iterator, num_steps):
         total = tf.constant(0.0)

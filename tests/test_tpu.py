@@ -1,0 +1,214 @@
+"""TPU discovery, the one-line "no TPU" errors, and replica-to-core layout on hand-built slice topologies.
+
+Everything runs offline on CPU: `tf.tpu.experimental.Topology(mesh_shape=..., device_coordinates=...)`
+and `DeviceAssignment.build` are plain Python and need no TPU.
+
+Slice layouts (mesh = [x, y, z, cores per chip]; hosts tile the mesh in boxes). Host boxes follow
+the TPU_HOST_BOUNDS / TPU_CHIPS_PER_HOST_BOUNDS that TPU runtimes export per slice type (as on GKE):
+v4-8 one host of 2x2x1 chips; v4-16 two hosts of 2x2x1 stacked in z (host bounds 1,1,2);
+v5litepod-8 one host of 2x4 chips; v5litepod-16 four hosts of 2x2 chips (host bounds 2,2,1). v4 runs
+its two TensorCores as one megacore, so TF sees one core per chip; v3 shows two. ASSUMPTION: the order
+of TF device ordinals inside a host is not documented; we number core first, then x, y, z, and a
+separate test shuffles it to show the layout does not depend on it.
+"""
+
+import itertools
+import random
+import socket
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tpu_llm import perf, tpu
+from tpu_llm.errors import UserError
+
+
+def make_topology(mesh, host, shuffle=False):
+    """A Topology whose hosts (tasks) are `host`-shaped boxes tiling `mesh`."""
+    boxes = [range(0, m, h) for m, h in zip(mesh, host)]
+    tasks = []
+    for origin in itertools.product(*[boxes[2], boxes[1], boxes[0], boxes[3]]):  # hosts ordered x fastest
+        z0, y0, x0, c0 = origin
+        cores = [(x0 + x, y0 + y, z0 + z, c0 + c) for z, y, x, c in
+                 itertools.product(range(host[2]), range(host[1]), range(host[0]), range(host[3]))]
+        if shuffle:
+            random.Random(len(tasks)).shuffle(cores)
+        tasks.append(cores)
+    return tf.tpu.experimental.Topology(mesh_shape=mesh, device_coordinates=np.array(tasks, dtype=np.int32))
+
+
+SLICES = {  # name: (mesh, host box)
+    "v4-8": ([2, 2, 1, 1], [2, 2, 1, 1]),
+    "v3-8": ([2, 2, 1, 2], [2, 2, 1, 2]),
+    "v5litepod-8": ([2, 4, 1, 1], [2, 4, 1, 1]),
+    "v4-16": ([2, 2, 2, 1], [2, 2, 1, 1]),
+    "v5litepod-16": ([4, 4, 1, 1], [2, 2, 1, 1]),
+    "two-8-chip-hosts": ([4, 4, 1, 1], [2, 4, 1, 1]),  # hypothetical: 16 chips on two 2x4 hosts
+}
+SHAPES = {  # (slice, cores_per_replica): expected computation shape
+    ("v4-8", 2): [2, 1, 1, 1], ("v4-8", 4): [2, 2, 1, 1],
+    ("v3-8", 2): [1, 1, 1, 2], ("v3-8", 4): [2, 1, 1, 2], ("v3-8", 8): [2, 2, 1, 2],
+    ("v5litepod-8", 4): [2, 2, 1, 1], ("v5litepod-8", 8): [2, 4, 1, 1],
+    ("v4-16", 4): [2, 2, 1, 1], ("v4-16", 8): [2, 2, 2, 1],
+    ("v5litepod-16", 4): [2, 2, 1, 1], ("v5litepod-16", 8): [4, 2, 1, 1], ("v5litepod-16", 16): [4, 4, 1, 1],
+    ("two-8-chip-hosts", 8): [2, 4, 1, 1],
+}
+CASES = [(name, n) for name, (mesh, _) in SLICES.items() for n in (1, 2, 4, 8, 16) if n <= np.prod(mesh)]
+
+
+def check_layout(topo, n, da):
+    cores_per_host = topo.num_tpus_per_task
+    total = topo.num_tasks * cores_per_host
+    assert da.num_replicas == total // n and da.num_cores_per_replica == n
+    used = [tuple(c) for c in da.core_assignment.reshape(-1, 4).tolist()]
+    assert sorted(used) == sorted(tuple(c) for c in topo.device_coordinates.reshape(-1, 4).tolist())
+    shape = tpu.computation_shape(topo, n)
+    for r in range(da.num_replicas):
+        coords = np.array([da.coordinates(r, c) for c in range(n)])
+        low = coords.min(axis=0)
+        box = {tuple(low + np.array(o)) for o in itertools.product(*map(range, shape))}
+        assert {tuple(c) for c in coords} == box  # a contiguous block of the computation shape
+        for a, b in zip(coords, coords[1:]):  # pipeline stage i -> i+1: same chip or one ICI hop
+            assert np.abs(a[:3] - b[:3]).sum() <= 1
+        hosts = {da.host_device(r, c) for c in range(n)}
+        assert len(hosts) == max(1, n // cores_per_host)  # one host if it fits, else whole hosts
+    if n <= cores_per_host:
+        for task in range(topo.num_tasks):
+            for core in range(n):
+                assert len(da.lookup_replicas(task, core)) == cores_per_host // n
+
+
+@pytest.mark.parametrize("name,n", CASES)
+def test_device_assignment_uses_every_core_once_in_neighbour_blocks(name, n):
+    topo = make_topology(*SLICES[name])
+    da = tpu.device_assignment(topo, n)
+    if n == 1:
+        assert da is None and tpu.computation_shape(topo, 1) == [1, 1, 1, 1]
+        return
+    if (name, n) in SHAPES:
+        assert tpu.computation_shape(topo, n) == SHAPES[name, n]
+    check_layout(topo, n, da)
+
+
+@pytest.mark.parametrize("name", ["v4-16", "v5litepod-16", "v3-8"])
+def test_layout_does_not_depend_on_device_order_within_a_host(name):
+    topo = make_topology(*SLICES[name], shuffle=True)
+    for n in (2, 4, 8):
+        check_layout(topo, n, tpu.device_assignment(topo, n))
+
+
+@pytest.mark.parametrize("name,n,valid", [("v5litepod-8", 3, "1, 2, 4, 8"), ("v4-8", 8, "1, 2, 4"),
+                                          ("v4-16", 0, "1, 2, 4, 8"), ("v3-8", 6, "1, 2, 4, 8")])
+def test_impossible_cores_per_replica_names_the_slice_and_valid_values(name, n, valid):
+    topo = make_topology(*SLICES[name])
+    mesh = "x".join(map(str, SLICES[name][0]))
+    for call in (tpu.computation_shape, tpu.device_assignment):
+        with pytest.raises(UserError) as err:
+            call(topo, n)
+        msg = str(err.value)
+        assert f"cores_per_replica={n}" in msg and f"mesh {mesh}" in msg and f"valid values: {valid}" in msg
+        assert "\n" not in msg
+
+
+# the "no TPU" tests hold on machines where TensorFlow lists no TPU device (CI, laptops)
+no_tpu_here = pytest.mark.skipif(bool(tf.config.list_physical_devices("TPU")), reason="this machine has a TPU")
+
+
+@no_tpu_here
+def test_find_tpu_sees_nothing_on_an_empty_machine(tmp_path):
+    assert tpu.find_tpu("", env={}, root=str(tmp_path)) is None
+
+
+def test_find_tpu_evidence(tmp_path):
+    assert tpu.find_tpu("local", env={}, root=str(tmp_path)) == "tpu='local' set"
+    assert tpu.find_tpu("", env={"TPU_NAME": "foo"}, root=str(tmp_path)) == "TPU_NAME=foo in the environment"
+    assert tpu.find_tpu("", env={"COLAB_TPU_ADDR": "10.0.0.2:8470"}, root=str(tmp_path)) == "COLAB_TPU_ADDR set (Colab)"
+    accel = tmp_path / "accel"
+    (accel / "dev").mkdir(parents=True)
+    (accel / "dev" / "accel0").touch()
+    assert tpu.find_tpu("", env={}, root=str(accel)) == "/dev/accel0 present (TPU VM)"
+    vfio = tmp_path / "vfio"
+    (vfio / "dev" / "vfio").mkdir(parents=True)
+    (vfio / "dev" / "vfio" / "0").touch()
+    (vfio / "dev" / "vfio" / "vfio").touch()
+    (vfio / "lib").mkdir()
+    (vfio / "lib" / "libtpu.so").touch()
+    assert tpu.find_tpu("", env={}, root=str(vfio)) == "/dev/vfio present and libtpu installed (TPU VM)"
+
+
+def fake_pci(root, vendor, device):
+    slot = root / "sys" / "bus" / "pci" / "devices" / "0000:00:05.0"
+    slot.mkdir(parents=True)
+    (slot / "vendor").write_text(vendor + "\n")
+    (slot / "device").write_text(device + "\n")
+
+
+@no_tpu_here
+def test_find_tpu_reads_the_pci_bus_and_names_the_kind(tmp_path):
+    fake_pci(tmp_path / "tpu", "0x1ae0", "0x0063")
+    assert tpu.find_tpu("", env={}, root=str(tmp_path / "tpu")) == "1 TPU v5 lite chip(s) on the PCI bus (TPU VM)"
+    assert tpu.tpu_kind(env={}, root=str(tmp_path / "tpu")) == "TPU v5 lite"
+    fake_pci(tmp_path / "nic", "0x8086", "0x0063")
+    assert tpu.find_tpu("", env={}, root=str(tmp_path / "nic")) is None
+    assert tpu.tpu_kind(env={}, root=str(tmp_path / "nic")) == "TPU"
+
+
+@pytest.mark.parametrize("accelerator,kind,tflops", [("v4-8", "TPU v4", 275), ("v5litepod-16", "TPU v5 lite", 197),
+                                                     ("v5p-8", "TPU v5p", 459), ("v6e-8", "TPU v6 lite", 918)])
+def test_tpu_kind_is_one_perf_knows(tmp_path, accelerator, kind, tflops):
+    assert tpu.tpu_kind(env={"TPU_ACCELERATOR_TYPE": accelerator}, root=str(tmp_path)) == kind
+    assert perf.tpu_peak_flops(kind) == tflops * 1e12
+
+
+def assert_one_line(err, *parts):
+    msg = str(err.value)
+    assert "\n" not in msg and "strategy=auto / mirrored / default" in msg and "tpu=local" in msg
+    for part in parts:
+        assert part in msg
+
+
+@no_tpu_here
+@pytest.mark.parametrize("fn", [tpu.connect, tpu.tpu_strategy])
+def test_no_tpu_gives_one_line_error(tmp_path, fn):
+    with pytest.raises(UserError) as err:
+        fn("", env={}, root=str(tmp_path))
+    assert_one_line(err, "tpu=''", "TPU_NAME", "COLAB_TPU_ADDR", "/dev/accel*", "PCI bus")
+    with pytest.raises(UserError) as err:
+        fn("local", env={}, root=str(tmp_path))
+    assert_one_line(err, "tpu='local'", "no TPU is attached", "/dev/vfio")
+    with pytest.raises(UserError) as err:
+        fn("my-tpu", env={}, root=str(tmp_path), timeout=5)
+    assert_one_line(err, "tpu='my-tpu'")
+
+
+def test_tpu_name_in_the_environment_is_what_tpu_empty_connects_to(tmp_path):
+    with pytest.raises(UserError) as err:
+        tpu.connect("", env={"TPU_NAME": "pod-7"}, root=str(tmp_path), timeout=5)
+    assert_one_line(err, "tpu='' with TPU_NAME=pod-7")
+
+
+@pytest.mark.parametrize("name,kind", [("v4-8", "TPU v4"), ("v3-8", "TPU v3"), ("v5litepod-8", "TPU v5 lite"),
+                                       ("v4-16", "TPU v4"), ("v5litepod-16", "TPU v5 lite")])
+def test_slice_name_for_the_description(name, kind):
+    assert tpu._slice_name(kind, make_topology(*SLICES[name]), {}) == name
+    assert tpu._slice_name(kind, make_topology(*SLICES[name]), {"TPU_ACCELERATOR_TYPE": "v9-1"}) == "v9-1"
+
+
+def test_colab_address_that_nobody_answers_fails_before_tensorflow_connects(tmp_path):
+    with socket.socket() as s:  # a local port with nothing listening: refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UserError) as err:
+        tpu.connect("", env={"COLAB_TPU_ADDR": f"127.0.0.1:{port}"}, root=str(tmp_path))
+    assert_one_line(err, f"COLAB_TPU_ADDR=127.0.0.1:{port}", "ConnectionRefusedError")
+
+
+def test_a_resolver_lookup_that_hangs_is_cut_off(tmp_path, monkeypatch):
+    monkeypatch.setattr(tpu, "_resolve", lambda target: time.sleep(3))
+    start = time.perf_counter()
+    with pytest.raises(UserError) as err:
+        tpu.connect("grpc://10.0.0.9:8470", env={}, root=str(tmp_path), timeout=0.2)
+    assert time.perf_counter() - start < 5
+    assert_one_line(err, "tpu='grpc://10.0.0.9:8470'", "TimeoutError")

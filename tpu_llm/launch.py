@@ -1,0 +1,170 @@
+"""`tpu-llm launch`: a local cluster of tpu-llm processes on 127.0.0.1, one TF_CONFIG each.
+
+    tpu-llm launch --workers 2 -- train --config configs/tiny.yaml           # multi_worker (MWMS)
+    tpu-llm launch --workers 2 --ps 1 -- train --config configs/tiny.yaml    # parameter_server
+
+Every process runs the same command; only its TF_CONFIG differs, exactly as on a real cluster, where
+each machine gets its own TF_CONFIG and `strategy=auto` picks the strategy from it. This is for
+trying multi-worker training on one box and for the tests; it is not a cluster manager.
+
+Output lines are prefixed with the task (`[worker 0] ...`). The launcher fails fast: under
+multi_worker, one process exiting with an error stops all of them (the others would wait forever
+in their next all-reduce). Under parameter_server the chief decides: a worker that dies is reported
+and the chief's coordinator carries on with the rest; a ps task dying stops the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from tpu_llm.errors import UserError
+
+STOP_GRACE_SECONDS = 10
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def cluster_spec(workers: int, ps: int = 0) -> dict[str, list[str]]:
+    """TF_CONFIG's cluster: workers only (multi_worker), or chief + workers + ps (parameter_server)."""
+    if workers < 1 or ps < 0:
+        raise UserError(f"--workers={workers} --ps={ps}: need at least 1 worker and 0 or more ps tasks")
+    counts = {"chief": 1, "worker": workers, "ps": ps} if ps else {"worker": workers}
+    ports = iter(free_ports(sum(counts.values())))
+    return {kind: [f"127.0.0.1:{next(ports)}" for _ in range(n)] for kind, n in counts.items()}
+
+
+def tf_config(cluster: dict, kind: str, index: int) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+
+
+class _Task:
+    def __init__(self, kind: str, index: int, command: list[str], cluster: dict, out, lock):
+        self.name = f"{kind} {index}"
+        env = {**os.environ, "TF_CONFIG": tf_config(cluster, kind, index), "PYTHONUNBUFFERED": "1"}
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+        self.reader = threading.Thread(target=self._copy, args=(out, lock), daemon=True)
+        self.reader.start()
+
+    def _copy(self, out, lock) -> None:
+        for line in self.proc.stdout:
+            with lock:
+                out.write(f"[{self.name}] {line.rstrip()}\n")
+                out.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+
+def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] | None = None) -> int:
+    """Start the cluster running `tpu-llm <args>` (or `program + args`), stream its output, and return
+    the exit status of the job."""
+    if not args:
+        raise UserError("tpu-llm launch needs the command to run after --, e.g. "
+                        "`tpu-llm launch --workers 2 -- train --config configs/tiny.yaml`")
+    out = out or sys.stdout
+    cluster = cluster_spec(workers, ps)
+    lock = threading.Lock()
+    mode = f"parameter_server: chief + {workers} workers + {ps} ps" if ps else f"multi_worker: {workers} workers"
+    out.write(f"launch    {mode} on 127.0.0.1 ({json.dumps(cluster)}): tpu-llm {' '.join(args)}\n")
+    out.flush()
+    command = (program or [sys.executable, "-m", "tpu_llm"]) + list(args)
+    tasks = [_Task(kind, i, command, cluster, out, lock) for kind, addresses in cluster.items()
+             for i in range(len(addresses))]
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return _supervise(tasks, ps > 0, out, lock)
+    except KeyboardInterrupt:
+        _say(out, lock, "launch    interrupted: stopping every task")
+        _stop_all(tasks)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
+    reported = set()
+    while True:
+        for task in tasks:
+            code = task.proc.poll()
+            if code is None or task.name in reported:
+                continue
+            reported.add(task.name)
+            if parameter_server and task.name == "chief 0":
+                _stop_all(tasks)  # workers and ps serve forever: the job ends with the chief
+                return code
+            if parameter_server and task.name.startswith("worker"):
+                _say(out, lock, f"launch    {task.name} exited with status {code}; the chief's coordinator "
+                                "goes on with the other workers")
+                continue
+            if code != 0 or parameter_server:  # any multi_worker error, or a ps task gone
+                _say(out, lock, f"launch    {task.name} exited with status {code}: stopping every task")
+                _stop_all(tasks)
+                return code or 1
+        if all(t.proc.poll() is not None for t in tasks):
+            _drain(tasks)
+            return 0
+        time.sleep(0.2)
+
+
+def _stop_all(tasks: list[_Task]) -> None:
+    for task in tasks:
+        task.stop()
+    deadline = time.time() + STOP_GRACE_SECONDS
+    for task in tasks:
+        try:
+            task.proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            task.proc.kill()
+            task.proc.wait()
+    _drain(tasks)
+
+
+def _drain(tasks: list[_Task]) -> None:
+    for task in tasks:
+        task.reader.join(timeout=5)
+
+
+def _say(out, lock, text: str) -> None:
+    with lock:
+        out.write(text + "\n")
+        out.flush()
+
+
+def main(argv: list[str]) -> int:
+    """`tpu-llm launch [--workers N] [--ps M] -- <tpu-llm command and flags>` (parsed here, not by fire,
+    so that everything after `--` reaches the tasks untouched)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tpu-llm launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--ps", type=int, default=0, help="parameter-server tasks; > 0 adds a chief and "
+                                                          "trains asynchronously (default 0: multi_worker)")
+    if "--" in argv:
+        split = argv.index("--")
+        own, args = argv[:split], argv[split + 1:]
+    else:
+        own, args = argv, []
+    options = parser.parse_args(own)
+    return launch(options.workers, options.ps, args)
