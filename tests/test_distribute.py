@@ -218,3 +218,15 @@ def test_launch_usage_errors(capsys):
     assert "needs the command to run after --" in capsys.readouterr().err
     assert cli.main(["launch", "--workers", "0", "--", "train"]) == 2
     assert "need at least 1 worker" in capsys.readouterr().err
+
+
+def test_strategies_benchmark_prints_its_table(tmp_path, capsys):
+    from tpu_llm import bench
+
+    cfg = tiny_config(tmp_path)
+    path = tmp_path / "bench.yaml"
+    path.write_text(cfg.to_yaml())
+    [row] = bench.strategies(steps=4, config=str(path), only="mirrored, 2")
+    out = capsys.readouterr().out
+    assert row["strategy"] == "mirrored" and row["replicas"] == 2 and row["step"] == 4
+    assert "| mirrored, 2 logical CPUs" in out and "0 (sync)" in out

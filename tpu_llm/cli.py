@@ -120,12 +120,20 @@ class Commands:
         name, reason = distribute.choose(cfg, found)
         print(f"strategy  {name} ({reason})")
 
-    def bench(self, data: str = "", steps: int = 2000, config: str = "configs/shakespeare_char.yaml",
-              run_dir: str = "", set=None, **overrides):
-        """The shakespeare_char benchmark: tokens/s, ms/step, MFU, final train/validation loss."""
-        from tpu_llm.bench import shakespeare_char
+    def bench(self, suite: str = "shakespeare_char", data: str = "", steps: int = 0, config: str = "",
+              run_dir: str = "", only: str = "", set=None, **overrides):
+        """Benchmarks: `bench` (shakespeare_char: tokens/s, MFU, losses) or `bench strategies` (every
+        strategy on configs/tiny.yaml: tokens/s, steps/s, losses, parameter-server staleness)."""
+        from tpu_llm import bench
+        from tpu_llm.errors import UserError
 
-        shakespeare_char(data=data, steps=steps, config=config, run_dir=run_dir, set_args=set,
+        if suite == "strategies":
+            bench.strategies(steps=steps or 200, config=config or "configs/tiny.yaml", only=only)
+            return
+        if suite != "shakespeare_char":
+            raise UserError(f"unknown benchmark {suite!r}; choose shakespeare_char or strategies")
+        steps, config = steps or 2000, config or "configs/shakespeare_char.yaml"
+        bench.shakespeare_char(data=data, steps=steps, config=config, run_dir=run_dir, set_args=set,
                          overrides=overrides)
 
 

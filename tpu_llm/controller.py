@@ -206,7 +206,7 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
 
     log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief)
     progress = perf.Progress(t.steps, initial=step, label="step ", quiet=not run.dist.is_chief)
-    timed_steps, timed_seconds, first_loop = 0, 0.0, True
+    timings = []  # (steps, seconds) of each call
     last = {"loss": float("nan")}
     val_loss = None
     while step < t.steps:
@@ -223,9 +223,7 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
         loss, grad_norm = out["loss"], out["grad_norm"]
         seconds = time.perf_counter() - start
         n, step = end - step, end
-        if not first_loop:  # the first loop includes tracing and XLA compilation
-            timed_steps, timed_seconds = timed_steps + n, timed_seconds + seconds
-        first_loop = False
+        timings.append((n, seconds))
         tok_s = n * tokens_per_step / seconds
         mfu = tok_s * flops_per_token / peak
         lr = float(run.optimizer.learning_rate)
@@ -247,24 +245,27 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     progress.close()
     log.flush()
 
-    summary = {"step": step, "train_loss": last["loss"], "val_loss": val_loss,
-               "tokens_per_sec": timed_steps * tokens_per_step / timed_seconds if timed_seconds else None,
-               "ms_per_step": 1000 * timed_seconds / timed_steps if timed_steps else None,
-               "params": run.model.num_params(), "run_dir": cfg.run_dir, "strategy": run.dist.name,
-               "replicas": run.dist.num_replicas}
+    summary = {"step": step, "train_loss": last["loss"], "val_loss": val_loss, "tokens_per_sec": None,
+               "ms_per_step": None, "params": run.model.num_params(), "run_dir": cfg.run_dir,
+               "strategy": run.dist.name, "replicas": run.dist.num_replicas}
     if run.dist.asynchronous:
         summary.update(staleness=last.get("staleness"), staleness_max=last.get("staleness_max"))
-    if summary["tokens_per_sec"]:
+    if timings:
+        timed = timings[1:] or timings  # the first call includes tracing and XLA compilation
+        timed_steps, timed_seconds = sum(n for n, _ in timed), sum(sec for _, sec in timed)
+        summary.update(tokens_per_sec=timed_steps * tokens_per_step / timed_seconds,
+                       ms_per_step=1000 * timed_seconds / timed_steps)
         summary["mfu"] = summary["tokens_per_sec"] * flops_per_token / peak
         say(f"done      step {step}: train loss {last['loss']:.4f}"
             + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
             + f"; {perf.format_count(summary['tokens_per_sec'])} tok/s, {summary['ms_per_step']:.1f} ms/step, "
-              f"MFU {100 * summary['mfu']:.1f}% (after the first, compiling, loop)")
+              f"MFU {100 * summary['mfu']:.1f}% "
+            + ("(after the first, compiling, call)" if len(timings) > 1 else "(one call, compilation included)"))
     # equal on every worker of a synchronous cluster: a check that they trained the same model
     summary["fingerprint"] = weights_fingerprint(run.model)
     if run.dist.task:
         tell(f"weights   {run.dist.task} at step {step}: fingerprint {summary['fingerprint']}")
-    if timed_steps:
+    if timings:
         log.write("summary", step, {k: v for k, v in summary.items() if k != "run_dir"})
     if samples and run.dist.is_chief and cfg.sample.num_samples and cfg.sample.max_new_tokens:
         print_samples(local_copy(run.model, cfg), run.tokenizer, cfg, say)
