@@ -6,7 +6,26 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: train test bench clean
+# Cloud TPU (infra/ and scripts/tpu.py; see infra/README.md). Settings, all optional, given on the
+# command line or in the environment (make passes both to scripts/tpu.py):
+#   DRY_RUN=1        print every terraform/gcloud command instead of running it
+#   CONFIG=FILE      config to train (default configs/tiny.yaml, also for the local run)
+#   ARGS='--k=v ..'  extra `tpu-llm train` overrides (local and TPU)
+#   RUN=NAME         TPU run directory gs://BUCKET/runs/NAME (default: the config's name); RUN_DIR=gs://...
+#   DATA=GLOB        TPU training data (a pod slice defaults to gs://BUCKET/shards/*.tfrecord)
+#   TOKENIZER=KIND   data.tokenizer of the shards (data-upload default: byte); TOKENIZER_MODEL=FILE
+#   INPUT=GLOB SHARDS=N OVERWRITE=1   data-upload: text to tokenize, shard count, replace old shards
+#   TRAIN_ON=auto|tpu|local   where `make train` runs (auto: the TPU if `make tpu-up` made one)
+#   WORKER=N LOGS=train|setup PORT=6006 DESTROY_BUCKET=1 TPU_SSH=iap|internal TPU_WAIT_MINUTES=30
+CONFIG ?= configs/tiny.yaml
+TPU := $(PYTHON) scripts/tpu.py
+
+# Offline checks of infra/ (terraform fmt, checkov, shellcheck) use a separate tools venv: checkov's
+# pins clash with the training environment.
+TOOLS := $(VENV)/tools
+TOOLS_STAMP := $(TOOLS)/.installed
+
+.PHONY: train test bench clean tpu-up tpu-down tpu-ssh tpu-logs tensorboard data-upload infra-check
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,14 +33,42 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-train: $(STAMP)  ## train configs/tiny.yaml on the CPU (embedded corpus) and print samples
-	$(BIN)/tpu-llm train --config configs/tiny.yaml
+$(TOOLS_STAMP):
+	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS)/bin/python -m pip install --quiet 'checkov>=3.3,<4'
+	@touch $(TOOLS_STAMP)
 
-test: $(STAMP)  ## the CPU test suite
+train: export CONFIG := $(CONFIG)
+train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/tiny.yaml on this machine
+	@$(BIN)/python scripts/tpu.py train --local-command '$(BIN)/tpu-llm train --config $(CONFIG)'
+
+test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)  ## benchmarks (see README)
 	$(BIN)/tpu-llm bench
 
-clean:  ## remove the virtual environment (runs/ is kept)
+clean:  ## remove the virtual environments (runs/ is kept)
 	rm -rf $(VENV)
+
+tpu-up:  ## create (or recreate a preempted) Cloud TPU from infra/terraform.tfvars; waits until set up
+	@$(TPU) up
+
+tpu-down:  ## delete the TPU; keeps the bucket (DESTROY_BUCKET=1 deletes everything)
+	@$(TPU) down
+
+tpu-ssh:  ## ssh to a TPU worker (WORKER=0)
+	@$(TPU) ssh
+
+tpu-logs:  ## follow the training log on worker 0 (LOGS=setup: the set-up log of every worker)
+	@$(TPU) logs
+
+tensorboard: $(STAMP)  ## TensorBoard on the bucket's run directories, at http://localhost:6006
+	@$(BIN)/python scripts/tpu.py tensorboard
+
+data-upload: $(STAMP)  ## tokenize INPUT into TFRecord shards and upload them to the bucket
+	@$(BIN)/python scripts/tpu.py data-upload
+
+infra-check: $(STAMP) $(TOOLS_STAMP)  ## offline checks of infra/: terraform fmt, HCL structure, checkov, shellcheck
+	$(BIN)/python -m pytest -q tests/test_infra.py

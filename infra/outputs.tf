@@ -1,0 +1,102 @@
+# What `make train`, `make tpu-ssh`, `make tpu-logs`, `make tensorboard` and `make data-upload`
+# read (scripts/tpu.py, through `terraform output -json`).
+
+output "project_id" {
+  description = "Project of the TPU."
+  value       = var.project_id
+}
+
+output "zone" {
+  description = "Zone of the TPU."
+  value       = var.zone
+}
+
+output "tpu_enabled" {
+  description = "Whether the TPU exists (false after `make tpu-down`)."
+  value       = var.tpu_enabled
+}
+
+output "tpu_name" {
+  description = "Name of the TPU node (the node id of the queued resource when use_queued_resource)."
+  value       = local.tpu_name
+}
+
+output "queued_resource_name" {
+  description = "Name of the queued resource, or empty without one."
+  value       = var.use_queued_resource ? "${local.tpu_name}-queued" : ""
+}
+
+output "accelerator_type" {
+  description = "TPU slice type."
+  value       = var.accelerator_type
+}
+
+output "runtime_version" {
+  description = "TPU VM software image."
+  value       = local.runtime_version
+}
+
+output "worker_count" {
+  description = "Hosts (TPU VM workers) in the slice."
+  value       = local.worker_count
+}
+
+output "multi_host" {
+  description = "True for a multi-host (pod) slice: training runs on worker 0 against the pod's TF servers."
+  value       = local.multi_host
+}
+
+output "spot" {
+  description = "Whether the TPU is a spot TPU (can be preempted)."
+  value       = var.spot
+}
+
+output "use_queued_resource" {
+  description = "Whether the TPU comes from a queued resource (the set-up script then runs over ssh)."
+  value       = var.use_queued_resource
+}
+
+output "service_account_email" {
+  description = "Service account of the workers (of a google_tpu_v2_vm)."
+  value       = google_service_account.tpu.email
+}
+
+output "bucket_name" {
+  description = "Bucket for data, checkpoints and TensorBoard logs."
+  value       = google_storage_bucket.data.name
+}
+
+output "bucket_url" {
+  description = "gs:// URL of the bucket."
+  value       = google_storage_bucket.data.url
+}
+
+output "data_url" {
+  description = "Where `make data-upload` puts TFRecord shards."
+  value       = "${google_storage_bucket.data.url}/shards"
+}
+
+output "runs_url" {
+  description = "Parent of the run directories: `make train` uses RUNS_URL/RUN (RUN defaults to the config's name)."
+  value       = "${google_storage_bucket.data.url}/runs"
+}
+
+output "run_dir" {
+  description = "Run directory of `make train` with the default CONFIG (configs/tiny.yaml); RUN=NAME trains in RUNS_URL/NAME."
+  value       = "${google_storage_bucket.data.url}/runs/tiny"
+}
+
+output "log_bucket_url" {
+  description = "gs:// URL of the access-log bucket."
+  value       = google_storage_bucket.logs.url
+}
+
+output "ssh_command" {
+  description = "Ready-to-paste ssh to worker 0 (through Identity-Aware Proxy: the workers have no external IP)."
+  value       = "gcloud alpha compute tpus tpu-vm ssh ${local.tpu_name} --zone=${var.zone} --project=${var.project_id} --worker=0 --tunnel-through-iap"
+}
+
+output "startup_script" {
+  description = "The rendered worker set-up script (run over ssh by `make tpu-up` for a queued resource)."
+  value       = local.startup_script
+}

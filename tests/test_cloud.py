@@ -1,0 +1,209 @@
+"""tpu_llm.cloud against gcp-storage-emulator on 127.0.0.1 (started here, on a free port, in memory).
+
+Upload (small files and a resumable upload in chunks), resume after an interruption, conflicts and
+--overwrite, download, listing runs and checkpoints, the pod pre-flight (TFRecord vs text), and the
+one-line errors for a missing bucket and missing credentials.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from tpu_llm import cloud
+from tpu_llm.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    """STORAGE_EMULATOR_HOST of a gcp-storage-emulator process that lives as long as this module's tests."""
+    pytest.importorskip("gcp_storage_emulator", reason="the dev extra installs gcp-storage-emulator")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+                             "--port", str(port), "--in-memory"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"gcp-storage-emulator did not start on port {port}")
+            time.sleep(0.1)
+    host = f"http://127.0.0.1:{port}"
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = host
+    try:
+        yield host
+    finally:
+        if old is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = old
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture
+def bucket(emulator):
+    """A new, empty bucket name."""
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    cloud.storage_client().create_bucket(name)
+    return name
+
+
+def write_files(directory: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        path = directory / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return directory
+
+
+def test_parse_gs_url():
+    assert cloud.parse_gs_url("gs://bkt/runs/tiny/") == ("bkt", "runs/tiny")
+    assert cloud.parse_gs_url("gs://bkt") == ("bkt", "")
+    with pytest.raises(UserError, match="not a gs://BUCKET/PATH URL"):
+        cloud.parse_gs_url("/local/path")
+
+
+def test_bucket_check_and_missing_bucket_error(bucket):
+    assert cloud.check_bucket_writable(f"gs://{bucket}/runs/tiny") == bucket
+    assert not list(cloud.storage_client().list_blobs(bucket))  # the probe object is gone
+    with pytest.raises(UserError) as e:
+        cloud.check_bucket_writable("gs://no-such-bucket-here/runs/tiny")
+    message = str(e.value)
+    assert "gs://no-such-bucket-here does not exist" in message and "make tpu-up" in message
+    assert "\n" not in message
+
+
+def test_upload_is_resumable_and_resumes_after_an_interruption(bucket, tmp_path, monkeypatch):
+    big = bytes(range(256)) * (36 * 1024) + b"tail"  # 9 MiB: above 8 MiB the library uploads resumably, in chunks
+    files = {"data-00000-of-00003.tfrecord": b"a" * 1000, "data-00001-of-00003.tfrecord": big,
+             "data-00002-of-00003.tfrecord": b"c" * 10, "meta.json": b"{}", "sub/tokenizer.json": b"{}"}
+    local = write_files(tmp_path / "shards", files)
+    url = f"gs://{bucket}/shards"
+    real_upload, calls = cloud.upload_file, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 2:
+            raise ConnectionResetError("connection dropped mid-upload")
+        return real_upload(*args, **kwargs)
+
+    monkeypatch.setattr(cloud, "upload_file", interrupted)
+    with pytest.raises(UserError, match="cannot reach Cloud Storage"):
+        cloud.upload_dir(str(local), url, chunk_size=2 * 1024 * 1024)
+    first = cloud.storage_client().bucket(bucket).get_blob("shards/data-00000-of-00003.tfrecord")
+    monkeypatch.setattr(cloud, "upload_file", real_upload)
+
+    from google.cloud.storage.blob import Blob
+
+    resumable = []
+    real_resumable = Blob._do_resumable_upload
+    monkeypatch.setattr(Blob, "_do_resumable_upload",
+                        lambda self, *a, **k: resumable.append(self.name) or real_resumable(self, *a, **k))
+    report = cloud.upload_dir(str(local), url, chunk_size=2 * 1024 * 1024)  # the same command again resumes
+    assert resumable == ["shards/data-00001-of-00003.tfrecord"]
+    assert report.skipped == ["data-00000-of-00003.tfrecord"]
+    assert sorted(report.transferred) == sorted(set(files) - {"data-00000-of-00003.tfrecord"})
+    again = cloud.storage_client().bucket(bucket).get_blob("shards/data-00000-of-00003.tfrecord")
+    assert again.generation == first.generation  # not uploaded twice
+    assert cloud.upload_dir(str(local), url).skipped == sorted(files)  # nothing left to do
+
+    out = tmp_path / "back"
+    report = cloud.download_dir(url, str(out))
+    assert sorted(report.transferred) == sorted(files)
+    for rel, data in files.items():
+        assert (out / rel).read_bytes() == data
+    assert cloud.download_dir(url, str(out)).skipped == sorted(files)
+    assert not list(out.rglob("*.part"))
+
+
+def test_upload_conflicts_need_overwrite(bucket, tmp_path):
+    local = write_files(tmp_path / "shards", {"a.tfrecord": b"one", "b.tfrecord": b"two"})
+    url = f"gs://{bucket}/shards"
+    cloud.upload_dir(str(local), url)
+    (local / "a.tfrecord").write_bytes(b"changed")
+    (local / "b.tfrecord").unlink()
+    with pytest.raises(UserError, match="--overwrite"):
+        cloud.upload_dir(str(local), url)
+    report = cloud.upload_dir(str(local), url, overwrite=True)
+    assert report.transferred == ["a.tfrecord"] and report.deleted == ["b.tfrecord"]
+    blobs = {b.name: b.download_as_bytes() for b in cloud.storage_client().list_blobs(bucket)}
+    assert blobs == {"shards/a.tfrecord": b"changed"}
+
+
+def test_list_runs_and_checkpoints(bucket, tmp_path):
+    layout = {"a/config.yaml": b"x", "a/checkpoints/checkpoint": b"x", "a/checkpoints/ckpt-200.index": b"x",
+              "a/checkpoints/ckpt-200.data-00000-of-00001": b"x", "a/checkpoints/ckpt-100.index": b"x",
+              "a/logs/train/events.out": b"x", "b/config.yaml": b"x"}
+    cloud.upload_dir(str(write_files(tmp_path / "runs", layout)), f"gs://{bucket}/runs")
+    runs = cloud.list_runs(f"gs://{bucket}/runs")
+    assert [(r.name, r.url, r.checkpoints, r.latest_step) for r in runs] == [
+        ("a", f"gs://{bucket}/runs/a", [100, 200], 200), ("b", f"gs://{bucket}/runs/b", [], None)]
+    assert cloud.list_checkpoints(f"gs://{bucket}/runs/a") == [100, 200]
+    assert cloud.list_checkpoints(f"gs://{bucket}/runs/b") == []
+    assert cloud.glob_objects(f"gs://{bucket}/runs/*/config.yaml") == [f"gs://{bucket}/runs/a/config.yaml",
+                                                                       f"gs://{bucket}/runs/b/config.yaml"]
+
+
+def test_preflight_tells_tfrecord_shards_from_text(bucket, tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with tf.io.TFRecordWriter(str(shards / "data-00000-of-00001.tfrecord")) as w:
+        w.write(b"a record")
+    assert cloud.looks_like_tfrecord((shards / "data-00000-of-00001.tfrecord").read_bytes())
+    assert not cloud.looks_like_tfrecord(b"def f():\n    return 1\n")
+    cloud.upload_dir(str(shards), f"gs://{bucket}/shards")
+    write = cloud.storage_client().bucket(bucket).blob
+    write("text/doc.txt").upload_from_string("plain text, not shards\n" * 10)
+    write("fake/data.tfrecord").upload_from_string("text in a file named like a shard\n" * 10)
+
+    run_dir = f"gs://{bucket}/runs/tiny"
+    assert "1 TFRecord shard" in cloud.preflight(run_dir, f"gs://{bucket}/shards/*.tfrecord", require_tfrecord=True)
+    with pytest.raises(UserError, match="is text; TPU pod slices read pre-tokenized TFRecord shards"):
+        cloud.preflight(run_dir, f"gs://{bucket}/fake/*.tfrecord", require_tfrecord=True)
+    with pytest.raises(UserError, match="is text"):
+        cloud.preflight(run_dir, f"gs://{bucket}/text/*.txt", require_tfrecord=True)
+    with pytest.raises(UserError, match="no objects match .*make data-upload"):
+        cloud.preflight(run_dir, f"gs://{bucket}/nothing/*.tfrecord", require_tfrecord=True)
+    assert "writable" in cloud.preflight(run_dir, f"gs://{bucket}/text/*.txt")  # single host: text is fine
+    with pytest.raises(UserError, match="does not exist"):
+        cloud.preflight("gs://no-such-bucket-here/runs/x")
+
+
+def test_command_line_errors_are_one_line(emulator):
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "check", "gs://no-such-bucket-here/runs/x"],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "STORAGE_EMULATOR_HOST": emulator})
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: bucket gs://no-such-bucket-here does not exist")
+    assert done.stderr.count("\n") == 1
+
+
+def test_missing_credentials_is_a_user_error(monkeypatch, tmp_path):
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(UserError, match="application-default login"):
+        cloud.check_bucket_writable("gs://some-bucket/runs/x")

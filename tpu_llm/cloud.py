@@ -1,0 +1,490 @@
+"""Google Cloud Storage helpers for runs on Cloud TPU (google-cloud-storage; no TensorFlow import).
+
+The trainer itself reads and writes `gs://` through `tf.io.gfile`. This module covers what happens
+around a run, where a clear answer matters more than raw speed:
+
+  check_bucket_writable(url)   the bucket exists and this identity can write to it (a probe object
+                               is written and deleted), before a long run starts
+  upload_dir(local, url)       upload shards: files over 8 MiB as resumable uploads in CHUNK_SIZE
+                               chunks (smaller ones in one request), retried with backoff;
+                               files already uploaded with the same MD5 are skipped, so an
+                               interrupted upload resumes where it stopped
+  download_dir(url, local)     the reverse (e.g. a checkpoint directory), same skipping and retries
+  list_runs(runs_url)          run directories under gs://BUCKET/runs with their newest checkpoint
+  list_checkpoints(run_url)    checkpoint steps of one run
+  preflight(run_dir, data)     what `make train` runs on TPU worker 0 before training
+
+Every failure a user can fix is a `tpu_llm.errors.UserError` whose one-line message names the
+culprit and the fix. `python -m tpu_llm.cloud --help` exposes the same functions on the command
+line. Setting STORAGE_EMULATOR_HOST (as the tests do, with gcp-storage-emulator) points the client
+at a local emulator with anonymous credentials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import hashlib
+import os
+import re
+import struct
+import sys
+import uuid
+from typing import Callable, Iterator
+
+from tpu_llm.errors import EXIT_USER_ERROR, UserError
+
+CHUNK_SIZE = 16 * 1024 * 1024  # resumable-upload chunk (a multiple of 256 KiB); larger files go in chunks
+CHECKPOINT_INDEX = re.compile(r"/checkpoints/ckpt-(\d+)\.index$")
+TFRECORD_HEADER = 12  # uint64 length + uint32 masked CRC32C of the length
+
+
+def parse_gs_url(url: str) -> tuple[str, str]:
+    """'gs://bucket/a/b' -> ('bucket', 'a/b'); UserError for anything else."""
+    match = re.fullmatch(r"gs://([a-z0-9][a-z0-9._-]{1,220}[a-z0-9])(?:/(.*))?", url or "")
+    if not match:
+        raise UserError(f"{url!r} is not a gs://BUCKET/PATH URL; give a Cloud Storage location such as "
+                        "gs://my-bucket/runs/tiny")
+    return match.group(1), (match.group(2) or "").strip("/")
+
+
+def storage_client(project: str | None = None):
+    """A google-cloud-storage client: the emulator's (anonymous) if STORAGE_EMULATOR_HOST is set, else ADC."""
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project=project or "emulator", credentials=AnonymousCredentials())
+    try:
+        return storage.Client(project=project)
+    except Exception as e:  # google.auth.exceptions.DefaultCredentialsError and friends
+        raise _user_error("connecting to Cloud Storage", e) from None
+
+
+def _retry():
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    return DEFAULT_RETRY  # exponential backoff on 408/429/5xx and connection errors, 120 s deadline
+
+
+def _user_error(what: str, e: Exception, url: str = "") -> UserError:
+    """Translate a google-cloud / google-auth / network exception into a one-line UserError."""
+    from google.api_core import exceptions as gexc
+
+    name = type(e).__name__
+    bucket = f"gs://{parse_gs_url(url)[0]}" if url.startswith("gs://") else "the bucket"
+    if name in ("DefaultCredentialsError", "RefreshError"):
+        return UserError(f"{what}: no usable Google Cloud credentials ({name}); run `gcloud auth "
+                         "application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS")
+    if isinstance(e, gexc.NotFound):
+        return UserError(f"{what}: bucket {bucket} does not exist; run `make tpu-up` (it creates the "
+                         "bucket) or fix the URL")
+    if isinstance(e, (gexc.Forbidden, gexc.Unauthorized)):
+        return UserError(f"{what}: permission denied on {bucket} ({_first_line(e)}); grant this identity "
+                         "roles/storage.objectAdmin on the bucket (infra/iam.tf does it for the TPU workers)")
+    if isinstance(e, gexc.GoogleAPIError):
+        return UserError(f"{what}: Cloud Storage said {_first_line(e)}; retry, or check the bucket in the console")
+    if isinstance(e, (ConnectionError, OSError)) or "Connection" in name:
+        return UserError(f"{what}: cannot reach Cloud Storage ({name}: {_first_line(e)}); check the network "
+                         "and retry")
+    return UserError(f"{what}: {name}: {_first_line(e)}")
+
+
+def _first_line(e: Exception) -> str:
+    text = getattr(e, "message", None) or str(e) or type(e).__name__
+    return text.strip().splitlines()[0][:200]
+
+
+class _Errors:
+    """`with _Errors("uploading x", url):` turns library exceptions into UserError."""
+
+    def __init__(self, what: str, url: str = ""):
+        self.what, self.url = what, url
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or isinstance(e, (UserError, KeyboardInterrupt)):
+            return False
+        if isinstance(e, Exception) and _is_cloud_error(e):
+            raise _user_error(self.what, e, self.url) from None
+        return False
+
+
+def _is_cloud_error(e: Exception) -> bool:
+    module = type(e).__module__
+    return (module.startswith(("google.", "requests", "urllib3")) or isinstance(e, (ConnectionError, TimeoutError)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Buckets
+
+
+def check_bucket_writable(url: str, client=None) -> str:
+    """Fail with a UserError unless `url`'s bucket exists and a probe object can be written under it."""
+    bucket_name, prefix = parse_gs_url(url)
+    client = client or storage_client()
+    with _Errors(f"checking {url}", url):
+        bucket = client.lookup_bucket(bucket_name, retry=_retry())
+        if bucket is None:
+            raise UserError(f"bucket gs://{bucket_name} does not exist (checking {url}); run `make tpu-up` "
+                            "(it creates the bucket) or fix the URL")
+        probe = bucket.blob(f"{prefix}/.write-test-{uuid.uuid4().hex[:8]}".lstrip("/"))
+        probe.upload_from_string(b"ok", retry=_retry())
+        probe.delete(retry=_retry())
+    return bucket_name
+
+
+# --------------------------------------------------------------------------------------------------
+# Upload and download
+
+
+def _md5_b64(path: str) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return base64.b64encode(digest.digest()).decode()
+
+
+def _local_files(local_dir: str) -> dict[str, str]:
+    """Relative POSIX path -> absolute path of every file under `local_dir` (sorted, hidden kept)."""
+    out = {}
+    for root, _, names in os.walk(local_dir):
+        for name in names:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, local_dir).replace(os.sep, "/")] = path
+    return dict(sorted(out.items()))
+
+
+def _remote_blobs(client, bucket_name: str, prefix: str) -> dict[str, object]:
+    """Relative name -> blob of every object under gs://bucket/prefix/."""
+    start = f"{prefix}/" if prefix else ""
+    return {b.name[len(start):]: b for b in client.list_blobs(bucket_name, prefix=start, retry=_retry())
+            if not b.name.endswith("/")}
+
+
+@dataclasses.dataclass
+class TransferReport:
+    transferred: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)  # already there with the same MD5
+    deleted: list[str] = dataclasses.field(default_factory=list)
+    bytes: int = 0
+
+
+def upload_file(client, bucket_name: str, name: str, path: str, generation: int | None = None,
+                chunk_size: int = CHUNK_SIZE) -> None:
+    """Upload one file: in one request up to 8 MiB, else resumable in `chunk_size` chunks; retried.
+
+    `generation` makes the write conditional (0: the object must not exist; N: it must still be
+    generation N), which also makes retrying it safe.
+    """
+    blob = client.bucket(bucket_name).blob(name, chunk_size=chunk_size)
+    blob.upload_from_filename(path, if_generation_match=generation, retry=_retry())
+
+
+def upload_dir(local_dir: str, url: str, overwrite: bool = False, client=None,
+               chunk_size: int = CHUNK_SIZE, progress: Callable[[str], None] | None = None) -> TransferReport:
+    """Upload every file under `local_dir` to `url` (gs://bucket/prefix), keeping relative paths.
+
+    Files already at the destination with the same MD5 are skipped: re-running an interrupted upload
+    resumes it. A destination object with other content, or an object that is not in `local_dir`,
+    stops the upload with a UserError unless `overwrite` (which replaces the first and deletes the
+    second, so the destination ends up equal to `local_dir`).
+    """
+    if not os.path.isdir(local_dir):
+        raise UserError(f"upload: {local_dir!r} is not a directory; run `tpu-llm data prepare --output "
+                        f"{local_dir}` first")
+    bucket_name, prefix = parse_gs_url(url)
+    client = client or storage_client()
+    check_bucket_writable(url, client)
+    files = _local_files(local_dir)
+    if not files:
+        raise UserError(f"upload: {local_dir} holds no files; nothing to upload")
+    report = TransferReport()
+    with _Errors(f"uploading {local_dir} to {url}", url):
+        remote = _remote_blobs(client, bucket_name, prefix)
+        changed = [rel for rel, path in files.items() if rel in remote and remote[rel].md5_hash != _md5_b64(path)]
+        extra = sorted(set(remote) - set(files))
+        if (changed or extra) and not overwrite:
+            what = f"{len(changed)} file(s) with other content (e.g. {changed[0]})" if changed else \
+                f"{len(extra)} object(s) not in {local_dir} (e.g. {extra[0]})"
+            raise UserError(f"upload: {url} already holds {what}; pass --overwrite (make data-upload "
+                            "OVERWRITE=1) to replace them, or upload to another location")
+        for rel, path in files.items():
+            name = f"{prefix}/{rel}" if prefix else rel
+            blob = remote.get(rel)
+            if blob is not None and rel not in changed:
+                report.skipped.append(rel)
+                continue
+            upload_file(client, bucket_name, name, path, generation=blob.generation if blob else 0,
+                        chunk_size=chunk_size)
+            report.transferred.append(rel)
+            report.bytes += os.path.getsize(path)
+            if progress:
+                progress(f"uploaded {rel} ({os.path.getsize(path):,} bytes)")
+        for rel in extra:
+            remote[rel].delete(retry=_retry())
+            report.deleted.append(rel)
+    return report
+
+
+def download_dir(url: str, local_dir: str, client=None,
+                 progress: Callable[[str], None] | None = None) -> TransferReport:
+    """Download every object under `url` into `local_dir`; files already there with the same MD5 are skipped.
+
+    Each file is written under a temporary name and renamed when complete, so an interrupted
+    download never leaves a truncated file that a later run would take as complete.
+    """
+    bucket_name, prefix = parse_gs_url(url)
+    client = client or storage_client()
+    report = TransferReport()
+    with _Errors(f"downloading {url}", url):
+        if client.lookup_bucket(bucket_name, retry=_retry()) is None:
+            raise UserError(f"bucket gs://{bucket_name} does not exist (downloading {url}); fix the URL")
+        remote = _remote_blobs(client, bucket_name, prefix)
+        if not remote:
+            raise UserError(f"download: nothing under {url}; check the path (`python -m tpu_llm.cloud runs "
+                            f"gs://{bucket_name}/runs` lists run directories)")
+        for rel, blob in sorted(remote.items()):
+            path = os.path.join(local_dir, *rel.split("/"))
+            if os.path.exists(path) and _md5_b64(path) == blob.md5_hash:
+                report.skipped.append(rel)
+                continue
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.part"
+            blob.download_to_filename(tmp, retry=_retry())
+            os.replace(tmp, path)
+            report.transferred.append(rel)
+            report.bytes += os.path.getsize(path)
+            if progress:
+                progress(f"downloaded {rel}")
+    return report
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs and checkpoints
+
+
+@dataclasses.dataclass
+class RunInfo:
+    name: str
+    url: str
+    checkpoints: list[int]
+
+    @property
+    def latest_step(self) -> int | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+def list_runs(runs_url: str, client=None) -> list[RunInfo]:
+    """Run directories directly under `runs_url` (e.g. gs://bucket/runs), each with its checkpoint steps."""
+    bucket_name, prefix = parse_gs_url(runs_url)
+    client = client or storage_client()
+    runs: dict[str, list[int]] = {}
+    with _Errors(f"listing runs in {runs_url}", runs_url):
+        if client.lookup_bucket(bucket_name, retry=_retry()) is None:
+            raise UserError(f"bucket gs://{bucket_name} does not exist (listing {runs_url}); run `make tpu-up` "
+                            "or fix the URL")
+        for rel, _ in _remote_blobs(client, bucket_name, prefix).items():
+            if "/" not in rel:
+                continue
+            name, rest = rel.split("/", 1)
+            steps = runs.setdefault(name, [])
+            match = CHECKPOINT_INDEX.search("/" + rest)
+            if match:
+                steps.append(int(match.group(1)))
+    base = runs_url.rstrip("/")
+    return [RunInfo(name, f"{base}/{name}", sorted(steps)) for name, steps in sorted(runs.items())]
+
+
+def list_checkpoints(run_url: str, client=None) -> list[int]:
+    """Steps of the checkpoints in `run_url`/checkpoints, oldest first ([] when there are none)."""
+    bucket_name, prefix = parse_gs_url(run_url)
+    client = client or storage_client()
+    with _Errors(f"listing checkpoints in {run_url}", run_url):
+        names = _remote_blobs(client, bucket_name, f"{prefix}/checkpoints".lstrip("/"))
+    return sorted(int(m.group(1)) for rel in names if (m := CHECKPOINT_INDEX.search(f"/checkpoints/{rel}")))
+
+
+# --------------------------------------------------------------------------------------------------
+# Data checks for TPU runs
+
+
+def _masked_crc32c(data: bytes) -> int:
+    import google_crc32c  # ships with google-cloud-storage (google-resumable-media)
+
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def looks_like_tfrecord(head: bytes) -> bool:
+    """True if `head` starts like a TFRecord file: a length whose masked CRC32C follows it."""
+    if len(head) < TFRECORD_HEADER:
+        return False
+    (length,), (crc,) = struct.unpack("<Q", head[:8]), struct.unpack("<I", head[8:12])
+    return _masked_crc32c(head[:8]) == crc and 0 < length < (1 << 40)
+
+
+def _glob_regex(path: str) -> re.Pattern:
+    """A glob as Cloud Storage tools read it: `*` and `?` stay within one path segment, `**` crosses them."""
+    out, i = [], 0
+    while i < len(path):
+        if path.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        c = path[i]
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and "]" in path[i + 2:]:
+            end = path.index("]", i + 2)
+            out.append("[" + path[i + 1:end].replace("!", "^", 1) + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
+def glob_objects(pattern: str, client=None) -> list[str]:
+    """gs:// URLs of the objects matching a glob such as gs://bucket/shards/*.tfrecord (sorted)."""
+    bucket_name, path = parse_gs_url(pattern)
+    client = client or storage_client()
+    literal = re.split(r"[*?\[]", path, maxsplit=1)[0]
+    regex = _glob_regex(path)
+    with _Errors(f"listing {pattern}", pattern):
+        if client.lookup_bucket(bucket_name, retry=_retry()) is None:
+            raise UserError(f"bucket gs://{bucket_name} does not exist (listing {pattern}); run `make tpu-up` "
+                            "or fix the URL")
+        names = [b.name for b in client.list_blobs(bucket_name, prefix=literal, retry=_retry())]
+    return sorted(f"gs://{bucket_name}/{n}" for n in names if regex.fullmatch(n))
+
+
+def _read_head(url: str, client, size: int = TFRECORD_HEADER) -> bytes:
+    bucket_name, name = parse_gs_url(url)
+    with _Errors(f"reading {url}", url):
+        return client.bucket(bucket_name).blob(name).download_as_bytes(start=0, end=size - 1, retry=_retry())
+
+
+def check_tfrecord_data(data: str, client=None, hint: str = "") -> list[str]:
+    """Every comma-separated gs:// glob in `data` matches objects that are TFRecord files; their URLs.
+
+    Pod slices need this: their input pipeline runs in the TF servers of every host, which lack
+    tensorflow-text's ops, so they read pre-tokenized shards and never raw text.
+    """
+    client = client or storage_client()
+    files: list[str] = []
+    for pattern in (p.strip() for p in data.split(",") if p.strip()):
+        if not pattern.startswith("gs://"):
+            raise UserError(f"data {pattern!r} is not on Cloud Storage; TPU pod slices read gs:// shards "
+                            f"(make data-upload){hint}")
+        matched = glob_objects(pattern, client)
+        if not matched:
+            raise UserError(f"data: no objects match {pattern}; upload shards with `make data-upload` or fix "
+                            f"DATA{hint}")
+        files += matched
+    for url in files[:3]:  # the names and the first records of a few files
+        head = _read_head(url, client)
+        if ".tfrecord" not in url.rsplit("/", 1)[-1] or not looks_like_tfrecord(head):
+            kind = "text" if _is_text(head) else "not a TFRecord file"
+            raise UserError(f"data: {url} is {kind}; TPU pod slices read pre-tokenized TFRecord shards "
+                            f"(tensorflow-text's ops are not in the pod's TF servers): run `make data-upload "
+                            f"INPUT=...` and train on the *.tfrecord shards it writes{hint}")
+    return files
+
+
+def _is_text(head: bytes) -> bool:
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in head
+
+
+def preflight(run_dir: str, data: str = "", require_tfrecord: bool = False, client=None) -> str:
+    """Before a TPU run: the run directory's bucket is writable and gs:// data exists (and is TFRecord)."""
+    client = client or storage_client()
+    bucket = check_bucket_writable(run_dir, client)
+    summary = f"preflight: gs://{bucket} is writable"
+    if require_tfrecord:
+        files = check_tfrecord_data(data, client)
+        summary += f"; data: {len(files)} TFRecord shard(s)"
+    elif data:
+        gs = [p.strip() for p in data.split(",") if p.strip().startswith("gs://")]
+        for pattern in gs:
+            if not glob_objects(pattern, client):
+                raise UserError(f"data: no objects match {pattern}; upload with `make data-upload` or fix DATA")
+        if gs:
+            summary += f"; data: {len(gs)} gs:// pattern(s) found"
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line: python -m tpu_llm.cloud ...
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tpu_llm.cloud", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("check", help="the bucket of URL exists and is writable")
+    s.add_argument("url")
+    s = sub.add_parser("upload", help="upload a directory (resumable; skips files already uploaded)")
+    s.add_argument("local_dir")
+    s.add_argument("url")
+    s.add_argument("--overwrite", action="store_true", help="replace different objects, delete extra ones")
+    s = sub.add_parser("download", help="download a gs:// directory (skips files already downloaded)")
+    s.add_argument("url")
+    s.add_argument("local_dir")
+    s = sub.add_parser("runs", help="list run directories and their newest checkpoint")
+    s.add_argument("runs_url")
+    s = sub.add_parser("checkpoints", help="list the checkpoint steps of a run")
+    s.add_argument("run_url")
+    s = sub.add_parser("preflight", help="checks `make train` runs on TPU worker 0 before training")
+    s.add_argument("--run_dir", required=True)
+    s.add_argument("--data", default="")
+    s.add_argument("--require_tfrecord", action="store_true")
+    return p
+
+
+def _iter_lines(args) -> Iterator[str]:
+    if args.command == "check":
+        yield f"gs://{check_bucket_writable(args.url)} exists and is writable"
+    elif args.command == "upload":
+        r = upload_dir(args.local_dir, args.url, overwrite=args.overwrite, progress=print)
+        yield (f"uploaded {len(r.transferred)} file(s) ({r.bytes:,} bytes) to {args.url}; {len(r.skipped)} "
+               f"already there" + (f"; deleted {len(r.deleted)}" if r.deleted else ""))
+    elif args.command == "download":
+        r = download_dir(args.url, args.local_dir, progress=print)
+        yield f"downloaded {len(r.transferred)} file(s) ({r.bytes:,} bytes); {len(r.skipped)} already there"
+    elif args.command == "runs":
+        runs = list_runs(args.runs_url)
+        for run in runs:
+            yield f"{run.url}  newest checkpoint: {run.latest_step if run.checkpoints else 'none'}"
+        if not runs:
+            yield f"no runs under {args.runs_url}"
+    elif args.command == "checkpoints":
+        steps = list_checkpoints(args.run_url)
+        yield " ".join(map(str, steps)) if steps else f"no checkpoints in {args.run_url}"
+    elif args.command == "preflight":
+        yield preflight(args.run_dir, args.data, args.require_tfrecord)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        for line in _iter_lines(args):
+            print(line, flush=True)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
