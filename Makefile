@@ -46,8 +46,11 @@ train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/t
 test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks)
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)  ## benchmarks (see README)
+bench: $(STAMP)  ## benchmarks (see README): shakespeare_char, strategies, execution modes, pipeline
 	$(BIN)/tpu-llm bench
+	$(BIN)/tpu-llm bench strategies
+	$(BIN)/tpu-llm bench modes
+	$(BIN)/tpu-llm bench pipeline
 
 clean:  ## remove the virtual environments (runs/ is kept)
 	rm -rf $(VENV)

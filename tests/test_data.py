@@ -253,3 +253,45 @@ def test_write_shards_refuses_to_overwrite(tmp_path, corpus_files):
     data.write_shards(data.Source(corpus_files[:1], "text"), tok, out, num_shards=2, overwrite=True)
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "*.tfrecord"))) == [
         "data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
+
+
+# --- resuming the training stream from a position --------------------------------------------------
+
+
+@pytest.mark.parametrize("files, pipelines", [(3, 1), (3, 2), (9, 2)])  # (9, 2): each pipeline its own files
+def test_the_training_stream_resumes_exactly_from_a_saved_position(tmp_path, files, pipelines):
+    source = data.Source(write_corpus(tmp_path, files=files), "text")
+    replicas = 2 * pipelines  # two replicas per pipeline: the position rides on the first one's batch
+
+    def pipeline_fns(start=None):
+        fn = data.make_dataset_fn(source, ByteTokenizer(), SEQ, 8, training=True, seed=3, shuffle_buffer=7,
+                                  with_position=True, start=start)
+        contexts = [tf.distribute.InputContext(pipelines, i, replicas) for i in range(pipelines)]
+        return fn, [iter(fn(c)) for c in contexts]
+
+    _, straight = pipeline_fns()
+    batches = [[next(it) for _ in range(2 * 30)] for it in straight]  # 30 global steps
+    stop = 2 * 17  # after 17 steps: the first replica's element of step 17 carries each pipeline's row
+    table = sum(b[stop - 2][2].numpy() for b in batches)  # what the SUM-on-read variable would hold
+    assert table.shape == (pipelines, len(data.POSITION_FIELDS))
+    assert all(b[stop - 1][2].numpy().sum() == 0 for b in batches)  # the other replica carries zeros
+    fn, resumed = pipeline_fns(start=table)
+    assert fn.resumed == "position" and fn.pipelines == pipelines
+    for p, it in enumerate(resumed):  # the next 13 steps, exactly, without replaying the 17 before
+        for j in range(stop, 2 * 30):
+            x, y, _ = next(it)
+            np.testing.assert_array_equal(x.numpy(), batches[p][j][0].numpy())
+            np.testing.assert_array_equal(y.numpy(), batches[p][j][1].numpy())
+
+
+def test_a_position_that_does_not_fit_falls_back_to_replaying(tmp_path):
+    source = data.Source(write_corpus(tmp_path, files=9), "text")
+    table = np.zeros([2, len(data.POSITION_FIELDS)], np.int64)
+    table[:, 2:5] = (2, 4, 8)  # made by 2 pipelines splitting the files; this run has one
+    fn = data.make_dataset_fn(source, ByteTokenizer(), SEQ, 8, training=True, seed=3, shuffle_buffer=7,
+                              start=table, skip_steps=5)
+    [(first, _)] = fn().take(1)
+    [(fifth, _)] = data.make_dataset_fn(source, ByteTokenizer(), SEQ, 8, training=True, seed=3,
+                                        shuffle_buffer=7)().skip(5).take(1)
+    assert fn.resumed == "replay"
+    np.testing.assert_array_equal(first.numpy(), fifth.numpy())

@@ -56,6 +56,9 @@ PS_CLUSTER = {"chief": ["c:1"], "worker": ["a:1", "b:1"], "ps": ["p:1"]}
     ({"strategy": "default"}, Found(gpus=4, tpu="x"), "default"),
     ({"strategy": "tpu", "tpu": "my-tpu"}, Found(), "tpu"),
     ({"strategy": "multi_worker"}, Found(cluster={"worker": ["a:1"]}, task=("worker", 0)), "multi_worker"),
+    ({"cpu_devices": 4, "parallel.pipeline_stages": 2}, Found(), "mirrored"),  # 2 replicas x 2 stages
+    ({"cpu_devices": 2, "parallel.pipeline_stages": 2}, Found(), "default"),  # 1 replica of 2 stages
+    ({"parallel.pipeline_stages": 2}, Found(gpus=2), "default"),
 ])
 def test_auto_and_explicit_choices(overrides, found, chosen):
     name, reason = choose(load_config(None, overrides), found)
@@ -127,7 +130,7 @@ def test_checkpoints_move_between_mirrored_and_one_device(tmp_path):
     train(tiny_config(tmp_path, **base, cpu_devices=2), say=quiet)
     run = build_run(tiny_config(tmp_path, **{**base, "train.steps": 6}))  # resumed on one device
     assert run.dist.num_replicas == 1 and run.resumed_from.endswith("ckpt-4")
-    assert run.data_resume == "data stream replayed to step 4"  # the mirrored run saved no iterator
+    assert run.data_resume == "data position restored"  # saved by the mirrored run, read on one device
     train(tiny_config(tmp_path, **{**base, "train.steps": 6}), say=quiet)
     back = build_run(tiny_config(tmp_path, **{**base, "train.steps": 8}, cpu_devices=2))  # and back
     assert back.dist.num_replicas == 2 and back.resumed_from.endswith("ckpt-6")

@@ -71,31 +71,32 @@ STRATEGY_CASES = (
 )
 
 
+def _run_case(name: str, prefix: list[str], config: str, steps: int, flags: list[str]) -> dict:
+    """Train `config` for `steps` steps in fresh processes (`tpu-llm [prefix] train ...`); its summary."""
+    run_dir = tempfile.mkdtemp(prefix="tpu-llm-bench-")
+    command = [sys.executable, "-m", "tpu_llm", *prefix, "train", "--config", config, f"--run_dir={run_dir}",
+               f"--train.steps={steps}", f"--train.decay_steps={steps}", f"--train.eval_every={steps}",
+               f"--checkpoint.every_steps={steps}", "--sample.num_samples=0", *flags]
+    print(f"bench     {name}: {' '.join(command[1:])}", flush=True)
+    start = time.time()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            raise UserError(f"benchmark case {name!r} failed (exit {done.returncode}): {' | '.join(tail)}")
+        summary = [line for line in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
+                   if line["split"] == "summary"][-1]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"bench     {name}: {summary['tokens_per_sec']:,.0f} tokens/s, {summary['ms_per_step']:.1f} ms/step, "
+          f"val loss {summary['val_loss']:.4f}", flush=True)
+    return {"case": name, "wall_seconds": time.time() - start, **summary}
+
+
 def strategies(steps: int = 200, config: str = "configs/tiny.yaml", only: str = "") -> list[dict]:
     """Train `config` for `steps` steps under each strategy (fresh processes); print one table."""
-    rows = []
-    for name, prefix, flags in STRATEGY_CASES:
-        if only and only not in name:
-            continue
-        run_dir = tempfile.mkdtemp(prefix="tpu-llm-bench-")
-        command = [sys.executable, "-m", "tpu_llm", *prefix, "train", "--config", config, f"--run_dir={run_dir}",
-                   f"--train.steps={steps}", f"--train.decay_steps={steps}", f"--train.eval_every={steps}",
-                   f"--checkpoint.every_steps={steps}", "--sample.num_samples=0", *flags]
-        print(f"bench     {name}: {' '.join(command[1:])}", flush=True)
-        start = time.time()
-        try:
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-                raise UserError(f"benchmark case {name!r} failed (exit {done.returncode}): {' | '.join(tail)}")
-            summary = [line for line in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
-                       if line["split"] == "summary"][-1]
-        finally:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        rows.append({"case": name, "wall_seconds": time.time() - start, **summary})
-        print(f"bench     {name}: {summary['tokens_per_sec']:,.0f} tokens/s, val loss {summary['val_loss']:.4f}",
-              flush=True)
-
+    rows = [_run_case(name, prefix, config, steps, flags) for name, prefix, flags in STRATEGY_CASES
+            if not only or only in name]
     print(f"\nstrategies, {config}, {steps} steps each (timing excludes the first, compiling, loop)")
     print(f"| {'strategy':<36} | {'tokens/s':>9} | {'steps/s':>7} | {'train loss':>10} | {'val loss':>8} "
           f"| {'staleness (mean/max)':>20} | {'wall s':>6} |")
@@ -104,4 +105,55 @@ def strategies(steps: int = 200, config: str = "configs/tiny.yaml", only: str = 
         stale = f"{r['staleness']:.2f} / {r['staleness_max']:.0f}" if r.get("staleness") is not None else "0 (sync)"
         print(f"| {r['case']:<36} | {r['tokens_per_sec']:>9,.0f} | {1000 / r['ms_per_step']:>7.2f} | "
               f"{r['train_loss']:>10.4f} | {r['val_loss']:>8.4f} | {stale:>20} | {r['wall_seconds']:>6.0f} |")
+    return rows
+
+
+def modes(steps: int = 100, config: str = "configs/tiny.yaml") -> list[dict]:
+    """Execution modes (eager / graph / xla) and precisions (float32 / mixed_bfloat16) on the CPU."""
+    cases = [("xla, float32", ["--execution=xla", "--precision=float32"], steps),
+             ("graph, float32", ["--execution=graph", "--precision=float32"], steps),
+             ("eager, float32", ["--execution=eager", "--precision=float32"], max(4, steps // 10)),
+             ("xla, mixed_bfloat16", ["--execution=xla", "--precision=mixed_bfloat16"], steps)]
+    rows = [{**_run_case(name, [], config, n, flags), "steps": n} for name, flags, n in cases]
+    print(f"\nexecution modes and precision, {config} on this CPU (timing excludes the first call)")
+    print(f"| {'mode':<22} | {'steps':>5} | {'tokens/s':>9} | {'ms/step':>8} | {'train loss':>10} |")
+    print(f"|{'-' * 24}|{'-' * 7}|{'-' * 11}|{'-' * 10}|{'-' * 12}|")
+    for r in rows:
+        print(f"| {r['case']:<22} | {r['steps']:>5} | {r['tokens_per_sec']:>9,.0f} | {r['ms_per_step']:>8.1f} | "
+              f"{r['train_loss']:>10.4f} |")
+    return rows
+
+
+def pipeline_stages(steps: int = 60, config: str = "configs/tiny.yaml", stages: str = "2,4",
+                    microbatches: str = "1,2,4,8,16") -> list[dict]:
+    """GPipe on logical CPUs: measured step time per (P, M) next to the schedule simulator's prediction.
+
+    The simulator gets per-stage forward times from the measured unpipelined step (a third of it is
+    the forward pass, split over the stages by their FLOPs and over the micro-batches evenly), so the
+    comparison tests the schedule model, not a FLOPs-to-seconds guess."""
+    from tpu_llm import pipeline, plan
+    from tpu_llm.config import load_config
+
+    cfg = load_config(config, {})
+    base = _run_case("P=1", [], config, steps, [])
+    rows = []
+    for p in (int(v) for v in str(stages).split(",")):
+        parts = pipeline.partition(cfg.model, 257, cfg.data.seq_len, p)  # byte vocabulary
+        total = sum(s.flops_per_token for s in parts)
+        for m in (int(v) for v in str(microbatches).split(",")):
+            if cfg.train.batch_size % m:
+                continue
+            measured = _run_case(f"P={p} M={m}", [], config, steps,
+                                 [f"--cpu_devices={p}", f"--parallel.pipeline_stages={p}",
+                                  f"--parallel.microbatches={m}"])
+            forward = [base["ms_per_step"] / 3 * s.flops_per_token / total / m for s in parts]
+            predicted, bubble, _ = plan.simulate(forward, m)
+            rows.append({"P": p, "M": m, "measured": measured["ms_per_step"], "predicted": predicted,
+                         "bubble": bubble, "loss": measured["train_loss"]})
+    print(f"\nGPipe on logical CPUs, {config}: {steps} steps; unpipelined: {base['ms_per_step']:.1f} ms/step")
+    print(f"| P | M | measured ms/step | simulated ms/step | simulated bubble | train loss |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['P']} | {r['M']} | {r['measured']:.1f} | {r['predicted']:.1f} | {100 * r['bubble']:.0f}% | "
+              f"{r['loss']:.4f} |")
     return rows

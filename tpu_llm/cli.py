@@ -7,6 +7,7 @@
   bench       tpu-llm bench   (the shakespeare_char benchmark; see README)
   info        tpu-llm info --config configs/tiny.yaml   (devices found, the strategy chosen and why)
   launch      tpu-llm launch --workers 2 [--ps 1] -- train --config configs/tiny.yaml   (local cluster)
+  plan        tpu-llm plan --config configs/gpt2_125m.yaml --accelerator v5p-16   (memory, step time)
 
 Config overrides are dotted flags (`--train.steps=100`) or `--set train.steps=100` (repeatable).
 A user mistake prints one line starting with "error:" and exits with status 2.
@@ -120,18 +121,43 @@ class Commands:
         name, reason = distribute.choose(cfg, found)
         print(f"strategy  {name} ({reason})")
 
+    def plan(self, config: str = "", accelerator: str = "", mfu: float = 0.4, set=None, **overrides):
+        """Memory per chip and step time of a config on --accelerator (v5p-16, v4-8, v5litepod-8, v6e-8,
+        cpu) at an assumed --mfu, without training; refuses a config that cannot fit."""
+        from tpu_llm.config import load_config, parse_set_args
+        from tpu_llm.errors import UserError
+
+        cfg = load_config(config or None, {**parse_set_args(set), **overrides})
+        if not accelerator:
+            raise UserError("plan needs --accelerator: a TPU type such as v5p-16, v4-8, v5litepod-8, v6e-8, or cpu")
+        from tpu_llm import plan
+
+        result = plan.plan(cfg, str(accelerator), mfu=mfu, check=False)
+        print(f"plan      {config or 'defaults'}")
+        for line in result.lines():
+            print(line)
+        result.check()  # after the table, so the terms are on screen above the error line
+
     def bench(self, suite: str = "shakespeare_char", data: str = "", steps: int = 0, config: str = "",
               run_dir: str = "", only: str = "", set=None, **overrides):
-        """Benchmarks: `bench` (shakespeare_char: tokens/s, MFU, losses) or `bench strategies` (every
-        strategy on configs/tiny.yaml: tokens/s, steps/s, losses, parameter-server staleness)."""
+        """Benchmarks: `bench` (shakespeare_char: tokens/s, MFU, losses), `bench strategies` (every
+        strategy on configs/tiny.yaml: tokens/s, steps/s, losses, parameter-server staleness),
+        `bench modes` (eager / graph / xla, float32 / bfloat16), `bench pipeline` (GPipe P x M, measured
+        vs simulated)."""
         from tpu_llm import bench
         from tpu_llm.errors import UserError
 
         if suite == "strategies":
             bench.strategies(steps=steps or 200, config=config or "configs/tiny.yaml", only=only)
             return
+        if suite == "modes":
+            bench.modes(steps=steps or 100, config=config or "configs/tiny.yaml")
+            return
+        if suite == "pipeline":
+            bench.pipeline_stages(steps=steps or 60, config=config or "configs/tiny.yaml")
+            return
         if suite != "shakespeare_char":
-            raise UserError(f"unknown benchmark {suite!r}; choose shakespeare_char or strategies")
+            raise UserError(f"unknown benchmark {suite!r}; choose shakespeare_char, strategies, modes or pipeline")
         steps, config = steps or 2000, config or "configs/shakespeare_char.yaml"
         bench.shakespeare_char(data=data, steps=steps, config=config, run_dir=run_dir, set_args=set,
                          overrides=overrides)
@@ -165,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_tensorflow()
     import fire
 
-    from tpu_llm.errors import EXIT_USER_ERROR, UserError
+    from tpu_llm.errors import EXIT_USER_ERROR, RunStopped, UserError
 
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
@@ -178,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except RunStopped as e:  # a signal, divergence or a lost cluster task (tpu_llm/fault.py)
+        print(f"{e.label}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

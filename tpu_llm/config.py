@@ -21,6 +21,10 @@ TOKENIZERS = ("byte", "char", "sentencepiece")
 DATA_FORMATS = ("auto", "text", "tfrecord")
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "parameter_server", "default")
 COMMUNICATIONS = ("auto", "ring", "nccl")
+BAD_STEP_ACTIONS = ("skip", "rollback")
+PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
+EXECUTIONS = ("xla", "graph", "eager")
+SCHEDULES = ("gpipe",)
 
 
 @dataclasses.dataclass
@@ -64,12 +68,16 @@ class TrainConfig:
     eval_every: int = 100  # steps between validation passes; 0 = only at the end
     eval_steps: int = 10  # validation batches per pass
     seed: int = 1337
+    max_bad_steps: int = 10  # steps with a non-finite loss/gradient skipped (not applied) before the run stops
+    on_bad_step: str = "skip"  # skip (go on) | rollback (to the newest checkpoint, past the bad batches)
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
     every_steps: int = 100  # save every N steps (and always at the end); 0 = only at the end
+    every_minutes: float = 0.0  # also save when this much time passed since the last save; 0 = off
     keep: int = 3  # newest checkpoints kept
+    keep_every_hours: float = 0.0  # also keep one checkpoint per this many hours for good; 0 = off
 
 
 @dataclasses.dataclass
@@ -91,12 +99,24 @@ class ClusterConfig:
 
 
 @dataclasses.dataclass
+class ParallelConfig:
+    pipeline_stages: int = 1  # P: the blocks cut into P stages, each on its own device (TPU: core)
+    microbatches: int = 1  # M: each replica's batch split into M micro-batches that flow through the stages
+    schedule: str = "gpipe"  # gpipe (why not 1f1b: README, "Pipeline parallelism")
+    tensor: int = 1  # tensor parallelism (heads / MLP units over cores): not implemented yet, must be 1
+    remat: bool = False  # recompute each block's activations in the backward pass (less memory, ~1/3 more FLOPs)
+
+
+@dataclasses.dataclass
 class Config:
     run_dir: str = "runs/tiny"  # local path or gs://bucket/path; re-using it resumes
     strategy: str = "auto"  # auto | tpu | mirrored | multi_worker | parameter_server | default
     tpu: str = ""  # "" (Colab/Kaggle, or TPU_NAME) | local (on a TPU VM) | a TPU name or grpc:// address
     cpu_devices: int = 1  # split the CPU into N logical devices and mirror over them (N > 1)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)  # multi-worker and ps
+    precision: str = "auto"  # auto (mixed_bfloat16 on TPU, else float32) | float32 | mixed_bfloat16 | mixed_float16
+    execution: str = "xla"  # xla (jit_compile the step) | graph (tf.function) | eager (debugging)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # model parallelism
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -243,11 +263,22 @@ def validate(cfg: Config) -> None:
            f"strategy={cfg.strategy!r}; valid choices: {', '.join(STRATEGIES)}")
     _check(bool(cfg.run_dir), "run_dir is empty; give a local path or gs://bucket/path")
     _check(cfg.cpu_devices >= 1, f"cpu_devices={cfg.cpu_devices} must be >= 1")
-    _check(cfg.cpu_devices == 1 or cfg.strategy in ("auto", "mirrored"),
+    _check(cfg.cpu_devices <= cfg.parallel.pipeline_stages or cfg.strategy in ("auto", "mirrored"),
            f"cpu_devices={cfg.cpu_devices} splits one CPU for strategy=mirrored (or auto); "
            f"strategy={cfg.strategy} runs one device per process, so drop cpu_devices")
     _check(cfg.cluster.communication in COMMUNICATIONS,
            f"cluster.communication={cfg.cluster.communication!r}; valid choices: {', '.join(COMMUNICATIONS)}")
+    p = cfg.parallel
+    _check(cfg.precision in PRECISIONS, f"precision={cfg.precision!r}; valid choices: {', '.join(PRECISIONS)}")
+    _check(cfg.execution in EXECUTIONS, f"execution={cfg.execution!r}; valid choices: {', '.join(EXECUTIONS)}")
+    _check(p.schedule in SCHEDULES,
+           f"parallel.schedule={p.schedule!r}; valid choices: {', '.join(SCHEDULES)} (1F1B cannot be ordered in "
+           "TensorFlow's dataflow graph: see the README, 'Pipeline parallelism')")
+    _check(1 <= p.pipeline_stages <= cfg.model.n_layer,
+           f"parallel.pipeline_stages={p.pipeline_stages} must be between 1 and model.n_layer={cfg.model.n_layer}")
+    _check(p.microbatches >= 1 and p.tensor >= 1, "parallel.microbatches and parallel.tensor must be >= 1")
+    _check(p.tensor == 1, f"parallel.tensor={p.tensor}: tensor parallelism is not implemented yet; use "
+                          "parallel.pipeline_stages for model parallelism")
     _check(cfg.cluster.timeout_seconds >= 0,
            f"cluster.timeout_seconds={cfg.cluster.timeout_seconds} must be >= 0 (0 = no timeout)")
 
@@ -284,6 +315,12 @@ def validate(cfg: Config) -> None:
     _check(t.weight_decay >= 0 and t.clip_norm >= 0, "train.weight_decay and train.clip_norm must be >= 0")
     _check(c.every_steps >= 0 and c.keep >= 1,
            f"checkpoint.every_steps ({c.every_steps}) must be >= 0 and checkpoint.keep ({c.keep}) >= 1")
+    _check(c.every_minutes >= 0 and c.keep_every_hours >= 0,
+           f"checkpoint.every_minutes ({c.every_minutes}) and checkpoint.keep_every_hours "
+           f"({c.keep_every_hours}) must be >= 0 (0 = off)")
+    _check(t.max_bad_steps >= 0, f"train.max_bad_steps={t.max_bad_steps} must be >= 0 (0 = stop at the first)")
+    _check(t.on_bad_step in BAD_STEP_ACTIONS,
+           f"train.on_bad_step={t.on_bad_step!r}; valid choices: {', '.join(BAD_STEP_ACTIONS)}")
     _check(s.temperature >= 0, f"sample.temperature={s.temperature} must be >= 0 (0 = greedy)")
     _check(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1]")
     _check(s.top_k >= 0 and s.max_new_tokens >= 0 and s.num_samples >= 0,

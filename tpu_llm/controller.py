@@ -15,8 +15,8 @@ import time
 import keras
 import tensorflow as tf
 
-from tpu_llm import data, perf
-from tpu_llm.checkpoint import Checkpointer, open_run_dir, resolve_tokenizer
+from tpu_llm import data, fault, perf, pipeline
+from tpu_llm.checkpoint import Checkpointer, check_run_dir_reachable, open_run_dir, resolve_tokenizer
 from tpu_llm.config import Config
 from tpu_llm.distribute import Distribution, get_strategy, serve_if_cluster_server
 from tpu_llm.errors import UserError
@@ -64,20 +64,32 @@ def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
     return resolve_tokenizer(cfg.run_dir, saved, cfg.data.tokenizer, fresh)
 
 
-def check_batch_split(batch_size: int, replicas: int, grad_accum: int) -> None:
-    k = replicas * grad_accum
+def set_precision(cfg: Config, dist: Distribution) -> str:
+    """Set Keras' global dtype policy for `cfg.precision` (auto: bfloat16 compute on TPU); returns it.
+    Variables stay float32 under the mixed policies; logits, softmax and loss are float32 (model.py)."""
+    precision = cfg.precision
+    if precision == "auto":
+        precision = "mixed_bfloat16" if dist.name == "tpu" else "float32"
+    keras.mixed_precision.set_global_policy(precision)
+    return precision
+
+
+def check_batch_split(batch_size: int, replicas: int, grad_accum: int, microbatches: int = 1) -> None:
+    k = replicas * grad_accum * microbatches
     if batch_size % k:
         below, above = batch_size // k * k, (batch_size // k + 1) * k
         nearest = f"{below} or {above}" if below else str(above)
+        pipe = f" x parallel.microbatches={microbatches}" if microbatches > 1 else ""
         raise UserError(f"train.batch_size={batch_size} does not split evenly into {replicas} replica(s) x "
-                        f"train.grad_accum={grad_accum} micro-batches; nearest valid values: {nearest}")
+                        f"train.grad_accum={grad_accum} micro-batches{pipe}; nearest valid values: {nearest}")
 
 
 def build_run(cfg: Config) -> Run:
     dist = get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
-    check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum)
+    check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = data.resolve_sources(cfg.data)
+    check_run_dir_reachable(cfg.run_dir)  # before the tokenizer is looked for in it
     tokenizer = setup_tokenizer(cfg, train_src, val_src)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tokenizer.vocab_size
@@ -87,46 +99,51 @@ def build_run(cfg: Config) -> Run:
     if dist.is_chief:  # the other workers of a cluster follow the chief and write nothing
         open_run_dir(cfg, tokenizer)
 
+    precision = set_precision(cfg, dist)
+    tf.config.run_functions_eagerly(cfg.execution == "eager")
     with dist.strategy.scope():
         model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
         optimizer = make_optimizer(cfg.train, model)
-    trainer = Trainer(dist, model, optimizer, cfg.train)
+        if precision == "mixed_float16":  # float16 gradients underflow without a scaled loss
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            optimizer.build(model.trainable_variables)
+    stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
+    pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat)
+    trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution)
 
-    def dataset(source, training, skip_steps=0):
+    def dataset(source, training, **resume):
         # asynchronous workers must not share one seed (see data.make_dataset_fn)
         seed = None if dist.asynchronous and training else cfg.train.seed
         fn = data.make_dataset_fn(source, tokenizer, cfg.data.seq_len, cfg.train.batch_size,
                                   training=training, seed=seed, shuffle_buffer=cfg.data.shuffle_buffer,
-                                  skip_steps=skip_steps)
-        return dist.distribute_dataset(fn)
+                                  with_position=training and not dist.asynchronous, **resume)
+        return dist.distribute_dataset(fn), fn
 
-    # The default strategy's input iterator is saved in the checkpoint (resume restores its state).
-    # Other synchronous strategies' iterators cannot be saved: there, resuming replays the
-    # deterministic stream up to the restored step, which gives the same batches, only slower.
-    # Asynchronous workers read in no fixed order, so they have no position to restore.
-    state = {"model": model, "optimizer": optimizer}
+    # Resume: the newest readable checkpoint gives the weights, the optimizer (its step drives the
+    # schedule), the dropout RNG state and the input stream's position, from which the training
+    # data continues without being replayed (data.make_dataset_fn). A checkpoint without a position
+    # (made by an earlier version) replays the stream to the restored step. Asynchronous workers
+    # read in no fixed order, so they have no position to restore.
+    rng = [v for v in model.variables if "seed_generator_state" in v.path]  # Keras does not checkpoint it
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
-    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, **state)
-    resumed_from = checkpointer.latest
-    train_dataset = dataset(train_src, training=True)
-    saves_position = isinstance(train_dataset, tf.data.Dataset)  # its iterator is checkpointable
-    restore_position = saves_position and "data" in checkpointer.held()
-    data_resume = "data iterator restored"
-    if resumed_from and dist.asynchronous:
-        checkpointer.restore_latest()
+    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
+                                model=model, optimizer=optimizer, rng=rng)
+    resumed_from = checkpointer.restore_latest()
+    step = int(optimizer.iterations.numpy())
+    start = checkpointer.read(resumed_from, "data_position") if resumed_from else None
+    train_dataset, fn = dataset(train_src, True, start=start, skip_steps=step)
+    data_resume = {"position": "data position restored", "replay": f"data stream replayed to step {step}"
+                   }.get(fn.resumed, "")
+    if dist.asynchronous:
         data_resume = "asynchronous workers draw a new data order"
-    elif resumed_from and not restore_position:  # the restored step says how far to replay
-        checkpointer.restore_latest()
-        step = int(optimizer.iterations.numpy())
-        train_dataset = dataset(train_src, training=True, skip_steps=step)
-        data_resume = f"data stream replayed to step {step}"
-    train_iterator = iter(train_dataset)
-    if saves_position:
-        checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, **state, data=train_iterator)
-    if restore_position:
-        checkpointer.restore_latest()
-    return Run(cfg, dist, tokenizer, model, optimizer, trainer, train_iterator,
-               dataset(val_src, training=False), checkpointer, (train_src, val_src), resumed_from,
+    else:  # each replica writes its pipeline's row; reading (and saving) sums them
+        with dist.strategy.scope():
+            trainer.data_position = tf.Variable(
+                tf.zeros([fn.pipelines, len(data.POSITION_FIELDS)], tf.int64), trainable=False, name="data_position",
+                synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
+        checkpointer.add(data_position=trainer.data_position)
+    return Run(cfg, dist, tokenizer, model, optimizer, trainer, iter(train_dataset),
+               dataset(val_src, training=False)[0], checkpointer, (train_src, val_src), resumed_from,
                data_resume)
 
 
@@ -195,10 +212,19 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
         + f"; XLA: {run.dist.xla}")
     say(f"data      train: {run.sources[0].description}; validation: {run.sources[1].description}")
     say(f"tokenizer {run.tokenizer.kind}, {run.tokenizer.vocab_size} ids")
+    say(f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}")
+    if cfg.parallel.pipeline_stages > 1:
+        say(f"pipeline  GPipe, {cfg.parallel.pipeline_stages} stages x {cfg.parallel.microbatches} micro-batches "
+            f"(bubble {pipeline.gpipe_bubble(cfg.parallel.pipeline_stages, cfg.parallel.microbatches):.0%})"
+            f"{', remat' if cfg.parallel.remat else ''}; {run.dist.placement.describe()}")
+        for line in pipeline.describe(run.trainer.pipeline.stages):
+            say(f"          {line}")
     say(f"model     {run.model.num_params():,} parameters ({cfg.model.n_layer} layers, {cfg.model.n_head} "
         f"heads, width {cfg.model.n_embd}); {perf.format_count(flops_per_token)}FLOP/token")
     say(f"batch     {t.batch_size} x {d.seq_len} tokens = {tokens_per_step:,} per step; "
         f"{t.steps_per_loop} steps per host call; MFU peak: {perf.format_count(peak)}FLOP/s ({peak_how})")
+    for note in run.checkpointer.notes:  # e.g. an unreadable newest checkpoint skipped for the previous one
+        say(f"warning   {note}")
     if run.resumed_from:
         say(f"resumed   from {run.resumed_from} at step {step} ({run.data_resume})")
     if step >= t.steps:
@@ -209,41 +235,48 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     timings = []  # (steps, seconds) of each call
     last = {"loss": float("nan")}
     val_loss = None
-    while step < t.steps:
-        end = min(step + t.steps_per_loop * run.dist.loops_per_call(),
-                  _next_boundary(step, t.eval_every, t.steps),
-                  _next_boundary(step, cfg.checkpoint.every_steps, t.steps))
-        start = time.perf_counter()
+    with fault.Guard(run, say, log) as guard:  # signals, non-finite steps, lost tasks, time-based saves
         try:
-            out = run.trainer.run(run.train_iterator, end - step, t.steps_per_loop)  # waits for the steps
-        except tf.errors.OutOfRangeError:
-            raise UserError(f"training data ({run.sources[0].description}) holds less than one batch of "
-                            f"{t.batch_size} x {d.seq_len + 1} tokens; add data or lower train.batch_size "
-                            "/ data.seq_len") from None
-        loss, grad_norm = out["loss"], out["grad_norm"]
-        seconds = time.perf_counter() - start
-        n, step = end - step, end
-        timings.append((n, seconds))
-        tok_s = n * tokens_per_step / seconds
-        mfu = tok_s * flops_per_token / peak
-        lr = float(run.optimizer.learning_rate)
-        last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tok_s, "mfu": mfu,
-                "ms_per_step": 1000 * seconds / n}
-        stale = ""
-        if run.dist.asynchronous:  # updates by other workers between a step's read and its write
-            last.update(staleness=out["staleness"], staleness_max=out["staleness_max"])
-            stale = f" | stale {out['staleness']:.1f} (max {out['staleness_max']:.0f})"
-        log.write("train", step, last)
-        progress.update(step, f"loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
-                              f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%{stale}")
-        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-            val_loss = evaluate(run)
-            log.write("validation", step, {"loss": val_loss})
-            progress.message(f"eval      step {step}: validation loss {val_loss:.4f}")
-        if step == t.steps or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0):
-            run.checkpointer.save(step)
-    progress.close()
-    log.flush()
+            while step < t.steps:
+                end = min(step + t.steps_per_loop * run.dist.loops_per_call(),
+                          _next_boundary(step, t.eval_every, t.steps),
+                          _next_boundary(step, cfg.checkpoint.every_steps, t.steps))
+                start = time.perf_counter()
+                try:  # waits for the steps; a signal may end the call early (out["steps"] < end - step)
+                    out = guard.call(lambda: run.trainer.run(run.train_iterator, end - step, t.steps_per_loop))
+                except tf.errors.OutOfRangeError:
+                    raise UserError(f"training data ({run.sources[0].description}) holds less than one batch of "
+                                    f"{t.batch_size} x {d.seq_len + 1} tokens; add data or lower train.batch_size "
+                                    "/ data.seq_len") from None
+                n = out["steps"]
+                if n:
+                    loss, grad_norm = out["loss"], out["grad_norm"]
+                    seconds = time.perf_counter() - start
+                    step += n
+                    timings.append((n, seconds))
+                    tok_s = n * tokens_per_step / seconds
+                    mfu = tok_s * flops_per_token / peak
+                    lr = float(run.optimizer.learning_rate)
+                    last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tok_s, "mfu": mfu,
+                            "ms_per_step": 1000 * seconds / n}
+                    stale = ""
+                    if run.dist.asynchronous:  # updates by other workers between a step's read and its write
+                        last.update(staleness=out["staleness"], staleness_max=out["staleness_max"])
+                        stale = f" | stale {out['staleness']:.1f} (max {out['staleness_max']:.0f})"
+                    log.write("train", step, last)
+                    progress.update(step, f"loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
+                                          f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%{stale}")
+                    step = guard.after_call(out, step)
+                boundary = step == end  # all steps asked for were done (no signal, no rollback)
+                if boundary and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
+                    val_loss = evaluate(run)
+                    log.write("validation", step, {"loss": val_loss})
+                    progress.message(f"eval      step {step}: validation loss {val_loss:.4f}")
+                guard.checkpoint(step, due=boundary and (step == t.steps or bool(
+                    cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)))
+        finally:
+            progress.close()
+            log.flush()
 
     summary = {"step": step, "train_loss": last["loss"], "val_loss": val_loss, "tokens_per_sec": None,
                "ms_per_step": None, "params": run.model.num_params(), "run_dir": cfg.run_dir,

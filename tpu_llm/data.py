@@ -188,74 +188,220 @@ def pack(tokens: tf.data.Dataset, window: int) -> tf.data.Dataset:
     return tokens.scan(tf.zeros([0], tf.int32), step).unbatch()
 
 
-def _random_start(index, doc, window, seed):
-    """Drop a random prefix (< one window, < 1/8 of the document) from pass `index` over a document.
+def _seed(order, *values) -> tf.Tensor:
+    """A stateless-RNG seed (shape [2]) that is a pure function of the run's seed and `values`; the
+    first value names what it is for, so the file order, start offsets and chunk orders never share one."""
+    seed = tf.stack([tf.cast(order, tf.int64), tf.constant(0, tf.int64)])
+    for value in values:
+        seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(value, tf.int64))
+    return seed
+
+
+FILE_ORDER, START_OFFSET, CHUNK_ORDER = 1, 2, 3  # first value of `_seed` for each use
+
+
+def _random_start(doc, window, seed):
+    """Drop a random prefix (< one window, < 1/8 of the document) from one pass over a document.
 
     Without it every epoch cuts a document into the same windows, and a small corpus trained for
-    several epochs is memorised window by window. The offset is a pure function of (seed, index),
-    so the stream stays deterministic and resumable.
+    several epochs is memorised window by window. `seed` is a function of (run seed, epoch, file,
+    document), so the stream stays deterministic and resumable.
     """
     limit = tf.minimum(window - 1, tf.shape(doc)[0] // 8) + 1  # start in [0, limit)
-    start = tf.random.stateless_uniform([], seed=tf.stack([tf.cast(seed, tf.int64), index]), minval=0,
-                                        maxval=limit, dtype=tf.int32)
+    start = tf.random.stateless_uniform([], seed=seed, minval=0, maxval=limit, dtype=tf.int32)
     return doc[start:]
 
 
+def pack_located(docs: tf.data.Dataset, window: int) -> tf.data.Dataset:
+    """`pack`, for documents tagged with where they start (a vector whose last value is the token
+    offset, e.g. (file slot, document, token)): each window comes with the location of its first
+    token, from which the stream can be rebuilt exactly."""
+    def step(state, element):
+        carry, carry_at = state
+        doc, at = element
+        stream = tf.concat([carry, doc], axis=0)
+        n, c = tf.shape(stream)[0] // window, tf.shape(carry)[0]
+        offsets = tf.cast(tf.range(n) * window - c, tf.int64)  # into `doc`; negative: in the carry
+        in_doc = tf.concat([tf.tile(at[None, :-1], [n, 1]), (at[-1] + offsets)[:, None]], axis=1)
+        starts = tf.where((offsets < 0)[:, None], carry_at[None, :], in_doc)
+        used = n * window
+        rest_at = tf.where(used < c, carry_at, tf.concat([at[:-1], [at[-1] + tf.cast(used - c, tf.int64)]], 0))
+        return (stream[used:], rest_at), (tf.reshape(stream[:used], [n, window]), starts)
+
+    return docs.scan((tf.zeros([0], tf.int32), tf.zeros([3], tf.int64)), step).unbatch()
+
+
+LANES = 4  # files read side by side, their windows interleaved: each chunk mixes LANES documents
+# A training pipeline's position, one int64 row per pipeline: `taken` windows of chunk number `chunk`
+# were consumed; the chunk starts, in lane l, at token `token_l` of document `document_l` of the
+# `slot_l`-th file read (epoch slot // files, in that epoch's order). The rest say how the stream was
+# cut: over how many pipelines the files were split (1: all read everything), lanes, chunk size.
+POSITION_FIELDS = ("chunk", "taken", "file_shards", "lanes", "chunk_size") + tuple(
+    f"{name}_{lane}" for lane in range(LANES) for name in ("slot", "document", "token"))
+
+
 def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, *, training: bool,
-                    seed: int | None, shuffle_buffer: int, skip_steps: int = 0) -> Callable:
+                    seed: int | None, shuffle_buffer: int, skip_steps: int = 0, start=None,
+                    with_position: bool = False) -> Callable:
     """A function of `tf.distribute.InputContext` returning this host's batched dataset.
 
     Each element is `(inputs, targets)`, both int32 `(per_replica_batch, seq_len)`; targets are the
-    inputs shifted by one token. Training data repeats forever, is shuffled, and starts each pass
-    over a document at a random offset (`_random_start`); validation is read in order, so every
-    evaluation sees the same batches. `skip_steps` drops the batches of that many global steps (this
-    host's share), to resume where an earlier run stopped.
+    inputs shifted by one token. Validation is read in order, so every evaluation sees the same
+    batches. Training data repeats forever and is a pure function of the seed and a position
+    (`POSITION_FIELDS`), so a resumed run continues it exactly without replaying it:
+
+      files        epoch e reads the files in a permutation drawn from (seed, e) (`index_shuffle`,
+                   computed per file, so starting at epoch e, file i costs nothing)
+      lanes        LANES streams of files side by side (lane l reads the file slots l, l + LANES,
+                   ...), their windows interleaved, so that one long file never fills a chunk
+      documents    each pass over a document starts at a random offset (`_random_start`)
+      windows      packed across documents and epochs within a lane (no token lost), each tagged
+                   with where its first token is (`pack_located`)
+      chunks       `shuffle_buffer` consecutive windows, permuted by (seed, chunk number): a shuffle
+                   whose state is one number, unlike a shuffle buffer's
+
+    `with_position` adds a third element, the position after the batch, as an int64
+    `(pipelines, len(POSITION_FIELDS))` update: this pipeline's row in the first of its replicas'
+    batches of a step, zeros elsewhere, so that summing over replicas (a SUM-on-read variable, see
+    `controller.build_run`) gives every pipeline's position. `start` is such a table from a
+    checkpoint: the stream resumes from it, reading at most one file and one chunk again. Without a
+    usable `start`, `skip_steps` replays that many global steps (checkpoints that hold no position).
+    After it was called, `dataset_fn.resumed` says which happened ("position", "replay" or "") and
+    `dataset_fn.pipelines` is the number of input pipelines (the position table's rows).
 
     Several input pipelines (one per worker) split the data by file when every pipeline gets at
-    least `FILES_PER_PIPELINE` files; otherwise each reads and shuffles the whole stream the same
-    way and keeps every n-th window, so that together they feed exactly the global batches a single
-    process would (same windows, same steps). `seed=None` draws the order from each pipeline's
-    clock instead: parameter-server workers build the same dataset graph, and a fixed seed would
-    give them all the same batches.
+    least `FILES_PER_PIPELINE` files; otherwise each reads the whole stream the same way and takes
+    its slice of every global batch, so that together they feed exactly the global batches a single
+    process would. `seed=None` draws the order from each pipeline's clock instead: parameter-server
+    workers build the same dataset graph, and a fixed seed would give them all the same batches.
     """
     window = seq_len + 1
     eos = tf.constant([tokenizer.eos_id], tf.int32)
 
-    def dataset_fn(ctx: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
-        ctx = ctx or tf.distribute.InputContext()
+    def tokenized(docs):
+        if source.format != "text":  # shards hold token ids, end-of-text included
+            return docs
+        docs = docs.batch(16).map(tokenizer.encode_tf, num_parallel_calls=AUTOTUNE).unbatch()
+        return docs.map(lambda d: tf.concat([tf.cast(d, tf.int32), eos], axis=0))
+
+    # a long document spans several records of one shard: tfrecord shards are read one at a time so
+    # its records stay contiguous; text files are whole documents and can interleave
+    cycle = 1 if source.format == "tfrecord" else 4
+
+    def validation(ctx):
         pipelines, index = ctx.num_input_pipelines, ctx.input_pipeline_id
-        per_replica = ctx.get_per_replica_batch_size(global_batch)
-        order = seed if seed is not None else tf.cast(tf.timestamp() * 1e6, tf.int64) % (2 ** 31)
         files = tf.data.Dataset.from_tensor_slices(source.files)
         shard_files = pipelines > 1 and len(source.files) >= FILES_PER_PIPELINE * pipelines
         if shard_files:
             files = files.shard(pipelines, index)
-        if training:
-            files = files.shuffle(len(source.files), seed=order, reshuffle_each_iteration=True).repeat()
-        # a long document spans several records of one shard: tfrecord shards are read one at a
-        # time so its records stay contiguous; text files are whole documents and can interleave
-        docs = files.interleave(read_documents(source), cycle_length=1 if source.format == "tfrecord" else 4,
-                                num_parallel_calls=AUTOTUNE, deterministic=True)
-        if source.format == "text":
-            docs = docs.batch(16).map(lambda t: tokenizer.encode_tf(t), num_parallel_calls=AUTOTUNE)
-            docs = docs.unbatch()
-            docs = docs.map(lambda d: tf.concat([tf.cast(d, tf.int32), eos], axis=0))  # shards hold theirs
-        if training:
-            docs = docs.enumerate().map(lambda i, d: _random_start(i, d, window, order))
+        docs = tokenized(files.interleave(read_documents(source), cycle_length=cycle,
+                                          num_parallel_calls=AUTOTUNE, deterministic=True))
         windows = pack(docs, window)
-        if training:
-            windows = windows.shuffle(shuffle_buffer, seed=order)
-        if pipelines > 1 and not shard_files:  # after the shuffle: every pipeline shuffled alike
+        if pipelines > 1 and not shard_files:
             windows = windows.shard(pipelines, index)
-        batches = windows.batch(per_replica, drop_remainder=True)
-        if skip_steps:  # each global step takes one batch per replica fed by this pipeline
-            batches = batches.skip(skip_steps * ctx.num_replicas_in_sync // pipelines)
-        batches = batches.map(lambda w: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE)
+        batches = windows.batch(ctx.get_per_replica_batch_size(global_batch), drop_remainder=True)
+        # an eval pass may ask for more batches than one epoch holds
+        return batches.map(lambda w: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE).repeat()
+
+    def dataset_fn(ctx: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        ctx = ctx or tf.distribute.InputContext()
         if not training:
-            batches = batches.repeat()  # an eval pass may ask for more batches than one epoch holds
+            return validation(ctx).prefetch(AUTOTUNE)
+        pipelines, index = ctx.num_input_pipelines, ctx.input_pipeline_id
+        per_replica = ctx.get_per_replica_batch_size(global_batch)
+        replicas = ctx.num_replicas_in_sync // pipelines  # fed by this pipeline
+        order = seed if seed is not None else tf.cast(tf.timestamp() * 1e6, tf.int64) % (2 ** 31)
+        shard_files = pipelines > 1 and len(source.files) >= FILES_PER_PIPELINE * pipelines
+        files = source.files[index::pipelines] if shard_files else source.files
+        lanes = min(LANES, shuffle_buffer)
+        size = -(-shuffle_buffer // lanes) * lanes  # windows per chunk: whole rounds of the lanes
+        shape = (pipelines if shard_files else 1, lanes, size)
+        row = _start_row(start, shape, index)
+        dataset_fn.resumed = "position" if row is not None else "replay" if skip_steps else ""
+        dataset_fn.pipelines = pipelines
+        chunk, taken, at = (row[0], row[1], row[5:]) if row is not None else (0, 0, [0] * (3 * LANES))
+        windows = _lanes(source, files, tokenizer, eos, window, order, lanes, at)
+
+        def permute(c, chunk_):
+            w, starts = chunk_  # the chunk's first `lanes` windows are lanes 0.. in order: their starts
+            k = tf.range(size, dtype=tf.int64)
+            head = tf.stack([c, 0, shape[0], lanes, size])
+            lane_starts = tf.pad(tf.reshape(starts[:lanes], [-1]), [[0, 3 * (LANES - lanes)]])
+            where = tf.tile(tf.concat([head, lane_starts], 0)[None], [size, 1])
+            where = tf.concat([where[:, :1], (k + 1)[:, None], where[:, 2:]], 1)  # taken: k + 1
+            return tf.gather(w, tf.random.experimental.index_shuffle(k, _seed(order, CHUNK_ORDER, c), size - 1)), where
+
+        stream = windows.batch(size, drop_remainder=True).enumerate(start=chunk).map(permute)
+        stream = stream.prefetch(1).unbatch().skip(taken)  # the next chunk is packed while one is consumed
+        take = per_replica * replicas  # this pipeline's windows per step
+        lo = 0 if shard_files else index * take  # its slice of the global batch
+        steps = stream.batch(take if shard_files else global_batch, drop_remainder=True)
+        steps = steps.map(lambda w, where: (w[lo:lo + take], where[-1]))
+        if skip_steps and row is None:
+            steps = steps.skip(skip_steps)
+
+        def per_replica_batches(w, where):
+            mine = tf.one_hot(index, pipelines, dtype=tf.int64)[:, None] * where[None, :]
+            updates = tf.concat([mine[None], tf.zeros([replicas - 1, pipelines, len(POSITION_FIELDS)], tf.int64)], 0)
+            return tf.reshape(w, [replicas, per_replica, window]), updates
+
+        batches = steps.map(per_replica_batches, num_parallel_calls=AUTOTUNE).unbatch()
+        if with_position:
+            batches = batches.map(lambda w, u: (w[:, :-1], w[:, 1:], u), num_parallel_calls=AUTOTUNE)
+        else:
+            batches = batches.map(lambda w, u: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE)
         return batches.prefetch(AUTOTUNE)
 
+    dataset_fn.resumed, dataset_fn.pipelines = "", 1
     return dataset_fn
+
+
+def _lanes(source: Source, files: list[str], tokenizer, eos, window: int, order, lanes: int, at) -> tf.data.Dataset:
+    """The windows of `lanes` lanes, interleaved one by one. Lane l reads the file slots l, l + lanes, ...
+    (slot s is file s % len(files) of epoch s // len(files), in that epoch's permutation) and packs
+    them into windows tagged with their start (slot, document, token); it starts at `at[l]` (all 0s:
+    the beginning). One lane function serves all lanes (built once: tf.data traces it once)."""
+    fresh = not any(at)
+    first = tf.constant([[l, 0, 0] if fresh else at[3 * l: 3 * l + 3] for l in range(lanes)], tf.int64)
+    n, paths = len(files), tf.constant(files)
+    read = read_documents(source)
+
+    def lane_windows(lane):
+        first_slot, first_doc, first_token = first[lane][0], first[lane][1], first[lane][2]
+
+        def documents(s):
+            path = tf.gather(paths, tf.random.experimental.index_shuffle(s % n, _seed(order, FILE_ORDER, s // n), n - 1))
+            skip = tf.where(tf.equal(s, first_slot), first_doc, 0)
+            return read(path).enumerate().skip(skip).map(lambda d, doc: (s, d, doc))
+
+        def located(s, d, doc):
+            if source.format == "text":  # shards hold token ids, end-of-text included
+                doc = tf.concat([tf.cast(tokenizer.encode_tf(doc[None])[0], tf.int32), eos], axis=0)
+            doc = _random_start(doc, window, _seed(order, START_OFFSET, s, d))
+            here = tf.logical_and(tf.equal(s, first_slot), tf.equal(d, first_doc))
+            cut = tf.where(here, first_token, 0)  # the resumed document: from its token
+            return doc[cut:], tf.stack([s, d, cut])
+
+        docs = tf.data.Dataset.range(first_slot, tf.int64.max, lanes).interleave(
+            documents, cycle_length=1, num_parallel_calls=AUTOTUNE, deterministic=True)  # one file at a time
+        return pack_located(docs.map(located, num_parallel_calls=AUTOTUNE, deterministic=True), window)
+
+    return tf.data.Dataset.range(lanes).interleave(lane_windows, cycle_length=lanes, block_length=1,
+                                                   num_parallel_calls=lanes, deterministic=True)
+
+
+def _start_row(start, shape: tuple, index: int):
+    """This pipeline's row of a saved position table, or None when the table does not fit this run
+    (files split over another number of pipelines, other lanes or chunk size: the stream was cut
+    differently)."""
+    if start is None or len(start) == 0:
+        return None
+    rows = [tuple(int(v) for v in r) for r in start]
+    if any(len(r) != len(POSITION_FIELDS) or r[2:5] != shape for r in rows):
+        return None
+    if shape[0] > 1:
+        return rows[index] if len(rows) == shape[0] else None
+    return rows[0]
 
 
 # --------------------------------------------------------------------------------------------------

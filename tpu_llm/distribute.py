@@ -2,7 +2,8 @@
 
 The trainer, data and controller ask this module for a `Distribution` and never branch on the
 strategy themselves; what differs between strategies is handed to them here (how datasets are
-distributed, how a loop of steps is run, who writes the run directory).
+distributed, how a loop of steps is run, who writes the run directory, and the `Placement` of
+pipeline stages on devices or TPU cores).
 
   tpu               TPUStrategy (tpu_llm/tpu.py): synchronous data parallel over the TPU cores
   mirrored          synchronous data parallel over the GPUs of one machine, or over the CPU split
@@ -22,6 +23,7 @@ overlap it (`make bench`: 13.4k-15.4k vs 10.0k tokens/s for the same global batc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -96,10 +98,11 @@ def choose(cfg: Config, found: Found) -> tuple[str, str]:
             raise UserError("strategy=multi_worker needs TF_CONFIG listing the workers (and no ps tasks); start "
                             "local workers with `tpu-llm launch --workers 2 -- train ...`")
         return want, f"strategy={want}: TF_CONFIG with {found.cluster_size} tasks"
+    replicas = cfg.cpu_devices // cfg.parallel.pipeline_stages  # the rest of the devices hold stages
     if want == "mirrored":
-        if found.gpus > 1:
+        if found.gpus // cfg.parallel.pipeline_stages > 1:
             return "mirrored", f"strategy=mirrored: {found.gpus} GPUs"
-        if cfg.cpu_devices > 1:
+        if replicas > 1:
             return "mirrored", f"strategy=mirrored: cpu_devices={cfg.cpu_devices} logical CPU devices"
         raise UserError("strategy=mirrored found one device (no second GPU); set cpu_devices=N to mirror over N "
                         "logical CPU devices, or use strategy=auto / default")
@@ -112,11 +115,47 @@ def choose(cfg: Config, found: Found) -> tuple[str, str]:
         return "parameter_server", f"strategy=auto: TF_CONFIG has ps tasks ({found.cluster_size} tasks)"
     if found.cluster_size > 1:  # before local GPUs: each worker mirrors over its own GPUs
         return "multi_worker", f"strategy=auto: TF_CONFIG with {found.cluster_size} tasks"
-    if found.gpus > 1:
+    if found.gpus // cfg.parallel.pipeline_stages > 1:
         return "mirrored", f"strategy=auto: {found.gpus} GPUs"
-    if cfg.cpu_devices > 1:
+    if replicas > 1:
         return "mirrored", f"strategy=auto: cpu_devices={cfg.cpu_devices} logical CPU devices"
+    if cfg.parallel.pipeline_stages > 1:
+        return "default", (f"strategy=auto: one replica whose {cfg.parallel.pipeline_stages} pipeline stages take "
+                           f"{'the GPUs' if found.gpus else f'cpu_devices={cfg.cpu_devices} logical CPUs'}")
     return "default", f"strategy=auto: one {'GPU' if found.gpus else 'CPU'} device, no TPU, no TF_CONFIG"
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where pipeline stage i of a replica runs: the one thing pipeline.py asks about devices.
+
+    Off-TPU: `devices[r][i]` is the device of stage i in replica r (logical CPUs or GPUs), entered
+    with tf.device. On TPU: stage i's output is annotated for logical core i of the replica's cores
+    (the DeviceAssignment gives each replica P neighbouring cores).
+    """
+
+    stages: int = 1
+    devices: tuple = ()  # per replica, per stage: device names (off-TPU); () = wherever TF puts it
+    tpu_strategy: object = None  # TPUStrategy when stages are logical TPU cores
+
+    def stage(self, i: int):
+        if self.tpu_strategy is not None or not self.devices:
+            return contextlib.nullcontext()
+        replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+        return tf.device(self.devices[int(replica or 0)][i])
+
+    def place(self, tensor, i: int):
+        if self.tpu_strategy is not None and self.stages > 1:
+            return self.tpu_strategy.experimental_assign_to_logical_device(tensor, i)
+        return tensor
+
+    def describe(self) -> str:
+        if self.stages == 1:
+            return "no pipeline"
+        if self.tpu_strategy is not None:
+            return f"{self.stages} stages on logical TPU cores 0-{self.stages - 1} of each replica"
+        return f"{self.stages} stages per replica on " + "; ".join(", ".join(d.split("device:")[-1] for d in r)
+                                                                  for r in self.devices)
 
 
 @dataclasses.dataclass
@@ -131,6 +170,7 @@ class Distribution:
     is_chief: bool = True  # writes the run directory (config, checkpoints, logs); prints progress
     task: str = ""  # this process's place in a cluster, e.g. "worker 1 of 2"
     chips: int = 0  # TPU chips in the slice (the published peak is per chip)
+    placement: Placement = dataclasses.field(default_factory=Placement)  # pipeline stages -> devices
 
     @property
     def num_replicas(self) -> int:
@@ -203,29 +243,55 @@ def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
     found = found or look_around(cfg)
     name, reason = choose(cfg, found)
     kind = "GPU" if found.gpus else "CPU"
+    stages = cfg.parallel.pipeline_stages
     if name == "tpu":
         from tpu_llm import tpu
 
         # No quiet fallback to the CPU when a TPU was seen but cannot be reached: a half-made
         # connection may already have changed TF's default devices, and a user on a TPU VM wants
         # the TPU. The error says how to run without it.
-        strategy, kind, described, chips = tpu.tpu_strategy(cfg.tpu)
+        strategy, kind, described, chips = tpu.tpu_strategy(cfg.tpu, stages * cfg.parallel.tensor)
         # TPUStrategy compiles the whole replica function for the TPU: no nested jit_compile needed
         return Distribution(strategy, "tpu", f"{reason}; {described}", kind, jit_compile=False,
-                            xla="whole replica step compiled for the TPU", chips=chips)
+                            xla="whole replica step compiled for the TPU", chips=chips,
+                            placement=Placement(stages, tpu_strategy=strategy))
+    if stages > 1 and name in ("multi_worker", "parameter_server"):
+        raise UserError(f"parallel.pipeline_stages={stages} runs under strategy tpu, mirrored or default, not "
+                        f"{name}; set parallel.pipeline_stages=1")
     if name == "multi_worker":
         return _multi_worker(cfg, reason, kind, found)
     if name == "parameter_server":
         return _parameter_server(reason, kind, found)
-    if name == "mirrored" and found.gpus > 1:
-        return Distribution(tf.distribute.MirroredStrategy(), name, f"{reason}, synchronous data parallel", "GPU")
-    if name == "mirrored":
-        names = split_cpu(cfg.cpu_devices)
-        # logical CPUs share one memory: reduce on the first of them. (The default, collective
-        # all-reduce, also breaks when a process builds a second strategy of another size.)
-        strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=tf.distribute.ReductionToOneDevice())
-        return Distribution(strategy, name, f"{reason}, synchronous data parallel", "CPU")
-    return Distribution(tf.distribute.get_strategy(), "default", reason, kind)
+    if found.gpus and (name == "mirrored" or stages > 1):
+        if found.gpus < stages:
+            raise UserError(f"parallel.pipeline_stages={stages} needs a GPU per stage; this machine has "
+                            f"{found.gpus}; lower parallel.pipeline_stages")
+        devices = [f"/device:GPU:{i}" for i in range(found.gpus)]  # a remainder of < P GPUs stays idle
+    elif cfg.cpu_devices > 1 or stages > 1:
+        devices = split_cpu(_check_stage_devices(cfg.cpu_devices, stages, "cpu_devices"))
+    else:
+        return Distribution(tf.distribute.get_strategy(), "default", reason, kind)
+    devices = devices[:len(devices) // stages * stages]
+    groups = [tuple(devices[r * stages:(r + 1) * stages]) for r in range(len(devices) // stages)]
+    placement = Placement(stages, groups if stages > 1 else ())
+    # stages on several devices cannot be one XLA program: the step runs as a graph (pipeline.py)
+    xla = {"jit_compile": False, "xla": "off (pipeline stages on several devices run as a TF graph)"} \
+        if stages > 1 else {}
+    if len(groups) == 1:  # one replica of P stages: no data parallelism to mirror
+        return Distribution(tf.distribute.get_strategy(), "default", reason, kind, placement=placement, **xla)
+    # logical CPUs share one memory: reduce on the first of them. (The default, collective
+    # all-reduce, also breaks when a process builds a second strategy of another size.)
+    reduce = {} if kind == "GPU" else {"cross_device_ops": tf.distribute.ReductionToOneDevice()}
+    strategy = tf.distribute.MirroredStrategy([g[0] for g in groups], **reduce)
+    return Distribution(strategy, "mirrored", f"{reason}, synchronous data parallel", kind, placement=placement,
+                        **xla)
+
+
+def _check_stage_devices(count: int, stages: int, what: str) -> int:
+    if count % stages or count < stages:
+        raise UserError(f"{what}={count} must be a multiple of parallel.pipeline_stages={stages} (one device per "
+                        f"stage, per replica); set {what}={stages} for one replica or {2 * stages} for two")
+    return count
 
 
 def _is_chief(found: Found) -> bool:

@@ -93,7 +93,6 @@ def load_for_generation(run_dir: str):
     cfg = config_from_dict(saved, source=os.path.join(run_dir, "config.yaml"))
     model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model=model)
-    if ckpt.latest is None:
+    if ckpt.restore_latest() is None:  # the newest readable one (a corrupt newest one is skipped)
         raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")
-    ckpt.checkpoint.restore(ckpt.latest).expect_partial()
     return model, tokenizer, cfg

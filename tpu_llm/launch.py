@@ -9,8 +9,11 @@ trying multi-worker training on one box and for the tests; it is not a cluster m
 
 Output lines are prefixed with the task (`[worker 0] ...`). The launcher fails fast: under
 multi_worker, one process exiting with an error stops all of them (the others would wait forever
-in their next all-reduce). Under parameter_server the chief decides: a worker that dies is reported
-and the chief's coordinator carries on with the rest; a ps task dying stops the cluster.
+in their next all-reduce), except a worker that saved and stopped on a signal (exit 130/143: the
+others save at the same step and stop too). Under parameter_server the chief decides: a worker that
+dies is reported and the chief's coordinator carries on with the rest; a ps task dying makes the
+chief stop with a message (exit 4), then the launcher stops the rest. `launch    pids ...` names
+every task's process, to stop or kill one as a preemption would.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import time
 
 from tpu_llm.errors import UserError
 
-STOP_GRACE_SECONDS = 10
+STOP_GRACE_SECONDS = 30  # a task stopped by SIGTERM saves a checkpoint first (tpu_llm/fault.py)
+SAVED_AND_STOPPED = (130, 143)
+EXIT_CLUSTER = 4  # as tpu_llm.fault.EXIT_CLUSTER (not imported: that module loads TensorFlow)  # exit codes of a task that saved a checkpoint and stopped on a signal
 
 
 def free_ports(n: int) -> list[int]:
@@ -92,6 +97,8 @@ def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] 
     command = (program or [sys.executable, "-m", "tpu_llm"]) + list(args)
     tasks = [_Task(kind, i, command, cluster, out, lock) for kind, addresses in cluster.items()
              for i in range(len(addresses))]
+    # the pids let a user (or a test) stop or kill one task of the cluster, as a preemption would
+    _say(out, lock, "launch    pids " + ", ".join(f"{t.name}={t.proc.pid}" for t in tasks))
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         return _supervise(tasks, ps > 0, out, lock)
@@ -104,7 +111,7 @@ def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] 
 
 
 def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
-    reported = set()
+    reported, result, ps_lost = set(), 0, None
     while True:
         for task in tasks:
             code = task.proc.poll()
@@ -114,17 +121,31 @@ def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
             if parameter_server and task.name == "chief 0":
                 _stop_all(tasks)  # workers and ps serve forever: the job ends with the chief
                 return code
+            if parameter_server and task.name.startswith("ps"):  # the chief notices, says so and stops
+                _say(out, lock, f"launch    {task.name} exited with status {code}: training cannot go on without "
+                                "the variables it held; waiting for the chief to stop")
+                ps_lost = time.time()
+                continue
             if parameter_server and task.name.startswith("worker"):
                 _say(out, lock, f"launch    {task.name} exited with status {code}; the chief's coordinator "
                                 "goes on with the other workers")
                 continue
+            if code in SAVED_AND_STOPPED and not parameter_server:  # the others save at the same step
+                _say(out, lock, f"launch    {task.name} saved a checkpoint and stopped on a signal (status "
+                                f"{code}); the other workers do the same")
+                result = result or code
+                continue
             if code != 0 or parameter_server:  # any multi_worker error, or a ps task gone
                 _say(out, lock, f"launch    {task.name} exited with status {code}: stopping every task")
                 _stop_all(tasks)
-                return code or 1
+                return code if code > 0 else EXIT_CLUSTER  # killed by a signal: the cluster lost a task
+        if ps_lost and time.time() - ps_lost > STOP_GRACE_SECONDS:
+            _say(out, lock, "launch    the chief did not stop: stopping every task")
+            _stop_all(tasks)
+            return EXIT_CLUSTER
         if all(t.proc.poll() is not None for t in tasks):
             _drain(tasks)
-            return 0
+            return result
         time.sleep(0.2)
 
 

@@ -15,9 +15,10 @@ import math
 import keras
 import tensorflow as tf
 
+from tpu_llm import fault
 from tpu_llm.config import TrainConfig
 from tpu_llm.distribute import Distribution
-from tpu_llm.model import GPT, decay_mask, loss_fn
+from tpu_llm.model import GPT, decay_mask
 
 
 class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
@@ -65,17 +66,32 @@ def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
 
 
 class Trainer:
-    def __init__(self, dist: Distribution, model: GPT, optimizer, cfg: TrainConfig):
+    # Set by controller.build_run (fault tolerance): the SUM-on-read variable recording the input
+    # stream's position (data.make_dataset_fn), and a flag that ends a host call at the next step.
+    data_position = None
+    stop_flag = None
+
+    def __init__(self, dist: Distribution, model: GPT, optimizer, cfg: TrainConfig, pipeline=None,
+                 execution: str = "xla"):
+        from tpu_llm.pipeline import Pipeline, partition
+
         self.dist, self.strategy = dist, dist.strategy
         self.model, self.optimizer = model, optimizer
         self.grad_accum, self.clip_norm = cfg.grad_accum, cfg.clip_norm
         self.num_replicas = dist.num_replicas
+        # mixed_float16: the loss is scaled up before the backward pass (LossScaleOptimizer)
+        self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        jit = dist.jit_compile and execution == "xla"
+        if pipeline is None:  # the whole model as one stage, on the replica's device
+            stages = partition(model.cfg, model.vocab_size, 1, 1)
+            pipeline = Pipeline(model, stages, dist.placement)
+        self.pipeline = pipeline
+        self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=jit)
         if dist.asynchronous:
             with self.strategy.scope():  # on a ps task; atomic increments, unlike the optimizer's step
                 self.updates = tf.Variable(0, dtype=tf.int64, trainable=False,
                                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-        self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=dist.jit_compile)
-        self._eval_loss = tf.function(self._eval_loss_fn, jit_compile=dist.jit_compile)
+        self._eval_loss = tf.function(self._eval_loss_fn, jit_compile=jit)
         self.train_loop = tf.function(self._train_loop)
         self.eval_loop = tf.function(self._eval_loop)
 
@@ -89,8 +105,10 @@ class Trainer:
 
         def micro(x, y):
             with tf.GradientTape() as tape:
-                loss = loss_fn(self.model(x, training=True), y)
+                loss = self.pipeline.loss(x, y, training=True)
                 scaled = loss * scale
+                if self.loss_scaled:
+                    scaled = self.optimizer.scale_loss(scaled)
             # embedding gradients arrive as IndexedSlices; dense tensors all-reduce and add simply
             return loss, [tf.convert_to_tensor(g) for g in tape.gradient(scaled, variables)]
 
@@ -105,17 +123,31 @@ class Trainer:
             grads = [g + gi for g, gi in zip(grads, grads_i)]
         return loss_sum / k, grads
 
-    def _replica_step(self, inputs, targets):
+    def _replica_step(self, inputs, targets, position=None):
         loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
         ctx = tf.distribute.get_replica_context()
         if self.num_replicas > 1:  # with one replica the reduction is the identity: skip its copies
             grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
             loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
         grad_norm = tf.linalg.global_norm(grads)
-        if self.clip_norm > 0:
-            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=grad_norm)
-        self.optimizer.apply(grads, self.model.trainable_variables)
-        return loss, grad_norm, staleness
+        scale = self.optimizer.dynamic_scale if self.loss_scaled else 1.0  # grads are scaled by it
+        if self.clip_norm > 0:  # an overflow (inf norm) gives NaN grads: LossScaleOptimizer skips them
+            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm * scale, use_norm=grad_norm)
+        grad_norm = grad_norm / scale
+        # Divergence guard: a non-finite loss or gradient is not applied (the step still counts, so
+        # the step number keeps matching the data consumed). The values are all-reduced, so every
+        # replica decides alike. LossScaleOptimizer skips non-finite gradients itself (an overflow
+        # only lowers its scale), so there only a non-finite loss counts as a bad step.
+        finite = tf.math.is_finite(loss) if self.loss_scaled else \
+            tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
+        if self.loss_scaled:
+            self.optimizer.apply(grads, self.model.trainable_variables)
+        else:
+            fault.apply_if(finite, lambda g: self.optimizer.apply(g, self.model.trainable_variables),
+                           lambda: self.optimizer.iterations.assign_add(1), grads)
+        if position is not None and self.data_position is not None:  # where the input stream now is
+            self.data_position.assign(position)
+        return loss, grad_norm, staleness, tf.cast(finite, tf.float32)
 
     def _staleness_measured(self, loss_and_grads, inputs, targets):
         """loss_and_grads(inputs, targets), plus how many updates other workers applied between this
@@ -135,7 +167,7 @@ class Trainer:
         return self._eval_loss(inputs, targets)
 
     def _eval_loss_fn(self, inputs, targets):
-        return loss_fn(self.model(inputs, training=False), targets)
+        return self.pipeline.loss(inputs, targets, training=False)
 
     # ---- host side --------------------------------------------------------------------------------
 
@@ -143,10 +175,18 @@ class Trainer:
         """Train `num_steps` steps; returns the mean loss and staleness, the last gradient norm and the
         largest staleness, as Python floats. Waits for the steps to finish."""
         start = int(self.optimizer.iterations.numpy())
-        done = self.dist.run_loops(self.train_loop, iterator, num_steps, steps_per_loop)
-        out = {key: sum(n * float(r[key]) for n, r in done) / num_steps for key in ("loss", "staleness")}
+        done = [(int(r["steps"]), r) for _, r in
+                self.dist.run_loops(self.train_loop, iterator, num_steps, steps_per_loop)]
+        steps = sum(n for n, _ in done)  # fewer than num_steps if stop_flag ended the call early
+        good = [(n - int(r["bad_steps"]), float(r["loss"])) for n, r in done]
+        applied = sum(g for g, _ in good)
+        out = {"steps": steps, "bad_steps": steps - applied,  # loss: the mean over applied steps
+               "loss": sum(g * loss for g, loss in good if g) / applied if applied else float("nan"),
+               "staleness": sum(n * float(r["staleness"]) for n, r in done) / max(steps, 1)}
         out["grad_norm"] = float(done[-1][1]["grad_norm"])
         out["staleness_max"] = max(float(r["staleness_max"]) for _, r in done)
+        bad = [int(r["first_bad_step"]) for _, r in done if int(r["first_bad_step"]) >= 0]
+        out["first_bad_step"] = min(bad) + 1 if bad else -1  # as a step number (1 = the first step)
         if self.dist.asynchronous:
             # concurrent workers' increments of the step counter can race: the steps the chief
             # scheduled and saw finish are the count that is saved and resumed from
@@ -163,17 +203,27 @@ class Trainer:
         return self.strategy.experimental_local_results(per_replica)[0]
 
     def _train_loop(self, iterator, num_steps):
-        loss_sum = staleness_sum = staleness_max = grad_norm = tf.constant(0.0)
+        loss_sum = staleness_sum = staleness_max = grad_norm = bad = tf.constant(0.0)
+        first_bad = tf.constant(-1, tf.int64)  # the optimizer step (0-based) of the first skipped step
+        done = tf.constant(0)
         for _ in tf.range(num_steps):
-            inputs, targets = next(iterator)
-            loss, norm, staleness = self.strategy.run(self._replica_step, args=(inputs, targets))
-            loss_sum += self._first(loss)
+            if self.stop_flag is not None and self.stop_flag > 0:  # a signal: stop at this step boundary
+                break
+            step = tf.identity(self.optimizer.iterations)
+            element = next(iterator)  # (inputs, targets[, data position update])
+            loss, norm, staleness, ok = self.strategy.run(self._replica_step, args=element)
+            ok = self._first(ok)
+            loss_sum += tf.where(ok > 0, self._first(loss), 0.0)  # a skipped step's loss may be NaN
+            bad += 1.0 - ok
+            first_bad = tf.where(tf.logical_and(first_bad < 0, ok < 1), step, first_bad)
             grad_norm = self._first(norm)
             staleness_sum += self._first(staleness)
             staleness_max = tf.maximum(staleness_max, self._first(staleness))
-        steps = tf.cast(num_steps, tf.float32)
-        return {"loss": loss_sum / steps, "grad_norm": grad_norm, "staleness": staleness_sum / steps,
-                "staleness_max": staleness_max}
+            done += 1
+        good = tf.maximum(tf.cast(done, tf.float32) - bad, 1.0)
+        return {"loss": loss_sum / good, "grad_norm": grad_norm,
+                "staleness": staleness_sum / tf.maximum(tf.cast(done, tf.float32), 1.0),
+                "staleness_max": staleness_max, "steps": done, "bad_steps": bad, "first_bad_step": first_bad}
 
     def _eval_loop(self, iterator, num_steps):
         total = tf.constant(0.0)

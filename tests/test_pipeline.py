@@ -1,0 +1,194 @@
+"""Pipeline parallelism, mixed precision and execution modes: the same training as the plain model."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import tiny_config
+
+from tpu_llm import pipeline
+from tpu_llm.config import load_config
+from tpu_llm.controller import build_run, train
+from tpu_llm.distribute import Placement
+from tpu_llm.errors import UserError
+from tpu_llm.model import GPT
+
+CPUS = [f"/device:CPU:{i}" for i in range(4)]  # conftest splits the CPU into 4 logical devices
+
+
+def quiet(*_):
+    pass
+
+
+def train_losses(run_dir):
+    return [m["loss"] for m in map(json.loads, open(run_dir / "metrics.jsonl")) if m["split"] == "train"]
+
+
+def tiny_model(n_layer=4):
+    cfg = load_config(None, {"model.n_layer": n_layer, "model.n_head": 2, "model.n_embd": 32, "model.max_len": 16,
+                             "data.seq_len": 16})
+    keras.utils.set_random_seed(0)
+    return GPT(cfg.model, 64).build_weights()
+
+
+def loss_and_grads(model, stages=1, microbatches=1, devices=(), remat=False, jit=False):
+    parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
+    placement = Placement(stages, (tuple(devices),) if devices else ())
+    pipe = pipeline.Pipeline(model, parts, placement, microbatches, remat)
+    x = tf.random.stateless_uniform([8, 16], [1, 2], 0, 64, tf.int32)
+    y = tf.random.stateless_uniform([8, 16], [3, 4], 0, 64, tf.int32)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = pipe.loss(x, y, training=True)
+        return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+
+    fn = tf.function(step, jit_compile=jit)
+    return fn() + (fn,)
+
+
+# ---- partition ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_layer, stages", [(4, 2), (5, 2), (5, 3), (7, 4), (12, 4), (6, 6)])
+def test_partition_covers_every_block_once_and_is_balanced(n_layer, stages):
+    cfg = load_config(None, {"model.n_layer": n_layer, "model.n_embd": 256, "model.n_head": 4})
+    parts = pipeline.partition(cfg.model, 512, 128, stages)
+    assert [b for s in parts for b in s.blocks] == list(range(n_layer))
+    assert parts[0].embed and parts[-1].head and all(s.blocks for s in parts)
+    block_flops, _ = pipeline.block_cost(cfg.model, 128)
+    head_flops = 6.0 * 512 * 256
+    # no other cut of the blocks has a faster slowest stage (brute force over every cut)
+    import itertools
+    best = min(max(((b - a) * block_flops + (head_flops if i == stages - 1 else 0))
+                   for i, (a, b) in enumerate(zip((0,) + cuts, cuts + (n_layer,))))
+               for cuts in itertools.combinations(range(1, n_layer), stages - 1))
+    assert max(s.flops_per_token for s in parts) == pytest.approx(best)
+    lines = pipeline.describe(parts)
+    assert lines[0].startswith("stage 0: blocks 0-") and "embedding" in lines[0] and "imbalance" in lines[-1]
+
+
+def test_partition_errors_name_the_fix():
+    cfg = load_config(None, {"model.n_layer": 2})
+    with pytest.raises(UserError, match="pipeline_stages=3 must be between 1 and model.n_layer=2"):
+        pipeline.partition(cfg.model, 64, 16, 3)
+    with pytest.raises(UserError, match="pipeline_stages=3 must be between 1 and model.n_layer=2"):
+        load_config(None, {"model.n_layer": 2, "parallel.pipeline_stages": 3})
+    with pytest.raises(UserError, match="1F1B cannot be ordered"):
+        load_config(None, {"parallel.schedule": "1f1b"})
+
+
+def test_gpipe_bubble_formula():
+    assert pipeline.gpipe_bubble(1, 8) == 0 and pipeline.gpipe_bubble(4, 1) == 0.75
+    assert pipeline.gpipe_bubble(4, 8) == pytest.approx(3 / 11)
+
+
+# ---- equivalence ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 1), (2, 4), (2, 8), (4, 1), (4, 4), (4, 8)])
+def test_pipelined_loss_and_gradients_equal_the_plain_model(stages, microbatches):
+    model = tiny_model()
+    loss, grads, _ = loss_and_grads(model)
+    p_loss, p_grads, fn = loss_and_grads(model, stages, microbatches, CPUS[:stages])
+    np.testing.assert_allclose(float(p_loss), float(loss), rtol=1e-5)
+    for g, pg in zip(grads, p_grads):
+        np.testing.assert_allclose(pg.numpy(), g.numpy(), atol=1e-5)
+    graph_devices = {op.device.split("device:")[-1] for op in fn.get_concrete_function().graph.get_operations()
+                     if op.device}
+    assert {f"CPU:{i}" for i in range(stages)} <= graph_devices  # every stage ran on its own device
+
+
+def test_remat_and_the_xla_compiled_pipeline_give_the_same_gradients():
+    model = tiny_model()
+    loss, grads, _ = loss_and_grads(model)
+    for kwargs in ({"remat": True}, {"stages": 2, "microbatches": 4, "jit": True},
+                   {"stages": 2, "microbatches": 2, "remat": True, "jit": True}):
+        other_loss, other_grads, fn = loss_and_grads(model, **kwargs)
+        np.testing.assert_allclose(float(other_loss), float(loss), rtol=1e-5)
+        for g, og in zip(grads, other_grads):
+            np.testing.assert_allclose(og.numpy(), g.numpy(), atol=1e-5)
+    assert "HloModule" in fn.experimental_get_compiler_ir()(stage="hlo")  # one XLA program, as on a TPU
+
+
+def test_tpu_placement_annotates_stage_outputs_with_their_logical_core():
+    calls = []
+
+    class FakeTPUStrategy:
+        def experimental_assign_to_logical_device(self, tensor, core):
+            calls.append(core)
+            return tensor
+
+    model = tiny_model()
+    parts = pipeline.partition(model.cfg, model.vocab_size, 16, 4)
+    pipe = pipeline.Pipeline(model, parts, Placement(4, tpu_strategy=FakeTPUStrategy()), microbatches=2)
+    pipe.loss(tf.zeros([4, 16], tf.int32), tf.zeros([4, 16], tf.int32))
+    assert calls == [0, 1, 2, 3, 0, 1, 2, 3]  # stage i of each micro-batch on logical core i
+
+
+def test_training_with_a_pipeline_and_mirrored_data_parallelism_matches_one_device(tmp_path):
+    common = {"train.steps": 4, "train.batch_size": 8, "model.n_layer": 4}
+    train(tiny_config(tmp_path / "one", **common), say=quiet, samples=False)
+    piped = tiny_config(tmp_path / "piped", **common, cpu_devices=4, **{"parallel.pipeline_stages": 2,
+                                                                      "parallel.microbatches": 2})
+    summary = train(piped, say=quiet, samples=False)
+    assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
+    np.testing.assert_allclose(train_losses(tmp_path / "piped" / "run"), train_losses(tmp_path / "one" / "run"),
+                               rtol=1e-5)
+
+
+def test_pipeline_device_errors(tmp_path):
+    with pytest.raises(UserError, match="cpu_devices=3 must be a multiple of parallel.pipeline_stages=2"):
+        build_run(tiny_config(tmp_path, cpu_devices=3, **{"parallel.pipeline_stages": 2}))
+    with pytest.raises(UserError, match="parallel.microbatches=4; nearest valid values: 8 or 16"):
+        build_run(tiny_config(tmp_path, **{"train.batch_size": 12, "parallel.microbatches": 4,
+                                           "cpu_devices": 4, "parallel.pipeline_stages": 2}))
+
+
+# ---- precision and execution modes ----------------------------------------------------------------
+
+
+def test_bfloat16_trains_close_to_float32_with_float32_variables(tmp_path):
+    common = {"train.steps": 4, "train.steps_per_loop": 1}
+    try:
+        train(tiny_config(tmp_path / "f32", **common, precision="float32"), say=quiet, samples=False)
+        run = build_run(tiny_config(tmp_path / "bf16", **common, precision="mixed_bfloat16"))
+        assert {v.dtype for v in run.model.weights} == {"float32"}
+        assert run.model.blocks[0].attn.qkv.compute_dtype == "bfloat16"
+        train(tiny_config(tmp_path / "bf16", **common, precision="mixed_bfloat16"), say=quiet, samples=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    np.testing.assert_allclose(train_losses(tmp_path / "bf16" / "run"), train_losses(tmp_path / "f32" / "run"),
+                               rtol=0.02)
+
+
+def test_float16_skips_an_overflowing_step_and_recovers(tmp_path):
+    try:
+        run = build_run(tiny_config(tmp_path, precision="mixed_float16"))
+        optimizer = run.optimizer
+        assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        before = [w.numpy().copy() for w in run.model.trainable_variables]
+        optimizer.dynamic_scale.assign(2.0 ** 40)  # float16 gradients overflow at this scale
+        out = run.trainer.run(run.train_iterator, 1, 1)
+        assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, run.model.trainable_variables))
+        assert float(optimizer.dynamic_scale.numpy()) == 2.0 ** 39 and np.isfinite(out["loss"])
+        run.trainer.run(run.train_iterator, 30, 10)  # halved on each overflow until the steps apply again
+        assert float(optimizer.dynamic_scale.numpy()) < 2.0 ** 30
+        assert not all(np.array_equal(a, w.numpy()) for a, w in zip(before, run.model.trainable_variables))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_eager_graph_and_xla_execution_train_alike(tmp_path):
+    losses = {}
+    try:
+        for mode in ("xla", "graph", "eager"):
+            train(tiny_config(tmp_path / mode, execution=mode, **{"train.steps": 2, "train.steps_per_loop": 1}),
+                  say=quiet, samples=False)
+            losses[mode] = train_losses(tmp_path / mode / "run")
+    finally:
+        tf.config.run_functions_eagerly(False)
+    np.testing.assert_allclose(losses["graph"], losses["xla"], rtol=1e-5)
+    np.testing.assert_allclose(losses["eager"], losses["xla"], rtol=1e-5)

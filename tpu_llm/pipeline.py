@@ -1,0 +1,165 @@
+"""Pipeline parallelism: group the model's blocks into stages, place them, run micro-batches through.
+
+Partition: the blocks are cut into P contiguous stages so that the slowest stage (training FLOPs per
+token) is as fast as possible; the embedding goes with the first stage, the final norm and the tied
+output head with the last. The head's matmul is worth several blocks on a small model, so the last
+stage usually gets fewer blocks.
+
+Schedule (GPipe): each replica's batch is split into M micro-batches; micro-batch m flows through
+stage 0, 1, ..., P-1, each stage under its Placement (a device off-TPU, a logical core on TPU); the
+loss is the mean over micro-batches and one GradientTape takes the backward pass through all of it.
+Nothing orders the micro-batches explicitly: TensorFlow's dataflow executor runs any op whose inputs
+are ready, so stage 0 starts micro-batch m+1 while stage 1 works on m, and the backward pass drains
+the same way. That is GPipe's schedule, with its bubble of (P-1)/(M+P-1).
+
+Why not 1F1B: 1F1B's gain is memory (a stage holds at most P micro-batches' activations), and it needs
+the backward of micro-batch m to run before the forward of m+P. A single tape computes the backward
+after the whole forward, and forcing an order with control dependencies would need a separate tape
+and gradient call per (stage, micro-batch), which in a dataflow graph still does not free activations
+any earlier than the executor already does. Rematerialisation (`parallel.remat`, tf.recompute_grad
+per block) is the memory lever here instead.
+
+On TPU the whole replica step is one XLA program and the stage boundaries are logical-core
+annotations. Off-TPU the stages run on their devices as a TF graph, not XLA: one XLA program cannot
+span devices, and a stage compiled on its own device could not read the replica's variables, which
+live on the replica's first device (MirroredStrategy mirrors variables per replica, not per stage).
+The same schedule compiled as one program (no devices) is what a TPU runs; a test compiles it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import tensorflow as tf
+
+from tpu_llm.config import ModelConfig
+from tpu_llm.errors import UserError
+from tpu_llm.model import loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    index: int
+    blocks: tuple[int, ...]  # block indices, contiguous
+    flops_per_token: float  # training (forward + backward) FLOPs per token
+    params: int
+    embed: bool = False  # holds the token and position embeddings
+    head: bool = False  # holds the final norm and the output head
+
+
+def block_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, int]:
+    """(training FLOPs per token, parameters) of one transformer block: 6 x params for the matmuls,
+    plus 12 x width x context for attention's scores and weighted sum (forward + backward)."""
+    c, bias = cfg.n_embd, int(cfg.bias)
+    params = 12 * c * c + bias * (3 * c + c + 4 * c + c) + (2 + 2 * bias) * c  # attn + mlp + 2 norms
+    return 6.0 * 12 * c * c + 12.0 * c * seq_len, params
+
+
+def partition(cfg: ModelConfig, vocab_size: int, seq_len: int, stages: int) -> list[Stage]:
+    """The P-stage partition that minimises the slowest stage's FLOPs (ties: the largest stage's params)."""
+    n = cfg.n_layer
+    if not 1 <= stages <= n:
+        raise UserError(f"parallel.pipeline_stages={stages} must be between 1 and model.n_layer={n} "
+                        "(each stage holds at least one block)")
+    flops, params = block_cost(cfg, seq_len)
+    c = cfg.n_embd
+    embed_params = vocab_size * c + cfg.max_len * c
+    head_flops, head_params = 6.0 * vocab_size * c, (1 + int(cfg.bias)) * c  # tied head: no new weights
+
+    def cost(first: int, last: int, index: int) -> tuple[float, int]:
+        k = last - first
+        f, p = k * flops, k * params
+        if index == 0:
+            p += embed_params
+        if index == stages - 1:
+            f, p = f + head_flops, p + head_params
+        return f, p
+
+    @functools.lru_cache(maxsize=None)
+    def best(first: int, index: int) -> tuple[tuple[float, int], tuple[int, ...]]:
+        """Best split of blocks[first:] into stages index..P-1: ((max flops, max params), cut points)."""
+        if index == stages - 1:
+            return cost(first, n, index), (n,)
+        options = []
+        for end in range(first + 1, n - (stages - 1 - index) + 1):  # leave a block for every later stage
+            here = cost(first, end, index)
+            rest, cuts = best(end, index + 1)
+            options.append(((max(here[0], rest[0]), max(here[1], rest[1])), (end, *cuts)))
+        return min(options)
+
+    _, cuts = best(0, 0)
+    out, first = [], 0
+    for i, end in enumerate(cuts):
+        f, p = cost(first, end, i)
+        out.append(Stage(i, tuple(range(first, end)), f, p, embed=i == 0, head=i == stages - 1))
+        first = end
+    return out
+
+
+def imbalance(stages: list[Stage]) -> float:
+    """How much slower the slowest stage is than the mean, as a fraction (0 = perfectly balanced)."""
+    mean = sum(s.flops_per_token for s in stages) / len(stages)
+    return max(s.flops_per_token for s in stages) / mean - 1.0
+
+
+def gpipe_bubble(stages: int, microbatches: int) -> float:
+    """The fraction of a GPipe step each stage sits idle, for equal stages: (P-1)/(M+P-1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def describe(stages: list[Stage]) -> list[str]:
+    """The partition as printed at start-up: one line per stage, then the imbalance."""
+    lines = []
+    for s in stages:
+        extra = " + embedding" * s.embed + " + head" * s.head
+        lines.append(f"stage {s.index}: blocks {s.blocks[0]}-{s.blocks[-1]}{extra}; {s.params:,} params; "
+                     f"{s.flops_per_token / 1e6:.2f} MFLOP/token")
+    lines.append(f"imbalance {100 * imbalance(stages):.1f}% (slowest stage vs the mean)")
+    return lines
+
+
+class Pipeline:
+    """The training forward pass of `model` as P placed stages over M micro-batches (P = M = 1: the
+    plain forward pass, with optional rematerialisation)."""
+
+    def __init__(self, model, stages: list[Stage], placement, microbatches: int = 1, remat: bool = False):
+        self.model, self.stages, self.placement = model, stages, placement
+        self.microbatches = microbatches
+        # training -> per-block functions; recompute_grad takes no keyword arguments in graph mode
+        blocks = {training: [self._block_fn(b, training) for b in model.blocks] for training in (True, False)}
+        if remat:
+            blocks[True] = [tf.recompute_grad(f) for f in blocks[True]]
+        self.stage_fns = [self._stage_fn(stage, {t: [fs[i] for i in stage.blocks] for t, fs in blocks.items()})
+                          for stage in stages]
+
+    @staticmethod
+    def _block_fn(block, training: bool):
+        def run(x):
+            return block(x, training=training)[0]
+        return run
+
+    def _stage_fn(self, stage: Stage, blocks):
+        model = self.model
+
+        def run(x, targets, training):
+            if stage.embed:
+                x = model.embed(x, training=training)  # (b, T) token ids -> (b, T, C)
+            for block in blocks[training]:
+                x = block(x)
+            if stage.head:
+                return loss_fn(model.head(x), targets)  # the micro-batch's mean loss, float32
+            return x  # (b, T, C), handed to the next stage's device
+        return run
+
+    def loss(self, inputs, targets, training: bool = True):
+        """Mean loss of the batch `inputs` (B, T) -> `targets` (B, T)."""
+        m = self.microbatches
+        xs, ys = tf.split(inputs, m), tf.split(targets, m)  # M x (B/M, T)
+        total = tf.constant(0.0)
+        for x, y in zip(xs, ys):
+            for i, stage_fn in enumerate(self.stage_fns):
+                with self.placement.stage(i):
+                    x = self.placement.place(stage_fn(x, y, training), i)
+            total += x
+        return total / m
