@@ -104,8 +104,7 @@ def test_pipelined_loss_and_gradients_equal_the_plain_model(stages, microbatches
 def test_remat_and_the_xla_compiled_pipeline_give_the_same_gradients():
     model = tiny_model()
     loss, grads, _ = loss_and_grads(model)
-    for kwargs in ({"remat": True}, {"stages": 2, "microbatches": 4, "jit": True},
-                   {"stages": 2, "microbatches": 2, "remat": True, "jit": True}):
+    for kwargs in ({"remat": True}, {"stages": 2, "microbatches": 2, "remat": True, "jit": True}):
         other_loss, other_grads, fn = loss_and_grads(model, **kwargs)
         np.testing.assert_allclose(float(other_loss), float(loss), rtol=1e-5)
         for g, og in zip(grads, other_grads):
@@ -129,7 +128,7 @@ def test_tpu_placement_annotates_stage_outputs_with_their_logical_core():
 
 
 def test_training_with_a_pipeline_and_mirrored_data_parallelism_matches_one_device(tmp_path):
-    common = {"train.steps": 4, "train.batch_size": 8, "model.n_layer": 4}
+    common = {"train.steps": 2, "train.batch_size": 8, "model.n_layer": 4}
     train(tiny_config(tmp_path / "one", **common), say=quiet, samples=False)
     piped = tiny_config(tmp_path / "piped", **common, cpu_devices=4, **{"parallel.pipeline_stages": 2,
                                                                       "parallel.microbatches": 2})
