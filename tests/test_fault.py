@@ -1,6 +1,8 @@
-"""Fault tolerance in one process: exact resume (dropout RNG included), corrupt checkpoints, the
-divergence guard, stopping at a step boundary, failed saves, and bad input leaving the run directory
-untouched. Killed processes and lost cluster tasks: tests/test_fault_processes.py."""
+"""Fault tolerance in one process: exact resume after a crash during a save (dropout RNG and data
+position included), corrupt checkpoints, the divergence guard, SIGTERM, failed saves, and bad input
+leaving the run directory untouched. Killed processes and lost cluster tasks: test_fault_processes.py.
+
+Most tests start from `base`, one uninterrupted run shared by the module, and compare with it."""
 
 import hashlib
 import json
@@ -15,7 +17,8 @@ import tensorflow as tf
 from conftest import tiny_config, write_corpus
 
 from tpu_llm import cli, fault
-from tpu_llm.controller import build_run, train
+from tpu_llm.checkpoint import Checkpointer
+from tpu_llm.controller import train
 from tpu_llm.errors import RunStopped, UserError
 from tpu_llm.train import Trainer
 
@@ -24,13 +27,11 @@ def quiet(*_):
     pass
 
 
-def cfg_for(tmp_path, run="run", **overrides):
-    return tiny_config(tmp_path, **{"run_dir": str(tmp_path / run), "train.steps": 8, "train.steps_per_loop": 2,
-                                    "train.decay_steps": 8, "checkpoint.every_steps": 4, **overrides})
-
-
-def weights(model):
-    return [v.numpy() for v in model.weights]
+def cfg_for(root, run="run", **overrides):
+    """The tiny run of these tests (dropout on: its RNG state must survive a resume too), in root/run."""
+    return tiny_config(root, **{"run_dir": str(root / run), "model.dropout": 0.1, "train.steps": 8,
+                                "train.steps_per_loop": 2, "train.decay_steps": 8, "checkpoint.every_steps": 4,
+                                **overrides})
 
 
 def metrics(run_dir, split="train"):
@@ -48,51 +49,94 @@ def snapshot(root) -> dict:
     return out
 
 
+WEIGHTS = ("model/", "optimizer/_trainable_variables/")  # TF names each variable by one path to it
+ADAM = ("optimizer/_variables/",)  # the moments
+
+
+def saved(path, *prefixes: str) -> dict:
+    """What checkpoint `path` holds (weights, optimizer, RNG, data position), by name; or the names
+    starting with `prefixes`."""
+    reader = tf.train.load_checkpoint(str(path))
+    return {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map()
+            if n.startswith(prefixes or "") and n not in ("_CHECKPOINTABLE_OBJECT_GRAPH",
+                                                          "save_counter/.ATTRIBUTES/VARIABLE_VALUE")}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A directory with the corpus and `straight`: the tiny run, 8 steps uninterrupted (ckpt-4, ckpt-8)."""
+    root = tmp_path_factory.mktemp("fault")
+    train(cfg_for(root, "straight"), say=quiet)
+    return root
+
+
+def copy_of_straight(base, tmp_path):
+    import shutil
+
+    shutil.copytree(base / "straight", tmp_path / "run")
+    return tmp_path / "run"
+
+
 # ---- exact resume ---------------------------------------------------------------------------------
 
 
-def test_resume_with_dropout_is_exact_and_does_not_replay_the_stream(tmp_path):
-    drop = {"model.dropout": 0.1}  # the dropout RNG state must be in the checkpoint too
-    train(cfg_for(tmp_path, "straight", **drop), say=quiet)
-    train(cfg_for(tmp_path, "resumed", **{**drop, "train.steps": 4}), say=quiet)
+def test_a_run_that_died_while_saving_resumes_exactly(base, monkeypatch):
+    from tensorflow.python.checkpoint import checkpoint_management
+
+    record = checkpoint_management.update_checkpoint_state_internal
+
+    def dies(save_dir, model_checkpoint_path, **kwargs):  # the checkpoint's files are written, not recorded
+        if model_checkpoint_path.endswith("ckpt-8"):
+            raise SystemExit("killed")  # in a real crash nothing runs after this point either
+        return record(save_dir, model_checkpoint_path=model_checkpoint_path, **kwargs)
+
+    monkeypatch.setattr(checkpoint_management, "update_checkpoint_state_internal", dies)
+    with pytest.raises(SystemExit):
+        train(cfg_for(base, "died"), say=quiet)
+    monkeypatch.undo()
+    ckpts = base / "died" / "checkpoints"
+    assert (ckpts / "ckpt-8.index").exists() and tf.train.latest_checkpoint(str(ckpts)).endswith("ckpt-4")
     lines = []
-    train(cfg_for(tmp_path, "resumed", **drop), say=lines.append)
-    assert any(line.startswith("resumed   from") and "ckpt-4 at step 4 (data position restored)" in line
-               for line in lines), lines
-    assert [m["loss"] for m in metrics(tmp_path / "resumed")] == [m["loss"] for m in metrics(tmp_path / "straight")]
-    straight, resumed = build_run(cfg_for(tmp_path, "straight", **drop)), build_run(cfg_for(tmp_path, "resumed", **drop))
-    assert len(resumed.checkpointer.held(resumed.resumed_from) & {"rng", "data_position"}) == 2
-    for a, b in zip(weights(straight.model), weights(resumed.model)):
-        np.testing.assert_array_equal(a, b)
+    train(cfg_for(base, "died"), say=lines.append)  # the same command
+    assert f"resumed   from {ckpts / 'ckpt-4'} at step 4 (data position restored)" in lines
+    straight = metrics(base / "straight")
+    assert {m["step"]: m["loss"] for m in metrics(base / "died")} == {m["step"]: m["loss"] for m in straight}
+    held = saved(ckpts / "ckpt-8")
+    assert any(n.startswith("rng/") for n in held) and any(n.startswith("data_position/") for n in held)
+    assert_same(held, saved(base / "straight" / "checkpoints" / "ckpt-8"))  # weights, Adam, RNG, data: bit for bit
 
 
 # ---- corrupt checkpoints --------------------------------------------------------------------------
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path):
-    train(cfg_for(tmp_path, "straight"), say=quiet)
-    train(cfg_for(tmp_path), say=quiet)
-    ckpts = tmp_path / "run" / "checkpoints"
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(base, tmp_path):
+    run = copy_of_straight(base, tmp_path)
+    ckpts = run / "checkpoints"
     data_file = ckpts / "ckpt-8.data-00000-of-00001"
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated, as by a disk or copy failure
     lines = []
     train(cfg_for(tmp_path), say=lines.append)  # resumes from ckpt-4 and trains steps 5-8 again
-    warning = next(line for line in lines if line.startswith("warning"))
+    warning = next((line for line in lines if line.startswith("warning")), lines)
     assert f"checkpoint {ckpts / 'ckpt-8'} cannot be read" in warning and f"resumed from {ckpts / 'ckpt-4'}" in warning
-    assert any(line.startswith("resumed   from") and "ckpt-4 at step 4" in line for line in lines)
-    for a, b in zip(weights(build_run(cfg_for(tmp_path, "straight")).model), weights(build_run(cfg_for(tmp_path)).model)):
-        np.testing.assert_array_equal(a, b)  # and then it ends exactly where an uninterrupted run does
+    assert f"resumed   from {ckpts / 'ckpt-4'} at step 4 (data position restored)" in lines
+    assert_same(saved(ckpts / "ckpt-8"), saved(base / "straight" / "checkpoints" / "ckpt-8"))
 
     (ckpts / "checkpoint").write_text("garbage {")  # an unreadable state file: the files themselves are used
-    run = build_run(cfg_for(tmp_path))
-    assert run.resumed_from == str(ckpts / "ckpt-8") and "state file" in run.checkpointer.notes[0]
+    checkpointer = Checkpointer(str(run), 3)
+    assert checkpointer.candidates()[0] == str(ckpts / "ckpt-8") and "state file" in checkpointer.notes[0]
 
     for index in ckpts.glob("*.index"):  # nothing readable: an error, and nothing is touched
         index.write_bytes(b"not an index")
-    before = snapshot(tmp_path / "run")
+    before = snapshot(run)
     with pytest.raises(UserError, match="no checkpoint in .* can be read"):
         train(cfg_for(tmp_path), say=quiet)
-    assert snapshot(tmp_path / "run") == before
+    assert snapshot(run) == before
 
 
 # ---- divergence guard -----------------------------------------------------------------------------
@@ -117,31 +161,26 @@ def poison(monkeypatch):
     return lambda *steps: [armed[s].assign(1) for s in steps]
 
 
-def test_a_non_finite_step_is_skipped_and_not_applied(tmp_path, poison):
-    train(cfg_for(tmp_path, "clean", **{"train.steps": 3}), say=quiet)  # steps 1-3
-    poison(3)  # the 4th step
+def test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_checkpoint(tmp_path, poison):
+    train(cfg_for(tmp_path, "clean", **{"train.steps": 3}), say=quiet)  # 3 clean steps
+    poison(3, 4, 5)  # steps 4, then 5 and 6
     lines = []
-    summary = train(cfg_for(tmp_path, **{"train.steps": 4}), say=lines.append)
-    assert any("1 step(s) up to step 4 had a non-finite loss or gradient (first: step 4)" in line for line in lines)
-    [event] = metrics(tmp_path / "run", "bad_steps")
-    assert event["first_bad_step"] == 4 and event["action"] == "skip" and np.isfinite(summary["train_loss"])
-    run, clean = build_run(cfg_for(tmp_path, **{"train.steps": 4})), build_run(cfg_for(tmp_path, "clean"))
-    assert int(run.optimizer.iterations.numpy()) == 4  # the step counted (its batch was consumed) ...
-    for a, b in zip(weights(run.model), weights(clean.model)):
-        np.testing.assert_array_equal(a, b)  # ... but changed nothing: the weights of 3 clean steps
-
-
-def test_too_many_non_finite_steps_stop_the_run_naming_the_last_good_checkpoint(tmp_path, poison):
-    poison(4, 5)  # steps 5 and 6, in one host call
-    cfg = cfg_for(tmp_path, **{"train.max_bad_steps": 1, "checkpoint.every_steps": 2})
     with pytest.raises(RunStopped) as stopped:
-        train(cfg, say=quiet)
-    ckpt = tmp_path / "run" / "checkpoints" / "ckpt-4"
-    assert stopped.value.exit_code == fault.EXIT_DIVERGED == 3
-    assert str(stopped.value).startswith("step 5: non-finite loss or gradient on 2 step(s), more than "
-                                         "train.max_bad_steps=1")
-    assert f"the last good checkpoint is {ckpt} (step 4)" in str(stopped.value)
-    assert sorted(p.name for p in ckpt.parent.glob("*.index")) == ["ckpt-2.index", "ckpt-4.index"]
+        train(cfg_for(tmp_path, **{"train.max_bad_steps": 2, "checkpoint.every_steps": 2}), say=lines.append)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert any("1 step(s) up to step 4 had a non-finite loss or gradient (first: step 4) and were not applied; "
+               "1 of train.max_bad_steps=2 so far" in line for line in lines), lines
+    assert metrics(tmp_path / "run", "bad_steps")[0]["action"] == "skip"
+    assert stopped.value.exit_code == fault.EXIT_DIVERGED == 3 and stopped.value.label == "error"
+    assert str(stopped.value).startswith("step 5: non-finite loss or gradient on 3 step(s), more than "
+                                         f"train.max_bad_steps=2 (none of them was applied); the last good "
+                                         f"checkpoint is {ckpts / 'ckpt-4'} (step 4);")
+    assert sorted(p.name for p in ckpts.glob("*.index")) == ["ckpt-2.index", "ckpt-4.index"]
+    # the skipped 4th step counted (its batch was consumed) but changed nothing: ckpt-4 holds the
+    # weights and Adam moments of 3 clean steps
+    assert saved(ckpts / "ckpt-4", "optimizer/_iterations")["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 4
+    assert_same(saved(ckpts / "ckpt-4", *WEIGHTS, *ADAM), saved(tmp_path / "clean" / "checkpoints" / "ckpt-3",
+                                                                *WEIGHTS, *ADAM))
 
 
 def test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches(tmp_path, poison):
@@ -160,16 +199,7 @@ def test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches(tmp_p
 # ---- stopping at a step boundary ------------------------------------------------------------------
 
 
-def test_the_stop_flag_ends_a_host_call_at_the_next_step(tmp_path):
-    run = build_run(cfg_for(tmp_path))
-    run.trainer.stop_flag = tf.Variable(1)
-    assert run.trainer.run(run.train_iterator, 6, 6)["steps"] == 0  # set before the call: no step runs
-    assert int(run.optimizer.iterations.numpy()) == 0
-    run.trainer.stop_flag.assign(0)
-    assert run.trainer.run(run.train_iterator, 6, 6)["steps"] == 6
-
-
-def test_sigterm_stops_inside_the_host_call_and_saves_the_step_reached(tmp_path):
+def test_sigterm_stops_inside_the_host_call_saves_and_the_same_command_resumes(tmp_path):
     def preempt_once_handled():  # SIGTERM to this process as soon as training has its handler
         for _ in range(12000):
             if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
@@ -177,26 +207,29 @@ def test_sigterm_stops_inside_the_host_call_and_saves_the_step_reached(tmp_path)
                 return
             time.sleep(0.01)
 
+    cfg = cfg_for(tmp_path, **{"train.steps": 600, "train.steps_per_loop": 300, "checkpoint.every_steps": 0})
     threading.Thread(target=preempt_once_handled, daemon=True).start()
-    with pytest.raises(RunStopped) as stopped:  # one host call of 1000 steps: the signal lands inside it
-        train(cfg_for(tmp_path, **{"train.steps": 2000, "train.steps_per_loop": 1000, "checkpoint.every_steps": 0}),
-              say=quiet)
+    sent = time.monotonic()
+    with pytest.raises(RunStopped) as stopped:  # a host call of 300 steps: the signal lands inside it
+        train(cfg, say=quiet)
+    print(f"SIGTERM to stopped: {time.monotonic() - sent:.1f} s")
     step = int(str(stopped.value).split("at step ")[1].split(":")[0])
     ckpt = tmp_path / "run" / "checkpoints" / f"ckpt-{step}"
-    assert stopped.value.exit_code == 143 and stopped.value.label == "stopped" and step < 1000
+    assert stopped.value.exit_code == 143 and stopped.value.label == "stopped" and step < 300
     assert str(stopped.value) == f"SIGTERM at step {step}: saved {ckpt}; run the same command to resume"
-    assert tf.train.load_checkpoint(str(ckpt)).get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE") == step
+    assert saved(ckpt, "optimizer/_iter")["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == step
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
+    lines = []
+    assert train(cfg, say=lines.append)["step"] == 600
+    assert f"resumed   from {ckpt} at step {step} (data position restored)" in lines
 
 
 # ---- failed saves and bad input -------------------------------------------------------------------
 
 
-def test_a_failed_save_leaves_the_checkpoints_as_they_were(tmp_path, monkeypatch):
-    train(cfg_for(tmp_path, **{"train.steps": 4}), say=quiet)
-    ckpts = tmp_path / "run" / "checkpoints"
+def test_a_failed_save_leaves_the_checkpoints_as_they_were(base, tmp_path, monkeypatch):
+    ckpts = copy_of_straight(base, tmp_path) / "checkpoints"
     before = snapshot(ckpts)
-    real_save = tf.train.CheckpointManager.save
 
     def disk_full(self, checkpoint_number=None, **kwargs):  # a part-written checkpoint, then ENOSPC
         (ckpts / f"ckpt-{checkpoint_number}_temp").mkdir()
@@ -206,22 +239,12 @@ def test_a_failed_save_leaves_the_checkpoints_as_they_were(tmp_path, monkeypatch
 
     monkeypatch.setattr(tf.train.CheckpointManager, "save", disk_full)
     with pytest.raises(UserError) as error:
-        train(cfg_for(tmp_path), say=quiet)
-    assert str(error.value) == (f"saving checkpoint ckpt-8 in {ckpts} failed (ckpt-8.index; No space left on "
-                                f"device); the newest usable checkpoint is {ckpts / 'ckpt-4'}; free space or fix "
+        train(cfg_for(tmp_path, **{"train.steps": 10}), say=quiet)
+    assert str(error.value) == (f"saving checkpoint ckpt-10 in {ckpts} failed (ckpt-10.index; No space left on "
+                                f"device); the newest usable checkpoint is {ckpts / 'ckpt-8'}; free space or fix "
                                 "permissions in the run directory, then run the same command to resume")
     assert snapshot(ckpts) == before
-    monkeypatch.setattr(tf.train.CheckpointManager, "save", real_save)
-    assert build_run(cfg_for(tmp_path)).resumed_from == str(ckpts / "ckpt-4")
-
-
-@pytest.fixture(scope="module")
-def made_run(tmp_path_factory):
-    """A trained run directory (2 steps), copied by each bad-input case."""
-    tmp = tmp_path_factory.mktemp("made")
-    cfg = tiny_config(tmp, **{"train.steps": 2})
-    train(cfg, say=quiet)
-    return tmp
+    assert tf.train.latest_checkpoint(str(ckpts)) == str(ckpts / "ckpt-8")
 
 
 def _write(path, content: bytes) -> str:
@@ -247,25 +270,34 @@ BAD_INPUT = [  # (case, extra command-line flags, the start of the one error lin
     ("another tokenizer", ["--data.tokenizer=char"], "error: run_dir '{run}' was trained with data.tokenizer=byte"),
     ("read-only run directory", [], "error: run_dir '{run}' is not writable ("),
     ("full disk", [], "error: run_dir '{run}' is not writable (No space left on device)"),
+    ("unknown bad-step action", ["--train.on_bad_step=retry"],
+     "error: config: train.on_bad_step='retry'; valid choices: skip, rollback"),
     ("unreachable bucket", ["--run_dir=gs://tpu-llm-test-no-such-bucket-0/run"],
      "error: run_dir 'gs://tpu-llm-test-no-such-bucket-0/run' cannot be reached ("),
 ]
 
 
-@pytest.mark.parametrize("case, flags, message", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
-def test_bad_input_is_one_line_exit_2_and_the_run_directory_is_untouched(case, flags, message, made_run, tmp_path,
-                                                                         monkeypatch, capsys):
-    import shutil
+def test_time_based_checkpoints_and_the_ones_kept_for_good(base, tmp_path):
+    ckpts = copy_of_straight(base, tmp_path) / "checkpoints"
+    cfg = cfg_for(tmp_path, **{"train.steps": 12, "checkpoint.every_steps": 0, "checkpoint.every_minutes": 1e-6,
+                               "checkpoint.keep": 2, "checkpoint.keep_every_hours": 1e-6})
+    train(cfg, say=quiet)  # every host call (2 steps) is past the time: saved at 10 and 12
+    assert {p.name for p in ckpts.glob("*.index")} == {f"ckpt-{n}.index" for n in (4, 8, 10, 12)}  # 4, 8 kept
+    assert [os.path.basename(p) for p in Checkpointer(str(tmp_path / "run"), 2).manager.checkpoints] == \
+        ["ckpt-10", "ckpt-12"]
 
-    run = tmp_path / "run"
-    shutil.copytree(made_run / "run", run)
+
+@pytest.mark.parametrize("case, flags, message", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_and_the_run_directory_is_untouched(case, flags, message, base, tmp_path,
+                                                                         monkeypatch, capsys):
+    run = copy_of_straight(base, tmp_path)
     paths = {"tmp": tmp_path, "run": run, "empty": _write(tmp_path / "e" / "empty.txt", b""),
              "binary": _write(tmp_path / "b" / "x.bin", b"\x00\x01\x02" * 50),
              "latin1": _write(tmp_path / "l" / "x.txt", "café crème\n".encode("latin-1") * 5)}
-    args = ["train", f"--run_dir={run}", f"--data.train={made_run / 'corpus' / '*.txt'}",
+    args = ["train", f"--run_dir={run}", f"--data.train={base / 'corpus' / '*.txt'}",
             *(f"--{k}={v}" for k, v in (("model.n_layer", 2), ("model.n_head", 2), ("model.n_embd", 32),
-                                        ("model.max_len", 32), ("data.seq_len", 16), ("train.batch_size", 4),
-                                        ("train.steps", 4), ("sample.num_samples", 0))),
+                                        ("model.max_len", 32), ("model.dropout", 0.1), ("data.seq_len", 16),
+                                        ("train.batch_size", 4), ("train.steps", 12), ("sample.num_samples", 0))),
             *(flag.format(**paths) for flag in flags)]
     monkeypatch.setenv("NO_GCE_CHECK", "true")  # TF's gs:// client: no metadata-server probe for credentials
     read_only = case == "read-only run directory" and os.geteuid() != 0  # root writes anyway: refused below

@@ -397,6 +397,8 @@ def _start_row(start, shape: tuple, index: int):
     if start is None or len(start) == 0:
         return None
     rows = [tuple(int(v) for v in r) for r in start]
+    if not any(any(r) for r in rows):  # saved before any step ran (still the variable's zeros): the start
+        return (0, 0, *shape) + (0,) * (3 * LANES)
     if any(len(r) != len(POSITION_FIELDS) or r[2:5] != shape for r in rows):
         return None
     if shape[0] > 1:

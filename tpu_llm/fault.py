@@ -31,6 +31,7 @@ import signal
 import tempfile
 import threading
 import time
+import uuid
 
 import tensorflow as tf
 
@@ -127,8 +128,8 @@ class MultiWorkerPreemption:
     """
 
     def __init__(self, strategy, save, stop):
-        self._scratch = tempfile.mkdtemp(prefix="tpu-llm-preemption-")
-        manager = tf.train.CheckpointManager(tf.train.Checkpoint(), self._scratch, max_to_keep=1)
+        nowhere = os.path.join(tempfile.gettempdir(), f"tpu-llm-unused-{uuid.uuid4().hex}")  # never written
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(), nowhere, max_to_keep=1)
         config = tf.distribute.experimental.TerminationConfig(exit_fn=stop, save_fn=save)
         self.handler = tf.distribute.experimental.PreemptionCheckpointHandler(
             strategy.cluster_resolver, manager, termination_config=config)
@@ -277,7 +278,8 @@ class Guard:
         self.run.trainer.stop_flag = None
 
     def call(self, fn):
-        """fn() (a host call of training steps); a task of the cluster lost during it -> Stopped."""
+        """fn() (a host call of training steps, a collective save or vote); a task of the cluster lost
+        during it -> Stopped."""
         try:
             return fn()
         except CLUSTER_ERRORS as e:
@@ -310,16 +312,16 @@ class Guard:
         self.step = step
         timed = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
         stop = bool(self.signals and (self.signals.received or self._flag_set()))
-        if self.any_worker is not None:
-            timed, stop = self.any_worker([timed, stop])
-        path = self.save(step) if (due or timed or stop) else None
+        if self.any_worker is not None and (self.every_seconds > 0 or self.signals):  # one small all-reduce
+            timed, stop = self.call(lambda: self.any_worker([timed, stop]))
+        path = self.call(lambda: self.save(step)) if (due or timed or stop) else None
         if stop:
             if self.signals.received:
                 raise self.signals.stopped(step, path)
             raise Stopped(f"another worker was stopped by a signal at step {step}: saved {path}; run the same "
                           "command to resume", EXIT_SIGNAL[signal.SIGTERM], label="stopped")
         if self.preemption is not None:
-            self.preemption.check()  # TF's handler: saves and stops if any worker got SIGTERM
+            self.call(self.preemption.check)  # TF's handler: saves and stops if any worker got SIGTERM
 
     def save(self, step: int) -> str:
         if self.saved_step != step:
