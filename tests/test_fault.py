@@ -1,6 +1,7 @@
-"""Fault tolerance in one process: exact resume after a crash during a save (dropout RNG and data
-position included), corrupt checkpoints, the divergence guard, SIGTERM, failed saves, and bad input
-leaving the run directory untouched. Killed processes and lost cluster tasks: test_fault_processes.py.
+"""Fault tolerance in one process: corrupt checkpoints (and exact resume past them, dropout RNG and
+data position included), the divergence guard, SIGTERM, time-based checkpoints and a failed save, and
+bad input leaving the run directory untouched. Killed processes (also while saving) and lost cluster
+tasks: test_fault_processes.py.
 
 Most tests start from `base`, one uninterrupted run shared by the module, and compare with it."""
 
@@ -14,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import tiny_config, write_corpus
+from conftest import tiny_config
 
 from tpu_llm import cli, fault
 from tpu_llm.checkpoint import Checkpointer
@@ -83,35 +84,6 @@ def copy_of_straight(base, tmp_path):
     return tmp_path / "run"
 
 
-# ---- exact resume ---------------------------------------------------------------------------------
-
-
-def test_a_run_that_died_while_saving_resumes_exactly(base, monkeypatch):
-    from tensorflow.python.checkpoint import checkpoint_management
-
-    record = checkpoint_management.update_checkpoint_state_internal
-
-    def dies(save_dir, model_checkpoint_path, **kwargs):  # the checkpoint's files are written, not recorded
-        if model_checkpoint_path.endswith("ckpt-8"):
-            raise SystemExit("killed")  # in a real crash nothing runs after this point either
-        return record(save_dir, model_checkpoint_path=model_checkpoint_path, **kwargs)
-
-    monkeypatch.setattr(checkpoint_management, "update_checkpoint_state_internal", dies)
-    with pytest.raises(SystemExit):
-        train(cfg_for(base, "died"), say=quiet)
-    monkeypatch.undo()
-    ckpts = base / "died" / "checkpoints"
-    assert (ckpts / "ckpt-8.index").exists() and tf.train.latest_checkpoint(str(ckpts)).endswith("ckpt-4")
-    lines = []
-    train(cfg_for(base, "died"), say=lines.append)  # the same command
-    assert f"resumed   from {ckpts / 'ckpt-4'} at step 4 (data position restored)" in lines
-    straight = metrics(base / "straight")
-    assert {m["step"]: m["loss"] for m in metrics(base / "died")} == {m["step"]: m["loss"] for m in straight}
-    held = saved(ckpts / "ckpt-8")
-    assert any(n.startswith("rng/") for n in held) and any(n.startswith("data_position/") for n in held)
-    assert_same(held, saved(base / "straight" / "checkpoints" / "ckpt-8"))  # weights, Adam, RNG, data: bit for bit
-
-
 # ---- corrupt checkpoints --------------------------------------------------------------------------
 
 
@@ -162,25 +134,25 @@ def poison(monkeypatch):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_checkpoint(tmp_path, poison):
-    train(cfg_for(tmp_path, "clean", **{"train.steps": 3}), say=quiet)  # 3 clean steps
-    poison(3, 4, 5)  # steps 4, then 5 and 6
+    poison(3, 4, 5)  # steps 4, 5 and 6
     lines = []
-    with pytest.raises(RunStopped) as stopped:
-        train(cfg_for(tmp_path, **{"train.max_bad_steps": 2, "checkpoint.every_steps": 2}), say=lines.append)
+    with pytest.raises(RunStopped) as stopped:  # a host call and a checkpoint after every step
+        train(cfg_for(tmp_path, **{"train.max_bad_steps": 2, "train.steps_per_loop": 1, "checkpoint.every_steps": 1}),
+              say=lines.append)
     ckpts = tmp_path / "run" / "checkpoints"
     assert any("1 step(s) up to step 4 had a non-finite loss or gradient (first: step 4) and were not applied; "
                "1 of train.max_bad_steps=2 so far" in line for line in lines), lines
-    assert metrics(tmp_path / "run", "bad_steps")[0]["action"] == "skip"
+    assert [e["action"] for e in metrics(tmp_path / "run", "bad_steps")] == ["skip", "skip"]
     assert stopped.value.exit_code == fault.EXIT_DIVERGED == 3 and stopped.value.label == "error"
-    assert str(stopped.value).startswith("step 5: non-finite loss or gradient on 3 step(s), more than "
+    assert str(stopped.value).startswith("step 6: non-finite loss or gradient on 3 step(s), more than "
                                          f"train.max_bad_steps=2 (none of them was applied); the last good "
-                                         f"checkpoint is {ckpts / 'ckpt-4'} (step 4);")
-    assert sorted(p.name for p in ckpts.glob("*.index")) == ["ckpt-2.index", "ckpt-4.index"]
-    # the skipped 4th step counted (its batch was consumed) but changed nothing: ckpt-4 holds the
-    # weights and Adam moments of 3 clean steps
-    assert saved(ckpts / "ckpt-4", "optimizer/_iterations")["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 4
-    assert_same(saved(ckpts / "ckpt-4", *WEIGHTS, *ADAM), saved(tmp_path / "clean" / "checkpoints" / "ckpt-3",
-                                                                *WEIGHTS, *ADAM))
+                                         f"checkpoint is {ckpts / 'ckpt-5'} (step 5);")
+    assert not (ckpts / "ckpt-6.index").exists()
+    # the skipped steps counted (their batches were used) but changed nothing: the weights and Adam
+    # moments after steps 4 and 5 are those after step 3
+    assert saved(ckpts / "ckpt-5", "optimizer/_iter")["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 5
+    for step in (4, 5):
+        assert_same(saved(ckpts / f"ckpt-{step}", *WEIGHTS, *ADAM), saved(ckpts / "ckpt-3", *WEIGHTS, *ADAM))
 
 
 def test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches(tmp_path, poison):
@@ -227,24 +199,33 @@ def test_sigterm_stops_inside_the_host_call_saves_and_the_same_command_resumes(t
 # ---- failed saves and bad input -------------------------------------------------------------------
 
 
-def test_a_failed_save_leaves_the_checkpoints_as_they_were(base, tmp_path, monkeypatch):
-    ckpts = copy_of_straight(base, tmp_path) / "checkpoints"
-    before = snapshot(ckpts)
+def test_time_based_checkpoints_and_a_failed_save_that_leaves_the_checkpoints_as_they_were(base, tmp_path,
+                                                                                            monkeypatch):
+    ckpts = copy_of_straight(base, tmp_path) / "checkpoints"  # ckpt-4, ckpt-8
+    real_save, before = tf.train.CheckpointManager.save, {}
 
-    def disk_full(self, checkpoint_number=None, **kwargs):  # a part-written checkpoint, then ENOSPC
-        (ckpts / f"ckpt-{checkpoint_number}_temp").mkdir()
-        (ckpts / f"ckpt-{checkpoint_number}_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"x")
-        (ckpts / f"ckpt-{checkpoint_number}.index").write_bytes(b"half")
-        raise tf.errors.ResourceExhaustedError(None, None, f"ckpt-{checkpoint_number}.index; No space left on device")
+    def disk_full_at_12(self, checkpoint_number=None, **kwargs):  # a part-written checkpoint, then ENOSPC
+        if checkpoint_number != 12:
+            return real_save(self, checkpoint_number=checkpoint_number, **kwargs)
+        before.update(snapshot(ckpts))
+        (ckpts / "ckpt-12_temp").mkdir()
+        (ckpts / "ckpt-12_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"x")
+        (ckpts / "ckpt-12.index").write_bytes(b"half")
+        raise tf.errors.ResourceExhaustedError(None, None, "ckpt-12.index; No space left on device")
 
-    monkeypatch.setattr(tf.train.CheckpointManager, "save", disk_full)
-    with pytest.raises(UserError) as error:
-        train(cfg_for(tmp_path, **{"train.steps": 10}), say=quiet)
-    assert str(error.value) == (f"saving checkpoint ckpt-10 in {ckpts} failed (ckpt-10.index; No space left on "
-                                f"device); the newest usable checkpoint is {ckpts / 'ckpt-8'}; free space or fix "
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", disk_full_at_12)
+    cfg = cfg_for(tmp_path, **{"train.steps": 12, "checkpoint.every_steps": 0, "checkpoint.every_minutes": 1e-6,
+                               "checkpoint.keep": 2, "checkpoint.keep_every_hours": 1e-6})
+    with pytest.raises(UserError) as error:  # every host call (2 steps) is past the time: a save at 10, 12
+        train(cfg, say=quiet)
+    assert str(error.value) == (f"saving checkpoint ckpt-12 in {ckpts} failed (ckpt-12.index; No space left on "
+                                f"device); the newest usable checkpoint is {ckpts / 'ckpt-10'}; free space or fix "
                                 "permissions in the run directory, then run the same command to resume")
-    assert snapshot(ckpts) == before
-    assert tf.train.latest_checkpoint(str(ckpts)) == str(ckpts / "ckpt-8")
+    assert snapshot(ckpts) == before  # the partial files are gone, the rest as it was
+    # keep=2 names the newest two; ckpt-4, older, is kept for good (keep_every_hours)
+    assert {p.name for p in ckpts.glob("*.index")} == {"ckpt-4.index", "ckpt-8.index", "ckpt-10.index"}
+    assert [os.path.basename(p) for p in Checkpointer(str(tmp_path / "run"), 2).manager.checkpoints] == \
+        ["ckpt-8", "ckpt-10"]
 
 
 def _write(path, content: bytes) -> str:
@@ -275,16 +256,6 @@ BAD_INPUT = [  # (case, extra command-line flags, the start of the one error lin
     ("unreachable bucket", ["--run_dir=gs://tpu-llm-test-no-such-bucket-0/run"],
      "error: run_dir 'gs://tpu-llm-test-no-such-bucket-0/run' cannot be reached ("),
 ]
-
-
-def test_time_based_checkpoints_and_the_ones_kept_for_good(base, tmp_path):
-    ckpts = copy_of_straight(base, tmp_path) / "checkpoints"
-    cfg = cfg_for(tmp_path, **{"train.steps": 12, "checkpoint.every_steps": 0, "checkpoint.every_minutes": 1e-6,
-                               "checkpoint.keep": 2, "checkpoint.keep_every_hours": 1e-6})
-    train(cfg, say=quiet)  # every host call (2 steps) is past the time: saved at 10 and 12
-    assert {p.name for p in ckpts.glob("*.index")} == {f"ckpt-{n}.index" for n in (4, 8, 10, 12)}  # 4, 8 kept
-    assert [os.path.basename(p) for p in Checkpointer(str(tmp_path / "run"), 2).manager.checkpoints] == \
-        ["ckpt-10", "ckpt-12"]
 
 
 @pytest.mark.parametrize("case, flags, message", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])

@@ -25,7 +25,8 @@ from tpu_llm import launch
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 HANG = 300  # seconds: a process still running after this failed the test
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.max_len=32", "--data.seq_len=16",
+TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.max_len=32", "--model.dropout=0.1",
+        "--data.seq_len=16",
         "--data.shuffle_buffer=64", "--train.warmup_steps=1", "--train.eval_every=0", "--train.eval_steps=2",
         "--sample.num_samples=0"]
 

@@ -3,7 +3,7 @@
 <run_dir>/
   config.yaml          the effective config of the run (model section fixed once written)
   tokenizer.json       the tokenizer (+ tokenizer.model for SentencePiece)
-  checkpoints/         tf.train.CheckpointManager: model, optimizer, step, data iterator
+  checkpoints/         tf.train.CheckpointManager: model, optimizer, step, dropout RNG, data position
   logs/train, logs/validation   TensorBoard summaries
   metrics.jsonl        one JSON line per logged loop and evaluation (appended, never rewritten)
 
