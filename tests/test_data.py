@@ -114,6 +114,21 @@ def test_each_training_pass_over_a_document_starts_at_a_new_random_offset(tmp_pa
     assert again == stream  # the offsets are a function of the seed: the stream is reproducible
 
 
+def test_one_epoch_of_a_one_file_corpus_covers_the_whole_file(tmp_path):
+    # lanes read files side by side; more lanes than files would read this file's beginning four
+    # times over (tinyshakespeare trained on its first 40% only)
+    path = tmp_path / "one.txt"
+    path.write_text("".join(f"{i:04d}\n" for i in range(400)))  # 2,000 bytes
+    fn = data.make_dataset_fn(data.Source([str(path)], "text"), ByteTokenizer(), SEQ, BATCH, training=True,
+                              seed=0, shuffle_buffer=8)
+    doc, covered = path.read_bytes(), set()
+    for x, y in first_batches(fn(), 2000 // (SEQ + 1) // BATCH):  # one pass's worth of batches
+        for window in np.concatenate([x, y[:, -1:]], axis=1).tolist():
+            at = doc.find(bytes(t for t in window if t < 256))  # unique: holds two whole line numbers
+            covered.update(range(at, at + SEQ + 1))
+    assert len(covered) > 0.85 * len(doc)  # four lanes over one file: about a quarter
+
+
 def test_validation_is_deterministic(corpus_files):
     a, b = text_dataset(corpus_files), text_dataset(corpus_files)
     first = first_batches(a, 4)

@@ -33,9 +33,11 @@ def tiny_model(n_layer=4):
     return GPT(cfg.model, 64).build_weights()
 
 
-def loss_and_grads(model, stages=1, microbatches=1, devices=(), remat=False, jit=False):
+def loss_and_grads(model, stages=1, microbatches=1, devices=(), remat=False, jit=False, ways=1):
+    """(loss, gradients, the tf.function) of one pipelined step; `ways` tensor groups per stage
+    (tests/test_tensor.py)."""
     parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
-    placement = Placement(stages, (tuple(devices),) if devices else ())
+    placement = Placement(stages, (tuple(devices),) if devices else (), tensor=ways)
     pipe = pipeline.Pipeline(model, parts, placement, microbatches, remat)
     x = tf.random.stateless_uniform([8, 16], [1, 2], 0, 64, tf.int32)
     y = tf.random.stateless_uniform([8, 16], [3, 4], 0, 64, tf.int32)
@@ -173,8 +175,9 @@ def test_float16_skips_an_overflowing_step_and_recovers(tmp_path):
         out = run.trainer.run(run.train_iterator, 1, 1)
         assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, run.model.trainable_variables))
         assert float(optimizer.dynamic_scale.numpy()) == 2.0 ** 39 and np.isfinite(out["loss"])
+        assert int(optimizer.iterations.numpy()) == 1  # a skipped step still counts: it consumed a batch
         run.trainer.run(run.train_iterator, 30, 10)  # halved on each overflow until the steps apply again
-        assert float(optimizer.dynamic_scale.numpy()) < 2.0 ** 30
+        assert float(optimizer.dynamic_scale.numpy()) < 2.0 ** 30 and int(optimizer.iterations.numpy()) == 31
         assert not all(np.array_equal(a, w.numpy()) for a, w in zip(before, run.model.trainable_variables))
     finally:
         keras.mixed_precision.set_global_policy("float32")

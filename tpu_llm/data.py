@@ -231,7 +231,7 @@ def pack_located(docs: tf.data.Dataset, window: int) -> tf.data.Dataset:
     return docs.scan((tf.zeros([0], tf.int32), tf.zeros([3], tf.int64)), step).unbatch()
 
 
-LANES = 4  # files read side by side, their windows interleaved: each chunk mixes LANES documents
+LANES = 4  # files read side by side (at most one lane per file), their windows interleaved in each chunk
 # A training pipeline's position, one int64 row per pipeline: `taken` windows of chunk number `chunk`
 # were consumed; the chunk starts, in lane l, at token `token_l` of document `document_l` of the
 # `slot_l`-th file read (epoch slot // files, in that epoch's order). The rest say how the stream was
@@ -313,7 +313,9 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
         order = seed if seed is not None else tf.cast(tf.timestamp() * 1e6, tf.int64) % (2 ** 31)
         shard_files = pipelines > 1 and len(source.files) >= FILES_PER_PIPELINE * pipelines
         files = source.files[index::pipelines] if shard_files else source.files
-        lanes = min(LANES, shuffle_buffer)
+        # more lanes than files would read the same files side by side from their beginnings: a
+        # one-file corpus in 4 lanes trains 4 times on its first quarter before seeing the rest
+        lanes = min(LANES, shuffle_buffer, len(files))
         size = -(-shuffle_buffer // lanes) * lanes  # windows per chunk: whole rounds of the lanes
         shape = (pipelines if shard_files else 1, lanes, size)
         row = _start_row(start, shape, index)

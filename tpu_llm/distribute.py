@@ -98,9 +98,10 @@ def choose(cfg: Config, found: Found) -> tuple[str, str]:
             raise UserError("strategy=multi_worker needs TF_CONFIG listing the workers (and no ps tasks); start "
                             "local workers with `tpu-llm launch --workers 2 -- train ...`")
         return want, f"strategy={want}: TF_CONFIG with {found.cluster_size} tasks"
-    replicas = cfg.cpu_devices // cfg.parallel.pipeline_stages  # the rest of the devices hold stages
+    per_replica = cfg.parallel.pipeline_stages * cfg.parallel.tensor  # devices one replica's stages/groups take
+    replicas = cfg.cpu_devices // per_replica
     if want == "mirrored":
-        if found.gpus // cfg.parallel.pipeline_stages > 1:
+        if found.gpus // per_replica > 1:
             return "mirrored", f"strategy=mirrored: {found.gpus} GPUs"
         if replicas > 1:
             return "mirrored", f"strategy=mirrored: cpu_devices={cfg.cpu_devices} logical CPU devices"
@@ -115,47 +116,65 @@ def choose(cfg: Config, found: Found) -> tuple[str, str]:
         return "parameter_server", f"strategy=auto: TF_CONFIG has ps tasks ({found.cluster_size} tasks)"
     if found.cluster_size > 1:  # before local GPUs: each worker mirrors over its own GPUs
         return "multi_worker", f"strategy=auto: TF_CONFIG with {found.cluster_size} tasks"
-    if found.gpus // cfg.parallel.pipeline_stages > 1:
+    if found.gpus // per_replica > 1:
         return "mirrored", f"strategy=auto: {found.gpus} GPUs"
     if replicas > 1:
         return "mirrored", f"strategy=auto: cpu_devices={cfg.cpu_devices} logical CPU devices"
-    if cfg.parallel.pipeline_stages > 1:
-        return "default", (f"strategy=auto: one replica whose {cfg.parallel.pipeline_stages} pipeline stages take "
+    if per_replica > 1:
+        return "default", (f"strategy=auto: one replica whose {_layout(cfg)} take "
                            f"{'the GPUs' if found.gpus else f'cpu_devices={cfg.cpu_devices} logical CPUs'}")
     return "default", f"strategy=auto: one {'GPU' if found.gpus else 'CPU'} device, no TPU, no TF_CONFIG"
 
 
 @dataclasses.dataclass
 class Placement:
-    """Where pipeline stage i of a replica runs: the one thing pipeline.py asks about devices.
+    """Where pipeline stage i of a replica, and tensor-parallel group g of that stage, run: the one
+    thing pipeline.py and tensor.py ask about devices.
 
-    Off-TPU: `devices[r][i]` is the device of stage i in replica r (logical CPUs or GPUs), entered
-    with tf.device. On TPU: stage i's output is annotated for logical core i of the replica's cores
-    (the DeviceAssignment gives each replica P neighbouring cores).
+    A replica spans P x T devices or cores, stage-major: stage i's group g is number i*T + g (T = 1
+    without tensor parallelism). Off-TPU: `devices[r]` lists replica r's devices in that order,
+    entered with tf.device; a stage's own work (embedding, norms, residuals, head) runs on its group
+    0 device. On TPU: tensors are annotated for the replica's logical core of that number (the
+    DeviceAssignment gives each replica P x T neighbouring cores).
     """
 
     stages: int = 1
-    devices: tuple = ()  # per replica, per stage: device names (off-TPU); () = wherever TF puts it
-    tpu_strategy: object = None  # TPUStrategy when stages are logical TPU cores
+    devices: tuple = ()  # per replica: P x T device names (off-TPU); () = wherever TF puts it
+    tpu_strategy: object = None  # TPUStrategy when stages/groups are logical TPU cores
+    tensor: int = 1  # T: tensor-parallel groups per stage
 
     def stage(self, i: int):
+        return self._device(i * self.tensor)
+
+    def shard(self, i: int, g: int):
+        return self._device(i * self.tensor + g)
+
+    def _device(self, k: int):
         if self.tpu_strategy is not None or not self.devices:
             return contextlib.nullcontext()
         replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
-        return tf.device(self.devices[int(replica or 0)][i])
+        return tf.device(self.devices[int(replica or 0)][k])
 
     def place(self, tensor, i: int):
-        if self.tpu_strategy is not None and self.stages > 1:
-            return self.tpu_strategy.experimental_assign_to_logical_device(tensor, i)
+        """Annotate stage i's output for its logical TPU core (a no-op off-TPU: tf.device placed it)."""
+        return self._assign(tensor, i * self.tensor)
+
+    def place_shard(self, tensor, i: int, g: int):
+        return self._assign(tensor, i * self.tensor + g)
+
+    def _assign(self, tensor, core: int):
+        if self.tpu_strategy is not None and self.stages * self.tensor > 1:
+            return self.tpu_strategy.experimental_assign_to_logical_device(tensor, core)
         return tensor
 
     def describe(self) -> str:
-        if self.stages == 1:
+        if self.stages * self.tensor == 1:
             return "no pipeline"
+        what = " x ".join([f"{self.stages} stages"] * (self.stages > 1) + [f"{self.tensor} tensor groups"] * (self.tensor > 1))
         if self.tpu_strategy is not None:
-            return f"{self.stages} stages on logical TPU cores 0-{self.stages - 1} of each replica"
-        return f"{self.stages} stages per replica on " + "; ".join(", ".join(d.split("device:")[-1] for d in r)
-                                                                  for r in self.devices)
+            return f"{what} on logical TPU cores 0-{self.stages * self.tensor - 1} of each replica"
+        return f"{what} per replica on " + "; ".join(", ".join(d.split("device:")[-1] for d in r)
+                                                     for r in self.devices)
 
 
 @dataclasses.dataclass
@@ -243,40 +262,41 @@ def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
     found = found or look_around(cfg)
     name, reason = choose(cfg, found)
     kind = "GPU" if found.gpus else "CPU"
-    stages = cfg.parallel.pipeline_stages
+    stages, ways = cfg.parallel.pipeline_stages, cfg.parallel.tensor
+    per_replica = stages * ways
     if name == "tpu":
         from tpu_llm import tpu
 
         # No quiet fallback to the CPU when a TPU was seen but cannot be reached: a half-made
         # connection may already have changed TF's default devices, and a user on a TPU VM wants
         # the TPU. The error says how to run without it.
-        strategy, kind, described, chips = tpu.tpu_strategy(cfg.tpu, stages * cfg.parallel.tensor)
+        strategy, kind, described, chips = tpu.tpu_strategy(cfg.tpu, per_replica)
         # TPUStrategy compiles the whole replica function for the TPU: no nested jit_compile needed
         return Distribution(strategy, "tpu", f"{reason}; {described}", kind, jit_compile=False,
                             xla="whole replica step compiled for the TPU", chips=chips,
-                            placement=Placement(stages, tpu_strategy=strategy))
-    if stages > 1 and name in ("multi_worker", "parameter_server"):
-        raise UserError(f"parallel.pipeline_stages={stages} runs under strategy tpu, mirrored or default, not "
-                        f"{name}; set parallel.pipeline_stages=1")
+                            placement=Placement(stages, tpu_strategy=strategy, tensor=ways))
+    if per_replica > 1 and name in ("multi_worker", "parameter_server"):
+        raise UserError(f"{_layout(cfg)} run under strategy tpu, mirrored or default, not {name}; set "
+                        "parallel.pipeline_stages=1 and parallel.tensor=1")
     if name == "multi_worker":
         return _multi_worker(cfg, reason, kind, found)
     if name == "parameter_server":
         return _parameter_server(reason, kind, found)
-    if found.gpus and (name == "mirrored" or stages > 1):
-        if found.gpus < stages:
-            raise UserError(f"parallel.pipeline_stages={stages} needs a GPU per stage; this machine has "
-                            f"{found.gpus}; lower parallel.pipeline_stages")
-        devices = [f"/device:GPU:{i}" for i in range(found.gpus)]  # a remainder of < P GPUs stays idle
-    elif cfg.cpu_devices > 1 or stages > 1:
-        devices = split_cpu(_check_stage_devices(cfg.cpu_devices, stages, "cpu_devices"))
+    if found.gpus and (name == "mirrored" or per_replica > 1):
+        if found.gpus < per_replica:
+            raise UserError(f"{_layout(cfg)} need a GPU each; this machine has {found.gpus}; lower "
+                            "parallel.pipeline_stages or parallel.tensor")
+        devices = [f"/device:GPU:{i}" for i in range(found.gpus)]  # a remainder of < P x T GPUs stays idle
+    elif cfg.cpu_devices > 1 or per_replica > 1:
+        devices = split_cpu(_check_stage_devices(cfg, "cpu_devices", cfg.cpu_devices))
     else:
         return Distribution(tf.distribute.get_strategy(), "default", reason, kind)
-    devices = devices[:len(devices) // stages * stages]
-    groups = [tuple(devices[r * stages:(r + 1) * stages]) for r in range(len(devices) // stages)]
-    placement = Placement(stages, groups if stages > 1 else ())
-    # stages on several devices cannot be one XLA program: the step runs as a graph (pipeline.py)
-    xla = {"jit_compile": False, "xla": "off (pipeline stages on several devices run as a TF graph)"} \
-        if stages > 1 else {}
+    devices = devices[:len(devices) // per_replica * per_replica]
+    groups = [tuple(devices[r * per_replica:(r + 1) * per_replica]) for r in range(len(devices) // per_replica)]
+    placement = Placement(stages, groups if per_replica > 1 else (), tensor=ways)
+    # stages or groups on several devices cannot be one XLA program: the step runs as a graph (pipeline.py)
+    xla = {"jit_compile": False, "xla": f"off ({_layout(cfg)} on several devices run as a TF graph)"} \
+        if per_replica > 1 else {}
     if len(groups) == 1:  # one replica of P stages: no data parallelism to mirror
         return Distribution(tf.distribute.get_strategy(), "default", reason, kind, placement=placement, **xla)
     # logical CPUs share one memory: reduce on the first of them. (The default, collective
@@ -287,10 +307,19 @@ def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
                         **xla)
 
 
-def _check_stage_devices(count: int, stages: int, what: str) -> int:
-    if count % stages or count < stages:
-        raise UserError(f"{what}={count} must be a multiple of parallel.pipeline_stages={stages} (one device per "
-                        f"stage, per replica); set {what}={stages} for one replica or {2 * stages} for two")
+def _layout(cfg: Config) -> str:
+    """'4 pipeline stages', '2 tensor groups' or '2 pipeline stages x 2 tensor groups', for messages."""
+    p, t = cfg.parallel.pipeline_stages, cfg.parallel.tensor
+    parts = [f"{p} pipeline stages"] * (p > 1) + [f"{t} tensor groups"] * (t > 1)
+    return " x ".join(parts) or "1 stage"
+
+
+def _check_stage_devices(cfg: Config, what: str, count: int) -> int:
+    k = cfg.parallel.pipeline_stages * cfg.parallel.tensor
+    if count % k or count < k:
+        name = "parallel.pipeline_stages x parallel.tensor" if cfg.parallel.tensor > 1 else "parallel.pipeline_stages"
+        raise UserError(f"{what}={count} must be a multiple of {name}={k} (one device per stage and tensor "
+                        f"group, per replica); set {what}={k} for one replica or {2 * k} for two")
     return count
 
 

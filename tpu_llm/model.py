@@ -46,14 +46,21 @@ class CausalSelfAttention(keras.layers.Layer):
         if cache is not None:
             k, v = _cache_write(cache[0], k, pos), _cache_write(cache[1], v, pos)  # (B, H, L, hd)
             cache = (k, v)
-        scores = tf.einsum("bhtd,bhsd->bhts", q, k) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, S)
-        # query i sits at position pos + i and may see keys at positions <= its own
-        allowed = tf.range(tf.shape(k)[2])[None, :] <= (pos + tf.range(T))[:, None]  # (T, S)
-        scores = tf.where(allowed, tf.cast(scores, tf.float32), -1e9)
-        probs = self.attn_drop(tf.nn.softmax(scores, axis=-1), training=training)
-        y = tf.einsum("bhts,bhsd->bhtd", tf.cast(probs, v.dtype), v)  # (B, H, T, hd)
-        y = tf.reshape(tf.transpose(y, [0, 2, 1, 3]), [B, T, self.n_head * self.head_dim])  # (B, T, C)
+        y = attend(q, k, v, pos, self.attn_drop, training)  # (B, T, C)
         return self.resid_drop(self.proj(y), training=training), cache
+
+
+def attend(q, k, v, pos, dropout, training):
+    """Causal attention of queries q (B, H, T, hd) at positions pos.. over keys/values (B, H, S, hd);
+    returns the heads side by side, (B, T, H * hd). Softmax in float32."""
+    B, H, T, hd = tf.shape(q)[0], q.shape[1], tf.shape(q)[2], q.shape[3]
+    scores = tf.einsum("bhtd,bhsd->bhts", q, k) * (1.0 / math.sqrt(hd))  # (B, H, T, S)
+    # query i sits at position pos + i and may see keys at positions <= its own
+    allowed = tf.range(tf.shape(k)[2])[None, :] <= (pos + tf.range(T))[:, None]  # (T, S)
+    scores = tf.where(allowed, tf.cast(scores, tf.float32), -1e9)
+    probs = dropout(tf.nn.softmax(scores, axis=-1), training=training)
+    y = tf.einsum("bhts,bhsd->bhtd", tf.cast(probs, v.dtype), v)  # (B, H, T, hd)
+    return tf.reshape(tf.transpose(y, [0, 2, 1, 3]), [B, T, H * hd])  # (B, T, H * hd)
 
 
 def _cache_write(cache, new, pos):

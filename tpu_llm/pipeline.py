@@ -36,6 +36,7 @@ import tensorflow as tf
 from tpu_llm.config import ModelConfig
 from tpu_llm.errors import UserError
 from tpu_llm.model import loss_fn
+from tpu_llm.tensor import SplitBlock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,18 +127,20 @@ class Pipeline:
     def __init__(self, model, stages: list[Stage], placement, microbatches: int = 1, remat: bool = False):
         self.model, self.stages, self.placement = model, stages, placement
         self.microbatches = microbatches
-        # training -> per-block functions; recompute_grad takes no keyword arguments in graph mode
-        blocks = {training: [self._block_fn(b, training) for b in model.blocks] for training in (True, False)}
-        if remat:
-            blocks[True] = [tf.recompute_grad(f) for f in blocks[True]]
-        self.stage_fns = [self._stage_fn(stage, {t: [fs[i] for i in stage.blocks] for t, fs in blocks.items()})
+        # per stage: training -> its blocks' functions (split T ways with tensor parallelism)
+        self.stage_fns = [self._stage_fn(stage, {training: [self._block_fn(b, stage.index, training, remat)
+                                                             for b in stage.blocks] for training in (True, False)})
                           for stage in stages]
 
-    @staticmethod
-    def _block_fn(block, training: bool):
-        def run(x):
-            return block(x, training=training)[0]
-        return run
+    def _block_fn(self, b: int, stage: int, training: bool, remat: bool):
+        block = self.model.blocks[b]
+        if self.placement.tensor > 1:
+            run = SplitBlock(block, self.placement.tensor, self.placement, stage, training)
+        else:
+            def run(x):
+                return block(x, training=training)[0]
+        # recompute_grad takes no keyword arguments in graph mode, hence one function per `training`
+        return tf.recompute_grad(run) if remat and training else run
 
     def _stage_fn(self, stage: Stage, blocks):
         model = self.model

@@ -13,7 +13,8 @@ share and the most loaded stage decides. "cpu" is this machine: its measured flo
 its RAM shared by all `cpu_devices` logical devices (R = cpu_devices / P, as distribute.py lays out).
 
 Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in float32):
-  parameters   4 bytes x the stage's parameters (pipeline.partition), blocks split over t ways
+  parameters   4 bytes x the stage's parameters (pipeline.partition), whole on the stage's first chip:
+               tensor groups (tpu_llm/tensor.py) split the matmuls and activations, not the weights
   optimizer    8 bytes x the same: AdamW's m and v, float32
   gradients    4 bytes x the same, twice with train.grad_accum > 1 (the running sum and the new one)
   activations  what the backward pass reads, for every micro-batch in flight. GPipe runs all M
@@ -179,9 +180,8 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     replica) of which `tokens_micro` are one micro-batch."""
     m, t, stages = cfg.model, cfg.parallel.tensor, cfg.parallel.pipeline_stages
     c = m.n_embd
-    _, block_params = pipeline.block_cost(m, cfg.data.seq_len)
     n_blocks = len(stage.blocks)
-    params = stage.params - n_blocks * block_params * (1 - 1 / t)  # blocks split over the tensor ways
+    params = stage.params  # whole, also with tensor groups: they split compute and activations only
     full, kept = block_activation_bytes(cfg, act_bytes)
     per_token = n_blocks * (kept if remat else full)
     work = 2 * params if act_bytes == 2 else 0.0  # compute-dtype casts of the weights
@@ -374,8 +374,10 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
     per_replica = p.pipeline_stages * p.tensor
     if acc.shared_memory:
         if p.tensor > 1:
-            raise UserError(f"parallel.tensor={p.tensor} splits layers over TPU cores only; plan a TPU "
-                            "accelerator or set parallel.tensor=1")
+            # off-TPU the weights stay whole on each replica's first device and its groups read
+            # slices of them: the per-core memory model below (weights split T ways) does not apply
+            raise UserError(f"parallel.tensor={p.tensor}: the planner models tensor parallelism on TPU chips "
+                            "only; plan a TPU accelerator or set parallel.tensor=1")
         if cfg.cpu_devices % p.pipeline_stages or cfg.cpu_devices < p.pipeline_stages:
             raise UserError(f"cpu_devices={cfg.cpu_devices} must be a multiple of parallel.pipeline_stages="
                             f"{p.pipeline_stages} (one logical device per stage, per replica)")

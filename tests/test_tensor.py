@@ -1,0 +1,101 @@
+"""Tensor parallelism: blocks split T ways compute the plain model's loss and gradients."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import tiny_config
+from test_pipeline import CPUS, loss_and_grads, quiet, tiny_model, train_losses
+
+from tpu_llm import pipeline, tensor
+from tpu_llm.config import load_config
+from tpu_llm.controller import train
+from tpu_llm.distribute import Placement
+from tpu_llm.errors import UserError
+from tpu_llm.model import GPT
+
+
+def four_head_model():
+    cfg = load_config(None, {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 32, "model.max_len": 16,
+                             "data.seq_len": 16})
+    keras.utils.set_random_seed(0)
+    return GPT(cfg.model, 64).build_weights()
+
+
+def assert_same(a, b):
+    np.testing.assert_allclose(float(a[0]), float(b[0]), rtol=1e-5)
+    for g, other in zip(a[1], b[1]):
+        np.testing.assert_allclose(other.numpy(), g.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("stages, ways, microbatches", [(1, 4, 2), (2, 2, 2)])
+def test_split_blocks_give_the_plain_models_loss_and_gradients(stages, ways, microbatches):
+    model = tiny_model() if ways < 4 else four_head_model()
+    plain = loss_and_grads(model)
+    split = loss_and_grads(model, stages, microbatches, CPUS[:stages * ways], ways=ways)
+    assert_same(plain, split)
+    graph = split[2].get_concrete_function().graph
+    used = {op.device.split("device:")[-1] for op in graph.get_operations() if op.device}
+    assert {f"CPU:{i}" for i in range(stages * ways)} <= used  # every group ran on its own device
+    einsums = [op for op in graph.get_operations() if op.type == "Einsum" and op.device.endswith("CPU:1")]
+    assert einsums  # group 1 did matmuls of its own, not only copies
+
+
+def test_split_blocks_without_biases_with_remat_compile_as_one_xla_program():
+    cfg = load_config(None, {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.max_len": 16,
+                             "data.seq_len": 16, "model.bias": False})
+    keras.utils.set_random_seed(0)
+    model = GPT(cfg.model, 64).build_weights()
+    plain = loss_and_grads(model)
+    split = loss_and_grads(model, ways=2, remat=True, jit=True)  # no devices: one program, as on a TPU
+    assert_same(plain, split)
+    assert "HloModule" in split[2].experimental_get_compiler_ir()(stage="hlo")
+
+
+def test_tpu_placement_puts_each_group_on_its_logical_core():
+    cores = []
+
+    class FakeTPUStrategy:
+        def experimental_assign_to_logical_device(self, t, core):
+            cores.append(core)
+            return t
+
+    model = tiny_model(n_layer=2)
+    parts = pipeline.partition(model.cfg, model.vocab_size, 16, 2)
+    pipe = pipeline.Pipeline(model, parts, Placement(2, tpu_strategy=FakeTPUStrategy(), tensor=2))
+    pipe.loss(tf.zeros([2, 16], tf.int32), tf.zeros([2, 16], tf.int32))
+    # stage 0 (block 0): attention and MLP groups on cores 0 and 1 (input and output annotated), the
+    # stage's output on core 0; stage 1 (block 1) the same on cores 2 and 3, its loss on core 2
+    half_block = lambda first: [first, first, first + 1, first + 1]  # noqa: E731
+    assert cores == half_block(0) * 2 + [0] + half_block(2) * 2 + [2]
+
+
+def test_split_shapes_divide_every_kernel():
+    cfg = load_config("configs/gpt2_125m.yaml").model
+    for ways in (1, 2, 4, 12):
+        shapes = tensor.split_shapes(cfg, ways)
+        assert shapes["attn/qkv"] == (768, 3, 12 // ways, 64)
+        assert shapes["mlp/fc"] == (768, 3072 // ways) and shapes["mlp/proj"] == (3072 // ways, 768)
+        assert shapes["attn/proj"][0] * ways == 768
+    with pytest.raises(UserError, match=r"parallel.tensor=5 must divide model.n_head=12 .*valid values: 1, 2, 3, 4, 6, 12"):
+        load_config("configs/gpt2_125m.yaml", {"parallel.tensor": 5})
+
+
+def test_training_with_tensor_and_data_parallelism_matches_one_device(tmp_path):
+    common = {"train.steps": 2, "train.batch_size": 8, "model.n_layer": 2}
+    train(tiny_config(tmp_path / "one", **common), say=quiet, samples=False)
+    lines = []
+    split = tiny_config(tmp_path / "split", **common, cpu_devices=4, **{"parallel.tensor": 2})
+    summary = train(split, say=lines.append, samples=False)
+    assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
+    assert "tensor    heads and MLP units split 2 ways; 2 tensor groups per replica on CPU:0, CPU:1; CPU:2, CPU:3" \
+        in lines, lines
+    np.testing.assert_allclose(train_losses(tmp_path / "split" / "run"), train_losses(tmp_path / "one" / "run"),
+                               rtol=1e-5)
+
+
+def test_too_few_devices_for_the_groups_is_one_line():
+    with pytest.raises(UserError, match=r"cpu_devices=3 must be a multiple of parallel.pipeline_stages x "
+                                        r"parallel.tensor=4"):
+        from tpu_llm.distribute import get_strategy
+        get_strategy(load_config(None, {"cpu_devices": 3, "parallel.tensor": 2, "parallel.pipeline_stages": 2}))
