@@ -46,11 +46,12 @@ train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/t
 test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks)
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)  ## benchmarks (see README): shakespeare_char, strategies, execution modes, pipeline
+bench: $(STAMP)  ## benchmarks (see README): shakespeare_char, strategies, execution modes, pipeline, comm
 	$(BIN)/tpu-llm bench
 	$(BIN)/tpu-llm bench strategies
 	$(BIN)/tpu-llm bench modes
 	$(BIN)/tpu-llm bench pipeline
+	$(BIN)/tpu-llm bench comm
 
 clean:  ## remove the virtual environments (runs/ is kept)
 	rm -rf $(VENV)

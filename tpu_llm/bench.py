@@ -8,6 +8,10 @@ strategies: the same tiny config (configs/tiny.yaml on the embedded corpus) unde
 that runs off-accelerator, each in fresh processes: default, Mirrored over 2 and 4 logical CPUs,
 multi_worker with 2 local workers, parameter_server with 2 workers and 1 ps. One table: tokens/s,
 steps/s, losses after N steps, and for the parameter server the staleness it observed.
+
+comm: gradient compression (bf16, PowerSGD, top-k) and local SGD / DiLoCo on the same config and steps,
+next to synchronous and parameter-server training: losses, bytes sent per step, tokens/s
+(docs/communication.md).
 """
 
 from __future__ import annotations
@@ -156,4 +160,46 @@ def pipeline_stages(steps: int = 60, config: str = "configs/tiny.yaml", stages: 
     for r in rows:
         print(f"| {r['P']} | {r['M']} | {r['measured']:.1f} | {r['predicted']:.1f} | {100 * r['bubble']:.0f}% | "
               f"{r['loss']:.4f} |")
+    return rows
+
+
+# name, `tpu-llm` arguments before `train` (a launched cluster), extra train flags. Every synchronous
+# row mirrors over the same 2 logical CPUs; the async row is 2 parameter-server workers.
+MIRRORED_2 = ["--strategy=mirrored", "--cpu_devices=2"]
+COMM_CASES = (
+    ("sync (float32 all-reduce)", [], MIRRORED_2),
+    ("async (parameter server, 2 workers + 1 ps)", ["launch", "--workers", "2", "--ps", "1", "--"], []),
+    ("bf16 all-reduce", [], [*MIRRORED_2, "--comm.compression=bf16"]),
+    ("PowerSGD r=1", [], [*MIRRORED_2, "--comm.compression=powersgd", "--comm.rank=1"]),
+    ("PowerSGD r=4", [], [*MIRRORED_2, "--comm.compression=powersgd", "--comm.rank=4"]),
+    ("top-k 1%", [], [*MIRRORED_2, "--comm.compression=topk", "--comm.topk_ratio=0.01"]),
+    ("local SGD H=4", [], [*MIRRORED_2, "--comm.sync_every=4"]),
+    ("local SGD H=16", [], [*MIRRORED_2, "--comm.sync_every=16"]),
+    ("DiLoCo H=16", [], [*MIRRORED_2, "--comm.sync_every=16", "--comm.outer_optimizer=nesterov",
+                         "--comm.outer_lr=0.7", "--comm.outer_momentum=0.9"]),
+)
+
+
+def comm(steps: int = 100, config: str = "configs/tiny.yaml", only: str = "") -> list[dict]:
+    """Gradient compression and local SGD (tpu_llm/comm.py) against synchronous and asynchronous data
+    parallelism: the same config and steps in fresh processes; one table of losses, bytes per step and
+    tokens/s. Bytes are what one replica (worker) sends per optimizer step: the float32 all-reduce
+    payload for sync, what the compressor sends, the parameter delta / H for local SGD; for the
+    parameter server a worker pushes its gradients and pulls the weights (2 x 4 bytes/parameter)."""
+    rows = [_run_case(name, prefix, config, steps, flags) for name, prefix, flags in COMM_CASES
+            if not only or only in name]
+    for r in rows:
+        dense = 4 * r["params"]
+        if r.get("comm_bytes_per_step") is not None:
+            r["bytes"] = r["comm_bytes_per_step"]
+        else:
+            r["bytes"] = 2 * dense if r["strategy"] == "parameter_server" else dense
+        r["ratio"] = dense / r["bytes"]
+    print(f"\ncommunication, {config}, {steps} steps each (tokens/s excludes the first, compiling, loop)")
+    print(f"| {'run':<42} | {'train loss':>10} | {'val loss':>8} | {'bytes/step':>10} | {'vs fp32':>7} "
+          f"| {'tokens/s':>9} |")
+    print(f"|{'-' * 44}|{'-' * 12}|{'-' * 10}|{'-' * 12}|{'-' * 9}|{'-' * 11}|")
+    for r in rows:
+        print(f"| {r['case']:<42} | {r['train_loss']:>10.4f} | {r['val_loss']:>8.4f} | {r['bytes']:>10,.0f} "
+              f"| {r['ratio']:>6.1f}x | {r['tokens_per_sec']:>9,.0f} |")
     return rows

@@ -25,6 +25,8 @@ BAD_STEP_ACTIONS = ("skip", "rollback")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 EXECUTIONS = ("xla", "graph", "eager")
 SCHEDULES = ("gpipe",)
+COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
+OUTER_OPTIMIZERS = ("sgd", "nesterov")
 
 
 @dataclasses.dataclass
@@ -61,13 +63,13 @@ class TrainConfig:
     warmup_steps: int = 50  # linear warmup from 0 to lr
     decay_steps: int = 0  # cosine decay length; 0 = `steps`
     weight_decay: float = 0.1  # AdamW decoupled decay (not applied to norms, biases, embeddings)
-    beta1: float = 0.9
-    beta2: float = 0.99
-    epsilon: float = 1e-8
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.99  # AdamW second-moment decay
+    epsilon: float = 1e-8  # AdamW denominator epsilon
     clip_norm: float = 1.0  # global-norm gradient clipping; 0 = off
     eval_every: int = 100  # steps between validation passes; 0 = only at the end
     eval_steps: int = 10  # validation batches per pass
-    seed: int = 1337
+    seed: int = 1337  # initial weights, data order and dropout
     max_bad_steps: int = 10  # steps with a non-finite loss/gradient skipped (not applied) before the run stops
     on_bad_step: str = "skip"  # skip (go on) | rollback (to the newest checkpoint, past the bad batches)
 
@@ -83,12 +85,12 @@ class CheckpointConfig:
 @dataclasses.dataclass
 class SampleConfig:
     num_samples: int = 2  # samples printed after training
-    max_new_tokens: int = 200
+    max_new_tokens: int = 200  # tokens generated per sample
     prompt: str = ""  # "" = start from the end-of-text token
-    temperature: float = 0.8
+    temperature: float = 0.8  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
-    seed: int = 0
+    seed: int = 0  # sample i draws with seed + i: the same seed gives the same text
 
 
 @dataclasses.dataclass
@@ -103,8 +105,22 @@ class ParallelConfig:
     pipeline_stages: int = 1  # P: the blocks cut into P stages, each on its own device (TPU: core)
     microbatches: int = 1  # M: each replica's batch split into M micro-batches that flow through the stages
     schedule: str = "gpipe"  # gpipe (why not 1f1b: README, "Pipeline parallelism")
-    tensor: int = 1  # tensor parallelism (heads / MLP units over cores): not implemented yet, must be 1
+    tensor: int = 1  # T: each block's attention heads and MLP units split over T devices (TPU: cores), Megatron-style
     remat: bool = False  # recompute each block's activations in the backward pass (less memory, ~1/3 more FLOPs)
+
+
+@dataclasses.dataclass
+class CommConfig:
+    # what crosses the network per step (docs/communication.md): none (float32 all-reduce) | bf16 |
+    # powersgd (low-rank factors) | topk (largest entries by all-gather)
+    compression: str = "none"
+    rank: int = 4  # powersgd: rank r of the factors sent for each weight matrix
+    topk_ratio: float = 0.01  # topk: fraction of each gradient tensor's entries sent per step
+    error_feedback: bool = True  # powersgd/topk: add what compression left out to the next step's gradient
+    sync_every: int = 1  # H: local steps per replica between parameter averages (local SGD); 1 = every step
+    outer_optimizer: str = "sgd"  # local SGD's outer step on the averaged delta: sgd | nesterov (DiLoCo)
+    outer_lr: float = 1.0  # outer step size (sgd with 1.0 = plain averaging; DiLoCo used 0.7 with nesterov)
+    outer_momentum: float = 0.9  # nesterov: outer momentum
 
 
 @dataclasses.dataclass
@@ -117,6 +133,7 @@ class Config:
     precision: str = "auto"  # auto (mixed_bfloat16 on TPU, else float32) | float32 | mixed_bfloat16 | mixed_float16
     execution: str = "xla"  # xla (jit_compile the step) | graph (tf.function) | eager (debugging)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # model parallelism
+    comm: CommConfig = dataclasses.field(default_factory=CommConfig)  # gradient compression, local SGD
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -277,10 +294,13 @@ def validate(cfg: Config) -> None:
     _check(1 <= p.pipeline_stages <= cfg.model.n_layer,
            f"parallel.pipeline_stages={p.pipeline_stages} must be between 1 and model.n_layer={cfg.model.n_layer}")
     _check(p.microbatches >= 1 and p.tensor >= 1, "parallel.microbatches and parallel.tensor must be >= 1")
-    _check(p.tensor == 1, f"parallel.tensor={p.tensor}: tensor parallelism is not implemented yet; use "
-                          "parallel.pipeline_stages for model parallelism")
+    _check(p.tensor == 1 or cfg.model.n_head % p.tensor == 0,
+           f"parallel.tensor={p.tensor} must divide model.n_head={cfg.model.n_head} (each device takes whole "
+           f"attention heads); valid values: {', '.join(str(t) for t in _divisors(cfg.model.n_head))}")
     _check(cfg.cluster.timeout_seconds >= 0,
            f"cluster.timeout_seconds={cfg.cluster.timeout_seconds} must be >= 0 (0 = no timeout)")
+
+    _validate_comm(cfg)
 
     for name in ("n_layer", "n_head", "n_embd", "max_len"):
         _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be >= 1")
@@ -325,6 +345,36 @@ def validate(cfg: Config) -> None:
     _check(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1]")
     _check(s.top_k >= 0 and s.max_new_tokens >= 0 and s.num_samples >= 0,
            "sample.top_k, sample.max_new_tokens and sample.num_samples must be >= 0")
+
+
+def _validate_comm(cfg: Config) -> None:
+    k = cfg.comm
+    _check(k.compression in COMPRESSIONS,
+           f"comm.compression={k.compression!r}; valid choices: {', '.join(COMPRESSIONS)}")
+    _check(k.outer_optimizer in OUTER_OPTIMIZERS,
+           f"comm.outer_optimizer={k.outer_optimizer!r}; valid choices: {', '.join(OUTER_OPTIMIZERS)}")
+    _check(k.rank >= 1, f"comm.rank={k.rank} must be >= 1")
+    _check(0 < k.topk_ratio <= 1, f"comm.topk_ratio={k.topk_ratio} must be in (0, 1], e.g. 0.01 for 1%")
+    _check(k.sync_every >= 1, f"comm.sync_every={k.sync_every} must be >= 1 (1 = synchronous every step)")
+    _check(k.outer_lr > 0 and 0 <= k.outer_momentum < 1,
+           f"comm.outer_lr ({k.outer_lr}) must be > 0 and comm.outer_momentum ({k.outer_momentum}) in [0, 1)")
+    _check(k.sync_every > 1 or (k.outer_optimizer == "sgd" and k.outer_lr == 1.0),
+           "comm.outer_optimizer and comm.outer_lr act on local SGD's outer step: set comm.sync_every > 1")
+    _check(k.compression == "none" or k.sync_every == 1,
+           f"comm.compression={k.compression} compresses per-step gradients, and comm.sync_every={k.sync_every} "
+           "sends none between syncs: choose one (set comm.compression=none or comm.sync_every=1)")
+    if k.compression == "none" and k.sync_every == 1:
+        return
+    what = f"comm.compression={k.compression}" if k.compression != "none" else f"comm.sync_every={k.sync_every}"
+    _check(cfg.strategy not in ("parameter_server", "tpu"),
+           f"{what} needs synchronous replicas on CPUs/GPUs; strategy={cfg.strategy} is not supported; use "
+           "strategy=mirrored or multi_worker, or drop the comm settings")
+    _check(cfg.precision != "mixed_float16",
+           f"{what} does not support precision=mixed_float16 (loss-scaled gradients); use float32 or mixed_bfloat16")
+    _check(k.sync_every == 1 or cfg.parallel.pipeline_stages == 1,
+           f"{what} (local SGD) runs without pipeline stages; set parallel.pipeline_stages=1")
+    _check(cfg.parallel.tensor == 1, f"{what} is not supported with parallel.tensor={cfg.parallel.tensor} "
+                                     "(untested); set parallel.tensor=1 or drop the comm settings")
 
 
 def _divisors(n: int) -> list[int]:

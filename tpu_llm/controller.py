@@ -15,7 +15,7 @@ import time
 import keras
 import tensorflow as tf
 
-from tpu_llm import data, fault, perf, pipeline
+from tpu_llm import comm, data, fault, perf, pipeline
 from tpu_llm.checkpoint import Checkpointer, check_run_dir_reachable, open_run_dir, resolve_tokenizer
 from tpu_llm.config import Config
 from tpu_llm.distribute import Distribution, get_strategy, serve_if_cluster_server
@@ -42,6 +42,7 @@ class Run:
     sources: tuple
     resumed_from: str | None
     data_resume: str  # how the data position was restored on resume
+    comm: comm.Comm | None = None  # gradient compression or local SGD (None: the plain all-reduce)
 
 
 def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
@@ -101,15 +102,18 @@ def build_run(cfg: Config) -> Run:
 
     precision = set_precision(cfg, dist)
     tf.config.run_functions_eagerly(cfg.execution == "eager")
-    with dist.strategy.scope():
+    local_sgd = comm.check(cfg.comm, dist)  # local SGD: per-replica copies of the weights and moments
+    with dist.strategy.scope(), comm.variable_scope(local_sgd):
         model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
         optimizer = make_optimizer(cfg.train, model)
         if precision == "mixed_float16":  # float16 gradients underflow without a scaled loss
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             optimizer.build(model.trainable_variables)
+    with dist.strategy.scope():
+        communication = comm.build(cfg.comm, dist, model, optimizer)
     stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
     pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat)
-    trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution)
+    trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication)
 
     def dataset(source, training, **resume):
         # asynchronous workers must not share one seed (see data.make_dataset_fn)
@@ -127,8 +131,11 @@ def build_run(cfg: Config) -> Run:
     rng = [v for v in model.variables if "seed_generator_state" in v.path]  # Keras does not checkpoint it
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
-                                model=model, optimizer=optimizer, rng=rng)
+                                model=model, optimizer=optimizer, rng=rng,
+                                **(communication.trackables() if communication else {}))
     resumed_from = checkpointer.restore_latest()
+    if communication:  # each replica's own residuals / weights, which a plain restore cannot give
+        communication.restore(resumed_from)
     step = int(optimizer.iterations.numpy())
     start = checkpointer.read(resumed_from, "data_position") if resumed_from else None
     train_dataset, fn = dataset(train_src, True, start=start, skip_steps=step)
@@ -144,7 +151,7 @@ def build_run(cfg: Config) -> Run:
         checkpointer.add(data_position=trainer.data_position)
     return Run(cfg, dist, tokenizer, model, optimizer, trainer, iter(train_dataset),
                dataset(val_src, training=False)[0], checkpointer, (train_src, val_src), resumed_from,
-               data_resume)
+               data_resume, communication)
 
 
 def say_now(text: str) -> None:
@@ -209,7 +216,7 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     say(f"run_dir   {cfg.run_dir}")
     say(f"strategy  {run.dist.name} ({run.dist.reason}); {run.dist.num_replicas} replica(s)"
         + (f" per step, {run.dist.num_workers} workers" if run.dist.asynchronous else "")
-        + f"; XLA: {run.dist.xla}")
+        + f"; XLA: {run.dist.xla if cfg.execution == 'xla' else f'off (execution={cfg.execution})'}")
     say(f"data      train: {run.sources[0].description}; validation: {run.sources[1].description}")
     say(f"tokenizer {run.tokenizer.kind}, {run.tokenizer.vocab_size} ids")
     say(f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}")
@@ -219,6 +226,12 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
             f"{', remat' if cfg.parallel.remat else ''}; {run.dist.placement.describe()}")
         for line in pipeline.describe(run.trainer.pipeline.stages):
             say(f"          {line}")
+    elif cfg.parallel.tensor > 1:
+        say(f"tensor    heads and MLP units split {cfg.parallel.tensor} ways; {run.dist.placement.describe()}")
+    if run.comm:
+        say(f"comm      {run.comm.describe()}")
+    elif comm.active(cfg.comm):
+        say("comm      off: one replica, nothing to exchange")
     say(f"model     {run.model.num_params():,} parameters ({cfg.model.n_layer} layers, {cfg.model.n_head} "
         f"heads, width {cfg.model.n_embd}); {perf.format_count(flops_per_token)}FLOP/token")
     say(f"batch     {t.batch_size} x {d.seq_len} tokens = {tokens_per_step:,} per step; "
@@ -283,6 +296,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                "strategy": run.dist.name, "replicas": run.dist.num_replicas}
     if run.dist.asynchronous:
         summary.update(staleness=last.get("staleness"), staleness_max=last.get("staleness_max"))
+    if run.comm:
+        summary.update(run.comm.metrics())
     if timings:
         timed = timings[1:] or timings  # the first call includes tracing and XLA compilation
         timed_steps, timed_seconds = sum(n for n, _ in timed), sum(sec for _, sec in timed)

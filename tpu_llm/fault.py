@@ -299,6 +299,8 @@ class Guard:
                 f"{self.bad.max} so far")
         if action == "rollback":  # weights and optimizer of the checkpoint; the data stream goes on
             self.run.checkpointer.restore(latest)
+            if getattr(self.run, "comm", None):  # per-replica residuals / local SGD copies (comm.py)
+                self.run.comm.restore(latest)
             step = int(self.run.optimizer.iterations.numpy())
             what += f"; rolled back to {latest}, continuing with the batches after the bad ones"
         self.say(f"warning   {what}")

@@ -72,13 +72,16 @@ class Trainer:
     stop_flag = None
 
     def __init__(self, dist: Distribution, model: GPT, optimizer, cfg: TrainConfig, pipeline=None,
-                 execution: str = "xla"):
+                 execution: str = "xla", comm=None):
         from tpu_llm.pipeline import Pipeline, partition
 
         self.dist, self.strategy = dist, dist.strategy
         self.model, self.optimizer = model, optimizer
         self.grad_accum, self.clip_norm = cfg.grad_accum, cfg.clip_norm
         self.num_replicas = dist.num_replicas
+        # comm.Comm (gradient compression or local SGD) or None: the plain all-reduce below
+        self.comm = comm
+        self.local_sgd = comm.local if comm is not None else None
         # mixed_float16: the loss is scaled up before the backward pass (LossScaleOptimizer)
         self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         jit = dist.jit_compile and execution == "xla"
@@ -105,6 +108,8 @@ class Trainer:
 
         def micro(x, y):
             with tf.GradientTape() as tape:
+                if self.local_sgd is not None:  # per-replica variables are not trainable tf.Variables
+                    tape.watch([v.value for v in variables])
                 loss = self.pipeline.loss(x, y, training=True)
                 scaled = loss * scale
                 if self.loss_scaled:
@@ -127,7 +132,8 @@ class Trainer:
         loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
         ctx = tf.distribute.get_replica_context()
         if self.num_replicas > 1:  # with one replica the reduction is the identity: skip its copies
-            grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+            grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads) if self.comm is None else \
+                self.comm.reduce(ctx, grads)
             loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
         grad_norm = tf.linalg.global_norm(grads)
         scale = self.optimizer.dynamic_scale if self.loss_scaled else 1.0  # grads are scaled by it
@@ -140,14 +146,24 @@ class Trainer:
         # only lowers its scale), so there only a non-finite loss counts as a bad step.
         finite = tf.math.is_finite(loss) if self.loss_scaled else \
             tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
-        if self.loss_scaled:
-            self.optimizer.apply(grads, self.model.trainable_variables)
+        if self.local_sgd is not None:  # local gradients: the replicas must still decide alike
+            finite = self.comm.agree(ctx, finite)
+        if self.loss_scaled:  # an overflow is skipped by the optimizer; counted here so steps match data
+            fault.apply_if(tf.math.is_finite(grad_norm), lambda g: self.optimizer.apply(
+                g, self.model.trainable_variables), self._overflowed, grads)
         else:
             fault.apply_if(finite, lambda g: self.optimizer.apply(g, self.model.trainable_variables),
                            lambda: self.optimizer.iterations.assign_add(1), grads)
         if position is not None and self.data_position is not None:  # where the input stream now is
             self.data_position.assign(position)
         return loss, grad_norm, staleness, tf.cast(finite, tf.float32)
+
+    def _overflowed(self):
+        """A mixed_float16 step whose gradients overflowed: what LossScaleOptimizer does (halve the
+        scale, restart its growth count), plus counting the step, which Keras does not do."""
+        self.optimizer.step_counter.assign(0)
+        self.optimizer.dynamic_scale.assign(self.optimizer.dynamic_scale * 0.5)
+        self.optimizer.iterations.assign_add(1)
 
     def _staleness_measured(self, loss_and_grads, inputs, targets):
         """loss_and_grads(inputs, targets), plus how many updates other workers applied between this
@@ -212,6 +228,8 @@ class Trainer:
             step = tf.identity(self.optimizer.iterations)
             element = next(iterator)  # (inputs, targets[, data position update])
             loss, norm, staleness, ok = self.strategy.run(self._replica_step, args=element)
+            if self.local_sgd is not None and self.local_sgd.due(self.optimizer.iterations):
+                self.strategy.run(self.local_sgd.outer_step)  # every sync_every steps: average
             ok = self._first(ok)
             loss_sum += tf.where(ok > 0, self._first(loss), 0.0)  # a skipped step's loss may be NaN
             bad += 1.0 - ok
