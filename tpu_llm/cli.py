@@ -8,6 +8,8 @@
   info        tpu-llm info --config configs/tiny.yaml   (devices found, the strategy chosen and why)
   launch      tpu-llm launch --workers 2 [--ps 1] -- train --config configs/tiny.yaml   (local cluster)
   plan        tpu-llm plan --config configs/gpt2_125m.yaml --accelerator v5p-16   (memory, step time)
+  export      tpu-llm export --run_dir runs/tiny [--output DIR] [--overwrite]   (SavedModel + Keras weights)
+  config      tpu-llm config --config configs/tiny.yaml   (the effective config; --reference: every key)
 
 Config overrides are dotted flags (`--train.steps=100`) or `--set train.steps=100` (repeatable).
 A user mistake prints one line starting with "error:" and exits with status 2.
@@ -105,6 +107,37 @@ class Commands:
         cfg = config_from_dict({**cfg.to_dict(), "sample": sample}, source="command line")  # checks types
         print_samples(model, tokenizer, cfg)
 
+    def export(self, run_dir: str = "", output: str = "", overwrite: bool = False):
+        """Write --run_dir's newest checkpoint as a SavedModel (signatures `logits` and `generate`) plus
+        model.weights.h5, the config and the tokenizer, to --output (default <run_dir>/export)."""
+        from tpu_llm.errors import UserError
+
+        if not run_dir:
+            raise UserError("export needs --run_dir: the run directory of a `tpu-llm train` run")
+        from tpu_llm import export
+
+        meta = export.export(str(run_dir), str(output or ""), overwrite=bool(overwrite))
+        out, vocab = meta["output"], meta["vocab_size"]
+        print(f"exported  {meta['run_dir']} at step {meta['step']} to {out}")
+        print(f"saved     SavedModel: signature logits (tokens int32 [batch, time] -> logits float32 "
+              f"[batch, time, {vocab}]), generate (tokens, max_new_tokens, temperature, top_k, top_p, seed -> "
+              "ids int32 [batch, max_new_tokens])")
+        print(f"weights   {out}/model.weights.h5 (Keras), with config.yaml and the tokenizer beside it")
+        print(f"use       tf.saved_model.load({out!r}).signatures['generate'](tokens=..., max_new_tokens=...)")
+
+    def config(self, config: str = "", reference: bool = False, set=None, **overrides):
+        """Print the effective config (defaults <- --config <- overrides) as YAML; --reference prints
+        every key with its default and meaning (the README's reference section)."""
+        from tpu_llm.config import load_config, parse_set_args
+
+        cfg = load_config(config or None, {**parse_set_args(set), **overrides})
+        if reference:
+            from tpu_llm.config_reference import reference as make_reference
+
+            print(make_reference(), end="")
+        else:
+            print(cfg.to_yaml(), end="")
+
     def info(self, config: str = "", set=None, **overrides):
         """What this machine offers (GPUs, TPU, TF_CONFIG) and which strategy a run would use, and why."""
         from tpu_llm.config import load_config, parse_set_args
@@ -143,7 +176,7 @@ class Commands:
         """Benchmarks: `bench` (shakespeare_char: tokens/s, MFU, losses), `bench strategies` (every
         strategy on configs/tiny.yaml: tokens/s, steps/s, losses, parameter-server staleness),
         `bench modes` (eager / graph / xla, float32 / bfloat16), `bench pipeline` (GPipe P x M, measured
-        vs simulated)."""
+        vs simulated), `bench comm` (gradient compression and local SGD: loss, bytes per step, tokens/s)."""
         from tpu_llm import bench
         from tpu_llm.errors import UserError
 
@@ -156,8 +189,12 @@ class Commands:
         if suite == "pipeline":
             bench.pipeline_stages(steps=steps or 60, config=config or "configs/tiny.yaml")
             return
+        if suite == "comm":  # compression and local SGD against sync and async data parallel
+            bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)
+            return
         if suite != "shakespeare_char":
-            raise UserError(f"unknown benchmark {suite!r}; choose shakespeare_char, strategies, modes or pipeline")
+            raise UserError(f"unknown benchmark {suite!r}; choose shakespeare_char, strategies, modes, pipeline "
+                            "or comm")
         steps, config = steps or 2000, config or "configs/shakespeare_char.yaml"
         bench.shakespeare_char(data=data, steps=steps, config=config, run_dir=run_dir, set_args=set,
                          overrides=overrides)

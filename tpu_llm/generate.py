@@ -78,8 +78,9 @@ class Sampler:
         return out
 
 
-def load_for_generation(run_dir: str):
-    """(model, tokenizer, config) restored from the newest checkpoint in `run_dir`."""
+def load_for_generation(run_dir: str, with_checkpoint: bool = False):
+    """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
+    checkpoint's path with `with_checkpoint` (an unreadable newest one is skipped for the one before)."""
     from tpu_llm.checkpoint import CHECKPOINT_DIR, Checkpointer, read_saved_config
     from tpu_llm.config import config_from_dict
     from tpu_llm.errors import UserError
@@ -93,6 +94,7 @@ def load_for_generation(run_dir: str):
     cfg = config_from_dict(saved, source=os.path.join(run_dir, "config.yaml"))
     model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model=model)
-    if ckpt.restore_latest() is None:  # the newest readable one (a corrupt newest one is skipped)
+    path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
+    if path is None:
         raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")
-    return model, tokenizer, cfg
+    return (model, tokenizer, cfg, path) if with_checkpoint else (model, tokenizer, cfg)
