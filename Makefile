@@ -43,8 +43,8 @@ train: export CONFIG := $(CONFIG)
 train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/tiny.yaml on this machine
 	@$(BIN)/python scripts/tpu.py train --local-command '$(BIN)/tpu-llm train --config $(CONFIG)'
 
-test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks)
-	$(BIN)/python -m pytest -q
+test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks), two pytest-xdist workers
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 bench: $(STAMP)  ## benchmarks (see README): shakespeare_char, strategies, execution modes, pipeline, comm
 	$(BIN)/tpu-llm bench
