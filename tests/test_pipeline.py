@@ -26,9 +26,10 @@ def train_losses(run_dir):
     return [m["loss"] for m in map(json.loads, open(run_dir / "metrics.jsonl")) if m["split"] == "train"]
 
 
-def tiny_model(n_layer=4):
+def tiny_model(n_layer=4, **model):
+    """A seeded GPT of width 32 over a 64-id vocabulary; `model` overrides other model.* keys."""
     cfg = load_config(None, {"model.n_layer": n_layer, "model.n_head": 2, "model.n_embd": 32, "model.max_len": 16,
-                             "data.seq_len": 16})
+                             "data.seq_len": 16, **{f"model.{k}": v for k, v in model.items()}})
     keras.utils.set_random_seed(0)
     return GPT(cfg.model, 64).build_weights()
 
@@ -114,19 +115,26 @@ def test_remat_and_the_xla_compiled_pipeline_give_the_same_gradients():
     assert "HloModule" in fn.experimental_get_compiler_ir()(stage="hlo")  # one XLA program, as on a TPU
 
 
-def test_tpu_placement_annotates_stage_outputs_with_their_logical_core():
-    calls = []
+def tpu_cores(model, stages, ways=1, microbatches=1) -> list[int]:
+    """The logical TPU cores a pipelined forward pass annotates its tensors for, in order (a stand-in
+    for TPUStrategy records them; tests/test_tensor.py uses it too)."""
+    cores = []
 
-    class FakeTPUStrategy:
+    class RecordingTPUStrategy:
         def experimental_assign_to_logical_device(self, tensor, core):
-            calls.append(core)
+            cores.append(core)
             return tensor
 
-    model = tiny_model()
-    parts = pipeline.partition(model.cfg, model.vocab_size, 16, 4)
-    pipe = pipeline.Pipeline(model, parts, Placement(4, tpu_strategy=FakeTPUStrategy()), microbatches=2)
-    pipe.loss(tf.zeros([4, 16], tf.int32), tf.zeros([4, 16], tf.int32))
-    assert calls == [0, 1, 2, 3, 0, 1, 2, 3]  # stage i of each micro-batch on logical core i
+    parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
+    placement = Placement(stages, tpu_strategy=RecordingTPUStrategy(), tensor=ways)
+    pipeline.Pipeline(model, parts, placement, microbatches).loss(tf.zeros([4, 16], tf.int32),
+                                                                  tf.zeros([4, 16], tf.int32))
+    return cores
+
+
+def test_tpu_placement_annotates_stage_outputs_with_their_logical_core():
+    # stage i of each micro-batch on logical core i
+    assert tpu_cores(tiny_model(), stages=4, microbatches=2) == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
 def test_training_with_a_pipeline_and_mirrored_data_parallelism_matches_one_device(tmp_path):

@@ -1,25 +1,14 @@
 """Tensor parallelism: blocks split T ways compute the plain model's loss and gradients."""
 
-import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from conftest import tiny_config
-from test_pipeline import CPUS, loss_and_grads, quiet, tiny_model, train_losses
+from test_pipeline import CPUS, loss_and_grads, quiet, tiny_model, tpu_cores, train_losses
 
-from tpu_llm import pipeline, tensor
+from tpu_llm import tensor
 from tpu_llm.config import load_config
 from tpu_llm.controller import train
-from tpu_llm.distribute import Placement
 from tpu_llm.errors import UserError
-from tpu_llm.model import GPT
-
-
-def four_head_model():
-    cfg = load_config(None, {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 32, "model.max_len": 16,
-                             "data.seq_len": 16})
-    keras.utils.set_random_seed(0)
-    return GPT(cfg.model, 64).build_weights()
 
 
 def assert_same(a, b):
@@ -30,7 +19,7 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("stages, ways, microbatches", [(1, 4, 2), (2, 2, 2)])
 def test_split_blocks_give_the_plain_models_loss_and_gradients(stages, ways, microbatches):
-    model = tiny_model() if ways < 4 else four_head_model()
+    model = tiny_model() if ways < 4 else tiny_model(2, n_head=4)
     plain = loss_and_grads(model)
     split = loss_and_grads(model, stages, microbatches, CPUS[:stages * ways], ways=ways)
     assert_same(plain, split)
@@ -42,10 +31,7 @@ def test_split_blocks_give_the_plain_models_loss_and_gradients(stages, ways, mic
 
 
 def test_split_blocks_without_biases_with_remat_compile_as_one_xla_program():
-    cfg = load_config(None, {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.max_len": 16,
-                             "data.seq_len": 16, "model.bias": False})
-    keras.utils.set_random_seed(0)
-    model = GPT(cfg.model, 64).build_weights()
+    model = tiny_model(2, bias=False)
     plain = loss_and_grads(model)
     split = loss_and_grads(model, ways=2, remat=True, jit=True)  # no devices: one program, as on a TPU
     assert_same(plain, split)
@@ -53,17 +39,7 @@ def test_split_blocks_without_biases_with_remat_compile_as_one_xla_program():
 
 
 def test_tpu_placement_puts_each_group_on_its_logical_core():
-    cores = []
-
-    class FakeTPUStrategy:
-        def experimental_assign_to_logical_device(self, t, core):
-            cores.append(core)
-            return t
-
-    model = tiny_model(n_layer=2)
-    parts = pipeline.partition(model.cfg, model.vocab_size, 16, 2)
-    pipe = pipeline.Pipeline(model, parts, Placement(2, tpu_strategy=FakeTPUStrategy(), tensor=2))
-    pipe.loss(tf.zeros([2, 16], tf.int32), tf.zeros([2, 16], tf.int32))
+    cores = tpu_cores(tiny_model(n_layer=2), stages=2, ways=2)
     # stage 0 (block 0): attention and MLP groups on cores 0 and 1 (input and output annotated), the
     # stage's output on core 0; stage 1 (block 1) the same on cores 2 and 3, its loss on core 2
     half_block = lambda first: [first, first, first + 1, first + 1]  # noqa: E731

@@ -35,6 +35,7 @@ import keras
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
+from tpu_llm.generate import sample_logits
 
 WEIGHTS_FILE = "model.weights.h5"
 META_FILE = "export.json"
@@ -92,7 +93,7 @@ class ServingModule(tf.Module):
         out = tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=tf.TensorShape([None]))
 
         def body(i, logits, cache, pos, context, out):
-            token = _sample(logits, temperature, top_k, top_p, tf.stack([seed, tf.cast(i, tf.int64)]))
+            token = sample_logits(logits, temperature, top_k, top_p, tf.stack([seed, tf.cast(i, tf.int64)]))
             out = out.write(i, token)
             context = tf.concat([context[:, 1:], token[:, None]], axis=1)
 
@@ -112,22 +113,6 @@ class ServingModule(tf.Module):
         # (max_new_tokens, batch); TensorArray cannot stack zero elements of a shape unknown when traced
         ids = tf.cond(max_new_tokens > 0, loop[-1].stack, lambda: tf.zeros([0, batch], tf.int32))
         return tf.transpose(tf.reshape(ids, [max_new_tokens, batch]))
-
-
-def _sample(logits, temperature, top_k, top_p, seed):
-    """`generate.sample_logits` with its settings as tensors: the same filters, the same draws."""
-    greedy = tf.argmax(logits, axis=-1, output_type=tf.int32)
-    scaled = logits / tf.maximum(temperature, 1e-6)  # temperature 0 takes `greedy` below
-    ordered = tf.sort(scaled, axis=-1, direction="DESCENDING")
-    k = tf.clip_by_value(top_k, 1, tf.shape(scaled)[-1])
-    kth = ordered[:, k - 1][:, None]
-    scaled = tf.where((top_k > 0) & (scaled < kth), -1e9, scaled)
-    ordered = tf.where((top_k > 0) & (ordered < kth), -1e9, ordered)
-    before = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1, exclusive=True)
-    cutoff = tf.reduce_min(tf.where(before < top_p, ordered, 1e9), axis=-1, keepdims=True)
-    scaled = tf.where((top_p < 1.0) & (scaled < cutoff), -1e9, scaled)
-    sampled = tf.cast(tf.random.stateless_categorical(scaled, 1, seed)[:, 0], tf.int32)
-    return tf.where(temperature > 0, sampled, greedy)
 
 
 def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:

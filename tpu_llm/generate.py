@@ -16,23 +16,24 @@ from tpu_llm.model import GPT
 
 
 def sample_logits(logits, temperature, top_k, top_p, seed):
-    """One token id per row of `logits` (B, V); temperature 0 is greedy, top_k 0 / top_p 1 are off."""
+    """One token id per row of `logits` (B, V); temperature 0 is greedy, top_k 0 / top_p 1 are off.
+    The settings may be Python numbers or scalar tensors (the exported `generate` signature passes
+    tensors), so every filter is a tf.where rather than a Python branch."""
     logits = tf.cast(logits, tf.float32)
-    if temperature == 0:
-        return tf.argmax(logits, axis=-1, output_type=tf.int32)
-    logits = logits / temperature
-    ordered = tf.sort(logits, axis=-1, direction="DESCENDING")  # (B, V)
-    if top_k > 0:
-        kth = ordered[:, min(top_k, logits.shape[-1]) - 1][:, None]
-        logits = tf.where(logits < kth, -1e9, logits)
-        ordered = tf.where(ordered < kth, -1e9, ordered)
-    if top_p < 1.0:
-        probs = tf.nn.softmax(ordered, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        before = tf.cumsum(probs, axis=-1, exclusive=True)
-        cutoff = tf.reduce_min(tf.where(before < top_p, ordered, 1e9), axis=-1, keepdims=True)
-        logits = tf.where(logits < cutoff, -1e9, logits)
-    return tf.cast(tf.random.stateless_categorical(logits, 1, seed)[:, 0], tf.int32)
+    temperature = tf.convert_to_tensor(temperature, tf.float32)
+    top_k, top_p = tf.convert_to_tensor(top_k, tf.int32), tf.convert_to_tensor(top_p, tf.float32)
+    greedy = tf.argmax(logits, axis=-1, output_type=tf.int32)
+    scaled = logits / tf.maximum(temperature, 1e-6)  # temperature 0 takes `greedy` below
+    ordered = tf.sort(scaled, axis=-1, direction="DESCENDING")  # (B, V)
+    kth = ordered[:, tf.clip_by_value(top_k, 1, tf.shape(scaled)[-1]) - 1][:, None]
+    scaled = tf.where((top_k > 0) & (scaled < kth), -1e9, scaled)
+    ordered = tf.where((top_k > 0) & (ordered < kth), -1e9, ordered)
+    # top-p: keep the smallest prefix whose mass reaches top_p (always at least the top token)
+    before = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1, exclusive=True)
+    cutoff = tf.reduce_min(tf.where(before < top_p, ordered, 1e9), axis=-1, keepdims=True)
+    scaled = tf.where((top_p < 1.0) & (scaled < cutoff), -1e9, scaled)
+    sampled = tf.cast(tf.random.stateless_categorical(scaled, 1, seed)[:, 0], tf.int32)
+    return tf.where(temperature > 0, sampled, greedy)
 
 
 class Sampler:

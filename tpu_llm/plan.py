@@ -178,7 +178,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
                  tokens_micro: float, remat: bool) -> Memory:
     """Memory of the chip running `stage`, holding `tokens` tokens of activations (a micro-step of its
     replica) of which `tokens_micro` are one micro-batch."""
-    m, t, stages = cfg.model, cfg.parallel.tensor, cfg.parallel.pipeline_stages
+    m, stages = cfg.model, cfg.parallel.pipeline_stages
     c = m.n_embd
     n_blocks = len(stage.blocks)
     params = stage.params  # whole, also with tensor groups: they split compute and activations only
