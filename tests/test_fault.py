@@ -312,3 +312,13 @@ def test_stop_signals_restore_the_handlers_they_replaced():
     with fault.StopSignals(tf.Variable(0)) as signals:
         assert signal.getsignal(signal.SIGINT) == signals._handle
     assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_a_lost_task_is_named_and_the_reporting_task_is_not():
+    # the error text of a lost ps names the chief's own device too (the op ran there): only the ps is lost
+    error = tf.errors.UnavailableError(None, None, "failed to connect to all addresses; from "
+                                       "/job:chief/replica:0/task:0/device:CPU:0 to /job:ps/replica:0/task:0")
+    stopped = fault.cluster_failure(error, "chief 0 of 2 workers and 1 ps", "run/checkpoints/ckpt-40")
+    assert str(stopped).startswith("chief 0 of 2 workers and 1 ps: the cluster lost ps 0 (UnavailableError: "
+                                   "it cannot be reached); every task stops"), str(stopped)
+    assert stopped.exit_code == fault.EXIT_CLUSTER

@@ -353,7 +353,8 @@ def _parameter_server(reason: str, kind: str, found: Found) -> Distribution:
     # the variables on the worker's device), so the workers run it as a TF graph.
     return Distribution(strategy, "parameter_server", f"{reason}, ASYNCHRONOUS updates", kind,
                         jit_compile=False, xla="off (variables live on the ps tasks)", coordinator=coordinator,
-                        task=f"chief of {len(found.cluster['worker'])} workers and {len(found.cluster['ps'])} ps")
+                        task=f"{found.task[0]} {found.task[1]} of {len(found.cluster['worker'])} workers and "
+                             f"{len(found.cluster['ps'])} ps")
 
 
 def serve_if_cluster_server(cfg: Config) -> bool:
