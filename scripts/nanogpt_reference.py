@@ -6,8 +6,8 @@ published command (`--device=cpu --compile=False --eval_iters=20 --block_size=64
 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0` on top of
 `config/train_shakespeare_char.py`): random windows, AdamW(0.9, 0.99) with decay on 2-D weights,
 warmup 100 then cosine to 1e-4, clipping at 1.0. After 2000 steps it prints nanoGPT's own estimate
-(20 random batches per split) and the loss over the whole validation split in consecutive windows,
-which is how `tpu-llm bench` evaluates.
+(20 random batches per split) and the loss over the whole validation split in consecutive windows
+(143 batches of 12), which is how `tpu-llm bench` evaluates (it stops after 140 of them).
 
 Needs PyTorch, which this project does not install (use a separate environment):
     python scripts/nanogpt_reference.py [SEED] [PATH/tinyshakespeare.txt]
@@ -111,7 +111,7 @@ def estimate(split, iters=20):  # nanoGPT's estimate_loss with --eval_iters=20
 
 
 @torch.no_grad()
-def whole_validation():  # consecutive windows of T + 1 tokens, batches of B, as tpu-llm evaluates
+def whole_validation():  # consecutive windows of T + 1 tokens in batches of B, as tpu-llm evaluates
     d = torch.from_numpy(val_data)
     w = d[:len(d) // (T + 1) * (T + 1)].view(-1, T + 1)
     losses = [model(w[i:i + B, :-1], w[i:i + B, 1:]).item() for i in range(0, len(w) - B + 1, B)]
