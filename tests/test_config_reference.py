@@ -1,19 +1,20 @@
-"""The README's configuration reference is exactly what the config dataclasses generate."""
+"""The configuration reference (docs/configuration.md) is exactly what the config dataclasses generate."""
 
 from pathlib import Path
 
 from tpu_llm import config_reference
 from tpu_llm.config import Config
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
-def test_readme_block_equals_the_generated_reference():
-    text = README.read_text(encoding="utf-8")
+def test_docs_block_equals_the_generated_reference():
+    assert config_reference.PAGE == PAGE  # where --write writes by default
+    text = PAGE.read_text(encoding="utf-8")
     start, end = text.index(config_reference.BEGIN), text.index(config_reference.END)
     block = text[start:end + len(config_reference.END)] + "\n"
     assert block == config_reference.reference(), (
-        "the README's configuration reference is stale; run `.venv/bin/python -m tpu_llm.config_reference --write`")
+        "docs/configuration.md's configuration reference is stale; run `.venv/bin/python -m tpu_llm.config_reference --write`")
 
 
 def test_every_key_is_documented():
@@ -27,7 +28,7 @@ def test_every_key_is_documented():
 
 
 def test_write_replaces_only_the_block(tmp_path):
-    path = tmp_path / "README.md"
+    path = tmp_path / "configuration.md"
     path.write_text(f"intro\n\n{config_reference.BEGIN}\nold\n{config_reference.END}\n\nafter\n")
     assert config_reference.main(["--write", str(path)]) == 0
     assert path.read_text() == f"intro\n\n{config_reference.reference()}\nafter\n"

@@ -1,4 +1,4 @@
-"""Benchmarks (`tpu-llm bench`, `make bench`): numbers for the README, never timed tests.
+"""Benchmarks (`tpu-llm bench`, `make bench`): numbers for docs/benchmarks.md, never timed tests.
 
 shakespeare_char: nanoGPT's CPU reference run (4 layers, 4 heads, width 128, context 64, batch 12,
 2000 steps, lr 1e-3, dropout 0, character vocabulary) on tinyshakespeare. Targets on a 2-core CPU:

@@ -4,7 +4,7 @@
   generate    sample from a run:        tpu-llm generate --run_dir runs/tiny --prompt "def "
   data        tpu-llm data prepare --input 'corpus/*.txt' --output shards/ --tokenizer byte
   tokenizer   tpu-llm tokenizer train --input 'corpus/*.txt' --vocab_size 8000 --output sp.model
-  bench       tpu-llm bench   (the shakespeare_char benchmark; see README)
+  bench       tpu-llm bench   (the shakespeare_char benchmark; see docs/benchmarks.md)
   info        tpu-llm info --config configs/tiny.yaml   (devices found, the strategy chosen and why)
   launch      tpu-llm launch --workers 2 [--ps 1] -- train --config configs/tiny.yaml   (local cluster)
   plan        tpu-llm plan --config configs/gpt2_125m.yaml --accelerator v5p-16   (memory, step time)
@@ -127,7 +127,7 @@ class Commands:
 
     def config(self, config: str = "", reference: bool = False, set=None, **overrides):
         """Print the effective config (defaults <- --config <- overrides) as YAML; --reference prints
-        every key with its default and meaning (the README's reference section)."""
+        every key with its default and meaning (docs/configuration.md)."""
         from tpu_llm.config import load_config, parse_set_args
 
         cfg = load_config(config or None, {**parse_set_args(set), **overrides})

@@ -104,7 +104,7 @@ class ClusterConfig:
 class ParallelConfig:
     pipeline_stages: int = 1  # P: the blocks cut into P stages, each on its own device (TPU: core)
     microbatches: int = 1  # M: each replica's batch split into M micro-batches that flow through the stages
-    schedule: str = "gpipe"  # gpipe (why not 1f1b: README, "Pipeline parallelism")
+    schedule: str = "gpipe"  # gpipe (why not 1f1b: docs/pipeline-tensor.md)
     tensor: int = 1  # T: each block's attention heads and MLP units split over T devices (TPU: cores), Megatron-style
     remat: bool = False  # recompute each block's activations in the backward pass (less memory, ~1/3 more FLOPs)
 
@@ -290,7 +290,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.execution in EXECUTIONS, f"execution={cfg.execution!r}; valid choices: {', '.join(EXECUTIONS)}")
     _check(p.schedule in SCHEDULES,
            f"parallel.schedule={p.schedule!r}; valid choices: {', '.join(SCHEDULES)} (1F1B cannot be ordered in "
-           "TensorFlow's dataflow graph: see the README, 'Pipeline parallelism')")
+           "TensorFlow's dataflow graph: see docs/pipeline-tensor.md)")
     _check(1 <= p.pipeline_stages <= cfg.model.n_layer,
            f"parallel.pipeline_stages={p.pipeline_stages} must be between 1 and model.n_layer={cfg.model.n_layer}")
     _check(p.microbatches >= 1 and p.tensor >= 1, "parallel.microbatches and parallel.tensor must be >= 1")
