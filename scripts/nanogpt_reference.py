@@ -11,9 +11,11 @@ warmup 100 then cosine to 1e-4, clipping at 1.0. After 2000 steps it prints nano
 
 Needs PyTorch, which this project does not install (use a separate environment):
     python scripts/nanogpt_reference.py [SEED] [PATH/tinyshakespeare.txt]
+(the text defaults to the copy shipped in tpu_llm/shipped/, which `tpu-llm bench` trains on)
 """
 
 import math
+import os
 import sys
 import time
 
@@ -23,7 +25,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 seed = int(sys.argv[1]) if len(sys.argv) > 1 else 1337
-path = sys.argv[2] if len(sys.argv) > 2 else "../shared/data/tinyshakespeare.txt"
+path = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tpu_llm",
+                                                          "shipped", "tinyshakespeare.txt")
 torch.manual_seed(seed)
 torch.set_num_threads(2)
 

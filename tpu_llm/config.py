@@ -42,7 +42,7 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    train: str = ""  # comma-separated files/globs (local or gs://); "" = embedded stdlib corpus
+    train: str = ""  # comma-separated files/globs (local or gs://); "" = embedded stdlib corpus; builtin:tinyshakespeare = the shipped text
     validation: str = ""  # same; "" = hold out validation_fraction of `train`
     validation_fraction: float = 0.1  # by file when there are >= 10 files, else the tail of each file
     format: str = "auto"  # auto | text | tfrecord (pre-tokenized shards from `tpu-llm data prepare`)

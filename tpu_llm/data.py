@@ -6,7 +6,8 @@ shape `(per_replica_batch, seq_len)`, so it compiles once (TPU rule: static shap
 Sources are text files (each file is one document) or pre-tokenized TFRecord shards written by
 `tpu-llm data prepare` (`write_shards`). With no `data.train`, the embedded corpus is used: the
 running interpreter's own standard-library `.py` sources, split into train/validation by a stable
-hash of each file's path, so `make train` needs no download.
+hash of each file's path, so `make train` needs no download. `builtin:NAME` names a corpus shipped in
+the package (tpu_llm/corpora.py: the benchmark's tinyshakespeare).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable
 
 import tensorflow as tf
 
+from tpu_llm import corpora
 from tpu_llm.config import DataConfig
 from tpu_llm.errors import UserError
 
@@ -102,6 +104,7 @@ def resolve_sources(cfg: DataConfig) -> tuple[Source, Source]:
 
 
 def expand_globs(spec: str, key: str) -> list[str]:
+    spec = corpora.resolve(spec, key)  # builtin:NAME -> the file shipped in the package, checksum checked
     files: list[str] = []
     for pattern in (p.strip() for p in spec.split(",")):
         if not pattern:
