@@ -46,7 +46,7 @@ train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/t
 test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks), two pytest-xdist workers
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
-bench: $(STAMP)  ## benchmarks (see README): shakespeare_char, strategies, execution modes, pipeline, comm
+bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm
 	$(BIN)/tpu-llm bench
 	$(BIN)/tpu-llm bench strategies
 	$(BIN)/tpu-llm bench modes
