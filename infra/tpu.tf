@@ -117,8 +117,11 @@ resource "google_tpu_v2_vm" "tpu" {
   }
 
   # The start-up script needs NAT (pip) and the bucket roles from its first minute, and the new
-  # service account must be usable (time_sleep.service_account in iam.tf).
+  # service account must be usable (time_sleep.service_account in iam.tf). The checks come first
+  # even when their reading is deferred to the apply (a first apply without `make tpu-up`).
   depends_on = [
+    data.google_tpu_v2_accelerator_types.available,
+    data.google_tpu_v2_runtime_versions.available,
     google_compute_router_nat.nat,
     google_project_iam_member.tpu,
     google_storage_bucket_iam_member.workers,

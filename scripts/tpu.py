@@ -270,10 +270,10 @@ class Launcher:
             o = self.save_outputs()
         except LaunchError:  # no state yet: nothing of ours to delete outside Terraform
             o = None
-        if o and o["use_queued_resource"]:
-            self.delete_queued(o, "tpu-down")
-        if destroy_bucket:
+        if destroy_bucket:  # asked before anything is deleted
             self.confirm_destroy(o)
+        if o and o["use_queued_resource"]:  # before Terraform: its queued-resource delete has no force
+            self.delete_queued(o, "tpu-down")
         if not destroy_bucket:
             self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=false")))
             o = self.save_outputs()
@@ -293,6 +293,10 @@ class Launcher:
         """Show the buckets DESTROY_BUCKET=1 deletes with how many objects (all versions) they hold,
         and ask for the data bucket's name, unless YES=1."""
         buckets = [str(u) for u in ((o or {}).get("bucket_url"), (o or {}).get("log_bucket_url")) if u]
+        if not buckets and self.dry:
+            print(f"DRY_RUN: (no {self.outputs_path}: a real run lists the buckets from `terraform output` with "
+                  "their object counts and asks before deleting; YES=1 skips the question)", flush=True)
+            return
         if not buckets:
             raise LaunchError("DESTROY_BUCKET=1: cannot tell which buckets would be deleted (no Terraform outputs); "
                               "`make tpu-up` first, or delete them by hand after `gcloud storage ls`")
@@ -505,7 +509,9 @@ def queued_name(o: Outputs) -> str:
 
 
 def describe_node(node: dict | None) -> list[str]:
-    """`gcloud compute tpus tpu-vm describe --format=json` (a Cloud TPU API Node) as status lines."""
+    """`gcloud compute tpus tpu-vm describe --format=json` as status lines: a Cloud TPU API v2 Node
+    (state, health, healthDescription, runtimeVersion, symptoms[].{symptomType, workerId, details},
+    networkEndpoints[].ipAddress, one per worker)."""
     if node is None:
         return ["TPU: does not exist (`make tpu-up` creates it)"]
     if not node:

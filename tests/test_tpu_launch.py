@@ -273,6 +273,11 @@ def test_tpu_down_force_deletes_an_active_queued_resource_first(queued, tfvars):
     assert f"deleting queued resource {NAME}-queued (ACTIVE) and its TPU with --force" in done.stdout
     done = make("tpu-down", TF_OUTPUTS=queued, TFVARS=tfvars, DRY_RUN_QUEUED_STATE="")  # already gone
     assert QUEUED_DELETE not in commands(done.stdout)
+    done = make("tpu-down", TF_OUTPUTS=queued, TFVARS=tfvars, DESTROY_BUCKET=1)  # asked first, then deleted
+    cmds = commands(done.stdout)
+    assert cmds.index(QUEUED_DELETE) > max(i for i, c in enumerate(cmds) if c[:3] == ["gcloud", "storage", "ls"])
+    assert cmds.index(QUEUED_DELETE) < cmds.index([*TF, "destroy", "-input=false", "-auto-approve",
+                                                   f"-var-file={tfvars}", "-var=bucket_force_destroy=true"])
 
 
 def test_tpu_down_keeps_the_bucket_unless_asked(single, tfvars):
