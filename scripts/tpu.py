@@ -182,7 +182,7 @@ class Launcher:
 
     def up(self) -> None:
         settings = read_tfvars(self.tfvars)
-        accel, spot = settings.get("accelerator_type", "v4-8"), settings.get("spot", "true") == "true"
+        accel, spot = settings.get("accelerator_type", "v5litepod-8"), settings.get("spot", "true") == "true"
         print(f"tpu-up: this creates billable resources: a {accel} TPU ({'spot' if spot else 'on-demand'}), billed "
               "for every hour it exists, training or idle, plus a bucket, Cloud NAT and logs. Run `make tpu-down` "
               "when you are done.", flush=True)
@@ -196,6 +196,9 @@ class Launcher:
         self.runner.stream(self.terraform("apply", *self.tf_var_args("-target=google_project_service.apis")), context)
         replace = []
         previous = self.outputs(required=False)
+        if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
+            # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs
+            self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
         if previous and previous["tpu_enabled"]:
             state = self.tpu_state(previous)
             if state in ("PREEMPTED", "TERMINATED"):

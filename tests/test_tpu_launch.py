@@ -235,11 +235,18 @@ QUEUED_CREATE = [*QUEUED, "create", f"{NAME}-queued", f"--node-id={NAME}", "--ac
 
 
 @pytest.fixture
+def queued_tfvars(tfvars) -> Path:
+    tfvars.write_text(tfvars.read_text() + "use_queued_resource = true\n")
+    return tfvars
+
+
+@pytest.fixture
 def queued(tmp_path) -> Path:
     return write_outputs(tmp_path / "q.json", "v4-8", 1, use_queued_resource=True, queued_resource_name=f"{NAME}-queued")
 
 
-def test_tpu_up_creates_the_queued_resource_with_gcloud_as_the_project_service_account(queued, tfvars):
+def test_tpu_up_creates_the_queued_resource_with_gcloud_as_the_project_service_account(queued, queued_tfvars):
+    tfvars = queued_tfvars
     # Terraform made the network, service account and start-up script; gcloud creates the queued
     # resource with them (the provider's node spec takes no service account, metadata or spot).
     done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars, DRY_RUN_QUEUED_STATE="")
@@ -254,7 +261,15 @@ def test_tpu_up_creates_the_queued_resource_with_gcloud_as_the_project_service_a
     assert QUEUED_CREATE not in commands(done.stdout) and QUEUED_DELETE not in commands(done.stdout)
 
 
-def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, tfvars):
+def test_tpu_up_deletes_the_queued_resource_when_switching_back_to_a_vm(queued, tfvars):
+    done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars)  # tfvars without use_queued_resource = true
+    cmds = commands(done.stdout)
+    assert cmds.index(QUEUED_DELETE) < cmds.index(
+        [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"])
+
+
+def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, queued_tfvars):
+    tfvars = queued_tfvars
     done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars, DRY_RUN_TPU_STATE="PREEMPTED")
     assert done.returncode == 0, done.stderr
     cmds = commands(done.stdout)
