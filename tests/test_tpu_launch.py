@@ -336,6 +336,9 @@ def test_ssh_logs_tensorboard_data_upload(single):
         DESCRIBE, ["gcloud", "storage", "ls", f"{BUCKET}/runs/exp1/logs/train-*.log", f"--project={PROJECT}"]]
     assert commands(make("tpu-logs", TF_OUTPUTS=single, LOGS="setup").stdout) == [
         [*SSH, "--worker=all", "--tunnel-through-iap", "--command=tail -n 50 /var/log/tpu-llm-setup.log"]]
+    assert commands(make("tpu-status", TF_OUTPUTS=single).stdout) == [
+        ["gcloud", "compute", "tpus", "tpu-vm", "describe", NAME, *IAP, "--format=json"],
+        ["gcloud", "storage", "ls", f"{BUCKET}/runs/tiny/logs/train-*.log", f"--project={PROJECT}"]]
     assert commands(make("tensorboard", TF_OUTPUTS=single).stdout) == [
         [".venv/bin/tensorboard", "--logdir", f"{BUCKET}/runs", "--port", "6006"]]
     done = make("data-upload", TF_OUTPUTS=single, INPUT="corpus/*.txt", SHARDS=16)
