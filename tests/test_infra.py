@@ -294,6 +294,22 @@ def lock_entries() -> list[tuple[str, str, str, list[str]]]:
     return entries
 
 
+def test_lock_generator_merges_pythons_and_leaves_the_cpu_tensorflow_out():
+    h = {c: c * 64 for c in "abcdef"}
+    resolved = {"3.10": {"tensorflow": ("2.20.0", h["a"]), "tensorflow-tpu": ("2.20.0", h["b"]), "six": ("1.17.0", h["c"]),
+                         "numpy": ("2.2.6", h["d"])},
+                "3.11": {"tensorflow": ("2.20.0", h["a"]), "tensorflow-tpu": ("2.20.0", h["e"]), "six": ("1.17.0", h["c"]),
+                         "numpy": ("2.4.6", h["f"])}}
+    text = tpu_lock.render(["tensorflow-tpu==2.20.0", "six"], resolved)
+    body = [line for line in text.splitlines() if not line.startswith("#")]
+    assert body == [
+        'numpy==2.2.6 ; python_version == "3.10" \\', f"    --hash=sha256:{h['d']}",
+        'numpy==2.4.6 ; python_version == "3.11" \\', f"    --hash=sha256:{h['f']}",
+        "six==1.17.0 \\", f"    --hash=sha256:{h['c']}",
+        "tensorflow-tpu==2.20.0 \\", f"    --hash=sha256:{h['b']} \\", f"    --hash=sha256:{h['e']}"]
+    assert tpu_lock.HEADER + '["six", "tensorflow-tpu==2.20.0"]' in text
+
+
 def test_worker_requirements_are_the_pyproject_pins_with_hashes():
     from packaging.markers import Marker
     from packaging.requirements import Requirement
