@@ -16,7 +16,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 #   TOKENIZER=KIND   data.tokenizer of the shards (data-upload default: byte); TOKENIZER_MODEL=FILE
 #   INPUT=GLOB SHARDS=N OVERWRITE=1   data-upload: text to tokenize, shard count, replace old shards
 #   TRAIN_ON=auto|tpu|local   where `make train` runs (auto: the TPU if `make tpu-up` made one)
-#   WORKER=N LOGS=train|setup PORT=6006 DESTROY_BUCKET=1 TPU_SSH=iap|internal TPU_WAIT_MINUTES=30
+#   WORKER=N LOGS=train|gcs|setup PORT=6006 DESTROY_BUCKET=1 YES=1 TPU_SSH=iap|internal TPU_WAIT_MINUTES=30
 CONFIG ?= configs/tiny.yaml
 TPU := $(PYTHON) scripts/tpu.py
 
@@ -25,7 +25,7 @@ TPU := $(PYTHON) scripts/tpu.py
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: train test bench clean tpu-up tpu-down tpu-ssh tpu-logs tensorboard data-upload infra-check
+.PHONY: train test bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -62,10 +62,13 @@ tpu-up:  ## create (or recreate a preempted) Cloud TPU from infra/terraform.tfva
 tpu-down:  ## delete the TPU; keeps the bucket (DESTROY_BUCKET=1 deletes everything)
 	@$(TPU) down
 
+tpu-status:  ## state and health of the TPU (or queued resource) and its workers; the run's log tail from Cloud Storage
+	@$(TPU) status
+
 tpu-ssh:  ## ssh to a TPU worker (WORKER=0)
 	@$(TPU) ssh
 
-tpu-logs:  ## follow the training log on worker 0 (LOGS=setup: the set-up log of every worker)
+tpu-logs:  ## follow the training log on worker 0, or its copy on Cloud Storage once the TPU is gone (LOGS=setup: set-up logs)
 	@$(TPU) logs
 
 tensorboard: $(STAMP)  ## TensorBoard on the bucket's run directories, at http://localhost:6006

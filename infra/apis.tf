@@ -9,7 +9,7 @@ locals {
     "logging.googleapis.com",    # worker logs, VPC flow logs, NAT logs
     "monitoring.googleapis.com", # worker metrics
     "storage.googleapis.com",    # the bucket
-    "tpu.googleapis.com",        # the TPU VM or queued resource
+    "tpu.googleapis.com",        # the TPU VM or queued resource, and the plan-time zone checks
   ]
 }
 

@@ -1,6 +1,9 @@
 # The workers' identity: a dedicated service account with object access to the one bucket, log and
 # metric writing, and read access to TPU metadata (a pod's TPUClusterResolver looks the TPU up by
-# name through the TPU API). No primitive role (owner/editor/viewer) anywhere.
+# name through the TPU API). No primitive role (owner/editor/viewer) anywhere. The TPU VM and the
+# queued resource (created by `make tpu-up` with gcloud --service-account) both run as it, never as
+# the Compute Engine default service account (which lacks tpu.nodes.get where
+# iam.automaticIamGrantsForDefaultServiceAccounts is enforced, and holds roles/editor elsewhere).
 
 resource "google_service_account" "tpu" {
   account_id   = "${var.name_prefix}-tpu"
@@ -21,23 +24,6 @@ locals {
     "roles/storage.objectAdmin",        # read data, write checkpoints and logs, rotate old checkpoints
     "roles/storage.legacyBucketReader", # bucket metadata: the pre-flight "bucket exists" check
   ]
-
-  # A queued resource's node spec has no service account: its workers run as the Compute Engine
-  # default service account, which then gets the same bucket roles (and nothing project-wide).
-  # Keys are static (known at plan time); the members may only be known after apply.
-  worker_members = {
-    for key, member in {
-      tpu             = "serviceAccount:${google_service_account.tpu.email}"
-      compute-default = var.use_queued_resource ? "serviceAccount:${one(data.google_compute_default_service_account.default[*].email)}" : ""
-    } : key => member if key == "tpu" || var.use_queued_resource
-  }
-}
-
-data "google_compute_default_service_account" "default" {
-  count   = var.use_queued_resource ? 1 : 0
-  project = var.project_id
-
-  depends_on = [google_project_service.apis]
 }
 
 resource "google_project_iam_member" "tpu" {
@@ -49,12 +35,24 @@ resource "google_project_iam_member" "tpu" {
 }
 
 resource "google_storage_bucket_iam_member" "workers" {
-  for_each = {
-    for pair in setproduct(keys(local.worker_members), local.bucket_roles) :
-    "${pair[0]} ${pair[1]}" => { member = local.worker_members[pair[0]], role = pair[1] }
-  }
+  # Keys as before the Compute Engine default account was dropped ("tpu ROLE"): a changed key would
+  # destroy and re-create the same binding, and the destroy could remove the new one.
+  for_each = { for role in local.bucket_roles : "tpu ${role}" => role }
 
   bucket = google_storage_bucket.data.name
-  role   = each.value.role
-  member = each.value.member
+  role   = each.value
+  member = "serviceAccount:${google_service_account.tpu.email}"
+}
+
+# A new service account and its grants take a while to reach every Google service (IAM is
+# eventually consistent); a TPU created at once may fail to start as it or be refused. The
+# provider's own TPU VM example waits the same way.
+resource "time_sleep" "service_account" {
+  create_duration = "60s"
+
+  depends_on = [
+    google_service_account.tpu,
+    google_project_iam_member.tpu,
+    google_storage_bucket_iam_member.workers,
+  ]
 }

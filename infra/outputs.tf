@@ -23,7 +23,7 @@ output "tpu_name" {
 
 output "queued_resource_name" {
   description = "Name of the queued resource, or empty without one."
-  value       = var.use_queued_resource ? "${local.tpu_name}-queued" : ""
+  value       = var.use_queued_resource ? local.queued_name : ""
 }
 
 output "accelerator_type" {
@@ -52,12 +52,32 @@ output "spot" {
 }
 
 output "use_queued_resource" {
-  description = "Whether the TPU comes from a queued resource (the set-up script then runs over ssh)."
+  description = "Whether the TPU comes from a queued resource (`make tpu-up` creates it with gcloud)."
   value       = var.use_queued_resource
 }
 
+output "reserved" {
+  description = "Whether the TPU is created from a reservation."
+  value       = var.reserved
+}
+
+output "network" {
+  description = "VPC of the TPU workers (for the queued resource that `make tpu-up` creates)."
+  value       = google_compute_network.vpc.name
+}
+
+output "subnetwork" {
+  description = "Subnet of the TPU workers (for the queued resource that `make tpu-up` creates)."
+  value       = google_compute_subnetwork.tpu.name
+}
+
+output "labels" {
+  description = "Labels of the TPU."
+  value       = local.labels
+}
+
 output "service_account_email" {
-  description = "Service account of the workers (of a google_tpu_v2_vm)."
+  description = "Service account of the workers (TPU VM and queued resource alike)."
   value       = google_service_account.tpu.email
 }
 
@@ -87,8 +107,8 @@ output "run_dir" {
 }
 
 output "log_bucket_url" {
-  description = "gs:// URL of the access-log bucket."
-  value       = google_storage_bucket.logs.url
+  description = "gs:// URL of the access-log bucket, or empty without usage_logs."
+  value       = one(google_storage_bucket.logs[*].url) != null ? one(google_storage_bucket.logs[*].url) : ""
 }
 
 output "ssh_command" {
@@ -97,6 +117,6 @@ output "ssh_command" {
 }
 
 output "startup_script" {
-  description = "The rendered worker set-up script (run over ssh by `make tpu-up` for a queued resource)."
+  description = "The rendered worker set-up script (the queued resource's startup-script metadata, which `make tpu-up` passes to gcloud)."
   value       = local.startup_script
 }

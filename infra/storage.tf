@@ -1,10 +1,17 @@
-# One bucket for everything a run needs: data shards (shards/), run directories with checkpoints and
-# TensorBoard logs (runs/NAME/). Uniform bucket-level access, public access prevention, versioning
-# with a lifecycle that deletes replaced checkpoints after checkpoint_retention_days, and access logs
+# One bucket for everything a run needs: data shards (shards/), run directories with checkpoints,
+# TensorBoard logs and the training log (runs/NAME/). Uniform bucket-level access, public access
+# prevention, versioning with lifecycle rules sized for checkpoints, and (usage_logs) access logs
 # written to a second bucket.
+#
+# Checkpoints: the trainer rotates old ones out and TensorFlow's GCS writer re-uploads whole files,
+# so every rotation and rewrite leaves noncurrent versions. With the default 7-day soft delete on
+# top of versioning they were billed for about twice checkpoint_retention_days; soft delete is off
+# here (retention 0; versioning already keeps deleted objects recoverable), noncurrent versions go
+# after checkpoint_retention_days, and no object keeps more than 3 of them.
 
 resource "google_storage_bucket" "logs" {
   # checkov:skip=CKV_GCP_62: this is the access-log sink of the data bucket; logging it into a third bucket (or itself) adds nothing
+  count                       = var.usage_logs ? 1 : 0
   name                        = "${local.bucket_name}-logs"
   project                     = var.project_id
   location                    = local.bucket_location
@@ -16,6 +23,10 @@ resource "google_storage_bucket" "logs" {
 
   versioning {
     enabled = true
+  }
+
+  soft_delete_policy {
+    retention_duration_seconds = 0
   }
 
   lifecycle_rule {
@@ -31,9 +42,11 @@ resource "google_storage_bucket" "logs" {
   depends_on = [google_project_service.apis]
 }
 
-# Cloud Storage writes usage and storage logs as this group (documented requirement for access logs).
+# Cloud Storage writes usage and storage logs as this group (documented requirement for access
+# logs). Refused under Domain Restricted Sharing: nothing depends on it, so only usage logs fail.
 resource "google_storage_bucket_iam_member" "logs_writer" {
-  bucket = google_storage_bucket.logs.name
+  count  = var.usage_logs ? 1 : 0
+  bucket = google_storage_bucket.logs[0].name
   role   = "roles/storage.objectCreator"
   member = "group:cloud-storage-analytics@google.com"
 }
@@ -52,8 +65,15 @@ resource "google_storage_bucket" "data" {
     enabled = true
   }
 
-  logging {
-    log_bucket = google_storage_bucket.logs.name
+  soft_delete_policy {
+    retention_duration_seconds = 0
+  }
+
+  dynamic "logging" {
+    for_each = var.usage_logs ? [1] : []
+    content {
+      log_bucket = google_storage_bucket.logs[0].name
+    }
   }
 
   # Old checkpoints: the trainer keeps the newest `checkpoint.keep` and deletes the rest; with
@@ -62,6 +82,18 @@ resource "google_storage_bucket" "data" {
     condition {
       days_since_noncurrent_time = var.checkpoint_retention_days
       with_state                 = "ARCHIVED"
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
+  # Files rewritten often (the checkpoint index, TensorBoard event files, the training log copied
+  # up every 30 s) keep at most 3 old versions, whatever their age.
+  lifecycle_rule {
+    condition {
+      num_newer_versions = 3
+      with_state         = "ARCHIVED"
     }
     action {
       type = "Delete"
@@ -92,5 +124,5 @@ resource "google_storage_bucket" "data" {
     }
   }
 
-  depends_on = [google_storage_bucket_iam_member.logs_writer]
+  depends_on = [google_project_service.apis]
 }

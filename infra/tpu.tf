@@ -1,36 +1,71 @@
-# The TPU: a google_tpu_v2_vm (default), or a google_tpu_v2_queued_resource that waits for capacity
-# (use_queued_resource = true). Both exist only in the google-beta provider. Workers have no
-# external IP; they reach the internet through Cloud NAT and Google APIs through Private Google
-# Access. Every worker runs startup.sh.tftpl, which installs tpu-llm's dependencies and TPU extra.
+# The TPU. Terraform validates the zone, accelerator type and runtime image against the TPU API
+# at plan time, and makes a google_tpu_v2_vm. With use_queued_resource = true, `make tpu-up`
+# (scripts/tpu.py) creates a queued resource with gcloud instead, on the network, service account
+# and start-up script made here: the provider's google_tpu_v2_queued_resource node spec takes no
+# service account, metadata or spot flag (its schema: tpu.node_spec.node.{accelerator_type,
+# description, network_config, runtime_version} only), and its delete has no `force`, so an
+# ACTIVE queued resource could not be deleted by `terraform destroy`. gcloud's GA command takes
+# --service-account, --spot, --internal-ips and --metadata-from-file, and `queued-resources delete
+# --force` deletes its nodes first (Cloud TPU API, queuedResources.delete: without force an ACTIVE
+# queued resource is not deleted).
+#
+# Workers have no external IP; they reach the internet through Cloud NAT and Google APIs through
+# Private Google Access. Every worker runs startup.sh.tftpl at boot, which installs exactly the
+# versions of worker-requirements.txt.
 
 locals {
-  # tpu-llm's dependencies on a worker: pyproject.toml's `dependencies`, its `tpu` extra and its
-  # build requirement, in the same words (tests/test_infra.py checks they match).
-  python_requirements = [
-    "tensorflow==2.20.*",
-    "tensorflow-text==2.20.*",
-    "keras>=3.10",
-    "fire>=0.6",
-    "pyyaml>=6",
-    "google-cloud-storage>=2.10",
-    "sentencepiece>=0.2",
-    "tensorflow-tpu==2.20.0",
-    "libtpu",
-    "cloud-tpu-client",
-    "setuptools>=77",
-  ]
-
   startup_script = templatefile("${path.module}/startup.sh.tftpl", {
-    state_dir      = "/opt/tpu-llm"
-    venv           = "/opt/tpu-llm/venv"
-    requirements   = join(" ", [for r in local.python_requirements : "'${r}'"])
-    tensorflow_tpu = "tensorflow-tpu==${local.tensorflow_version}"
-    tpu_name       = local.tpu_name
-    multi_host     = local.multi_host ? "true" : "false"
-    bucket_url     = "gs://${local.bucket_name}"
+    state_dir          = "/opt/tpu-llm"
+    venv               = "/opt/tpu-llm/venv"
+    requirements       = local.worker_requirements
+    tensorflow_version = local.tensorflow_version
+    tpu_name           = local.tpu_name
+    multi_host         = local.multi_host ? "true" : "false"
+    bucket_url         = "gs://${local.bucket_name}"
   })
 
   tpu_description = "tpu-llm training slice (${var.accelerator_type}, ${local.runtime_version})"
+}
+
+# Plan-time checks against the TPU API (data sources read before anything is created; a zone that
+# does not exist fails here with the API's "Location ... is not found or access is unauthorized").
+# Both list what the zone offers to this project (sources: google-beta
+# services/tpuv2/data_source_tpu_v2_{accelerator_types,runtime_versions}.go: `types`, `versions`).
+data "google_tpu_v2_accelerator_types" "available" {
+  provider = google-beta
+  count    = var.tpu_enabled ? 1 : 0
+  project  = var.project_id
+  zone     = var.zone
+
+  # Read at plan time once the TPU API is on (`make tpu-up` enables the APIs first).
+  depends_on = [google_project_service.apis]
+
+  lifecycle {
+    postcondition {
+      condition     = contains(self.types, var.accelerator_type)
+      error_message = "accelerator_type ${var.accelerator_type} is not offered in zone ${var.zone}; offered there: ${join(", ", self.types)}. Set accelerator_type (or zone) in infra/terraform.tfvars."
+    }
+  }
+}
+
+data "google_tpu_v2_runtime_versions" "available" {
+  provider = google-beta
+  count    = var.tpu_enabled ? 1 : 0
+  project  = var.project_id
+  zone     = var.zone
+
+  depends_on = [google_project_service.apis]
+
+  lifecycle {
+    postcondition {
+      condition     = contains(self.versions, local.runtime_version)
+      error_message = "runtime image ${local.runtime_version} is not offered in zone ${var.zone}${var.runtime_version == "" ? " (no TensorFlow ${local.tensorflow_version} image for ${local.accelerator_family} there)" : ""}; TensorFlow images there: ${join(", ", [for v in self.versions : v if startswith(v, "tpu-vm-tf-")])}. Set runtime_version in infra/terraform.tfvars to one with TensorFlow ${local.tensorflow_version}, or change zone."
+    }
+    postcondition {
+      condition     = !local.multi_host || local.runtime_tensorflow == local.tensorflow_version
+      error_message = "a pod slice's TensorFlow servers run the runtime image's TensorFlow (${local.runtime_version}), and the client on worker 0 runs tensorflow-tpu ${local.tensorflow_version} (infra/worker-requirements.txt); they must match: set runtime_version = \"tpu-vm-tf-${local.tensorflow_version}-pod-pjrt\" or regenerate the requirements for the image's version."
+    }
+  }
 }
 
 resource "google_tpu_v2_vm" "tpu" {
@@ -68,57 +103,28 @@ resource "google_tpu_v2_vm" "tpu" {
   }
 
   lifecycle {
+    # `gcloud compute tpus tpu-vm ssh/scp` adds the user's key to the node's ssh-keys metadata
+    # (googlecloudsdk command_lib/compute/tpus/tpu_vm/ssh_utils.AddSSHKeyIfNeeded, called whether
+    # or not the node has enable-oslogin, unless the key is in project metadata), and metadata is
+    # an in-place update here. Without this, every `make tpu-up` stripped the keys and the next
+    # ssh re-added them. OS Login alone would not stop gcloud from writing the key.
+    ignore_changes = [metadata["ssh-keys"]]
+
     precondition {
       condition     = !(var.spot && var.reserved)
       error_message = "spot and reserved exclude each other; set one of them to false."
     }
   }
 
-  # The startup script needs NAT (pip) and the bucket roles from its first minute.
+  # The start-up script needs NAT (pip) and the bucket roles from its first minute, and the new
+  # service account must be usable (time_sleep.service_account in iam.tf). The checks come first
+  # even when their reading is deferred to the apply (a first apply without `make tpu-up`).
   depends_on = [
+    data.google_tpu_v2_accelerator_types.available,
+    data.google_tpu_v2_runtime_versions.available,
     google_compute_router_nat.nat,
     google_project_iam_member.tpu,
     google_storage_bucket_iam_member.workers,
-  ]
-}
-
-resource "google_tpu_v2_queued_resource" "tpu" {
-  provider = google-beta
-  count    = var.tpu_enabled && var.use_queued_resource ? 1 : 0
-
-  name    = "${local.tpu_name}-queued"
-  project = var.project_id
-  zone    = var.zone
-
-  tpu {
-    node_spec {
-      parent  = "projects/${var.project_id}/locations/${var.zone}"
-      node_id = local.tpu_name
-
-      node {
-        runtime_version  = local.runtime_version
-        accelerator_type = var.accelerator_type
-        description      = local.tpu_description
-
-        network_config {
-          network             = google_compute_network.vpc.id
-          subnetwork          = google_compute_subnetwork.tpu.id
-          enable_external_ips = false
-          can_ip_forward      = false
-        }
-      }
-    }
-  }
-
-  lifecycle {
-    precondition {
-      condition     = !var.spot && !var.reserved
-      error_message = "use_queued_resource = true requests on-demand capacity: set spot = false and reserved = false (the queued resource of the pinned provider range has no spot or reservation option)."
-    }
-  }
-
-  depends_on = [
-    google_compute_router_nat.nat,
-    google_storage_bucket_iam_member.workers,
+    time_sleep.service_account,
   ]
 }

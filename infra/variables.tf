@@ -13,12 +13,12 @@ variable "project_id" {
 
 variable "zone" {
   type        = string
-  description = "Zone of the TPU. The accelerator type must be offered there (`gcloud compute tpus accelerator-types list --zone=ZONE`)."
-  default     = "us-central2-b"
+  description = "Zone of the TPU. The accelerator type must be offered there (`gcloud compute tpus accelerator-types list --zone=ZONE`; the plan checks it). Default: us-central1-a, where v5e (v5litepod), v5p and v3 are offered (Cloud TPU \"TPU regions and zones\" page); v4 exists only in us-central2-b, which many projects cannot use without an allow-list."
+  default     = "us-central1-a"
 
   validation {
     condition     = can(regex("^[a-z]+-[a-z]+[0-9]+-[a-z]$", var.zone))
-    error_message = "zone must look like us-central2-b (region plus a zone letter)."
+    error_message = "zone must look like us-central1-a (region plus a zone letter)."
   }
 }
 
@@ -29,7 +29,7 @@ variable "region" {
 
   validation {
     condition     = var.region == "" || can(regex("^[a-z]+-[a-z]+[0-9]+$", var.region))
-    error_message = "region must be empty (derived from zone) or look like us-central2."
+    error_message = "region must be empty (derived from zone) or look like us-central1."
   }
 }
 
@@ -46,8 +46,8 @@ variable "name_prefix" {
 
 variable "accelerator_type" {
   type        = string
-  description = "TPU slice: FAMILY-SIZE, e.g. v4-8, v5litepod-8, v5p-8, v6e-8. v5e (v5litepod) and v6e count chips, v2/v3/v4/v5p count TensorCores; more than 8 means several hosts (a pod slice)."
-  default     = "v4-8"
+  description = "TPU slice: FAMILY-SIZE, e.g. v5litepod-8, v5p-8, v6e-8, v4-8. v5e (v5litepod) and v6e count chips, v2/v3/v4/v5p count TensorCores; more than 8 means several hosts (a pod slice). The plan checks that the zone offers it."
+  default     = "v5litepod-8"
 
   validation {
     condition     = can(regex("^(v2|v3|v4|v5litepod|v5p|v6e)-[1-9][0-9]*$", var.accelerator_type))
@@ -57,7 +57,7 @@ variable "accelerator_type" {
 
 variable "runtime_version" {
   type        = string
-  description = "TPU VM software image. Empty: the TensorFlow 2.20 PJRT image for the family, tpu-vm-tf-2.20.0[-pod]-pjrt (with -v5e-and-v6 for v5litepod/v6e); `gcloud compute tpus tpu-vm versions list --zone=ZONE` lists them."
+  description = "TPU VM software image. Empty: tpu-vm-tf-VERSION[-pod]-pjrt with VERSION the tensorflow-tpu of infra/worker-requirements.txt (Cloud TPU's naming for TensorFlow images); the plan checks that the zone offers it and lists the TensorFlow images there (`gcloud compute tpus tpu-vm versions list --zone=ZONE` does too)."
   default     = ""
 
   validation {
@@ -68,7 +68,7 @@ variable "runtime_version" {
 
 variable "spot" {
   type        = bool
-  description = "Spot TPU: much cheaper, can be preempted at any time (training resumes from the last checkpoint after `make tpu-up` recreates it). Not available with use_queued_resource."
+  description = "Spot TPU: much cheaper, can be preempted at any time (training resumes from the last checkpoint after `make tpu-up` recreates it)."
   default     = true
 }
 
@@ -80,7 +80,7 @@ variable "reserved" {
 
 variable "use_queued_resource" {
   type        = bool
-  description = "Request the TPU through a queued resource, which waits for capacity instead of failing on a stockout. The node spec of a queued resource takes no service account, metadata or spot flag: the workers run as the Compute Engine default service account (granted the same bucket roles) and `make tpu-up` runs the set-up script over ssh."
+  description = "Request the TPU through a queued resource, which waits for capacity instead of failing on a stockout. `make tpu-up` creates it with gcloud (the provider's queued resource takes no service account, metadata or spot flag), with the service account, network and start-up script made here; `make tpu-down` deletes it with --force."
   default     = false
 }
 
@@ -142,8 +142,8 @@ variable "bucket_force_destroy" {
 
 variable "checkpoint_retention_days" {
   type        = number
-  description = "Days a replaced or deleted object (an old checkpoint rotated out by the trainer, an overwritten shard) stays recoverable as a noncurrent version before it is deleted."
-  default     = 7
+  description = "Days a replaced or deleted object (an old checkpoint rotated out by the trainer, an overwritten shard) stays recoverable as a noncurrent version before it is deleted. Soft delete is off on the bucket (versioning already keeps them), so this is the whole time you pay for them."
+  default     = 3
 
   validation {
     condition     = var.checkpoint_retention_days >= 1 && floor(var.checkpoint_retention_days) == var.checkpoint_retention_days
@@ -160,6 +160,12 @@ variable "data_retention_days" {
     condition     = var.data_retention_days >= 0 && floor(var.data_retention_days) == var.data_retention_days
     error_message = "data_retention_days must be a whole number of days, 0 (keep) or more."
   }
+}
+
+variable "usage_logs" {
+  type        = bool
+  description = "Write the bucket's usage logs into a second bucket (BUCKET-logs). Needs a grant to cloud-storage-analytics@google.com, which an organisation policy restricting domains (Domain Restricted Sharing) refuses: set false there."
+  default     = true
 }
 
 variable "log_retention_days" {

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Cloud TPU glue behind the Makefile: tpu-up, train, tpu-down, tpu-ssh, tpu-logs, tensorboard, data-upload.
+"""Cloud TPU glue behind the Makefile: tpu-up, train, tpu-down, tpu-status, tpu-ssh, tpu-logs, tensorboard, data-upload.
 
-    python scripts/tpu.py up | down | train --local-command CMD | ssh | logs | tensorboard | data-upload
+    python scripts/tpu.py up | down | status | train --local-command CMD | ssh | logs | tensorboard | data-upload
 
 Terraform (infra/) makes the TPU, network, bucket and service account; this script reads what it
 made from `terraform output -json` (saved to infra/.outputs.json by `up`) and drives the workers
-with `gcloud compute tpus tpu-vm ssh/scp --worker=...`. Standard library only.
+with `gcloud compute tpus tpu-vm ssh/scp --worker=...`. With use_queued_resource, this script
+creates the queued resource with gcloud (on Terraform's network, service account and start-up
+script) and deletes it with `--force` before any destroy or re-creation: the provider's queued
+resource can neither take a service account nor delete an ACTIVE queued resource. Standard
+library only.
 
 How training is launched (as Google's own TF-on-TPU test harness does it):
   single-host slice  on the VM, `--strategy=tpu --tpu=local`, with PJRT:
@@ -21,16 +25,20 @@ Settings come from the environment (the Makefile passes its variables through):
   DRY_RUN=1          print every terraform/gcloud command instead of running it
   CONFIG, RUN, RUN_DIR, DATA, TOKENIZER, TOKENIZER_MODEL, ARGS   what to train (see the Makefile)
   INPUT, SHARDS, OVERWRITE                                       data-upload
-  TRAIN_ON=auto|tpu|local, WORKER, LOGS=train|setup, PORT, DESTROY_BUCKET=1, TPU_WAIT_MINUTES
+  TRAIN_ON=auto|tpu|local, WORKER, LOGS=train|gcs|setup, PORT, TPU_WAIT_MINUTES
+  DESTROY_BUCKET=1 [YES=1]   tpu-down deletes everything, buckets included, after showing what and
+                             asking (YES=1: without asking)
   TPU_SSH=iap|internal   ssh through Identity-Aware Proxy (default; needs gcloud's alpha component)
                          or to internal IPs (from a VM inside the VPC)
   TF_DIR, TFVARS, TF_OUTPUTS   where the Terraform files, variables and saved outputs are
   DRY_RUN_TPU_STATE      the TPU state a dry run pretends `gcloud ... describe` answered (tests)
+  DRY_RUN_QUEUED_STATE   the same for the queued resource (default ACTIVE; "" = it does not exist)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -38,8 +46,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tpu_plan import (INSTALL, SOURCE_ARCHIVE, STATE_DIR, TRAIN_LOG, TrainPlan, env, flag,  # noqa: E402
-                      pack_source, source_paths)
+from tpu_plan import (INSTALL, LOG_DIR, SOURCE_ARCHIVE, STATE_DIR, TRAIN_LOG, TrainPlan,  # noqa: E402
+                      default_run_dir, env, flag, pack_source, source_paths)
 from tpu_shell import (EXIT_ERROR, LaunchError, Outputs, Runner, check_application_default,  # noqa: E402
                        check_gcloud_auth, check_tool, explain_failure, tfvars_project)
 
@@ -56,6 +64,7 @@ class Launcher:
         self.outputs_path = env("TF_OUTPUTS", os.path.join(self.tf_dir, ".outputs.json"))
         self.iap = env("TPU_SSH", "iap") != "internal"
         self.wait_minutes = float(env("TPU_WAIT_MINUTES", "30"))
+        self.fake_queued = os.environ.get("DRY_RUN_QUEUED_STATE", "ACTIVE").strip()
 
     # ---------------------------------------------------------------------------------------------
     # Building blocks
@@ -108,16 +117,57 @@ class Launcher:
             raise LaunchError(explain_failure(argv, status, out, o.context()))
         return out.strip().splitlines()[-1] if out.strip() else ""
 
+    def queued_args(self, o: Outputs, verb: str, *args: str) -> list[str]:
+        return ["gcloud", "compute", "tpus", "queued-resources", verb, queued_name(o), *args, f"--zone={o['zone']}",
+                f"--project={o['project_id']}"]
+
     def queued_state(self, o: Outputs) -> str:
-        argv = ["gcloud", "compute", "tpus", "queued-resources", "describe", str(o["queued_resource_name"]),
-                f"--zone={o['zone']}", f"--project={o['project_id']}", "--format=value(state.state)"]
-        status, out = self.runner.capture(argv, dry_result="ACTIVE")
+        """ACCEPTED, WAITING_FOR_RESOURCES, ACTIVE, FAILED, SUSPENDED, ... or "" when it does not exist."""
+        argv = self.queued_args(o, "describe", "--format=value(state.state)")
+        status, out = self.runner.capture(argv, dry_result=self.fake_queued)
         if status != 0:
+            if re.search(r"NOT_FOUND|not found", out, re.IGNORECASE):
+                return ""
             raise LaunchError(explain_failure(argv, status, out, {**o.context(), "what": "queued resource"}))
-        return out.strip()
+        return out.strip().splitlines()[-1] if out.strip() else ""
+
+    def delete_queued(self, o: Outputs, why: str) -> None:
+        """Delete the queued resource and its TPU, ACTIVE or not (the API deletes an ACTIVE queued
+        resource only with force=true: its nodes go first). Nothing to do if it does not exist."""
+        state = self.queued_state(o)
+        if not state:
+            return
+        print(f"{why}: deleting queued resource {queued_name(o)} ({state}) and its TPU with --force", flush=True)
+        self.runner.stream(self.queued_args(o, "delete", "--force", "--quiet"), {**o.context(), "what": "queued resource"})
+
+    def create_queued(self, o: Outputs) -> None:
+        """The queued resource, with gcloud's GA flags: the project's service account (not the Compute
+        Engine default one), spot or reserved, no external IP, the start-up script as metadata."""
+        if o["spot"] and o.get("reserved"):
+            raise LaunchError("spot and reserved exclude each other; set one of them to false in infra/terraform.tfvars")
+        script = os.path.join("build", "tpu-llm-setup.sh")
+        if not self.dry:
+            os.makedirs("build", exist_ok=True)
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(o["startup_script"])
+        labels = ",".join(f"{k}={v}" for k, v in sorted(dict(o.get("labels") or {}).items()))
+        argv = self.queued_args(
+            o, "create", f"--node-id={o['tpu_name']}", f"--accelerator-type={o['accelerator_type']}",
+            f"--runtime-version={o['runtime_version']}", f"--network={o['network']}",
+            f"--subnetwork={o['subnetwork']}", "--internal-ips", f"--service-account={o['service_account_email']}",
+            "--scopes=https://www.googleapis.com/auth/cloud-platform", f"--metadata-from-file=startup-script={script}",
+            f"--tags={o['tpu_name']}", *([f"--labels={labels}"] if labels else []),
+            *(["--spot"] if o["spot"] else []), *(["--reserved"] if o.get("reserved") else []))
+        print(f"tpu-up: requesting {o['accelerator_type']} through queued resource {queued_name(o)}; it waits for "
+              "capacity", flush=True)
+        self.runner.stream(argv, {**o.context(), "what": "queued resource"})
 
     def check_cloud(self, terraform: bool) -> None:
         if self.dry:
+            if terraform and not os.path.exists(self.tfvars):
+                print(f"DRY_RUN: {self.tfvars} not found: a real run stops here (no project set; `cp "
+                      f"{os.path.join(self.tf_dir, 'terraform.tfvars.example')} {self.tfvars}` and set project_id); "
+                      "the commands below are what it would run with one", flush=True)
             return
         if terraform:
             tfvars_project(self.tfvars)
@@ -132,39 +182,46 @@ class Launcher:
 
     def up(self) -> None:
         settings = read_tfvars(self.tfvars)
-        accel, spot = settings.get("accelerator_type", "v4-8"), settings.get("spot", "true") == "true"
+        accel, spot = settings.get("accelerator_type", "v5litepod-8"), settings.get("spot", "true") == "true"
         print(f"tpu-up: this creates billable resources: a {accel} TPU ({'spot' if spot else 'on-demand'}), billed "
               "for every hour it exists, training or idle, plus a bucket, Cloud NAT and logs. Run `make tpu-down` "
               "when you are done.", flush=True)
         self.check_cloud(terraform=True)
         self.runner.stream(self.terraform("init", "-input=false"))
+        prefix = settings.get("name_prefix", "tpu-llm")
+        context = {"project": settings.get("project_id", "?"), "zone": settings.get("zone", DEFAULT_ZONE),
+                   "accelerator": accel, "family": accel.split("-")[0], "tpu_name": f"{prefix}-tpu", "prefix": prefix}
+        # The APIs first: the plan reads the zone's accelerator types and images from the TPU API
+        # (infra/tpu.tf), which a new project has not enabled yet. A no-op once they are on.
+        self.runner.stream(self.terraform("apply", *self.tf_var_args("-target=google_project_service.apis")), context)
         replace = []
         previous = self.outputs(required=False)
+        if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
+            # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs
+            self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
         if previous and previous["tpu_enabled"]:
             state = self.tpu_state(previous)
             if state in ("PREEMPTED", "TERMINATED"):
-                kind = "google_tpu_v2_queued_resource" if previous["use_queued_resource"] else "google_tpu_v2_vm"
-                replace = [f"-replace={kind}.tpu[0]"]
                 print(f"tpu-up: TPU {previous['tpu_name']} is {state} (a spot TPU was reclaimed); recreating it. "
                       "The bucket, its checkpoints and the network are kept; `make train` resumes the run.", flush=True)
-        context = {"project": settings.get("project_id", "?"), "zone": settings.get("zone", "us-central2-b"),
-                   "accelerator": accel, "family": accel.split("-")[0], "tpu_name": "the TPU",
-                   "prefix": settings.get("name_prefix", "tpu-llm")}
+                if previous["use_queued_resource"]:
+                    self.delete_queued(previous, "tpu-up")
+                else:
+                    replace = ["-replace=google_tpu_v2_vm.tpu[0]"]
         self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=true", *replace)), context)
         self.runner.fake_state = "READY"  # a dry run pretends the apply worked
         o = self.save_outputs()
         if o is None:
             print(f"tpu-up: (dry run without {self.outputs_path}: nothing more to show)")
             return
+        if o["use_queued_resource"]:
+            queued = self.queued_state(o)
+            if queued in ("FAILED", "SUSPENDED"):
+                self.delete_queued(o, f"tpu-up: queued resource {queued_name(o)} is {queued}")
+                queued = ""
+            if not queued:
+                self.create_queued(o)
         self.wait_ready(o)
-        if o["use_queued_resource"]:  # a queued resource's node spec takes no startup-script metadata
-            script = os.path.join("build", "tpu-llm-setup.sh")
-            if not self.dry:
-                os.makedirs("build", exist_ok=True)
-                with open(script, "w", encoding="utf-8") as f:
-                    f.write(o["startup_script"])
-            self.runner.stream(self.scp(o, script, "tpu-llm-setup.sh", worker="all"), o.context())
-            self.runner.stream(self.ssh(o, "all", "sudo bash tpu-llm-setup.sh"), o.context())
         self.wait_setup(o)
         print(f"tpu-up: {o['tpu_name']} ({o['accelerator_type']}, {o['worker_count']} worker(s)) is READY in "
               f"{o['zone']}; bucket {o['bucket_url']}. Next: `make train` (or `make data-upload` first for a "
@@ -175,9 +232,9 @@ class Launcher:
         while True:
             queued = self.queued_state(o) if o["use_queued_resource"] else ""
             if queued in ("FAILED", "SUSPENDED"):
-                raise LaunchError(f"queued resource {o['queued_resource_name']} is {queued}: `gcloud compute tpus "
-                                  f"queued-resources describe {o['queued_resource_name']} --zone={o['zone']}` says "
-                                  "why; `make tpu-down` then `make tpu-up` requests it again")
+                raise LaunchError(f"queued resource {queued_name(o)} is {queued}: `gcloud compute tpus "
+                                  f"queued-resources describe {queued_name(o)} --zone={o['zone']}` says "
+                                  "why; `make tpu-up` deletes it and requests it again")
             state = self.tpu_state(o)
             if state == "READY":
                 return
@@ -212,6 +269,14 @@ class Launcher:
         self.check_cloud(terraform=True)
         destroy_bucket = flag("DESTROY_BUCKET")
         self.runner.stream(self.terraform("init", "-input=false"))
+        try:
+            o = self.save_outputs()
+        except LaunchError:  # no state yet: nothing of ours to delete outside Terraform
+            o = None
+        if destroy_bucket:  # asked before anything is deleted
+            self.confirm_destroy(o)
+        if o and o["use_queued_resource"]:  # before Terraform: its queued-resource delete has no force
+            self.delete_queued(o, "tpu-down")
         if not destroy_bucket:
             self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=false")))
             o = self.save_outputs()
@@ -220,14 +285,92 @@ class Launcher:
                   "network and the service account (Cloud NAT bills a little per hour; `make tpu-down "
                   "DESTROY_BUCKET=1` removes everything).", flush=True)
             return
-        print("tpu-down: DESTROY_BUCKET=1: deleting everything, including the bucket with all data, "
-              "checkpoints and logs.", flush=True)
         self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=false",
                                                                      "-var=bucket_force_destroy=true")))
         self.runner.stream(self.terraform("destroy", *self.tf_var_args("-var=bucket_force_destroy=true")))
         if not self.dry and os.path.exists(self.outputs_path):
             os.remove(self.outputs_path)
         print("tpu-down: everything infra/ created is deleted.", flush=True)
+
+    def confirm_destroy(self, o: Outputs | None) -> None:
+        """Show the buckets DESTROY_BUCKET=1 deletes with how many objects (all versions) they hold,
+        and ask for the data bucket's name, unless YES=1."""
+        buckets = [str(u) for u in ((o or {}).get("bucket_url"), (o or {}).get("log_bucket_url")) if u]
+        if not buckets and self.dry:
+            print(f"DRY_RUN: (no {self.outputs_path}: a real run lists the buckets from `terraform output` with "
+                  "their object counts and asks before deleting; YES=1 skips the question)", flush=True)
+            return
+        if not buckets:
+            raise LaunchError("DESTROY_BUCKET=1: cannot tell which buckets would be deleted (no Terraform outputs); "
+                              "`make tpu-up` first, or delete them by hand after `gcloud storage ls`")
+        print("tpu-down: DESTROY_BUCKET=1 deletes everything infra/ created, and these buckets with every object "
+              "in them (all versions):", flush=True)
+        for url in buckets:
+            argv = ["gcloud", "storage", "ls", "--all-versions", f"{url}/**", f"--project={o['project_id']}"]
+            status, out = self.runner.capture(argv)
+            if status != 0 and not re.search(r"matched no objects|One or more URLs matched no", out):
+                raise LaunchError(explain_failure(argv, status, out, {**o.context(), "what": f"bucket {url}"}))
+            count = sum(1 for line in out.splitlines() if line.startswith("gs://")) if status == 0 else 0
+            print(f"  {url}: {'?' if self.dry else count} object(s)", flush=True)
+        name = buckets[0].removeprefix("gs://")
+        if flag("YES"):
+            print("tpu-down: YES=1: not asking", flush=True)
+            return
+        if self.dry:
+            print(f"DRY_RUN: (a real run asks for the bucket name {name} here; YES=1 skips the question)", flush=True)
+            return
+        if not sys.stdin.isatty():
+            raise LaunchError(f"DESTROY_BUCKET=1 deletes {', '.join(buckets)} with everything in them; nothing was "
+                              "deleted: run it in a terminal to confirm, or add YES=1")
+        answer = input(f"Type the bucket name {name} to delete it all: ").strip()
+        if answer != name:
+            raise LaunchError(f"not confirmed ({answer!r} is not {name}); nothing was deleted")
+
+    # ---------------------------------------------------------------------------------------------
+    # tpu-status
+
+    def status(self) -> int:
+        """The TPU (or queued resource): state, health, workers; the run's log tail from Cloud Storage."""
+        o = self.outputs()
+        self.check_cloud(terraform=False)
+        print(f"tpu-status: {o['tpu_name']} ({o['accelerator_type']}, {o['worker_count']} worker(s), "
+              f"{'spot' if o['spot'] else 'on-demand'}) in {o['zone']}, project {o['project_id']}", flush=True)
+        if not o["tpu_enabled"]:
+            print("  TPU: deleted by `make tpu-down` (`make tpu-up` brings it back)")
+        else:
+            if o["use_queued_resource"]:
+                print(f"  queued resource {queued_name(o)}: {self.queued_state(o) or 'does not exist'}")
+            argv = ["gcloud", "compute", "tpus", "tpu-vm", "describe", str(o["tpu_name"]), f"--zone={o['zone']}",
+                    f"--project={o['project_id']}", "--format=json"]
+            status, out = self.runner.capture(argv, dry_result="{}")
+            if status != 0 and not re.search(r"NOT_FOUND|not found", out, re.IGNORECASE):
+                raise LaunchError(explain_failure(argv, status, out, o.context()))
+            for line in describe_node(json.loads(out) if status == 0 and out.strip() else None):
+                print(f"  {line}")
+        self.print_log_tail(o, lines=int(env("LINES", "20")))
+        return 0
+
+    def newest_log(self, o: Outputs, run_dir: str) -> str:
+        """gs:// URL of the run's newest training log, or ""."""
+        argv = ["gcloud", "storage", "ls", f"{run_dir}/{LOG_DIR}/train-*.log", f"--project={o['project_id']}"]
+        status, out = self.runner.capture(argv)
+        logs = sorted(line.strip() for line in out.splitlines() if line.strip().startswith("gs://")) if status == 0 else []
+        return logs[-1] if logs else ""
+
+    def print_log_tail(self, o: Outputs, lines: int, url: str | None = None) -> None:
+        run_dir = default_run_dir(o)
+        url = self.newest_log(o, run_dir) if url is None else url
+        if not url:
+            if not self.dry:
+                print(f"  training log: none in {run_dir}/{LOG_DIR}/ (RUN=NAME or RUN_DIR=gs://... picks another run)")
+            return
+        argv = ["gcloud", "storage", "cat", url, f"--project={o['project_id']}"]
+        status, out = self.runner.capture(argv)
+        if status != 0:
+            raise LaunchError(explain_failure(argv, status, out, {**o.context(), "what": f"log {url}"}))
+        print(f"  training log {url} (last {lines} lines):")
+        for line in out.splitlines()[-lines:]:
+            print(f"    {line}")
 
     # ---------------------------------------------------------------------------------------------
     # train
@@ -297,11 +440,27 @@ class Launcher:
         return self.runner.interactive(self.gcloud_tpu(o, "ssh", str(o["tpu_name"]), worker=env("WORKER", "0")))
 
     def logs(self) -> int:
+        """Follow the training log on worker 0 while the TPU is READY; otherwise (preempted, deleted)
+        or with LOGS=gcs, print the copy in the run directory on Cloud Storage."""
         o = self.outputs()
         self.check_cloud(terraform=False)
-        if env("LOGS", "train") == "setup":
+        which = env("LOGS", "train")
+        if which not in ("train", "gcs", "setup"):
+            raise LaunchError(f"LOGS={which!r}: use train (live from worker 0, else Cloud Storage), gcs or setup")
+        if which == "setup":
             return self.runner.interactive(self.ssh(o, "all", "tail -n 50 /var/log/tpu-llm-setup.log"))
-        return self.runner.interactive(self.ssh(o, env("WORKER", "0"), f"tail -n 200 -F {TRAIN_LOG}"))
+        if which == "train":
+            state = self.tpu_state(o) if o["tpu_enabled"] else ""
+            if state == "READY":
+                return self.runner.interactive(self.ssh(o, env("WORKER", "0"), f"tail -n 200 -F {TRAIN_LOG}"))
+            print(f"tpu-logs: TPU {o['tpu_name']} is {state or 'gone'}; the training log from Cloud Storage:", flush=True)
+        run_dir = default_run_dir(o)
+        url = self.newest_log(o, run_dir)
+        if not url and not self.dry:
+            raise LaunchError(f"no training log in {run_dir}/{LOG_DIR}/: `make train` writes one there; RUN=NAME or "
+                              "RUN_DIR=gs://... picks another run")
+        self.print_log_tail(o, lines=int(env("LINES", "200")), url=url)
+        return 0
 
     def tensorboard(self) -> int:
         o = self.outputs()
@@ -345,6 +504,33 @@ def _run_attached(argv: list[str]) -> int:
         return 0
 
 
+DEFAULT_ZONE = "us-central1-a"  # infra/variables.tf
+
+
+def queued_name(o: Outputs) -> str:
+    return str(o["queued_resource_name"] or f"{o['tpu_name']}-queued")
+
+
+def describe_node(node: dict | None) -> list[str]:
+    """`gcloud compute tpus tpu-vm describe --format=json` as status lines: a Cloud TPU API v2 Node
+    (state, health, healthDescription, runtimeVersion, symptoms[].{symptomType, workerId, details},
+    networkEndpoints[].ipAddress, one per worker)."""
+    if node is None:
+        return ["TPU: does not exist (`make tpu-up` creates it)"]
+    if not node:
+        return []  # dry run
+    lines = [f"TPU: {node.get('state', '?')}" + (f", health {node['health']}" if node.get("health") else "")
+             + (f" ({node['healthDescription']})" if node.get("healthDescription") else "")
+             + f", image {node.get('runtimeVersion', '?')}"]
+    for symptom in node.get("symptoms") or []:
+        lines.append(f"symptom: {symptom.get('symptomType', '?')} on worker {symptom.get('workerId', '?')}: "
+                     f"{symptom.get('details', '')}")
+    endpoints = node.get("networkEndpoints") or []
+    lines.append(f"workers: {len(endpoints)}" + (": " + ", ".join(
+        f"{i}={e.get('ipAddress', '?')}" for i, e in enumerate(endpoints)) if endpoints else ""))
+    return lines
+
+
 def read_tfvars(path: str) -> dict[str, str]:
     """Simple `key = "value"` / `key = true` lines of terraform.tfvars (for messages only)."""
     if not os.path.exists(path):
@@ -363,12 +549,14 @@ def venv_tool(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Cloud TPU glue (see the Makefile's tpu-* targets)")
-    parser.add_argument("command", choices=["up", "down", "train", "ssh", "logs", "tensorboard", "data-upload"])
+    parser.add_argument("command", choices=["up", "down", "status", "train", "ssh", "logs", "tensorboard",
+                                            "data-upload"])
     parser.add_argument("--local-command", default="", help="train: the command for a local run (ARGS is appended)")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     launcher = Launcher()
-    actions = {"up": launcher.up, "down": launcher.down, "ssh": launcher.ssh_session, "logs": launcher.logs,
+    actions = {"up": launcher.up, "down": launcher.down, "status": launcher.status, "ssh": launcher.ssh_session,
+               "logs": launcher.logs,
                "tensorboard": launcher.tensorboard, "data-upload": launcher.data_upload,
                "train": lambda: launcher.train(args.local_command)}
     try:

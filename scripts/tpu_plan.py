@@ -7,7 +7,9 @@
                      servers run the input pipeline, so the data must be TFRecord shards on gs://)
 
 The run is started with nohup (it survives a dropped ssh; `make tpu-logs` re-attaches), after
-`python -m tpu_llm.cloud preflight` checked the bucket and the data from the worker itself.
+`python -m tpu_llm.cloud preflight` checked the bucket and the data from the worker itself. Its log
+is copied to RUN_DIR/logs/train-TIMESTAMP.log every LOG_COPY_SECONDS while it runs and once when it
+ends, so it outlives a preempted or deleted TPU (`make tpu-logs` / `make tpu-status` read it there).
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ SOURCE_ARCHIVE = "build/tpu-llm-src.tar.gz"
 SOURCE_FILES = ("pyproject.toml", "README.md", "tpu_llm", "configs")
 TRAIN_LOG = "~/tpu-llm-train.log"
 PID_FILE = "~/tpu-llm-train.pid"
+LOG_DIR = "logs"  # under the run directory: train-YYYYMMDDTHHMMSSZ.log, one per `make train`
+LOG_COPY_SECONDS = 30
+# Copies the log to Cloud Storage while the run ($0) lives, then once more (the workers' service
+# account has objectAdmin on the bucket; gcloud comes with the TPU VM images). Detached like the
+# run, so a dropped ssh does not stop it; a preemption loses at most the last LOG_COPY_SECONDS.
+LOG_COPY = ("nohup bash -c 'while kill -0 \"$0\" 2>/dev/null; do gcloud storage cp --quiet "
+            f"{TRAIN_LOG} \"$1\" >/dev/null 2>&1; sleep {LOG_COPY_SECONDS}; done; gcloud storage cp --quiet "
+            f"{TRAIN_LOG} \"$1\"' \"$pid\" \"$log_url\" >/dev/null 2>&1 < /dev/null &")
 # Single host: PJRT through the runtime image's libtpu. TPU_LIBRARY_PATH makes TensorFlow's own
 # import-time load take that same matching library, not the pip `libtpu` that tensorflow-tpu pulls in
 # (with today's newest, 0.0.52, `import tensorflow` aborts: "ConfigureDistributedTpuOp_DoWork not
@@ -69,11 +79,10 @@ class TrainPlan:
                 run_dir = arg.split("=", 1)[1]
             else:
                 extra.append(arg)
-        run = env("RUN", os.path.splitext(os.path.basename(config))[0])
-        run_dir = run_dir or f"{o['runs_url']}/{run}"
+        run_dir = run_dir or default_run_dir(o, config)
         if not run_dir.startswith("gs://"):
             raise LaunchError(f"run_dir {run_dir} is not on Cloud Storage; TPU workers keep nothing on their disks "
-                              f"(a preempted TPU loses them), so use a gs:// path such as {o['runs_url']}/{run}")
+                              f"(a preempted TPU loses them), so use a gs:// path such as {default_run_dir(o, config)}")
         if bool(o["multi_host"]):
             data = data or f"{o['data_url']}/*.tfrecord"
             check_pod_data(o, data)
@@ -110,12 +119,23 @@ class TrainPlan:
             "cd ~/tpu-llm",
             shlex.join(preflight),
             BUSY_CHECK,
+            f"log_url={shlex.quote(self.run_dir + '/' + LOG_DIR)}/train-$(date -u +%Y%m%dT%H%M%SZ).log",
             f"nohup env {env_words} {shlex.join(self.train_argv())} > {TRAIN_LOG} 2>&1 < /dev/null &",
             "pid=$!",
             f"echo \"$pid\" > {PID_FILE}",
+            LOG_COPY,
+            f"echo \"train: the log is copied to $log_url every {LOG_COPY_SECONDS} s\"",
             f"tail -n +1 -f --pid=\"$pid\" {TRAIN_LOG}",
             "wait \"$pid\"",
         ])
+
+
+def default_run_dir(o: Outputs, config: str | None = None) -> str:
+    """RUN_DIR, else RUNS_URL/RUN, else RUNS_URL/<the config's name> (what `make train` uses)."""
+    if env("RUN_DIR"):
+        return env("RUN_DIR")
+    config = config or env("CONFIG", "configs/tiny.yaml")
+    return f"{o['runs_url']}/{env('RUN', os.path.splitext(os.path.basename(config))[0])}"
 
 
 def check_pod_data(o: Outputs, data: str) -> None:

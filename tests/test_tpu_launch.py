@@ -34,7 +34,9 @@ def write_outputs(path: Path, accelerator: str, workers: int, **changes) -> Path
               "multi_host": workers > 1, "spot": True, "use_queued_resource": False, "bucket_name": "my-proj-tpu-llm",
               "bucket_url": BUCKET, "data_url": f"{BUCKET}/shards", "runs_url": f"{BUCKET}/runs",
               "log_bucket_url": f"{BUCKET}-logs", "service_account_email": "sa@my-proj.iam.gserviceaccount.com",
-              "ssh_command": "gcloud ...", "startup_script": "#!/bin/bash\necho set-up\n", **changes}
+              "ssh_command": "gcloud ...", "startup_script": "#!/bin/bash\necho set-up\n", "reserved": False,
+              "network": "tpu-llm-vpc", "subnetwork": "tpu-llm-subnet",
+              "labels": {"app": "tpu-llm", "managed-by": "terraform"}, **changes}
     path.write_text(json.dumps({k: {"sensitive": False, "type": "string", "value": v} for k, v in values.items()}))
     return path
 
@@ -118,7 +120,15 @@ def test_train_single_host_on_the_vm_with_pjrt(single):
             "TPU_LIBRARY_PATH=/lib/libtpu.so /opt/tpu-llm/venv/bin/tpu-llm train --config configs/tiny.yaml --strategy=tpu --tpu=local "
             f"--run_dir={BUCKET}/runs/tiny > ~/tpu-llm-train.log 2>&1 < /dev/null &") in script
     assert script[3] == busy  # the run is checked for again right before it starts
+    assert script[4] == f"log_url={BUCKET}/runs/tiny/logs/train-$(date -u +%Y%m%dT%H%M%SZ).log"
+    # the log goes to the run directory every 30 s while the run lives, and once more at its end
+    copy = ("nohup bash -c 'while kill -0 \"$0\" 2>/dev/null; do gcloud storage cp --quiet ~/tpu-llm-train.log \"$1\" "
+            ">/dev/null 2>&1; sleep 30; done; gcloud storage cp --quiet ~/tpu-llm-train.log \"$1\"' \"$pid\" \"$log_url\" "
+            ">/dev/null 2>&1 < /dev/null &")
+    assert script[5:9] == [script[5], "pid=$!", 'echo "$pid" > ~/tpu-llm-train.pid', copy]
     assert script[-2:] == ['tail -n +1 -f --pid="$pid" ~/tpu-llm-train.log', 'wait "$pid"']
+    syntax = subprocess.run(["bash", "-n"], input="\n".join(script), capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
 
 
 def test_train_pod_on_worker_0_against_the_pod_servers(pod):
@@ -191,8 +201,11 @@ def test_tpu_up_applies_then_waits_for_every_worker(request, tfvars, slice_):
     done = make("tpu-up", TF_OUTPUTS=outputs, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert "creates billable resources" in done.stdout and "make tpu-down" in done.stdout
-    init, describe, apply, output, describe2, wait = commands(done.stdout)
+    init, apis, describe, apply, output, describe2, wait = commands(done.stdout)
     assert init == [*TF, "init", "-input=false"]
+    # the APIs first: the plan reads the zone's accelerator types and images from the TPU API
+    assert apis == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}",
+                    "-target=google_project_service.apis"]
     assert describe == describe2 == DESCRIBE
     assert apply == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"]
     assert output == [*TF, "output", "-json"]
@@ -206,21 +219,80 @@ def test_tpu_up_recreates_a_preempted_spot_tpu(single, tfvars):
     assert done.returncode == 0, done.stderr
     assert "is PREEMPTED" in done.stdout and "recreating it" in done.stdout
     apply = [c for c in commands(done.stdout) if c[:3] == [*TF, "apply"]]
-    assert apply == [[*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true",
-                      "-replace=google_tpu_v2_vm.tpu[0]"]]
+    assert apply[1:] == [[*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true",
+                          "-replace=google_tpu_v2_vm.tpu[0]"]]
 
 
-def test_tpu_up_runs_the_setup_over_ssh_for_a_queued_resource(tmp_path, tfvars):
-    outputs = write_outputs(tmp_path / "q.json", "v4-8", 1, use_queued_resource=True,
-                            queued_resource_name=f"{NAME}-queued")
-    done = make("tpu-up", TF_OUTPUTS=outputs, TFVARS=tfvars)
+QUEUED = ["gcloud", "compute", "tpus", "queued-resources"]
+QUEUED_DESCRIBE = [*QUEUED, "describe", f"{NAME}-queued", "--format=value(state.state)", *IAP]
+QUEUED_DELETE = [*QUEUED, "delete", f"{NAME}-queued", "--force", "--quiet", *IAP]
+QUEUED_CREATE = [*QUEUED, "create", f"{NAME}-queued", f"--node-id={NAME}", "--accelerator-type=v4-8",
+                 "--runtime-version=tpu-vm-tf-2.20.0-pjrt", "--network=tpu-llm-vpc", "--subnetwork=tpu-llm-subnet",
+                 "--internal-ips", "--service-account=sa@my-proj.iam.gserviceaccount.com",
+                 "--scopes=https://www.googleapis.com/auth/cloud-platform",
+                 "--metadata-from-file=startup-script=build/tpu-llm-setup.sh", f"--tags={NAME}",
+                 "--labels=app=tpu-llm,managed-by=terraform", "--spot", *IAP]
+
+
+@pytest.fixture
+def queued_tfvars(tfvars) -> Path:
+    tfvars.write_text(tfvars.read_text() + "use_queued_resource = true\n")
+    return tfvars
+
+
+@pytest.fixture
+def queued(tmp_path) -> Path:
+    return write_outputs(tmp_path / "q.json", "v4-8", 1, use_queued_resource=True, queued_resource_name=f"{NAME}-queued")
+
+
+def test_tpu_up_creates_the_queued_resource_with_gcloud_as_the_project_service_account(queued, queued_tfvars):
+    tfvars = queued_tfvars
+    # Terraform made the network, service account and start-up script; gcloud creates the queued
+    # resource with them (the provider's node spec takes no service account, metadata or spot).
+    done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars, DRY_RUN_QUEUED_STATE="")
     assert done.returncode == 0, done.stderr
     cmds = commands(done.stdout)
-    assert ["gcloud", "compute", "tpus", "queued-resources", "describe", f"{NAME}-queued", *IAP,
-            "--format=value(state.state)"] in cmds
-    assert [*SCP, "build/tpu-llm-setup.sh", f"{NAME}:tpu-llm-setup.sh", *IAP, "--worker=all",
-            "--tunnel-through-iap"] in cmds
-    assert [*SSH, "--worker=all", "--tunnel-through-iap", "--command=sudo bash tpu-llm-setup.sh"] in cmds
+    after_apply = cmds[cmds.index([*TF, "output", "-json"]) + 1:]
+    assert after_apply[:2] == [QUEUED_DESCRIBE, QUEUED_CREATE]
+    assert after_apply[2:4] == [QUEUED_DESCRIBE, DESCRIBE]  # then it waits for READY and the set-up
+    assert not any(c[:6] == SCP[:6] for c in cmds)  # the start-up script is metadata, not copied over ssh
+    # an ACTIVE one is left alone
+    done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars)
+    assert QUEUED_CREATE not in commands(done.stdout) and QUEUED_DELETE not in commands(done.stdout)
+
+
+def test_tpu_up_deletes_the_queued_resource_when_switching_back_to_a_vm(queued, tfvars):
+    done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars)  # tfvars without use_queued_resource = true
+    cmds = commands(done.stdout)
+    assert cmds.index(QUEUED_DELETE) < cmds.index(
+        [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"])
+
+
+def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, queued_tfvars):
+    tfvars = queued_tfvars
+    done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars, DRY_RUN_TPU_STATE="PREEMPTED")
+    assert done.returncode == 0, done.stderr
+    cmds = commands(done.stdout)
+    assert QUEUED_DELETE in cmds and cmds.index(QUEUED_DELETE) < cmds.index(
+        [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"])
+    assert not any("-replace" in " ".join(c) for c in cmds)  # not through Terraform: its delete has no force
+
+
+def test_tpu_down_force_deletes_an_active_queued_resource_first(queued, tfvars):
+    done = make("tpu-down", TF_OUTPUTS=queued, TFVARS=tfvars)
+    assert done.returncode == 0, done.stderr
+    assert commands(done.stdout) == [
+        [*TF, "init", "-input=false"], [*TF, "output", "-json"], QUEUED_DESCRIBE, QUEUED_DELETE,
+        [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false"],
+        [*TF, "output", "-json"]]
+    assert f"deleting queued resource {NAME}-queued (ACTIVE) and its TPU with --force" in done.stdout
+    done = make("tpu-down", TF_OUTPUTS=queued, TFVARS=tfvars, DRY_RUN_QUEUED_STATE="")  # already gone
+    assert QUEUED_DELETE not in commands(done.stdout)
+    done = make("tpu-down", TF_OUTPUTS=queued, TFVARS=tfvars, DESTROY_BUCKET=1)  # asked first, then deleted
+    cmds = commands(done.stdout)
+    assert cmds.index(QUEUED_DELETE) > max(i for i, c in enumerate(cmds) if c[:3] == ["gcloud", "storage", "ls"])
+    assert cmds.index(QUEUED_DELETE) < cmds.index([*TF, "destroy", "-input=false", "-auto-approve",
+                                                   f"-var-file={tfvars}", "-var=bucket_force_destroy=true"])
 
 
 def test_tpu_down_keeps_the_bucket_unless_asked(single, tfvars):
@@ -228,25 +300,45 @@ def test_tpu_down_keeps_the_bucket_unless_asked(single, tfvars):
     assert done.returncode == 0, done.stderr
     assert commands(done.stdout) == [
         [*TF, "init", "-input=false"],
+        [*TF, "output", "-json"],
         [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false"],
         [*TF, "output", "-json"]]
     assert f"Kept: {BUCKET}" in done.stdout
     done = make("tpu-down", TF_OUTPUTS=single, TFVARS=tfvars, DESTROY_BUCKET=1)
     assert done.returncode == 0, done.stderr
-    assert commands(done.stdout)[1:] == [
+    assert commands(done.stdout)[2:] == [
+        ["gcloud", "storage", "ls", "--all-versions", f"{BUCKET}/**", f"--project={PROJECT}"],
+        ["gcloud", "storage", "ls", "--all-versions", f"{BUCKET}-logs/**", f"--project={PROJECT}"],
         [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false",
          "-var=bucket_force_destroy=true"],
         [*TF, "destroy", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=bucket_force_destroy=true"]]
+    assert "a real run asks for the bucket name my-proj-tpu-llm" in done.stdout
     assert single.exists()  # a dry run changes nothing
+
+
+def test_dry_run_without_tfvars_says_so(single, tmp_path):
+    for target in ("tpu-up", "tpu-down"):
+        done = make(target, TF_OUTPUTS=single, TFVARS=tmp_path / "absent.tfvars")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[1 if target == "tpu-up" else 0].startswith(
+            f"DRY_RUN: {tmp_path / 'absent.tfvars'} not found: a real run stops here (no project set")
 
 
 def test_ssh_logs_tensorboard_data_upload(single):
     assert commands(make("tpu-ssh", TF_OUTPUTS=single, WORKER=2).stdout) == [
         [*SSH, "--worker=2", "--tunnel-through-iap"]]
     assert commands(make("tpu-logs", TF_OUTPUTS=single).stdout) == [
-        [*SSH, "--worker=0", "--tunnel-through-iap", "--command=tail -n 200 -F ~/tpu-llm-train.log"]]
+        DESCRIBE, [*SSH, "--worker=0", "--tunnel-through-iap", "--command=tail -n 200 -F ~/tpu-llm-train.log"]]
+    # the TPU is gone (preempted): the copy in the run directory on Cloud Storage
+    done = make("tpu-logs", TF_OUTPUTS=single, DRY_RUN_TPU_STATE="PREEMPTED", RUN="exp1")
+    assert "tpu-logs: TPU tpu-llm-tpu is PREEMPTED; the training log from Cloud Storage" in done.stdout
+    assert commands(done.stdout) == [
+        DESCRIBE, ["gcloud", "storage", "ls", f"{BUCKET}/runs/exp1/logs/train-*.log", f"--project={PROJECT}"]]
     assert commands(make("tpu-logs", TF_OUTPUTS=single, LOGS="setup").stdout) == [
         [*SSH, "--worker=all", "--tunnel-through-iap", "--command=tail -n 50 /var/log/tpu-llm-setup.log"]]
+    assert commands(make("tpu-status", TF_OUTPUTS=single).stdout) == [
+        ["gcloud", "compute", "tpus", "tpu-vm", "describe", NAME, *IAP, "--format=json"],
+        ["gcloud", "storage", "ls", f"{BUCKET}/runs/tiny/logs/train-*.log", f"--project={PROJECT}"]]
     assert commands(make("tensorboard", TF_OUTPUTS=single).stdout) == [
         [".venv/bin/tensorboard", "--logdir", f"{BUCKET}/runs", "--port", "6006"]]
     done = make("data-upload", TF_OUTPUTS=single, INPUT="corpus/*.txt", SHARDS=16)
@@ -364,3 +456,143 @@ def test_failure_explanations():
         ["gcloud"], 2, "ERROR: (gcloud) Invalid choice: 'alpha'.", context)
     assert explain_failure(["gcloud"], 1, f"ERROR: (gcloud.compute.tpus.tpu-vm.ssh) NOT_FOUND: {NAME}", context) \
         .startswith(f"TPU {NAME} not found")
+
+
+# --------------------------------------------------------------------------------------------------
+# Recorded gcloud / terraform answers replayed by fake executables (no DRY_RUN)
+
+
+def fake_cloud(tmp_path: Path, gcloud: list[tuple[str, int, str]], terraform: list[tuple[str, int, str]] = ()):
+    """Fake `gcloud` and `terraform` that log their arguments to calls.log and answer the first
+    recorded (shell case pattern on "$*", exit status, output) that matches; anything else succeeds
+    silently. Authentication always succeeds."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir(parents=True)
+    gcloud = [("auth list*", 0, "me@example.com"), ("auth application-default*", 0, "token"), *gcloud]
+    for name, answers in (("gcloud", gcloud), ("terraform", terraform)):
+        cases = []
+        for i, (pattern, status, text) in enumerate(answers):
+            answer = tmp_path / f"{name}-{i}.txt"
+            answer.write_text(text + "\n")
+            pattern = pattern.replace(" ", "\\ ")  # a case pattern: spaces escaped, globs kept
+            cases.append(f'  {pattern}) while IFS= read -r line; do printf \'%s\\n\' "$line"; done < {answer}; exit {status} ;;')
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\ncase "$*" in\n' + "\n".join(cases)
+                                    + "\nesac\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, log
+
+
+def outputs_json(path: Path) -> str:
+    return path.read_text()
+
+
+def test_tpu_down_force_deletes_the_active_queued_resource_before_terraform(tmp_path, queued, tfvars):
+    # Recorded: the queued resource is ACTIVE; Terraform's own delete (no force) would fail on it.
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[("compute tpus queued-resources describe*", 0, "ACTIVE")],
+                              terraform=[("*output -json*", 0, outputs_json(queued))])
+    done = tpu_py("down", bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "saved.json")
+    assert done.returncode == 0, done.stderr
+    calls = [c for c in log.read_text().splitlines() if " auth " not in c]
+    assert calls == [
+        "terraform -chdir=infra init -input=false", "terraform -chdir=infra output -json",
+        f"gcloud compute tpus queued-resources describe {NAME}-queued --format=value(state.state) {' '.join(IAP)}",
+        f"gcloud compute tpus queued-resources delete {NAME}-queued --force --quiet {' '.join(IAP)}",
+        f"terraform -chdir=infra apply -input=false -auto-approve -var-file={tfvars} -var=tpu_enabled=false",
+        "terraform -chdir=infra output -json"]
+
+
+def test_destroy_bucket_shows_what_and_asks(tmp_path, single, tfvars):
+    listing = "\n".join(f"{BUCKET}/runs/tiny/ckpt-{i}.index#16000000000000{i}" for i in range(3))
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[(f"storage ls --all-versions {BUCKET}/\\*\\**", 0, listing),
+                                                 ("storage ls*", 1, "ERROR: (gcloud.storage.ls) One or more URLs "
+                                                  "matched no objects.")],
+                              terraform=[("*output -json*", 0, outputs_json(single))])
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "tpu.py"), "down"], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL,
+                          env=clean_env(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "o.json", DESTROY_BUCKET=1))
+    assert f"  {BUCKET}: 3 object(s)" in done.stdout and f"  {BUCKET}-logs: 0 object(s)" in done.stdout
+    line = one_error_line(done)  # no terminal to ask on: refused, nothing deleted
+    assert "nothing was deleted" in line and "YES=1" in line
+    assert "apply" not in log.read_text() and "destroy" not in log.read_text()
+    done = tpu_py("down", bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "o.json", DESTROY_BUCKET=1, YES=1)
+    assert done.returncode == 0, done.stderr
+    assert "terraform -chdir=infra destroy" in log.read_text()
+
+
+NODE = {"name": f"projects/{PROJECT}/locations/{ZONE}/nodes/{NAME}", "state": "READY", "health": "UNHEALTHY_MAINTENANCE",
+        "healthDescription": "The TPU had a maintenance event", "runtimeVersion": "tpu-vm-tf-2.20.0-pod-pjrt",
+        "acceleratorType": "v4-32", "networkEndpoints": [{"ipAddress": f"10.8.0.{i}", "port": 8470} for i in (2, 3, 4, 5)],
+        "symptoms": [{"symptomType": "HBM_OUT_OF_MEMORY", "workerId": "1", "details": "OOM on worker 1"}]}
+
+
+def test_status_shows_state_health_workers_and_the_log_tail(tmp_path, pod):
+    log_lines = "\n".join(f"step {i} loss {5 - i / 10:.2f}" for i in range(30))
+    bin_dir, _ = fake_cloud(tmp_path, gcloud=[
+        ("compute tpus tpu-vm describe*--format=json*", 0, json.dumps(NODE)),
+        ("storage ls*", 0, f"{BUCKET}/runs/tiny/logs/train-20261203T090000Z.log\n"
+                           f"{BUCKET}/runs/tiny/logs/train-20261203T100000Z.log"),
+        (f"storage cat {BUCKET}/runs/tiny/logs/train-20261203T100000Z.log*", 0, log_lines)])
+    done = tpu_py("status", bin_dir, TF_OUTPUTS=pod)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == f"tpu-status: {NAME} (v4-32, 4 worker(s), spot) in {ZONE}, project {PROJECT}"
+    assert out[1] == ("  TPU: READY, health UNHEALTHY_MAINTENANCE (The TPU had a maintenance event), image "
+                      "tpu-vm-tf-2.20.0-pod-pjrt")
+    assert out[2] == "  symptom: HBM_OUT_OF_MEMORY on worker 1: OOM on worker 1"
+    assert out[3] == "  workers: 4: 0=10.8.0.2, 1=10.8.0.3, 2=10.8.0.4, 3=10.8.0.5"
+    assert out[4] == f"  training log {BUCKET}/runs/tiny/logs/train-20261203T100000Z.log (last 20 lines):"
+    assert out[5:] == [f"    step {i} loss {5 - i / 10:.2f}" for i in range(10, 30)]
+
+
+def test_logs_after_the_tpu_is_gone_come_from_cloud_storage(tmp_path, single):
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[
+        ("compute tpus tpu-vm describe*", 1, f"ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: "
+                                            f"projects/{PROJECT}/locations/{ZONE}/nodes/{NAME} was not found"),
+        ("storage ls*", 0, f"{BUCKET}/runs/exp1/logs/train-20261203T100000Z.log"),
+        ("storage cat*", 0, "step 99 loss 1.23\nsaved checkpoint 99")])
+    done = tpu_py("logs", bin_dir, TF_OUTPUTS=single, RUN="exp1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-2:] == ["    step 99 loss 1.23", "    saved checkpoint 99"]
+    assert "is gone; the training log from Cloud Storage" in done.stdout
+    assert " ssh " not in log.read_text()
+
+
+# Recorded API answers (the texts the provider and gcloud print) -> the one-line advice
+BAD_ZONE = ("│ Error: error listing TPU v2 accelerator types: googleapi: Error 403: Location us-centrl1-a is not "
+            "found or access is unauthorized., forbidden\n│ \n│   with data.google_tpu_v2_accelerator_types.available[0],")
+POSTCONDITION = """│ Error: Resource postcondition failed
+│ 
+│   on tpu.tf line 48, in data "google_tpu_v2_accelerator_types" "available":
+│   48:       condition     = contains(self.types, var.accelerator_type)
+│     ├────────────────
+│     │ self.types is list of string with 3 elements
+│     │ var.accelerator_type is "v4-7"
+│ 
+│ accelerator_type v4-7 is not offered in zone us-central1-a; offered there:
+│ v5litepod-1, v5litepod-8, v5p-8. Set accelerator_type (or zone) in
+│ infra/terraform.tfvars.
+╵"""
+DRS = ("│ Error: Error applying IAM policy for storage bucket \"b/my-proj-tpu-llm-logs\": Error setting IAM policy: "
+       "googleapi: Error 412: One or more users named in the policy do not belong to a permitted customer,  "
+       "perhaps due to an organization policy., conditionNotMet")
+RUNTIME_404 = ("│ Error: Error creating Vm: googleapi: Error 404: Runtime version tpu-vm-tf-2.20.0-pjrt not found "
+               "in zone us-central1-a, notFound")
+
+
+def test_failure_explanations_for_wrong_inputs():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from tpu_shell import explain_failure
+
+    context = {"project": PROJECT, "zone": "us-centrl1-a", "accelerator": "v5litepod-8", "family": "v5litepod",
+               "tpu_name": NAME, "prefix": "tpu-llm"}
+    line = explain_failure(["terraform"], 1, BAD_ZONE, context)
+    assert line.startswith("zone us-centrl1-a is not a Cloud TPU location open to project my-proj") and \
+        "roles/owner" not in line and "us-central1-a" in line and "gcloud compute tpus locations list" in line
+    assert explain_failure(["terraform"], 1, POSTCONDITION, context) == (
+        "infra/terraform.tfvars: accelerator_type v4-7 is not offered in zone us-central1-a; offered there: "
+        "v5litepod-1, v5litepod-8, v5p-8. Set accelerator_type (or zone) in infra/terraform.tfvars.")
+    assert "set usage_logs = false" in explain_failure(["terraform"], 1, DRS, context)
+    line = explain_failure(["terraform"], 1, RUNTIME_404, context)  # during tpu-up: not "run make tpu-up"
+    assert "make tpu-up" not in line and "runtime_version" in line and "nothing was destroyed" in line
+    line = explain_failure(["gcloud"], 1, f"ERROR: (gcloud.compute.tpus.tpu-vm.ssh) NOT_FOUND: {NAME}", context)
+    assert line.startswith(f"TPU {NAME} not found") and "make tpu-status" in line
