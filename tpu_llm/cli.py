@@ -592,11 +592,16 @@ class NativeLogFilter:
             kept = b"".join(line + b"\n" for line in lines if not _NATIVE_LOG.match(line))
             if pending and not _NATIVE_LOG.match(pending + b" " * 80):  # not the start of a log line
                 kept, pending = kept + pending, b""
-            if kept:
-                os.write(self.terminal, kept)
+            self._write(kept)
         os.close(read)
-        if pending:
-            os.write(self.terminal, pending)
+        self._write(pending)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            while data:
+                data = data[os.write(self.terminal, data):]
+        except OSError:
+            pass  # the terminal is gone: go on draining the pipe, so that no writer ever blocks on it
 
     def close(self) -> None:
         if not self.active:
