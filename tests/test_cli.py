@@ -191,7 +191,7 @@ def test_generate(cli):
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("unknown_key", "error: command line: unknown config key 'model.n_layr'; did you mean 'model.n_layer'?"),
+    ("unknown_key", "error: tpu-llm train: unknown flag --model.n_layr; did you mean --model.n_layer?"),
     ("missing_glob", "error: data.train: no files match '{missing}'"),
 ])
 def test_user_error_exits_2_with_one_line_and_leaves_run_dir(cli, case, expected):

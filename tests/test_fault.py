@@ -235,8 +235,8 @@ def _write(path, content: bytes) -> str:
 
 
 BAD_INPUT = [  # (case, extra command-line flags, the start of the one error line)
-    ("unknown key", ["--model.n_layr=3"], "error: command line: unknown config key 'model.n_layr'; did you mean "
-                                         "'model.n_layer'?"),
+    ("unknown key", ["--model.n_layr=3"], "error: tpu-llm train: unknown flag --model.n_layr; did you mean "
+                                         "--model.n_layer?"),
     ("wrong type", ["--train.steps=many"], "error: command line: 'train.steps' must be int, got 'many'"),
     ("impossible shape", ["--model.n_head=3"], "error: config: model.n_embd=32 is not divisible by model.n_head=3"),
     ("window longer than the context", ["--data.seq_len=64"], "error: config: data.seq_len=64 exceeds model.max_len=32"),

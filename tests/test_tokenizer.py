@@ -161,3 +161,13 @@ def test_save_load_round_trip(tmp_path, sp, kind):
     assert (loaded.vocab_size, loaded.eos_id) == (tok.vocab_size, tok.eos_id)
     text = "héllo ✓ 日本語\n\t\"\\"
     assert loaded.encode(text) == tok.encode(text) and loaded.decode(loaded.encode(text)) == text
+
+
+def test_a_sentencepiece_model_path_that_is_a_directory_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"data.tokenizer_model='.*' is a directory; give a .model file"):
+        build_tokenizer("sentencepiece", str(tmp_path))
+
+
+def test_missing_names_the_characters_a_char_vocabulary_lacks():
+    assert CharTokenizer("Helo !").missing("Hello Жук €!") == ["Ж", "у", "к", "€"]
+    assert ByteTokenizer().missing("Hello Жук €!") == []

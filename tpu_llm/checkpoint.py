@@ -1,15 +1,19 @@
 """The run directory and its checkpoints (local disk or gs://, both through tf.io.gfile).
 
 <run_dir>/
+  .tpu-llm-run         marks the directory as a tpu-llm run (nothing else is ever written into a
+                       non-empty directory without it)
   config.yaml          the effective config of the run (model section fixed once written)
   tokenizer.json       the tokenizer (+ tokenizer.model for SentencePiece)
   checkpoints/         tf.train.CheckpointManager: model, optimizer, step, dropout RNG, data position
   logs/train, logs/validation   TensorBoard summaries
   metrics.jsonl        one JSON line per logged loop and evaluation (appended, never rewritten)
 
-Re-using a run directory resumes it. Before anything is written, `open_run_dir` checks the directory
-is usable and was made by the same model and tokenizer; a mismatch is a `UserError` and the
-directory is left untouched.
+Re-using a run directory resumes it. `check_run_dir` refuses a non-empty directory that is not a
+tpu-llm run and a run made by another model; `record_run` writes the marker, config and tokenizer,
+only once every check of the run passed (controller.build_run). A refused run leaves the directory
+untouched. A run directory of an earlier version (config.yaml, tokenizer.json and checkpoints/, no
+marker) is accepted, and gets its marker when it is resumed.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import yaml
 
 from tpu_llm.config import Config, ModelConfig
 from tpu_llm.errors import UserError
-from tpu_llm.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
+from tpu_llm.tokenizer import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
+MARKER_FILE = ".tpu-llm-run"
+_OWN_TEMPORARY = (".write-test-", ".scratch-")  # probes and workers' scratch: not content of their own
 
 
 def read_saved_config(run_dir: str) -> dict | None:
@@ -81,19 +87,57 @@ def resolve_tokenizer(run_dir: str, saved: Tokenizer | None, wanted_kind: str,
     return saved
 
 
-def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> None:
-    """Check `cfg.run_dir` (usable, same model as any run already in it), then record config and tokenizer."""
+def is_run_dir(run_dir: str) -> bool:
+    """Whether `run_dir` holds a tpu-llm run: its marker, or the files of a run made by an earlier version
+    (config.yaml, tokenizer.json and checkpoints/, written before the marker existed)."""
+    def there(name):
+        return tf.io.gfile.exists(os.path.join(run_dir, name))
+    return there(MARKER_FILE) or there(CONFIG_FILE) and there(SPEC_FILE) and there(CHECKPOINT_DIR)
+
+
+def check_run_dir_owner(run_dir: str) -> None:
+    """Refuse a directory that is not empty and not a tpu-llm run (another tool's folder); read only."""
+    if not tf.io.gfile.exists(run_dir):
+        return
+    if not tf.io.gfile.isdir(run_dir):
+        raise UserError(f"run_dir {run_dir!r} is a file, not a directory; choose another --run_dir")
+    held = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(run_dir) if not n.startswith(_OWN_TEMPORARY))
+    if held and not is_run_dir(run_dir):
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise UserError(f"run_dir {run_dir!r} is not empty and is not a tpu-llm run (no {MARKER_FILE}; it holds "
+                        f"{shown}); choose a new or empty --run_dir")
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Everything `record_run` will need, checked without writing: the directory is a tpu-llm run (or
+    new or empty), made by the same model (`cfg.model.vocab_size` already resolved)."""
     run_dir = cfg.run_dir
-    check_run_dir_usable(run_dir)
+    check_run_dir_owner(run_dir)
     saved = read_saved_config(run_dir)
     if saved is not None:
         differences = _model_differences(saved.get("model", {}), cfg.model)
         if differences:
             raise UserError(f"run_dir {run_dir!r} holds a run made with {differences[0]}; use the same "
                             "model settings to resume it, or another --run_dir for a new run")
+
+
+def record_run(cfg: Config, tokenizer: Tokenizer) -> None:
+    """Make `cfg.run_dir` a run directory (checked writable): the marker, then config and tokenizer.
+    Called once every check of the run passed, before the first step."""
+    run_dir = cfg.run_dir
+    check_run_dir_usable(run_dir)
+    if not tf.io.gfile.exists(os.path.join(run_dir, MARKER_FILE)):  # first: a worker may be looking
+        _write_atomically(os.path.join(run_dir, MARKER_FILE), "a tpu-llm run directory (tpu_llm/checkpoint.py)\n")
     _write_atomically(os.path.join(run_dir, CONFIG_FILE), cfg.to_yaml())
     if load_tokenizer(run_dir) is None:
         save_tokenizer(tokenizer, run_dir)
+
+
+def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> None:
+    """Check `cfg.run_dir` (usable, a run or new, same model as any run already in it), then record
+    config and tokenizer: `check_run_dir` and `record_run` in one."""
+    check_run_dir(cfg)
+    record_run(cfg, tokenizer)
 
 
 def _model_differences(saved: dict, current: ModelConfig) -> list[str]:

@@ -198,9 +198,18 @@ def _read_yaml(path: str) -> dict:
         here = sorted(os.listdir("configs")) if os.path.isdir("configs") else []
         hint = f"; available: {', '.join(here)}" if here else ""
         raise UserError(f"config file {path!r} not found{hint}")
+    if os.path.isdir(path):
+        here = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))[:8]
+        hint = f", e.g. --config {os.path.join(path, here[0])} ({', '.join(here)})" if here else ""
+        raise UserError(f"--config {path!r} is a directory; give a YAML file{hint}")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
+    except UnicodeDecodeError as e:  # e.g. a file saved as Latin-1
+        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                        "save the config file as UTF-8") from None
+    except OSError as e:  # unreadable: permissions, a special file
+        raise UserError(f"config file {path!r} cannot be read ({e.strerror or e}); check the path") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -261,7 +270,7 @@ def _coerce(key: str, value: Any, type_name: Any, source: str) -> Any:
             pass
     if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    if expected is str and isinstance(value, (list, tuple)):  # fire turns `a,b` into a tuple
+    if expected is str and isinstance(value, (list, tuple)):  # a YAML list of files
         return ",".join(str(v) for v in value)
     if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
         raise UserError(f"{source}: '{key}' must be {expected.__name__}, got {value!r} "

@@ -16,13 +16,14 @@ import keras
 import tensorflow as tf
 
 from tpu_llm import comm, data, fault, perf, pipeline
-from tpu_llm.checkpoint import Checkpointer, check_run_dir_reachable, open_run_dir, resolve_tokenizer
+from tpu_llm.checkpoint import (Checkpointer, check_run_dir, check_run_dir_owner, check_run_dir_reachable, record_run,
+                                resolve_tokenizer)
 from tpu_llm.config import Config
 from tpu_llm.distribute import Distribution, get_strategy, serve_if_cluster_server
 from tpu_llm.errors import UserError
 from tpu_llm.generate import Sampler
 from tpu_llm.model import GPT
-from tpu_llm.tokenizer import build_tokenizer, load_tokenizer
+from tpu_llm.tokenizer import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.train import Trainer, make_optimizer
 
 
@@ -58,7 +59,14 @@ def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
             raise UserError(f"the shards in {shard_dir} were made with the {fresh.kind} tokenizer; set "
                             f"data.tokenizer={fresh.kind}")
     elif saved is not None and cfg.data.tokenizer != "sentencepiece":
-        fresh = None  # resuming: the run's own tokenizer is used (a char vocabulary is not rebuilt)
+        fresh = None  # resuming: the run's own tokenizer is used (a char vocabulary is not rebuilt) ...
+        if saved.kind == "char":  # ... if it covers this data: other characters would all become "unknown"
+            missing = sorted(data.text_characters(sorted(set(train_src.files) | set(val_src.files))) - set(saved.chars))
+            if missing:
+                shown = ", ".join(repr(c) for c in missing[:20]) + (", ..." if len(missing) > 20 else "")
+                raise UserError(f"the char vocabulary saved in {cfg.run_dir!r} ({len(saved.chars)} characters) lacks "
+                                f"{len(missing)} character(s) of this data: {shown}; train on the data it was built "
+                                "from, or use another --run_dir")
     else:
         text_files = sorted(set(train_src.files) | set(val_src.files))
         fresh = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_model, text_files)
@@ -91,14 +99,22 @@ def build_run(cfg: Config) -> Run:
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = data.resolve_sources(cfg.data)
     check_run_dir_reachable(cfg.run_dir)  # before the tokenizer is looked for in it
+    if dist.is_chief:  # not another tool's directory (the other workers of a cluster write nothing)
+        check_run_dir_owner(cfg.run_dir)
     tokenizer = setup_tokenizer(cfg, train_src, val_src)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tokenizer.vocab_size
     elif cfg.model.vocab_size < tokenizer.vocab_size:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                         f"{tokenizer.vocab_size} ids; set it to 0 (automatic) or >= {tokenizer.vocab_size}")
-    if dist.is_chief:  # the other workers of a cluster follow the chief and write nothing
-        open_run_dir(cfg, tokenizer)
+    # Every check that can fail runs before anything in the run directory is written (record_run below)
+    # and before the first step: the data holds a batch, the end-of-run prompt can be encoded.
+    for source, split in zip((train_src, val_src), ("training", "validation")):
+        data.check_holds_a_batch(source, tokenizer, cfg.train.batch_size, cfg.data.seq_len, split)
+    if cfg.sample.num_samples and cfg.sample.max_new_tokens:
+        check_covers(tokenizer, cfg.sample.prompt, "sample.prompt")
+    if dist.is_chief:
+        check_run_dir(cfg)
 
     precision = set_precision(cfg, dist)
     tf.config.run_functions_eagerly(cfg.execution == "eager")
@@ -133,7 +149,9 @@ def build_run(cfg: Config) -> Run:
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
                                 model=model, optimizer=optimizer, rng=rng,
                                 **(communication.trackables() if communication else {}))
-    resumed_from = checkpointer.restore_latest()
+    resumed_from = checkpointer.restore_latest()  # a UserError if none of the checkpoints can be read
+    if dist.is_chief:  # every check passed: only now is the run directory written
+        record_run(cfg, tokenizer)
     if communication:  # each replica's own residuals / weights, which a plain restore cannot give
         communication.restore(resumed_from)
     step = int(optimizer.iterations.numpy())

@@ -12,6 +12,7 @@ the package (tpu_llm/corpora.py: the benchmark's tinyshakespeare).
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -115,6 +116,8 @@ def expand_globs(spec: str, key: str) -> list[str]:
             raise UserError(f"{key}: cannot list {pattern!r} ({e.message.splitlines()[0]}); "
                             "check the path and your credentials") from None
         matched = [m for m in matched if not tf.io.gfile.isdir(m)]
+        if not matched and tf.io.gfile.isdir(pattern):
+            raise UserError(_directory_message(pattern, key))
         if not matched:
             raise UserError(f"{key}: no files match {pattern!r}; check the path or glob")
         files.extend(sorted(matched))
@@ -123,6 +126,21 @@ def expand_globs(spec: str, key: str) -> list[str]:
     if all(tf.io.gfile.stat(f).length == 0 for f in files[:SNIFF_MAX_FILES]):
         raise UserError(f"{key}: every file matching {spec!r} is empty; point it at your data")
     return files
+
+
+def _directory_message(path: str, key: str) -> str:
+    """`key` names a directory: the glob to use instead, from what the directory holds."""
+    names = [n for n in tf.io.gfile.listdir(path) if not n.endswith("/")]
+    names = [n for n in names if not tf.io.gfile.isdir(os.path.join(path, n))]
+    extensions = [os.path.splitext(n)[1] for n in names if os.path.splitext(n)[1] not in (".json", ".model")]
+    flag = f"--{key}=" if key.startswith("data.") else f"{key} "
+    if not extensions:
+        return (f"{key}: {path!r} is a directory{' with no data files' if not names else ''}; give files or a "
+                f"glob, e.g. {flag}'{path.rstrip('/')}/*.txt'")
+    ext = ".tfrecord" if ".tfrecord" in extensions else max(set(extensions), key=extensions.count)
+    count = extensions.count(ext)
+    return (f"{key}: {path!r} is a directory; give a glob of its files, e.g. {flag}'{path.rstrip('/')}/*{ext}' "
+            f"({count} {ext or 'extensionless'} file{'s' if count != 1 else ''} in it)")
 
 
 def detect_format(files: list[str], fmt: str, key: str) -> str:
@@ -147,6 +165,69 @@ def check_text_file(path: str, key: str) -> None:
         if len(head) < SNIFF_BYTES or e.start < len(head) - 3:  # not a character cut by the sniff
             raise UserError(f"{key}: {path} is not UTF-8 text (byte 0x{head[e.start]:02x} at "
                             f"offset {e.start}); convert it to UTF-8 first") from None
+
+
+READ_CHUNK = 1 << 20  # bytes read at a time by the checks below
+CHARACTERS_READ_LIMIT = 64 << 20  # bytes of text a char vocabulary is checked against (all of a small corpus)
+
+
+def count_tokens(source: Source, tokenizer, stop_at: int) -> int:
+    """Tokens in one pass over `source` (end-of-text included), counted until `stop_at` is reached: a
+    check that costs little on a large corpus. Byte tokens are counted from file sizes; char and
+    SentencePiece tokens by encoding the text 1 MB at a time (a character or piece cut at a chunk's
+    edge counts as more, never fewer, tokens); TFRecord shards by reading their records."""
+    total = 0
+    if source.format == "tfrecord":
+        spec = {TFRECORD_FEATURE: tf.io.RaggedFeature(tf.int64)}
+        for record in tf.data.TFRecordDataset(source.files):
+            total += int(tf.shape(tf.io.parse_single_example(record, spec)[TFRECORD_FEATURE])[0])
+            if total >= stop_at:
+                break
+        return total
+    start, end = source.byte_range
+    for path in source.files:
+        size = tf.io.gfile.stat(path).length
+        lo, hi = int(size * start), int(size * end)  # as read_documents cuts the file
+        total += 1  # end-of-text
+        if tokenizer.kind == "byte":
+            total += hi - lo
+        else:
+            with tf.io.gfile.GFile(path, "rb") as f:
+                f.seek(lo)
+                while lo < hi and total < stop_at:
+                    chunk = f.read(min(READ_CHUNK, hi - lo))
+                    if not chunk:
+                        break
+                    lo += len(chunk)
+                    total += len(tokenizer.encode(chunk))
+        if total >= stop_at:
+            break
+    return total
+
+
+def check_holds_a_batch(source: Source, tokenizer, batch_size: int, seq_len: int, split: str) -> None:
+    """UserError unless one pass over `source` holds at least one batch of `batch_size` windows of
+    `seq_len + 1` tokens. Validation reads one pass (less than a batch: no evaluation at all); training
+    repeats the data, but a corpus smaller than one batch would be the same few windows over and over.
+    Run before training, so that the run directory is left alone (controller.build_run)."""
+    window = seq_len + 1
+    if count_tokens(source, tokenizer, stop_at=batch_size * window) < batch_size * window:
+        raise UserError(f"{split} data ({source.description}) holds less than one batch of {batch_size} x "
+                        f"{window} tokens; add data or lower train.batch_size / data.seq_len")
+
+
+def text_characters(files: list[str], limit: int = CHARACTERS_READ_LIMIT) -> set[str]:
+    """The characters of `files` (decoded as CharTokenizer.from_files does), reading at most `limit` bytes."""
+    chars: set[str] = set()
+    for path in files:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            text = f.read(limit)
+        cut = len(text) == limit  # a character cut at the limit is not one of the data's
+        chars.update(codecs.getincrementaldecoder("utf-8")(errors="replace").decode(text, final=not cut))
+        limit -= len(text)
+        if limit <= 0:
+            break
+    return chars
 
 
 # --------------------------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
     keras.mixed_precision.set_global_policy("float32")
     try:
         # UserError for a directory that is not a run, or a run without a checkpoint yet
-        model, tokenizer, cfg, checkpoint = load_for_generation(run_dir, with_checkpoint=True)
+        model, tokenizer, cfg, checkpoint, notes = load_for_generation(run_dir, with_checkpoint=True, with_notes=True)
     finally:
         keras.mixed_precision.set_global_policy(policy)
     tail = checkpoint.rsplit("ckpt-", 1)[-1]
@@ -179,7 +179,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
     except BaseException:
         _remove_quietly(tmp)
         raise
-    return {**meta, "output": output}
+    return {**meta, "output": output, "notes": notes}  # notes: e.g. the newest checkpoint was unreadable
 
 
 def _save_weights(model, path: str) -> None:

@@ -79,9 +79,10 @@ class Sampler:
         return out
 
 
-def load_for_generation(run_dir: str, with_checkpoint: bool = False):
+def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes: bool = False):
     """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
-    checkpoint's path with `with_checkpoint` (an unreadable newest one is skipped for the one before)."""
+    checkpoint's path with `with_checkpoint`, plus with `with_notes` the warnings to show (an unreadable
+    newest checkpoint is skipped for the one before: the caller must say so, as `train` does)."""
     from tpu_llm.checkpoint import CHECKPOINT_DIR, Checkpointer, read_saved_config
     from tpu_llm.config import config_from_dict
     from tpu_llm.errors import UserError
@@ -98,4 +99,4 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False):
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
     if path is None:
         raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")
-    return (model, tokenizer, cfg, path) if with_checkpoint else (model, tokenizer, cfg)
+    return (model, tokenizer, cfg) + ((path,) if with_checkpoint else ()) + ((ckpt.notes,) if with_notes else ())

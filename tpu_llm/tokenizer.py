@@ -42,6 +42,10 @@ class ByteTokenizer:
     def encode(self, text: str | bytes) -> list[int]:
         return list(text.encode("utf-8") if isinstance(text, str) else text)
 
+    def missing(self, text: str) -> list[str]:
+        """Characters of `text` this tokenizer cannot represent (bytes cover everything)."""
+        return []
+
     def decode_bytes(self, ids) -> bytes:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256)
 
@@ -88,6 +92,11 @@ class CharTokenizer:
             text = text.decode("utf-8", errors="replace")
         return [self._ids.get(ch, self.unk_id) for ch in text]
 
+    def missing(self, text: str) -> list[str]:
+        """Characters of `text` outside the vocabulary (each once, in order): they would become the
+        unknown id, which training never showed the model (the vocabulary holds every training character)."""
+        return list(dict.fromkeys(ch for ch in text if ch not in self._ids))
+
     def decode(self, ids) -> str:
         return "".join(self.chars[i] if i < len(self.chars) else "\ufffd" if i == self.unk_id else ""
                        for i in (int(i) for i in ids))
@@ -118,8 +127,9 @@ class SentencePieceTokenizer:
 
     @classmethod
     def from_file(cls, path: str) -> "SentencePieceTokenizer":
-        if not tf.io.gfile.exists(path):
-            raise UserError(f"data.tokenizer_model={path!r} does not exist; train one with "
+        if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
+            what = "is a directory" if tf.io.gfile.exists(path) else "does not exist"
+            raise UserError(f"data.tokenizer_model={path!r} {what}; give a .model file, or train one with "
                             "`tpu-llm tokenizer train --input ... --vocab_size N --output PATH`")
         with tf.io.gfile.GFile(path, "rb") as f:
             return cls(f.read(), source=path)
@@ -131,6 +141,11 @@ class SentencePieceTokenizer:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return list(self._sp.encode(text))
+
+    def missing(self, text: str) -> list[str]:
+        """Characters of `text` that encode to the unknown piece (none with byte fallback)."""
+        unk = self._sp.unk_id()
+        return list(dict.fromkeys(ch for ch in dict.fromkeys(text) if unk in self._sp.encode(ch)))
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids if int(i) != self.eos_id])
@@ -155,6 +170,17 @@ def build_tokenizer(kind: str, model_path: str = "", text_files: list[str] | Non
     if kind == "sentencepiece":
         return SentencePieceTokenizer.from_file(model_path)
     raise UserError(f"data.tokenizer={kind!r}; valid choices: byte, char, sentencepiece")
+
+
+def check_covers(tokenizer: Tokenizer, text: str, what: str) -> None:
+    """UserError naming the characters of `text` (a prompt) that `tokenizer` cannot represent. Not a
+    warning: they would become the unknown id, which the model never saw in training (a char vocabulary
+    holds every character of its training data), so the sample would follow a prompt nobody wrote."""
+    missing = tokenizer.missing(text) if text else []
+    if missing:
+        shown = ", ".join(repr(c) for c in missing[:20]) + (", ..." if len(missing) > 20 else "")
+        raise UserError(f"{what} has {len(missing)} character(s) that the run's {tokenizer.kind} vocabulary does "
+                        f"not hold: {shown}; remove or replace them (the model never saw them)")
 
 
 def save_tokenizer(tok: Tokenizer, run_dir: str) -> None:
