@@ -196,6 +196,32 @@ def test_sigterm_stops_inside_the_host_call_saves_and_the_same_command_resumes(t
     assert f"resumed   from {ckpt} at step {step} (data position restored)" in lines
 
 
+def test_a_signal_before_the_first_resumed_step_keeps_the_checkpoint_and_its_data_position(base, tmp_path,
+                                                                                             monkeypatch):
+    """A SIGTERM while the first resumed host call compiles (no step done yet) must not save the step
+    resumed from again: the position variable holds zeros until a step writes it, and that save
+    replaced the checkpoint's data position with the start of the stream."""
+    run = copy_of_straight(base, tmp_path)  # ckpt-4, ckpt-8
+    ckpts = run / "checkpoints"
+    before = snapshot(ckpts)
+    position = saved(ckpts / "ckpt-8", "data_position")
+    assert len(position) == 1 and next(iter(position.values())).any()
+    real_run = Trainer.run
+
+    def signalled_while_compiling(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler sets the stop flag; no step runs
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "run", signalled_while_compiling)
+    cfg = cfg_for(tmp_path, **{"train.steps": 12, "train.decay_steps": 12})
+    with pytest.raises(RunStopped) as stopped:
+        train(cfg, say=quiet)
+    assert str(stopped.value) == f"SIGTERM at step 8: saved {ckpts / 'ckpt-8'}; run the same command to resume"
+    assert stopped.value.exit_code == 143
+    assert snapshot(ckpts) == before  # not written again: data position, weights, state file as they were
+    # (so the next resume continues exactly, as from any intact checkpoint: tests above)
+
+
 # ---- failed saves and bad input -------------------------------------------------------------------
 
 
