@@ -309,3 +309,29 @@ def test_resume_is_exact(tmp_path_factory, runs, mode, monkeypatch):
     assert saved["comm"] == mode and f"{saved['comm_ratio']:.1f}x less" in line and summary["comm"] == mode
     # the ratio is against a float32 all-reduce of every trainable parameter
     assert saved["comm_bytes_per_step"] * saved["comm_ratio"] == pytest.approx(4 * saved["params"])
+
+
+@pytest.mark.parametrize("mode", ["powersgd", "topk"])
+def test_a_skipped_non_finite_step_leaves_the_compression_state_as_it_was(tmp_path, mode, poison):
+    """One NaN batch (step 3): the divergence guard skips the step, and the error-feedback residuals
+    and PowerSGD's Q keep their values, so the steps after it and the checkpoints stay finite (they
+    were NaN from then on, and `rollback` had no clean checkpoint left to go back to)."""
+    run = build_run(config(tmp_path, mode, **{"train.steps": 6}))
+    state = run.comm.reducer.per_replica + run.comm.reducer.shared
+
+    def values():  # every replica's own copy
+        return [v.numpy() for s in state for v in run.dist.strategy.experimental_local_results(s)]
+
+    assert run.trainer.run(run.train_iterator, 2, 2)["bad_steps"] == 0
+    before = values()
+    poison(2)
+    skipped = run.trainer.run(run.train_iterator, 1, 1)
+    assert skipped["bad_steps"] == 1 and skipped["first_bad_step"] == 3
+    for a, b in zip(before, values()):
+        np.testing.assert_array_equal(a, b)  # bit-identical: nothing of the NaN step was committed
+    after = run.trainer.run(run.train_iterator, 3, 3)
+    assert after["bad_steps"] == 0 and np.isfinite(after["loss"]) and np.isfinite(after["grad_norm"])
+    path = run.checkpointer.save(6)
+    reader = tf.train.load_checkpoint(path)
+    comm_tensors = [n for n, _ in tf.train.list_variables(path) if n.startswith("comm/")]
+    assert comm_tensors and all(np.isfinite(reader.get_tensor(n)).all() for n in comm_tensors)

@@ -114,25 +114,6 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(base, tmp_p
 # ---- divergence guard -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def poison(monkeypatch):
-    """poison(*steps): the loss and gradients become NaN at those optimizer steps (0-based), once each
-    (a rolled-back run passes the same step number again)."""
-    armed = tf.Variable(tf.zeros([64], tf.int32), trainable=False)
-    original = Trainer._loss_and_grads_fn
-
-    def loss_and_grads(self, inputs, targets):
-        loss, grads = original(self, inputs, targets)
-        step = tf.cast(self.optimizer.iterations, tf.int32)
-        bad = tf.gather(armed, step) > 0
-        armed.scatter_nd_update([[step]], [0])  # after the read (TF orders ops on a variable as written)
-        nan = tf.constant(float("nan"))
-        return tf.where(bad, nan, loss), [tf.where(bad, nan, g) for g in grads]
-
-    monkeypatch.setattr(Trainer, "_loss_and_grads_fn", loss_and_grads)
-    return lambda *steps: [armed[s].assign(1) for s in steps]
-
-
 def test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_checkpoint(tmp_path, poison):
     poison(3, 4, 5)  # steps 4, 5 and 6
     lines = []

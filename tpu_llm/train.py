@@ -131,9 +131,10 @@ class Trainer:
     def _replica_step(self, inputs, targets, position=None):
         loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
         ctx = tf.distribute.get_replica_context()
+        pending = []  # compression state (residuals, PowerSGD's Q): written only if the step is applied
         if self.num_replicas > 1:  # with one replica the reduction is the identity: skip its copies
-            grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads) if self.comm is None else \
-                self.comm.reduce(ctx, grads)
+            grads, pending = (ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads), []) if self.comm is None else \
+                self.comm.exchange(ctx, grads)
             loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
         grad_norm = tf.linalg.global_norm(grads)
         scale = self.optimizer.dynamic_scale if self.loss_scaled else 1.0  # grads are scaled by it
@@ -148,6 +149,8 @@ class Trainer:
             tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
         if self.local_sgd is not None:  # local gradients: the replicas must still decide alike
             finite = self.comm.agree(ctx, finite)
+        if pending:  # from all-reduced values: every replica commits alike
+            self.comm.commit(pending, tf.logical_and(finite, tf.math.is_finite(grad_norm)))
         if self.loss_scaled:  # an overflow is skipped by the optimizer; counted here so steps match data
             fault.apply_if(tf.math.is_finite(grad_norm), lambda g: self.optimizer.apply(
                 g, self.model.trainable_variables), self._overflowed, grads)
