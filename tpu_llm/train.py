@@ -42,15 +42,40 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
 
 
 class ReducedGradientsAdamW(keras.optimizers.AdamW):
-    """Keras AdamW for gradients the trainer has already all-reduced.
+    """Keras AdamW for gradients the trainer has already all-reduced, which skips non-finite updates.
 
     Called in a replica context, Keras' TF optimizer sums the gradients across replicas itself. The
     trainer reduces them first (so that clipping sees the global gradient), so that second sum is
     switched off here.
+
+    The divergence guard's skip (train.py `_replica_step`) needs no control flow around the update:
+    a `tf.cond` whose branch holds the optimizer's cross-replica update (a merge_call) would nest
+    merge_calls inside TPUStrategy's replicate context. Instead every step calls `apply`; when the
+    trainer makes every gradient non-finite (the step is skipped), each variable's update keeps the
+    weight, both moments and the weight decay as they were by a select, and Keras still counts the
+    step (`iterations`), so the step number keeps matching the data consumed.
     """
+
+    skips_non_finite = True
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         return list(grads_and_vars)
+
+    def _apply_weight_decay(self, variables):
+        pass  # in update_step, where a skipped step leaves it out; the same arithmetic as Keras'
+
+    def update_step(self, gradient, variable, learning_rate):
+        applied = tf.reduce_all(tf.math.is_finite(gradient))
+        i = self._get_variable_index(variable)
+        state = [variable, self._momentums[i].value, self._velocities[i].value]
+        old = [tf.identity(v) for v in state]
+        gradient = tf.where(applied, gradient, tf.zeros_like(gradient))
+        if self.weight_decay is not None and self._use_weight_decay(variable):  # decoupled, before the step
+            lr = tf.cast(learning_rate, variable.dtype)
+            variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype) * lr)
+        super().update_step(gradient, variable, learning_rate)
+        for v, before in zip(state, old):
+            v.assign(tf.where(applied, v, before))
 
 
 def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
@@ -154,6 +179,9 @@ class Trainer:
         if self.loss_scaled:  # an overflow is skipped by the optimizer; counted here so steps match data
             fault.apply_if(tf.math.is_finite(grad_norm), lambda g: self.optimizer.apply(
                 g, self.model.trainable_variables), self._overflowed, grads)
+        elif getattr(self.optimizer, "skips_non_finite", False):  # no control flow around the update
+            nan = tf.constant(float("nan"), grads[0].dtype)
+            self.optimizer.apply([tf.where(finite, g, nan) for g in grads], self.model.trainable_variables)
         else:
             fault.apply_if(finite, lambda g: self.optimizer.apply(g, self.model.trainable_variables),
                            lambda: self.optimizer.iterations.assign_add(1), grads)
