@@ -314,6 +314,26 @@ def _refuse_writes(run_dir, monkeypatch, reason: str) -> None:
     monkeypatch.setattr(tf.io.gfile, "GFile", Refusing)
 
 
+def test_an_empty_checkpoint_state_file_resumes_from_the_checkpoint_files(base, tmp_path, capsys):
+    """What a power loss can leave (TF does not fsync the state file): an empty `checkpoint` file. It was
+    a ValueError traceback (exit 1); the checkpoints are found by their files, with a warning."""
+    run = copy_of_straight(base, tmp_path)
+    (run / "checkpoints" / "checkpoint").write_text("")
+    args = ["train", f"--run_dir={run}", f"--data.train={base / 'corpus' / '*.txt'}",
+            *(f"--{k}={v}" for k, v in (("model.n_layer", 2), ("model.n_head", 2), ("model.n_embd", 32),
+                                        ("model.max_len", 32), ("model.dropout", 0.1), ("data.seq_len", 16),
+                                        ("data.shuffle_buffer", 64), ("train.batch_size", 4), ("train.steps", 10),
+                                        ("sample.num_samples", 0)))]
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"warning   the checkpoint state file {run / 'checkpoints' / 'checkpoint'} is missing, empty or " \
+           "unreadable; trying the checkpoint files themselves, newest first" in out
+    assert f"resumed   from {run / 'checkpoints' / 'ckpt-8'} at step 8 (data position restored)" in out
+    # the first save writes a new state file
+    assert tf.train.latest_checkpoint(str(run / "checkpoints")) == str(run / "checkpoints" / "ckpt-10")
+
+
 def test_stop_signals_restore_the_handlers_they_replaced():
     before = signal.getsignal(signal.SIGINT)
     with fault.StopSignals(tf.Variable(0)) as signals:

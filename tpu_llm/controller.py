@@ -131,6 +131,7 @@ def build_run(cfg: Config) -> Run:
     rng = [v for v in model.variables if "seed_generator_state" in v.path]  # Keras does not checkpoint it
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
+                                cluster=bool(dist.task or dist.asynchronous),
                                 model=model, optimizer=optimizer, rng=rng,
                                 **(communication.trackables() if communication else {}))
     resumed_from = checkpointer.restore_latest()
