@@ -140,8 +140,9 @@ def build_run(cfg: Config) -> Run:
     step = int(optimizer.iterations.numpy())
     start = checkpointer.read(resumed_from, "data_position") if resumed_from else None
     train_dataset, fn = dataset(train_src, True, start=start, skip_steps=step)
-    data_resume = {"position": "data position restored", "replay": f"data stream replayed to step {step}"
-                   }.get(fn.resumed, "")
+    data_resume = {"position": "data position restored", "replay": f"data stream replayed to step {step}",
+                   "files": "the training files changed since the checkpoint: the data stream starts over on "
+                            f"the {len(train_src.files)} files of data.train"}.get(fn.resumed, "")
     if dist.asynchronous:
         data_resume = "asynchronous workers draw a new data order"
     else:  # each replica writes its pipeline's row; reading (and saving) sums them
