@@ -282,19 +282,44 @@ class LocalSGD:
     def due(self, step):
         return tf.equal(step % self.sync_every, 0)
 
-    def outer_step(self):
-        """Replica function: the synchronisation every `sync_every` steps."""
+    def _outer(self):
+        """In a replica function: the synchronised weights and outer momentum (not yet written)."""
         ctx = tf.distribute.get_replica_context()
         deltas = [a.read_value() - w.value.read_value() for a, w in zip(self.anchor, self.weights)]
         deltas = ctx.all_reduce(MEAN, deltas)
-        updates = []
-        for i, (a, w, d) in enumerate(zip(self.anchor, self.weights, deltas)):
+        weights, velocity = [], []
+        for i, (a, d) in enumerate(zip(self.anchor, deltas)):
             if self.outer == "nesterov":
                 m = self.velocity[i].read_value() * self.momentum + d
-                updates.append(self.velocity[i].assign(m))
+                velocity.append(m)
                 d = d + self.momentum * m
-            new = a.read_value() - self.outer_lr * d
+            weights.append(a.read_value() - self.outer_lr * d)
+        return weights, velocity
+
+    def outer_step(self):
+        """Replica function: the synchronisation every `sync_every` steps (and at the end of training)."""
+        weights, velocity = self._outer()
+        updates = [v.assign(m) for v, m in zip(self.velocity, velocity)]
+        for a, w, new in zip(self.anchor, self.weights, weights):
             updates += [w.value.assign(new), a.assign(new)]
+        with tf.control_dependencies(updates):
+            return tf.constant(0)
+
+    def swap_in_synchronised(self, backup):
+        """Replica function: keep each replica's own weights in `backup` (replica variables shaped as
+        the weights) and give every replica the weights a synchronisation would give now, leaving the
+        anchor and momentum as they are (`swap_back` undoes it exactly): for an evaluation between
+        synchronisations."""
+        weights, _ = self._outer()
+        updates = [b.assign(w.value.read_value()) for b, w in zip(backup, self.weights)]
+        with tf.control_dependencies(updates):
+            updates = [w.value.assign(new) for w, new in zip(self.weights, weights)]
+        with tf.control_dependencies(updates):
+            return tf.constant(0)
+
+    def swap_back(self, backup):
+        """Replica function: each replica's own weights again, bit for bit."""
+        updates = [w.value.assign(b.read_value()) for b, w in zip(backup, self.weights)]
         with tf.control_dependencies(updates):
             return tf.constant(0)
 

@@ -283,6 +283,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                                           f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%{stale}")
                     step = guard.after_call(out, step)
                 boundary = step == end  # all steps asked for were done (no signal, no rollback)
+                if boundary and step == t.steps:  # local SGD: the final model is the synchronised one
+                    run.trainer.synchronise()
                 if boundary and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
                     val_loss = evaluate(run)
                     log.write("validation", step, {"loss": val_loss})

@@ -241,8 +241,44 @@ class Trainer:
         return out
 
     def evaluate(self, iterator, num_steps: int) -> float:
-        [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+        """The mean validation loss of `num_steps` batches. Under local SGD between synchronisations,
+        of the model a synchronisation would give now (each replica's own weights are put back after)."""
+        if not self.unsynchronised():
+            [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+            return float(loss)
+        if self._backup is None:
+            from tpu_llm.comm import replica_variable
+
+            with self.strategy.scope():
+                self._backup = [replica_variable(tf.zeros(w.shape, w.dtype), f"local_sgd_backup_{i}")
+                                for i, w in enumerate(self.local_sgd.weights)]
+            self._swap_in = tf.function(lambda: self.strategy.run(self.local_sgd.swap_in_synchronised,
+                                                                  args=(self._backup,)))
+            self._swap_back = tf.function(lambda: self.strategy.run(self.local_sgd.swap_back, args=(self._backup,)))
+        self._swap_in()
+        try:
+            [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+        finally:
+            self._swap_back()
         return float(loss)
+
+    _backup = None  # local SGD: each replica's weights while an evaluation uses the synchronised ones
+
+    _synchronised_at = None  # the step of the last `synchronise`
+
+    def unsynchronised(self) -> bool:
+        """Under local SGD: whether the replicas stepped on their own since the last synchronisation."""
+        if self.local_sgd is None:
+            return False
+        step = int(self.optimizer.iterations.numpy())
+        return step % self.local_sgd.sync_every != 0 and step != self._synchronised_at
+
+    def synchronise(self) -> None:
+        """Under local SGD: an outer step now (at the end of training, so that the final checkpoint,
+        export, evaluation and samples are the synchronised model, not replica 0's own copy)."""
+        if self.unsynchronised():
+            tf.function(lambda: self.strategy.run(self.local_sgd.outer_step))()
+            self._synchronised_at = int(self.optimizer.iterations.numpy())
 
     # ---- loops (one host call each) --------------------------------------------------------------
 
