@@ -110,8 +110,8 @@ def tiny_config(tmp_path, **overrides) -> Config:
 @pytest.fixture
 def poison(monkeypatch):
     """poison(*steps): the loss and gradients become NaN at those optimizer steps (0-based), once each
-    (a rolled-back run passes the same step number again). Under MirroredStrategy only the first
-    replica's batch is poisoned (the first to read the step's flag clears it)."""
+    (a rolled-back run passes the same step number again). Under MirroredStrategy the replicas share
+    the flag: at least the first replica's batch is poisoned."""
     armed = tf.Variable(tf.zeros([64], tf.int32), trainable=False)
     from tpu_llm.train import Trainer
 

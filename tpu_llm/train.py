@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from tpu_llm import fault
+from tpu_llm.comm import replica_variable
 from tpu_llm.config import TrainConfig
 from tpu_llm.distribute import Distribution
 from tpu_llm.model import GPT, decay_mask
@@ -247,8 +248,6 @@ class Trainer:
             [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
             return float(loss)
         if self._backup is None:
-            from tpu_llm.comm import replica_variable
-
             with self.strategy.scope():
                 self._backup = [replica_variable(tf.zeros(w.shape, w.dtype), f"local_sgd_backup_{i}")
                                 for i, w in enumerate(self.local_sgd.weights)]
