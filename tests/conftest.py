@@ -105,3 +105,25 @@ def tiny_config(tmp_path, **overrides) -> Config:
         write_corpus(Path(tmp_path) / "corpus")
         values["data.train"] = str(Path(tmp_path) / "corpus" / "*.txt")
     return load_config(None, values)
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """poison(*steps): the loss and gradients become NaN at those optimizer steps (0-based), once each
+    (a rolled-back run passes the same step number again). Under MirroredStrategy the replicas share
+    the flag: at least the first replica's batch is poisoned."""
+    armed = tf.Variable(tf.zeros([64], tf.int32), trainable=False)
+    from tpu_llm.train import Trainer
+
+    original = Trainer._loss_and_grads_fn
+
+    def loss_and_grads(self, inputs, targets):
+        loss, grads = original(self, inputs, targets)
+        step = tf.cast(self.optimizer.iterations, tf.int32)
+        bad = tf.gather(armed, step) > 0
+        armed.scatter_nd_update([[step]], [0])  # after the read (TF orders ops on a variable as written)
+        nan = tf.constant(float("nan"))
+        return tf.where(bad, nan, loss), [tf.where(bad, nan, g) for g in grads]
+
+    monkeypatch.setattr(Trainer, "_loss_and_grads_fn", loss_and_grads)
+    return lambda *steps: [armed[s].assign(1) for s in steps]

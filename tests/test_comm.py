@@ -212,6 +212,21 @@ def test_local_sgd_replicas_diverge_between_syncs_and_agree_after_each():
             np.testing.assert_array_equal(anchor[0].numpy(), mine)
     a, b = (v.numpy() for v in strategy.experimental_local_results(moment))
     assert not np.allclose(a, b)  # AdamW moments stay per replica (DiLoCo's inner state)
+    # between syncs an evaluation (issue 20: it read each replica's own copy) uses the model a sync
+    # would give, and then every replica has its own weights again, bit for bit
+    trainer.run(data, 1, 1)
+    weights = trainer.model.trainable_variables
+    own = [[c.numpy() for c in strategy.experimental_local_results(w.value)] for w in weights]
+    eval_data = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(
+        tf.random.stateless_uniform([8, 17], [3, 4], maxval=32, dtype=tf.int32)).batch(4, drop_remainder=True)
+        .map(lambda w: (w[:, :-1], w[:, 1:])).repeat())
+    between = trainer.evaluate(iter(eval_data), 2)
+    for w, mine in zip(weights, own):
+        assert [c.numpy().tobytes() for c in strategy.experimental_local_results(w.value)] == \
+            [m.tobytes() for m in mine]
+    trainer.synchronise()  # what the end of training does: an outer step (step 7 is not a multiple of 3)
+    np.testing.assert_array_equal(*(v.numpy() for v in strategy.experimental_local_results(kernel)))
+    assert trainer.evaluate(iter(eval_data), 2) == between
 
 
 # ---- configuration --------------------------------------------------------------------------------
@@ -274,6 +289,7 @@ def runs(tmp_path_factory):
             run.checkpointer.save(15)
             shutil.copytree(tmp / "run", tmp_path_factory.getbasetemp() / f"{mode}-at-15")
         losses.append(run.trainer.run(run.train_iterator, 15, 15)["loss"])
+        run.trainer.synchronise()  # as `train` ends local SGD (30 steps: not a multiple of sync_every)
         run.checkpointer.save(30)
         out[mode] = (losses, tmp / "run")
     return out
@@ -297,6 +313,15 @@ def test_resume_is_exact(tmp_path_factory, runs, mode, monkeypatch):
     summary = train(config(run_dir.parent, mode, run_dir=str(run_dir)), say=log.append, samples=False)
     straight_losses, straight = runs[mode]
     assert [m["loss"] for m in metrics(run_dir)] == [straight_losses[1]]
+    if mode == "local_sgd":  # 30 steps, not a multiple of sync_every: training ended with an outer step, so
+        # the final checkpoint (and export, evaluation) is one model, not replica 0's own copy (issue 20)
+        reader = tf.train.load_checkpoint(str(run_dir / "checkpoints"))
+        weights = len([n for n, _ in tf.train.list_variables(str(run_dir / "checkpoints"))
+                       if n.startswith("comm/replica_0/")]) // 3  # then 2 AdamW moments each
+        assert weights > 5
+        for j in range(weights):
+            key = f"comm/replica_{{}}/{j}/.ATTRIBUTES/VARIABLE_VALUE"
+            np.testing.assert_array_equal(reader.get_tensor(key.format(0)), reader.get_tensor(key.format(1)))
     names = [n for n, _ in tf.train.list_variables(str(straight / "checkpoints")) if n.startswith("comm/")]
     assert any("replica_1" in n for n in names) and any("shared" in n for n in names)
     ours, theirs = (tf.train.load_checkpoint(str(d / "checkpoints")) for d in (run_dir, straight))
@@ -309,3 +334,30 @@ def test_resume_is_exact(tmp_path_factory, runs, mode, monkeypatch):
     assert saved["comm"] == mode and f"{saved['comm_ratio']:.1f}x less" in line and summary["comm"] == mode
     # the ratio is against a float32 all-reduce of every trainable parameter
     assert saved["comm_bytes_per_step"] * saved["comm_ratio"] == pytest.approx(4 * saved["params"])
+
+
+@pytest.mark.parametrize("mode", ["powersgd", "topk"])
+def test_a_skipped_non_finite_step_leaves_the_compression_state_as_it_was(tmp_path, mode, poison):
+    """One NaN batch (step 3): the divergence guard skips the step, and the error-feedback residuals
+    and PowerSGD's Q keep their values, so the steps after it and the checkpoints stay finite (they
+    were NaN from then on, and `rollback` had no clean checkpoint left to go back to)."""
+    run = build_run(config(tmp_path, mode, **{"train.steps": 6}))
+    state = run.comm.reducer.per_replica + run.comm.reducer.shared
+
+    def values():  # every replica's own copy
+        return [v.numpy() for s in state for v in run.dist.strategy.experimental_local_results(s)]
+
+    assert run.trainer.run(run.train_iterator, 2, 2)["bad_steps"] == 0
+    before = values()
+    poison(2)
+    skipped = run.trainer.run(run.train_iterator, 1, 1)
+    assert skipped["bad_steps"] == 1 and skipped["first_bad_step"] == 3
+    for a, b in zip(before, values()):
+        np.testing.assert_array_equal(a, b)  # bit-identical: nothing of the NaN step was committed
+    after = run.trainer.run(run.train_iterator, 3, 3)
+    assert after["bad_steps"] == 0 and np.isfinite(after["loss"]) and np.isfinite(after["grad_norm"])
+    path = run.checkpointer.save(6)
+    reader = tf.train.load_checkpoint(path)
+    comm_tensors = [n for n, _ in tf.train.list_variables(path) if n.startswith("comm/")]
+    assert comm_tensors and all(np.isfinite(reader.get_tensor(n)).all() for n in comm_tensors)
+

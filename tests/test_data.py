@@ -302,7 +302,7 @@ def test_the_training_stream_resumes_exactly_from_a_saved_position(tmp_path, fil
 def test_a_position_that_does_not_fit_falls_back_to_replaying(tmp_path):
     source = data.Source(write_corpus(tmp_path, files=9), "text")
     table = np.zeros([2, len(data.POSITION_FIELDS)], np.int64)
-    table[:, 2:5] = (2, 4, 8)  # made by 2 pipelines splitting the files; this run has one
+    table[:, 2:6] = (2, 4, 8, data.files_fingerprint(source.files))  # 2 pipelines split the files; here one
     fn = data.make_dataset_fn(source, ByteTokenizer(), SEQ, 8, training=True, seed=3, shuffle_buffer=7,
                               start=table, skip_steps=5)
     [(first, _)] = fn().take(1)
@@ -310,3 +310,29 @@ def test_a_position_that_does_not_fit_falls_back_to_replaying(tmp_path):
                                         shuffle_buffer=7)().skip(5).take(1)
     assert fn.resumed == "replay"
     np.testing.assert_array_equal(first.numpy(), fifth.numpy())
+
+
+def test_a_position_made_over_other_training_files_starts_the_new_list_over(tmp_path):
+    """A position indexes the shuffled list of training files: with a file added (a glob that now
+    matches more), restoring it would land somewhere else. The stream starts over on the new list,
+    and says so (`resumed == "files"`), rather than replaying or using the position."""
+    files = write_corpus(tmp_path, files=4)
+
+    def stream(source, **resume):
+        fn = data.make_dataset_fn(source, ByteTokenizer(), SEQ, 8, training=True, seed=3, shuffle_buffer=7,
+                                  with_position=True, **resume)
+        return fn, iter(fn())
+
+    old = data.Source(files[:3], "text")
+    _, it = stream(old)
+    table = [next(it) for _ in range(5)][-1][2].numpy()  # the position after 5 steps (one replica)
+    fn, _ = stream(old, start=table, skip_steps=5)
+    assert fn.resumed == "position"  # the same files: resumed exactly (test above)
+    moved = data.Source([str(tmp_path / "elsewhere" / os.path.basename(f)) for f in files[:3]], "text")
+    assert data.files_fingerprint(moved.files) == data.files_fingerprint(old.files)  # the folder moved
+    new = data.Source(files, "text")
+    fn, resumed = stream(new, start=table, skip_steps=5)
+    assert fn.resumed == "files"
+    _, fresh = stream(new)
+    for _ in range(3):
+        np.testing.assert_array_equal(next(resumed)[0].numpy(), next(fresh)[0].numpy())

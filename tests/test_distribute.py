@@ -1,6 +1,7 @@
 """Strategies: selection, Mirrored over logical CPUs, multi-worker and parameter-server clusters of
 local processes (`tpu-llm launch`), and checkpoints moving between strategies."""
 
+import glob
 import io
 import json
 import sys
@@ -12,6 +13,7 @@ import tensorflow as tf
 from conftest import tiny_config
 
 from tpu_llm import cli, launch
+from tpu_llm.checkpoint import scratch_directory
 from tpu_llm.config import load_config
 from tpu_llm.controller import build_run, train
 from tpu_llm.distribute import Found, choose, get_strategy
@@ -180,7 +182,8 @@ def test_multi_worker_processes_end_identical_and_equal_to_one_process(tmp_path)
     assert ours.keys() == theirs.keys() and len(ours) > 10
     for name in ours:
         np.testing.assert_allclose(ours[name], theirs[name], atol=1e-5, err_msg=name)
-    assert not list((tmp_path / "cluster" / "run").glob(".scratch-*"))  # worker 1's scratch saves are gone
+    assert not list((tmp_path / "cluster" / "run").glob(".scratch-*"))  # worker 1 saves on its own disk,
+    assert not glob.glob(scratch_directory(str(tmp_path / "cluster" / "run"), "*"))  # and removes it after
 
 
 def test_parameter_server_cluster_trains_asynchronously_and_the_loss_falls(tmp_path):

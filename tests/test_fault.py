@@ -114,25 +114,6 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(base, tmp_p
 # ---- divergence guard -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def poison(monkeypatch):
-    """poison(*steps): the loss and gradients become NaN at those optimizer steps (0-based), once each
-    (a rolled-back run passes the same step number again)."""
-    armed = tf.Variable(tf.zeros([64], tf.int32), trainable=False)
-    original = Trainer._loss_and_grads_fn
-
-    def loss_and_grads(self, inputs, targets):
-        loss, grads = original(self, inputs, targets)
-        step = tf.cast(self.optimizer.iterations, tf.int32)
-        bad = tf.gather(armed, step) > 0
-        armed.scatter_nd_update([[step]], [0])  # after the read (TF orders ops on a variable as written)
-        nan = tf.constant(float("nan"))
-        return tf.where(bad, nan, loss), [tf.where(bad, nan, g) for g in grads]
-
-    monkeypatch.setattr(Trainer, "_loss_and_grads_fn", loss_and_grads)
-    return lambda *steps: [armed[s].assign(1) for s in steps]
-
-
 def test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_checkpoint(tmp_path, poison):
     poison(3, 4, 5)  # steps 4, 5 and 6
     lines = []
@@ -194,6 +175,32 @@ def test_sigterm_stops_inside_the_host_call_saves_and_the_same_command_resumes(t
     lines = []
     assert train(cfg, say=lines.append)["step"] == 600
     assert f"resumed   from {ckpt} at step {step} (data position restored)" in lines
+
+
+def test_a_signal_before_the_first_resumed_step_keeps_the_checkpoint_and_its_data_position(base, tmp_path,
+                                                                                             monkeypatch):
+    """A SIGTERM while the first resumed host call compiles (no step done yet) must not save the step
+    resumed from again: the position variable holds zeros until a step writes it, and that save
+    replaced the checkpoint's data position with the start of the stream."""
+    run = copy_of_straight(base, tmp_path)  # ckpt-4, ckpt-8
+    ckpts = run / "checkpoints"
+    before = snapshot(ckpts)
+    position = saved(ckpts / "ckpt-8", "data_position")
+    assert len(position) == 1 and next(iter(position.values())).any()
+    real_run = Trainer.run
+
+    def signalled_while_compiling(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler sets the stop flag; no step runs
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "run", signalled_while_compiling)
+    cfg = cfg_for(tmp_path, **{"train.steps": 12, "train.decay_steps": 12})
+    with pytest.raises(RunStopped) as stopped:
+        train(cfg, say=quiet)
+    assert str(stopped.value) == f"SIGTERM at step 8: saved {ckpts / 'ckpt-8'}; run the same command to resume"
+    assert stopped.value.exit_code == 143
+    assert snapshot(ckpts) == before  # not written again: data position, weights, state file as they were
+    # (so the next resume continues exactly, as from any intact checkpoint: tests above)
 
 
 # ---- failed saves and bad input -------------------------------------------------------------------
@@ -305,6 +312,26 @@ def _refuse_writes(run_dir, monkeypatch, reason: str) -> None:
             super().__init__(name, mode)
 
     monkeypatch.setattr(tf.io.gfile, "GFile", Refusing)
+
+
+def test_an_empty_checkpoint_state_file_resumes_from_the_checkpoint_files(base, tmp_path, capsys):
+    """What a power loss can leave (TF does not fsync the state file): an empty `checkpoint` file. It was
+    a ValueError traceback (exit 1); the checkpoints are found by their files, with a warning."""
+    run = copy_of_straight(base, tmp_path)
+    (run / "checkpoints" / "checkpoint").write_text("")
+    args = ["train", f"--run_dir={run}", f"--data.train={base / 'corpus' / '*.txt'}",
+            *(f"--{k}={v}" for k, v in (("model.n_layer", 2), ("model.n_head", 2), ("model.n_embd", 32),
+                                        ("model.max_len", 32), ("model.dropout", 0.1), ("data.seq_len", 16),
+                                        ("data.shuffle_buffer", 64), ("train.batch_size", 4), ("train.steps", 10),
+                                        ("sample.num_samples", 0)))]
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"warning   the checkpoint state file {run / 'checkpoints' / 'checkpoint'} is missing, empty or " \
+           "unreadable; trying the checkpoint files themselves, newest first" in out
+    assert f"resumed   from {run / 'checkpoints' / 'ckpt-8'} at step 8 (data position restored)" in out
+    # the first save writes a new state file
+    assert tf.train.latest_checkpoint(str(run / "checkpoints")) == str(run / "checkpoints" / "ckpt-10")
 
 
 def test_stop_signals_restore_the_handlers_they_replaced():

@@ -18,7 +18,9 @@ marker) is accepted, and gets its marker when it is resumed.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 import uuid
 
 import tensorflow as tf
@@ -26,6 +28,7 @@ import yaml
 
 from tpu_llm.config import Config, ModelConfig
 from tpu_llm.errors import UserError
+from tpu_llm.fault import CLUSTER_ERRORS
 from tpu_llm.tokenizer import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
 
 CONFIG_FILE = "config.yaml"
@@ -172,16 +175,21 @@ class Checkpointer:
 
     Under multi_worker every worker must take part in a save (TF's rule: saving may need its
     collectives); only the chief writes the run's checkpoints, the others (`scratch` = a worker name)
-    write to a scratch directory that is deleted straight after. All of them restore from the run's.
+    write to a scratch directory on their own local disk (`scratch_directory`), deleted straight
+    after, so a gs:// run directory is not written twice. All of them restore from the run's. In a
+    cluster (`cluster`), a save that fails because a task was lost (the save's collectives) raises
+    that error, for the caller to stop the whole job (fault.Guard.call: exit 4).
     """
 
     NOT_RESTORED = ("data_position",)
 
     def __init__(self, run_dir: str, keep: int, scratch: str = "", keep_every_hours: float = 0.0,
-                 **trackables):
+                 cluster: bool = False, **trackables):
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
-        self.keep, self.keep_every_hours = keep, keep_every_hours
-        self.scratch = os.path.join(run_dir, f".scratch-{scratch}") if scratch else ""
+        self.keep, self.keep_every_hours, self.cluster = keep, keep_every_hours, cluster
+        self.scratch = scratch_directory(run_dir, scratch) if scratch else ""
+        if self.scratch:  # left behind by a worker that died while saving
+            _remove(self.scratch)
         self.notes: list[str] = []  # warnings for the log
         self.trackables: dict = {}
         self.add(**trackables)
@@ -190,25 +198,44 @@ class Checkpointer:
         """Save these too (objects made after the restore, such as the position variable)."""
         self.trackables.update(trackables)
         self.checkpoint = tf.train.Checkpoint(**self.trackables)
-        self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep,
-                                                  keep_checkpoint_every_n_hours=self.keep_every_hours or None)
+        self.manager = self._manager()
+
+    def _manager(self) -> tf.train.CheckpointManager | None:
+        """The run's CheckpointManager, or None while the state file names no checkpoint: TF raises
+        ValueError on an empty one (what a power loss can leave: TF does not fsync it). Until the
+        first save, which writes a new state file, the checkpoints are found by their files."""
+        try:
+            return tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep,
+                                              keep_checkpoint_every_n_hours=self.keep_every_hours or None)
+        except ValueError:
+            return None
 
     @property
     def latest(self) -> str | None:
-        return self.manager.latest_checkpoint
+        if self.scratch:  # the chief saves the run's checkpoints: this manager's list is from start-up
+            try:
+                state = tf.train.get_checkpoint_state(self.directory)
+                if state and state.model_checkpoint_path:
+                    return os.path.join(self.directory, os.path.basename(state.model_checkpoint_path))
+            except (tf.errors.OpError, ValueError):  # unreadable state file: what was known at start
+                pass
+        return self.manager.latest_checkpoint if self.manager else self.restored
+
+    restored: str | None = None  # the checkpoint restore_latest resumed from
 
     def candidates(self) -> list[str]:
-        """Checkpoints to resume from, newest first: those the state file records, or, when the state
-        file is missing or unreadable, every checkpoint whose index file is there."""
-        recorded = list(reversed(self.manager.checkpoints))
-        if recorded:
-            return recorded
+        """Checkpoints to resume from, newest first: those the state file records, then every other
+        checkpoint whose index file is there (the ones kept by checkpoint.keep_every_hours, which TF
+        leaves out of the state file, or all of them when the state file is missing or unreadable)."""
+        recorded = list(reversed(self.manager.checkpoints)) if self.manager else []
         found = tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index"))
-        prefixes = sorted((p[: -len(".index")] for p in found), key=_checkpoint_number, reverse=True)
-        if prefixes:
+        known = {os.path.basename(p) for p in recorded}
+        others = sorted((p[: -len(".index")] for p in found if os.path.basename(p)[: -len(".index")] not in known),
+                        key=_checkpoint_number, reverse=True)
+        if others and not recorded:
             self.notes.append(f"the checkpoint state file {os.path.join(self.directory, 'checkpoint')} is "
-                              f"missing or unreadable; trying the checkpoint files themselves, newest first")
-        return prefixes
+                              f"missing, empty or unreadable; trying the checkpoint files themselves, newest first")
+        return recorded + others
 
     def held(self, path: str | None = None) -> set[str]:
         """Names of the objects checkpoint `path` (default: the newest) holds."""
@@ -250,6 +277,7 @@ class Checkpointer:
                 continue
             for bad, why in skipped:
                 self.notes.append(f"checkpoint {bad} cannot be read ({why[:200]}); resumed from {path} instead")
+            self.restored = path
             return path
         if skipped:
             raise UserError(f"no checkpoint in {self.directory} can be read (newest: {skipped[0][0]}: "
@@ -262,19 +290,35 @@ class Checkpointer:
         checkpoint still usable; the partial files of the failed save are removed."""
         try:
             if not self.scratch:
+                if self.manager is None:  # the state file names no checkpoint: this save writes a new one
+                    _remove(os.path.join(self.directory, "checkpoint"))
+                    self.manager = self._manager()
+                    if self.manager is None:
+                        raise OSError(f"cannot replace the empty checkpoint state file in {self.directory}")
                 return self.manager.save(checkpoint_number=step)
             path = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(step)
             tf.io.gfile.rmtree(self.scratch)
             return path
         except (tf.errors.OpError, OSError) as e:
-            if f"ckpt-{step}" not in {os.path.basename(p) for p in self.manager.checkpoints}:
+            if self.scratch:  # a worker's own scratch save: never touch the chief's checkpoints
+                _remove(self.scratch)
+            elif self.manager and f"ckpt-{step}" not in {os.path.basename(p) for p in self.manager.checkpoints}:
                 for pattern in (f"ckpt-{step}.*", f"ckpt-{step}_temp*"):  # TF writes into *_temp first
                     for leftover in tf.io.gfile.glob(os.path.join(self.directory, pattern)):
                         _remove(leftover)
+            if self.cluster and isinstance(e, CLUSTER_ERRORS):  # a peer is gone, not a disk problem
+                raise
             latest = self.latest or "none yet"
             raise UserError(f"saving checkpoint ckpt-{step} in {self.directory} failed ({_first_line(e)}); "
                             f"the newest usable checkpoint is {latest}; free space or fix permissions in the "
                             "run directory, then run the same command to resume") from None
+
+
+def scratch_directory(run_dir: str, worker: str) -> str:
+    """Where a multi-worker non-chief writes its throwaway part of every save: its own local disk (a
+    fixed name per run and worker, so the next start removes what a killed worker left)."""
+    run = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"tpu-llm-scratch-{run}-{worker}")
 
 
 class Unreadable(Exception):

@@ -69,8 +69,15 @@ class Reducer:
     def describe(self) -> str:
         return "float32 all-reduce"
 
+    def exchange(self, ctx, grads):
+        """In the replica step: (the gradients to apply on this replica, the state updates
+        [(variable, new value)] to commit only if the step is applied; see `commit`)."""
+        return ctx.all_reduce(SUM, grads), []
+
     def reduce(self, ctx, grads):
-        return ctx.all_reduce(SUM, grads)
+        """`exchange`, its state committed at once (a step that is always applied)."""
+        out, pending = self.exchange(ctx, grads)
+        return commit(pending, out)
 
 
 class Bf16(Reducer):
@@ -83,10 +90,10 @@ class Bf16(Reducer):
     def describe(self) -> str:
         return "bfloat16 all-reduce (cast, reduce, cast back)"
 
-    def reduce(self, ctx, grads):
+    def exchange(self, ctx, grads):
         # the sum itself runs in bfloat16: 8 mantissa bits, so the error grows with the replica count
         summed = ctx.all_reduce(SUM, [tf.cast(g, tf.bfloat16) for g in grads])
-        return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
+        return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)], []
 
 
 class PowerSGD(Reducer):
@@ -129,7 +136,7 @@ class PowerSGD(Reducer):
         return (f"PowerSGD rank {self.rank} on {compressed} of {len(self.shapes)} tensors"
                 f"{' with error feedback' if self.error_feedback else ''}, warm-started Q")
 
-    def reduce(self, ctx, grads):
+    def exchange(self, ctx, grads):
         matrices, plain, errors, qs = [], [], iter(self.error), iter(self.q)
         for g, mr in zip(grads, self.matrix):
             if mr is None:
@@ -152,13 +159,12 @@ class PowerSGD(Reducer):
                 continue
             (mat, q, e), p, new_q = next(it)
             approx = p @ tf.transpose(new_q)
-            updates.append(q.assign(new_q))
+            updates.append((q, new_q))
             if e is not None:  # what this replica's share of the sum had that the shared update lacks:
                 # summed over replicas, residuals + update = the exact sum (nothing is lost, only delayed)
-                updates.append(e.assign(tf.reshape(mat - approx / replicas, shape)))
+                updates.append((e, tf.reshape(mat - approx / replicas, shape)))
             out.append(tf.reshape(approx, shape))
-        with tf.control_dependencies(updates):
-            return [tf.identity(t) for t in out]
+        return out, updates
 
 
 class TopK(Reducer):
@@ -197,17 +203,26 @@ class TopK(Reducer):
             out.append((tf.gather(flat, idx), idx, residual))
         return out
 
-    def reduce(self, ctx, grads):
+    def exchange(self, ctx, grads):
         chosen = self.select(grads)
         gathered = ctx.all_gather([t for v, i, _ in chosen for t in (v, i)], axis=0)  # [R * k] each
-        updates = [e.assign(tf.reshape(r, e.shape)) for e, (_, _, r) in zip(self.error, chosen)]
+        updates = [(e, tf.reshape(r, e.shape)) for e, (_, _, r) in zip(self.error, chosen)]
         out = []
         for n, shape in enumerate(self.shapes):  # static shapes: under multi_worker grads lack them
             values, idx = gathered[2 * n], gathered[2 * n + 1]
             dense = tf.scatter_nd(idx[:, None], values, [_size(shape)])  # duplicates add up
             out.append(tf.reshape(dense, shape))
-        with tf.control_dependencies(updates):
-            return [tf.identity(t) for t in out]
+        return out, updates
+
+
+def commit(pending, outputs, applied=None):
+    """Write the state updates [(variable, new value)] of an exchange (residuals, PowerSGD's Q), or,
+    where `applied` (a scalar bool, equal on every replica) is False, keep the old values: a step the
+    divergence guard skips must not carry its non-finite values into every later step and checkpoint.
+    A select, not a cond, so that no control flow surrounds the update; returns `outputs` once written."""
+    updates = [v.assign(new if applied is None else tf.where(applied, new, v.read_value())) for v, new in pending]
+    with tf.control_dependencies(updates):
+        return [tf.identity(t) for t in outputs]
 
 
 # ---- local SGD ------------------------------------------------------------------------------------
@@ -267,19 +282,44 @@ class LocalSGD:
     def due(self, step):
         return tf.equal(step % self.sync_every, 0)
 
-    def outer_step(self):
-        """Replica function: the synchronisation every `sync_every` steps."""
+    def _outer(self):
+        """In a replica function: the synchronised weights and outer momentum (not yet written)."""
         ctx = tf.distribute.get_replica_context()
         deltas = [a.read_value() - w.value.read_value() for a, w in zip(self.anchor, self.weights)]
         deltas = ctx.all_reduce(MEAN, deltas)
-        updates = []
-        for i, (a, w, d) in enumerate(zip(self.anchor, self.weights, deltas)):
+        weights, velocity = [], []
+        for i, (a, d) in enumerate(zip(self.anchor, deltas)):
             if self.outer == "nesterov":
                 m = self.velocity[i].read_value() * self.momentum + d
-                updates.append(self.velocity[i].assign(m))
+                velocity.append(m)
                 d = d + self.momentum * m
-            new = a.read_value() - self.outer_lr * d
+            weights.append(a.read_value() - self.outer_lr * d)
+        return weights, velocity
+
+    def outer_step(self):
+        """Replica function: the synchronisation every `sync_every` steps (and at the end of training)."""
+        weights, velocity = self._outer()
+        updates = [v.assign(m) for v, m in zip(self.velocity, velocity)]
+        for a, w, new in zip(self.anchor, self.weights, weights):
             updates += [w.value.assign(new), a.assign(new)]
+        with tf.control_dependencies(updates):
+            return tf.constant(0)
+
+    def swap_in_synchronised(self, backup):
+        """Replica function: keep each replica's own weights in `backup` (replica variables shaped as
+        the weights) and give every replica the weights a synchronisation would give now, leaving the
+        anchor and momentum as they are (`swap_back` undoes it exactly): for an evaluation between
+        synchronisations."""
+        weights, _ = self._outer()
+        updates = [b.assign(w.value.read_value()) for b, w in zip(backup, self.weights)]
+        with tf.control_dependencies(updates):
+            updates = [w.value.assign(new) for w, new in zip(self.weights, weights)]
+        with tf.control_dependencies(updates):
+            return tf.constant(0)
+
+    def swap_back(self, backup):
+        """Replica function: each replica's own weights again, bit for bit."""
+        updates = [w.value.assign(b.read_value()) for b, w in zip(backup, self.weights)]
         with tf.control_dependencies(updates):
             return tf.constant(0)
 
@@ -320,11 +360,16 @@ class Comm:
     def metrics(self) -> dict:
         return {"comm": self.name, "comm_bytes_per_step": self.bytes_per_step, "comm_ratio": self.ratio}
 
-    def reduce(self, ctx, grads):
-        """In the replica step, for the trainer's all-reduce: the gradients to apply on this replica."""
+    def exchange(self, ctx, grads):
+        """In the replica step, for the trainer's all-reduce: (the gradients to apply on this replica,
+        the state updates to `commit` once the step is known to be applied)."""
         if self.local:  # no exchange: the trainer pre-scaled for a sum over replicas; undo that
-            return [g * float(ctx.num_replicas_in_sync) for g in grads]
-        return self.reducer.reduce(ctx, grads)
+            return [g * float(ctx.num_replicas_in_sync) for g in grads], []
+        return self.reducer.exchange(ctx, grads)
+
+    def commit(self, pending, applied) -> None:
+        """In the replica step: write `exchange`'s state updates if `applied` (all-reduced), else keep it."""
+        commit(pending, [], applied)
 
     def agree(self, ctx, finite):
         """Local SGD checks its own gradients: every replica must still skip or apply alike."""

@@ -147,6 +147,7 @@ def build_run(cfg: Config) -> Run:
     rng = [v for v in model.variables if "seed_generator_state" in v.path]  # Keras does not checkpoint it
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
+                                cluster=bool(dist.task or dist.asynchronous),
                                 model=model, optimizer=optimizer, rng=rng,
                                 **(communication.trackables() if communication else {}))
     resumed_from = checkpointer.restore_latest()  # a UserError if none of the checkpoints can be read
@@ -157,8 +158,9 @@ def build_run(cfg: Config) -> Run:
     step = int(optimizer.iterations.numpy())
     start = checkpointer.read(resumed_from, "data_position") if resumed_from else None
     train_dataset, fn = dataset(train_src, True, start=start, skip_steps=step)
-    data_resume = {"position": "data position restored", "replay": f"data stream replayed to step {step}"
-                   }.get(fn.resumed, "")
+    data_resume = {"position": "data position restored", "replay": f"data stream replayed to step {step}",
+                   "files": "the training files changed since the checkpoint: the data stream starts over on "
+                            f"the {len(train_src.files)} files of data.train"}.get(fn.resumed, "")
     if dist.asynchronous:
         data_resume = "asynchronous workers draw a new data order"
     else:  # each replica writes its pipeline's row; reading (and saving) sums them
@@ -299,6 +301,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                                           f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%{stale}")
                     step = guard.after_call(out, step)
                 boundary = step == end  # all steps asked for were done (no signal, no rollback)
+                if boundary and step == t.steps:  # local SGD: the final model is the synchronised one
+                    run.trainer.synchronise()
                 if boundary and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
                     val_loss = evaluate(run)
                     log.write("validation", step, {"loss": val_loss})

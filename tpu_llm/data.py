@@ -319,9 +319,19 @@ LANES = 4  # files read side by side (at most one lane per file), their windows 
 # A training pipeline's position, one int64 row per pipeline: `taken` windows of chunk number `chunk`
 # were consumed; the chunk starts, in lane l, at token `token_l` of document `document_l` of the
 # `slot_l`-th file read (epoch slot // files, in that epoch's order). The rest say how the stream was
-# cut: over how many pipelines the files were split (1: all read everything), lanes, chunk size.
-POSITION_FIELDS = ("chunk", "taken", "file_shards", "lanes", "chunk_size") + tuple(
+# cut: over how many pipelines the files were split (1: all read everything), lanes, chunk size, and
+# which files it indexes (`files_fingerprint`).
+POSITION_FIELDS = ("chunk", "taken", "file_shards", "lanes", "chunk_size", "files_fingerprint") + tuple(
     f"{name}_{lane}" for lane in range(LANES) for name in ("slot", "document", "token"))
+FIXED = 6  # the fields before the lanes'
+
+
+def files_fingerprint(files: list[str]) -> int:
+    """A number fixed by the list of training files, in order (paths relative to their common folder,
+    so that moving the whole folder keeps it): a saved position indexes this list."""
+    root = os.path.commonpath(files) if len(set(files)) > 1 else os.path.dirname(files[0]) if files else ""
+    text = "\n".join(os.path.relpath(f, root) if root else f for f in files)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)  # 60 bits: a positive int64
 
 
 def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, *, training: bool,
@@ -350,8 +360,10 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     `controller.build_run`) gives every pipeline's position. `start` is such a table from a
     checkpoint: the stream resumes from it, reading at most one file and one chunk again. Without a
     usable `start`, `skip_steps` replays that many global steps (checkpoints that hold no position).
-    After it was called, `dataset_fn.resumed` says which happened ("position", "replay" or "") and
-    `dataset_fn.pipelines` is the number of input pipelines (the position table's rows).
+    A position made over another list of training files (files added, removed or renamed: it would
+    land elsewhere) is not used, nor is the stream replayed: it starts over on the new list ("files").
+    After it was called, `dataset_fn.resumed` says which happened ("position", "files", "replay" or
+    "") and `dataset_fn.pipelines` is the number of input pipelines (the position table's rows).
 
     Several input pipelines (one per worker) split the data by file when every pipeline gets at
     least `FILES_PER_PIPELINE` files; otherwise each reads the whole stream the same way and takes
@@ -361,6 +373,7 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     """
     window = seq_len + 1
     eos = tf.constant([tokenizer.eos_id], tf.int32)
+    fingerprint = files_fingerprint(source.files) if training else 0
 
     def tokenized(docs):
         if source.format != "text":  # shards hold token ids, end-of-text included
@@ -401,17 +414,19 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
         # one-file corpus in 4 lanes trains 4 times on its first quarter before seeing the rest
         lanes = min(LANES, shuffle_buffer, len(files))
         size = -(-shuffle_buffer // lanes) * lanes  # windows per chunk: whole rounds of the lanes
-        shape = (pipelines if shard_files else 1, lanes, size)
+        shape = (pipelines if shard_files else 1, lanes, size, fingerprint)
         row = _start_row(start, shape, index)
-        dataset_fn.resumed = "position" if row is not None else "replay" if skip_steps else ""
+        files_changed = row is None and _other_files(start, fingerprint)
+        dataset_fn.resumed = "position" if row is not None else "files" if files_changed else \
+            "replay" if skip_steps else ""
         dataset_fn.pipelines = pipelines
-        chunk, taken, at = (row[0], row[1], row[5:]) if row is not None else (0, 0, [0] * (3 * LANES))
+        chunk, taken, at = (row[0], row[1], row[FIXED:]) if row is not None else (0, 0, [0] * (3 * LANES))
         windows = _lanes(source, files, tokenizer, eos, window, order, lanes, at)
 
         def permute(c, chunk_):
             w, starts = chunk_  # the chunk's first `lanes` windows are lanes 0.. in order: their starts
             k = tf.range(size, dtype=tf.int64)
-            head = tf.stack([c, 0, shape[0], lanes, size])
+            head = tf.stack([c, 0, shape[0], lanes, size, fingerprint])
             lane_starts = tf.pad(tf.reshape(starts[:lanes], [-1]), [[0, 3 * (LANES - lanes)]])
             where = tf.tile(tf.concat([head, lane_starts], 0)[None], [size, 1])
             where = tf.concat([where[:, :1], (k + 1)[:, None], where[:, 2:]], 1)  # taken: k + 1
@@ -423,7 +438,7 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
         lo = 0 if shard_files else index * take  # its slice of the global batch
         steps = stream.batch(take if shard_files else global_batch, drop_remainder=True)
         steps = steps.map(lambda w, where: (w[lo:lo + take], where[-1]))
-        if skip_steps and row is None:
+        if skip_steps and row is None and not files_changed:
             steps = steps.skip(skip_steps)
 
         def per_replica_batches(w, where):
@@ -485,11 +500,18 @@ def _start_row(start, shape: tuple, index: int):
     rows = [tuple(int(v) for v in r) for r in start]
     if not any(any(r) for r in rows):  # saved before any step ran (still the variable's zeros): the start
         return (0, 0, *shape) + (0,) * (3 * LANES)
-    if any(len(r) != len(POSITION_FIELDS) or r[2:5] != shape for r in rows):
+    if any(len(r) != len(POSITION_FIELDS) or r[2:FIXED] != shape for r in rows):
         return None
     if shape[0] > 1:
         return rows[index] if len(rows) == shape[0] else None
     return rows[0]
+
+
+def _other_files(start, fingerprint: int) -> bool:
+    """Whether a saved position table was made over another list of training files."""
+    if start is None or len(start) == 0 or len(start[0]) != len(POSITION_FIELDS):
+        return False
+    return any(any(int(v) for v in r) and int(r[FIXED - 1]) != fingerprint for r in start)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -151,7 +151,9 @@ def forward_sigint_as_sigterm():
 
 
 def apply_if(ok, apply, skip, grads) -> None:
-    """In a replica context: `apply(grads)` (the optimizer update) if `ok`, else `skip()`.
+    """In a replica context: `apply(grads)` (the optimizer update) if `ok`, else `skip()`. Used only where
+    the optimizer cannot skip by itself (mixed_float16: Keras' LossScaleOptimizer, which takes its own
+    cond the same way); train.ReducedGradientsAdamW skips without control flow.
 
     Every replica must take the same branch; `ok` is computed from all-reduced values so it does. A
     `tf.cond` whose branch calls `merge_call` is not allowed in a replica context, and Keras'
@@ -249,6 +251,12 @@ class Guard:
         self.bad = BadSteps(t.max_bad_steps, t.on_bad_step)
         self.last_save, self.saved_step = time.monotonic(), None
         self.step = int(run.optimizer.iterations.numpy())
+        # The checkpoint resumed from is this step's, already saved: a stop before the first step runs
+        # (a signal during compilation) must not save it again, since the input position variable holds
+        # zeros until a step writes it (the position is read from the checkpoint, not restored into it).
+        resumed = getattr(run, "resumed_from", None)
+        if resumed and _checkpoint_step(resumed) == self.step:
+            self.saved_step, self.saved_path = self.step, resumed
         self.multi_worker = run.dist.name == "multi_worker"
         self.any_worker = make_any_worker(run.dist.strategy) if self.multi_worker else None
         self.preemption: MultiWorkerPreemption | None = None

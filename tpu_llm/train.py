@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from tpu_llm import fault
+from tpu_llm.comm import replica_variable
 from tpu_llm.config import TrainConfig
 from tpu_llm.distribute import Distribution
 from tpu_llm.model import GPT, decay_mask
@@ -42,15 +43,40 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
 
 
 class ReducedGradientsAdamW(keras.optimizers.AdamW):
-    """Keras AdamW for gradients the trainer has already all-reduced.
+    """Keras AdamW for gradients the trainer has already all-reduced, which skips non-finite updates.
 
     Called in a replica context, Keras' TF optimizer sums the gradients across replicas itself. The
     trainer reduces them first (so that clipping sees the global gradient), so that second sum is
     switched off here.
+
+    The divergence guard's skip (train.py `_replica_step`) needs no control flow around the update:
+    a `tf.cond` whose branch holds the optimizer's cross-replica update (a merge_call) would nest
+    merge_calls inside TPUStrategy's replicate context. Instead every step calls `apply`; when the
+    trainer makes every gradient non-finite (the step is skipped), each variable's update keeps the
+    weight, both moments and the weight decay as they were by a select, and Keras still counts the
+    step (`iterations`), so the step number keeps matching the data consumed.
     """
+
+    skips_non_finite = True
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         return list(grads_and_vars)
+
+    def _apply_weight_decay(self, variables):
+        pass  # in update_step, where a skipped step leaves it out; the same arithmetic as Keras'
+
+    def update_step(self, gradient, variable, learning_rate):
+        applied = tf.reduce_all(tf.math.is_finite(gradient))
+        i = self._get_variable_index(variable)
+        state = [variable, self._momentums[i].value, self._velocities[i].value]
+        old = [tf.identity(v) for v in state]
+        gradient = tf.where(applied, gradient, tf.zeros_like(gradient))
+        if self.weight_decay is not None and self._use_weight_decay(variable):  # decoupled, before the step
+            lr = tf.cast(learning_rate, variable.dtype)
+            variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype) * lr)
+        super().update_step(gradient, variable, learning_rate)
+        for v, before in zip(state, old):
+            v.assign(tf.where(applied, v, before))
 
 
 def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
@@ -131,9 +157,10 @@ class Trainer:
     def _replica_step(self, inputs, targets, position=None):
         loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
         ctx = tf.distribute.get_replica_context()
+        pending = []  # compression state (residuals, PowerSGD's Q): written only if the step is applied
         if self.num_replicas > 1:  # with one replica the reduction is the identity: skip its copies
-            grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads) if self.comm is None else \
-                self.comm.reduce(ctx, grads)
+            grads, pending = (ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads), []) if self.comm is None else \
+                self.comm.exchange(ctx, grads)
             loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
         grad_norm = tf.linalg.global_norm(grads)
         scale = self.optimizer.dynamic_scale if self.loss_scaled else 1.0  # grads are scaled by it
@@ -148,9 +175,14 @@ class Trainer:
             tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
         if self.local_sgd is not None:  # local gradients: the replicas must still decide alike
             finite = self.comm.agree(ctx, finite)
+        if pending:  # from all-reduced values: every replica commits alike
+            self.comm.commit(pending, tf.logical_and(finite, tf.math.is_finite(grad_norm)))
         if self.loss_scaled:  # an overflow is skipped by the optimizer; counted here so steps match data
             fault.apply_if(tf.math.is_finite(grad_norm), lambda g: self.optimizer.apply(
                 g, self.model.trainable_variables), self._overflowed, grads)
+        elif getattr(self.optimizer, "skips_non_finite", False):  # no control flow around the update
+            nan = tf.constant(float("nan"), grads[0].dtype)
+            self.optimizer.apply([tf.where(finite, g, nan) for g in grads], self.model.trainable_variables)
         else:
             fault.apply_if(finite, lambda g: self.optimizer.apply(g, self.model.trainable_variables),
                            lambda: self.optimizer.iterations.assign_add(1), grads)
@@ -210,8 +242,42 @@ class Trainer:
         return out
 
     def evaluate(self, iterator, num_steps: int) -> float:
-        [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+        """The mean validation loss of `num_steps` batches. Under local SGD between synchronisations,
+        of the model a synchronisation would give now (each replica's own weights are put back after)."""
+        if not self.unsynchronised():
+            [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+            return float(loss)
+        if self._backup is None:
+            with self.strategy.scope():
+                self._backup = [replica_variable(tf.zeros(w.shape, w.dtype), f"local_sgd_backup_{i}")
+                                for i, w in enumerate(self.local_sgd.weights)]
+            self._swap_in = tf.function(lambda: self.strategy.run(self.local_sgd.swap_in_synchronised,
+                                                                  args=(self._backup,)))
+            self._swap_back = tf.function(lambda: self.strategy.run(self.local_sgd.swap_back, args=(self._backup,)))
+        self._swap_in()
+        try:
+            [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+        finally:
+            self._swap_back()
         return float(loss)
+
+    _backup = None  # local SGD: each replica's weights while an evaluation uses the synchronised ones
+
+    _synchronised_at = None  # the step of the last `synchronise`
+
+    def unsynchronised(self) -> bool:
+        """Under local SGD: whether the replicas stepped on their own since the last synchronisation."""
+        if self.local_sgd is None:
+            return False
+        step = int(self.optimizer.iterations.numpy())
+        return step % self.local_sgd.sync_every != 0 and step != self._synchronised_at
+
+    def synchronise(self) -> None:
+        """Under local SGD: an outer step now (at the end of training, so that the final checkpoint,
+        export, evaluation and samples are the synchronised model, not replica 0's own copy)."""
+        if self.unsynchronised():
+            tf.function(lambda: self.strategy.run(self.local_sgd.outer_step))()
+            self._synchronised_at = int(self.optimizer.iterations.numpy())
 
     # ---- loops (one host call each) --------------------------------------------------------------
 
