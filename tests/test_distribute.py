@@ -216,6 +216,39 @@ def test_launch_fails_fast_when_a_worker_dies(tmp_path):
     assert "[worker 1] up worker 1" in log and "launch    worker 1 exited with status 3: stopping every task" in log
 
 
+SLEEPING_TASK = """
+import json, os, signal, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+print("up", task["type"], task["index"], flush=True)
+if task["type"] == os.environ.get("DIE", "-"):
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+def test_launch_exits_with_128_plus_the_signal_and_4_for_a_killed_chief(tmp_path, monkeypatch):
+    import os
+    import signal
+    import threading
+
+    out = io.StringIO()
+
+    def terminate_when_up():  # SIGTERM to the launcher (this process) once both tasks run
+        deadline = time.time() + 60
+        while out.getvalue().count("] up ") < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_when_up, daemon=True).start()
+    assert launch.launch(2, 0, ["-c", SLEEPING_TASK], out=out, program=[sys.executable]) == 143, out.getvalue()
+    assert "launch    SIGTERM: stopping every task" in out.getvalue()
+
+    monkeypatch.setenv("DIE", "chief")  # a parameter-server chief killed by SIGKILL: the cluster lost a task
+    out = io.StringIO()
+    assert launch.launch(1, 1, ["-c", SLEEPING_TASK], out=out, program=[sys.executable]) == 4, out.getvalue()
+    assert "launch    chief 0 was killed by SIGKILL: the cluster lost its chief" in out.getvalue()
+
+
 def test_launch_usage_errors(capsys):
     assert cli.main(["launch", "--workers", "2"]) == 2
     assert "needs the command to run after --" in capsys.readouterr().err

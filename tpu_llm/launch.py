@@ -14,6 +14,10 @@ others save at the same step and stop too). Under parameter_server the chief dec
 dies is reported and the chief's coordinator carries on with the rest; a ps task dying makes the
 chief stop with a message (exit 4), then the launcher stops the rest. `launch    pids ...` names
 every task's process, to stop or kill one as a preemption would.
+
+Exit status: the job's (tpu_llm/fault.py lists the codes); 4 when a task was killed by a signal it
+could not handle (SIGKILL: the cluster lost it); 128 + the signal number when the launcher itself is
+stopped by SIGINT or SIGTERM (130, 143), after every task saved and stopped.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import time
 from tpu_llm.errors import UserError
 
 STOP_GRACE_SECONDS = 30  # a task stopped by SIGTERM saves a checkpoint first (tpu_llm/fault.py)
-SAVED_AND_STOPPED = (130, 143)
-EXIT_CLUSTER = 4  # as tpu_llm.fault.EXIT_CLUSTER (not imported: that module loads TensorFlow)  # exit codes of a task that saved a checkpoint and stopped on a signal
+SAVED_AND_STOPPED = (130, 143)  # exit codes of a task that saved a checkpoint and stopped on a signal
+EXIT_CLUSTER = 4  # as tpu_llm.fault.EXIT_CLUSTER (not imported: that module loads TensorFlow)
 
 
 def free_ports(n: int) -> list[int]:
@@ -99,13 +103,20 @@ def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] 
              for i in range(len(addresses))]
     # the pids let a user (or a test) stop or kill one task of the cluster, as a preemption would
     _say(out, lock, "launch    pids " + ", ".join(f"{t.name}={t.proc.pid}" for t in tasks))
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    received = []  # the signal that stops the launcher: it exits with 128 + its number, as a shell reports
+
+    def stop(signum, _frame):
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         return _supervise(tasks, ps > 0, out, lock)
-    except KeyboardInterrupt:
-        _say(out, lock, "launch    interrupted: stopping every task")
+    except KeyboardInterrupt:  # SIGINT (Python's own KeyboardInterrupt) or SIGTERM (`stop`)
+        signum = received[0] if received else signal.SIGINT
+        _say(out, lock, f"launch    {signal.Signals(signum).name}: stopping every task (each saves a checkpoint first)")
         _stop_all(tasks)
-        return 130
+        return 128 + signum
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -120,6 +131,9 @@ def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
             reported.add(task.name)
             if parameter_server and task.name == "chief 0":
                 _stop_all(tasks)  # workers and ps serve forever: the job ends with the chief
+                if code < 0:  # killed by a signal it could not handle (SIGKILL, a crash): the task is lost
+                    _say(out, lock, f"launch    chief 0 was killed by {_signal_name(code)}: the cluster lost its chief")
+                    return EXIT_CLUSTER
                 return code
             if parameter_server and task.name.startswith("ps"):  # the chief notices, says so and stops
                 _say(out, lock, f"launch    {task.name} exited with status {code}: training cannot go on without "
@@ -147,6 +161,13 @@ def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
             _drain(tasks)
             return result
         time.sleep(0.2)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 def _stop_all(tasks: list[_Task]) -> None:
