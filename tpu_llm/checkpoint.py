@@ -5,7 +5,7 @@
   tokenizer.json       the tokenizer (+ tokenizer.model for SentencePiece)
   checkpoints/         tf.train.CheckpointManager: model, optimizer, step, dropout RNG, data position
   logs/train, logs/validation   TensorBoard summaries
-  metrics.jsonl        one JSON line per logged loop and evaluation (appended, never rewritten)
+  metrics.jsonl        one JSON line per logged loop and evaluation (appended; a resume drops the lines after its step)
 
 Re-using a run directory resumes it. Before anything is written, `open_run_dir` checks the directory
 is usable and was made by the same model and tokenizer; a mismatch is a `UserError` and the

@@ -302,6 +302,7 @@ class Guard:
             if getattr(self.run, "comm", None):  # per-replica residuals / local SGD copies (comm.py)
                 self.run.comm.restore(latest)
             step = int(self.run.optimizer.iterations.numpy())
+            self.log.truncate(step)  # the steps after the checkpoint are done again: logged once (MetricsLog)
             what += f"; rolled back to {latest}, continuing with the batches after the bad ones"
         self.say(f"warning   {what}")
         self.log.write("bad_steps", step, {"bad_steps": out["bad_steps"], "first_bad_step": out["first_bad_step"],
