@@ -209,7 +209,8 @@ def cluster_failure(error: tf.errors.OpError, me: str, checkpoint: str | None) -
     text = str(error.message)
     lost = sorted({f"{job} {task}" for job, task in re.findall(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)", text)}
                   - {" ".join(me.split()[:2])})
-    why = ("it stopped sending heartbeats" if "heartbeat" in text else
+    why = ("no worker is left to run steps" if "no worker is left" in text else
+           "it stopped sending heartbeats" if "heartbeat" in text else
            "a collective waited longer than cluster.timeout_seconds" if isinstance(error, tf.errors.DeadlineExceededError)
            else "it cannot be reached" if isinstance(error, tf.errors.UnavailableError) else "its work was aborted")
     resume = f"resume from {checkpoint}" if checkpoint else "start again (no checkpoint was saved yet)"

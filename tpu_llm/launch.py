@@ -11,9 +11,9 @@ Output lines are prefixed with the task (`[worker 0] ...`). The launcher fails f
 multi_worker, one process exiting with an error stops all of them (the others would wait forever
 in their next all-reduce), except a worker that saved and stopped on a signal (exit 130/143: the
 others save at the same step and stop too). Under parameter_server the chief decides: a worker that
-dies is reported and the chief's coordinator carries on with the rest; a ps task dying makes the
-chief stop with a message (exit 4), then the launcher stops the rest. `launch    pids ...` names
-every task's process, to stop or kill one as a preemption would.
+dies is reported and the chief's coordinator carries on with the rest; a ps task dying, or the last
+worker, makes the chief stop with a message (exit 4), then the launcher stops the rest.
+`launch    pids ...` names every task's process, to stop or kill one as a preemption would.
 
 Exit status: the job's (tpu_llm/fault.py lists the codes); 4 when a task was killed by a signal it
 could not handle (SIGKILL: the cluster lost it); 128 + the signal number when the launcher itself is
@@ -34,6 +34,7 @@ import time
 from tpu_llm.errors import UserError
 
 STOP_GRACE_SECONDS = 30  # a task stopped by SIGTERM saves a checkpoint first (tpu_llm/fault.py)
+NO_WORKER_GRACE_SECONDS = 120  # parameter_server: the chief's own wait for a worker (60 s by default), then this
 SAVED_AND_STOPPED = (130, 143)  # exit codes of a task that saved a checkpoint and stopped on a signal
 EXIT_CLUSTER = 4  # as tpu_llm.fault.EXIT_CLUSTER (not imported: that module loads TensorFlow)
 
@@ -122,7 +123,7 @@ def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] 
 
 
 def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
-    reported, result, ps_lost = set(), 0, None
+    reported, result, ps_lost, grace = set(), 0, None, STOP_GRACE_SECONDS
     while True:
         for task in tasks:
             code = task.proc.poll()
@@ -138,11 +139,17 @@ def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
             if parameter_server and task.name.startswith("ps"):  # the chief notices, says so and stops
                 _say(out, lock, f"launch    {task.name} exited with status {code}: training cannot go on without "
                                 "the variables it held; waiting for the chief to stop")
-                ps_lost = time.time()
+                ps_lost, grace = time.time(), STOP_GRACE_SECONDS
                 continue
             if parameter_server and task.name.startswith("worker"):
-                _say(out, lock, f"launch    {task.name} exited with status {code}; the chief's coordinator "
-                                "goes on with the other workers")
+                if any(t.name.startswith("worker") and t.proc.poll() is None for t in tasks):
+                    _say(out, lock, f"launch    {task.name} exited with status {code}; the chief's coordinator "
+                                    "goes on with the other workers")
+                else:  # nothing restarts a local worker: the chief notices (distribute.Distribution._join)
+                    _say(out, lock, f"launch    {task.name} exited with status {code}: no worker is left; the chief "
+                                    "stops (exit 4) once none has answered for cluster.timeout_seconds (0: 60 s)")
+                    ps_lost = time.time()
+                    grace = NO_WORKER_GRACE_SECONDS
                 continue
             if code in SAVED_AND_STOPPED and not parameter_server:  # the others save at the same step
                 _say(out, lock, f"launch    {task.name} saved a checkpoint and stopped on a signal (status "
@@ -153,7 +160,7 @@ def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
                 _say(out, lock, f"launch    {task.name} exited with status {code}: stopping every task")
                 _stop_all(tasks)
                 return code if code > 0 else EXIT_CLUSTER  # killed by a signal: the cluster lost a task
-        if ps_lost and time.time() - ps_lost > STOP_GRACE_SECONDS:
+        if ps_lost and time.time() - ps_lost > grace:
             _say(out, lock, "launch    the chief did not stop: stopping every task")
             _stop_all(tasks)
             return EXIT_CLUSTER
