@@ -15,6 +15,14 @@ dies is reported and the chief's coordinator carries on with the rest; a ps task
 worker, makes the chief stop with a message (exit 4), then the launcher stops the rest.
 `launch    pids ...` names every task's process, to stop or kill one as a preemption would.
 
+Network: TensorFlow's gRPC server listens on 0.0.0.0:<port> with insecure credentials, whatever
+address TF_CONFIG names, so any host that reaches the port can run graphs in the task. So the
+launcher runs the tasks in a network namespace of their own with only loopback (`unshare --net`,
+as root or through a user namespace, and `nsenter` for each task), where no other host can reach
+them. A run that needs the network (a gs:// path, the storage emulator) or a system without
+namespaces runs in the host's network: the launcher says so in one line at start
+(`--network open` asks for that).
+
 Exit status: the job's (tpu_llm/fault.py lists the codes); 4 when a task was killed by a signal it
 could not handle (SIGKILL: the cluster lost it); 128 + the signal number when the launcher itself is
 stopped by SIGINT or SIGTERM (130, 143), after every task saved and stopped.
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -87,9 +96,11 @@ class _Task:
             self.proc.terminate()
 
 
-def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] | None = None) -> int:
+def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] | None = None,
+           network: str = "auto") -> int:
     """Start the cluster running `tpu-llm <args>` (or `program + args`), stream its output, and return
-    the exit status of the job."""
+    the exit status of the job. `network`: auto (a loopback-only namespace when the run needs no
+    network and the system allows it) or open (the host's network)."""
     if not args:
         raise UserError("tpu-llm launch needs the command to run after --, e.g. "
                         "`tpu-llm launch --workers 2 -- train --config configs/tiny.yaml`")
@@ -99,9 +110,25 @@ def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] 
     mode = f"parameter_server: chief + {workers} workers + {ps} ps" if ps else f"multi_worker: {workers} workers"
     out.write(f"launch    {mode} on 127.0.0.1 ({json.dumps(cluster)}): tpu-llm {' '.join(args)}\n")
     out.flush()
-    command = (program or [sys.executable, "-m", "tpu_llm"]) + list(args)
-    tasks = [_Task(kind, i, command, cluster, out, lock) for kind, addresses in cluster.items()
-             for i in range(len(addresses))]
+    namespace, why_open = (None, "--network open") if network == "open" else _isolate(args)
+    if namespace:
+        _say(out, lock, "launch    network: the tasks run in their own network namespace with only loopback; no other "
+                        "host can reach their ports")
+    else:
+        _say(out, lock, f"launch    warning: the cluster's ports are open to the network ({why_open}): TensorFlow's "
+                        "gRPC servers listen on 0.0.0.0 without authentication, and its distributed runtime "
+                        "requires a trusted network")
+    command = (namespace.enter if namespace else []) + (program or [sys.executable, "-m", "tpu_llm"]) + list(args)
+    try:
+        tasks = [_Task(kind, i, command, cluster, out, lock) for kind, addresses in cluster.items()
+                 for i in range(len(addresses))]
+        return _run(tasks, ps, out, lock)
+    finally:
+        if namespace:
+            namespace.close()
+
+
+def _run(tasks: list[_Task], ps: int, out, lock) -> int:
     # the pids let a user (or a test) stop or kill one task of the cluster, as a preemption would
     _say(out, lock, "launch    pids " + ", ".join(f"{t.name}={t.proc.pid}" for t in tasks))
     received = []  # the signal that stops the launcher: it exits with 128 + its number, as a shell reports
@@ -170,6 +197,68 @@ def _supervise(tasks: list[_Task], parameter_server: bool, out, lock) -> int:
         time.sleep(0.2)
 
 
+NETWORK_HINTS = ("gs://", "http://", "https://")  # a run reading or writing these needs the host's network
+
+# Runs in the new namespace: brings its loopback interface up (it starts down), says so, and keeps
+# the namespace alive until the launcher closes its stdin (also when the launcher dies).
+_HOLDER = r"""
+import fcntl, socket, struct, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH22x", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]  # SIOCGIFFLAGS
+fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))  # SIOCSIFFLAGS: IFF_UP
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+class _Namespace:
+    """A network namespace with only loopback, held open by a small process; `enter` is the command
+    prefix that runs a program inside it."""
+
+    def __init__(self, as_root: bool):
+        user = [] if as_root else ["--map-root-user"]  # an unprivileged user needs a user namespace too
+        self.holder = subprocess.Popen(["unshare", "--net", *user, sys.executable, "-c", _HOLDER],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+        ready = self.holder.stdout.readline().strip() == "ready"
+        if not ready:
+            self.close()
+            raise OSError(self.holder.stderr.read().strip().splitlines()[-1:] or "no namespace")
+        ns = f"/proc/{self.holder.pid}/ns"
+        self.enter = ["nsenter", f"--net={ns}/net"] if as_root else \
+            ["nsenter", "--preserve-credentials", f"--user={ns}/user", f"--net={ns}/net"]
+
+    def close(self) -> None:
+        if self.holder.poll() is None:
+            self.holder.stdin.close()
+            try:
+                self.holder.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.holder.kill()
+                self.holder.wait()
+
+
+def _isolate(args: list[str]) -> tuple[_Namespace | None, str]:
+    """(a loopback-only network namespace for the tasks, None) or (None, why the network stays open)."""
+    texts = list(args)
+    for i, arg in enumerate(args):  # the config file may name gs:// paths too
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else \
+            (args[i + 1] if arg == "--config" and i + 1 < len(args) else None)
+        if path and os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                texts.append(f.read())
+    if any(hint in text for text in texts for hint in NETWORK_HINTS):
+        return None, "the run reads or writes a remote location"
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return None, "STORAGE_EMULATOR_HOST is set"
+    if not sys.platform.startswith("linux") or not (shutil.which("unshare") and shutil.which("nsenter")):
+        return None, "no unshare/nsenter here to give the tasks a network namespace of their own"
+    try:
+        return _Namespace(as_root=os.geteuid() == 0), ""
+    except OSError as e:
+        return None, f"this system does not allow a network namespace: {str(e)[:120]}"
+
+
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -215,5 +304,8 @@ def main(argv: list[str]) -> int:
         own, args = argv[:split], argv[split + 1:]
     else:
         own, args = argv, []
+    parser.add_argument("--network", choices=("auto", "open"), default="auto",
+                        help="auto (default): the tasks get a network namespace with only loopback when the run "
+                             "needs no network and the system allows it; open: the host's network")
     options = parser.parse_args(own)
-    return launch(options.workers, options.ps, args)
+    return launch(options.workers, options.ps, args, network=options.network)
