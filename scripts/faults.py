@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this process reads checkpoints with TensorFlow too
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY, LOOP = 24, 8, 4
 TIMEOUT = 240  # seconds for one process; a process still running then is a hang
@@ -437,7 +438,8 @@ ROWS = [
         damaged_checkpoint_row(lambda d: (d / "checkpoint").write_text(""), "state file")),
     Row("corrupt-tokenizer", "torn tokenizer.json in the run directory", "exit 2, one line naming tokenizer.json; "
         "the run directory unchanged", refused_row(corrupted_tokenizer, "tokenizer.json")),
-    Row("truncated-shard", "truncated TFRecord training shard", "exit 2, one line naming the shard; nothing written",
+    Row("truncated-shard", "truncated TFRecord training shard (TF reads it as if it ended there)",
+        "exit 2, one line naming the shard (its records disagree with meta.json); nothing written",
         refused_row(truncated_shard, "data-00000-of-00002.tfrecord")),
     Row("full-disk", "full disk (640 KB tmpfs run directory)", "exit 2, one line (free space); the newest "
         "checkpoint readable", full_disk),
