@@ -238,7 +238,8 @@ def upload_dir(local_dir: str, url: str, overwrite: bool = False, client=None,
             what = " and ".join([f"{len(changed)} file(s) with other content (e.g. {changed[0]})"] * bool(changed)
                                 + [f"{len(extra)} stale object(s) of the kind uploaded, not in {local_dir} "
                                    f"(e.g. {extra[0]})"] * bool(extra))
-            fix = " and ".join(["replace the changed files"] * bool(changed) + ["delete the stale objects"] * bool(extra))
+            fix = " and ".join(["replace the changed files"] * bool(changed)
+                               + ["delete the stale objects"] * bool(extra))
             raise UserError(f"upload: {url} already holds {what}; pass --overwrite (make data-upload "
                             f"OVERWRITE=1) to {fix}, or upload to another location")
         if extra and progress:  # said before anything is deleted
@@ -467,8 +468,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("upload", help="upload a directory (resumable; skips files already uploaded)")
     s.add_argument("local_dir")
     s.add_argument("url")
-    s.add_argument("--overwrite", action="store_true", help="replace different objects and delete stale ones of the kind uploaded "
-                                                          "(other shards, an old tokenizer); never the bucket root")
+    s.add_argument("--overwrite", action="store_true", help="replace different objects and delete stale ones of the "
+                   "kind uploaded (other shards, an old tokenizer); never the bucket root")
     s = sub.add_parser("download", help="download a gs:// directory (skips files already downloaded)")
     s.add_argument("url")
     s.add_argument("local_dir")
