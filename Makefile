@@ -25,7 +25,7 @@ TPU := $(PYTHON) scripts/tpu.py
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: train test bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
+.PHONY: train test faults bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/t
 
 test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks), two pytest-xdist workers
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+
+faults: $(STAMP)  ## fault injection into tiny real runs (signals, kills, torn files, NaN, full disk); docs/faults.md
+	$(BIN)/python scripts/faults.py
 
 bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm
 	$(BIN)/tpu-llm bench

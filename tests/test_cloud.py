@@ -154,6 +154,34 @@ def test_upload_conflicts_need_overwrite(bucket, tmp_path):
     assert blobs == {"shards/a.tfrecord": b"changed"}
 
 
+def test_overwrite_deletes_only_stale_objects_of_the_kind_uploaded(bucket, tmp_path):
+    client = cloud.storage_client().bucket(bucket)
+    kept = {"runs/tiny/checkpoints/ckpt-2.index": b"i", "runs/tiny/checkpoints/checkpoint": b"c",
+            "data/notes.txt": b"n", "data/old/data-00000-of-00001.tfrecord": b"o"}
+    stale = {"data/data-00002-of-00003.tfrecord": b"s", "data/tokenizer.model": b"m"}  # an earlier prepare's
+    for name, data in {**kept, **stale, "data/data-00000-of-00002.tfrecord": b"old"}.items():
+        client.blob(name).upload_from_string(data)
+    local = write_files(tmp_path / "shards", {"data-00000-of-00002.tfrecord": b"new", "data-00001-of-00002.tfrecord":
+                                              b"1", "meta.json": b"{}", "tokenizer.json": b"{}"})
+
+    with pytest.raises(UserError) as e:  # the reproduction: every run in the bucket was deleted
+        cloud.upload_dir(str(local), f"gs://{bucket}", overwrite=True)
+    assert "root of gs://" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError) as e:
+        cloud.upload_dir(str(local), f"gs://{bucket}/data")
+    message = str(e.value)
+    assert "1 file(s) with other content (e.g. data-00000-of-00002.tfrecord) and 2 stale object(s)" in message
+    assert "--overwrite (make data-upload OVERWRITE=1) to replace the changed files and delete the stale objects" \
+        in message
+    said = []
+    report = cloud.upload_dir(str(local), f"gs://{bucket}/data", overwrite=True, progress=said.append)
+    assert report.deleted == ["data-00002-of-00003.tfrecord", "tokenizer.model"]
+    assert said[0] == (f"deleting 2 stale object(s) under gs://{bucket}/data (--overwrite): "
+                       "data-00002-of-00003.tfrecord, tokenizer.model")
+    names = {b.name for b in cloud.storage_client().list_blobs(bucket)}
+    assert set(kept) <= names and not set(stale) & names  # the checkpoints and other folders are untouched
+
+
 def test_list_runs_and_checkpoints(bucket, tmp_path):
     layout = {"a/config.yaml": b"x", "a/checkpoints/checkpoint": b"x", "a/checkpoints/ckpt-200.index": b"x",
               "a/checkpoints/ckpt-200.data-00000-of-00001": b"x", "a/checkpoints/ckpt-100.index": b"x",

@@ -4,6 +4,7 @@ local processes (`tpu-llm launch`), and checkpoints moving between strategies.""
 import glob
 import io
 import json
+import os
 import sys
 import time
 
@@ -217,6 +218,113 @@ def test_launch_fails_fast_when_a_worker_dies(tmp_path):
     assert code == 3 and time.time() - start < 60
     log = out.getvalue()
     assert "[worker 1] up worker 1" in log and "launch    worker 1 exited with status 3: stopping every task" in log
+
+
+SLEEPING_TASK = """
+import json, os, signal, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+print("up", task["type"], task["index"], flush=True)
+if task["type"] == os.environ.get("DIE", "-"):
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+def test_launch_exits_with_128_plus_the_signal_and_4_for_a_killed_chief(tmp_path, monkeypatch):
+    import os
+    import signal
+    import threading
+
+    out = io.StringIO()
+
+    def terminate_when_up():  # SIGTERM to the launcher (this process) once both tasks run
+        deadline = time.time() + 60
+        while out.getvalue().count("] up ") < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_when_up, daemon=True).start()
+    assert launch.launch(2, 0, ["-c", SLEEPING_TASK], out=out, program=[sys.executable]) == 143, out.getvalue()
+    assert "launch    SIGTERM: stopping every task" in out.getvalue()
+
+    monkeypatch.setenv("DIE", "chief")  # a parameter-server chief killed by SIGKILL: the cluster lost a task
+    out = io.StringIO()
+    assert launch.launch(1, 1, ["-c", SLEEPING_TASK], out=out, program=[sys.executable]) == 4, out.getvalue()
+    assert "launch    chief 0 was killed by SIGKILL: the cluster lost its chief" in out.getvalue()
+
+
+LISTENING_TASK = """
+import json, os, socket, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+port = int(config["cluster"]["worker"][config["task"]["index"]].rsplit(":", 1)[1])
+server = socket.socket()
+server.bind(("0.0.0.0", port))  # what TensorFlow's gRPC server does, whatever TF_CONFIG says
+server.listen()
+print("up", port, flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+"""
+
+
+def listening_ports(pid: str = "self") -> dict[int, str]:
+    """port -> local address of the TCP sockets listening in the network namespace of process `pid`
+    (what `ss -ltn` shows there), from /proc/<pid>/net/tcp."""
+    ports = {}
+    with open(f"/proc/{pid}/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A":  # LISTEN
+                address, port = local.split(":")
+                ports[int(port, 16)] = ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    return ports
+
+
+def launch_listening_tasks(tmp_path, extra=()):
+    """Two fake tasks that listen on 0.0.0.0 at their TF_CONFIG ports; returns (exit code, log, {pid: port}
+    as seen inside each task's namespace, the ports listening in this process's namespace meanwhile)."""
+    import threading
+
+    done, out, seen = tmp_path / f"done-{len(extra)}", io.StringIO(), {}
+
+    def look():
+        deadline = time.time() + 60
+        while out.getvalue().count("] up ") < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        try:
+            line = next(line for line in out.getvalue().splitlines() if line.startswith("launch    pids "))
+            pids = [item.split("=")[1] for item in line[len("launch    pids "):].split(", ")]
+            seen["inside"] = {pid: listening_ports(pid) for pid in pids}
+            seen["outside"] = listening_ports()
+        finally:
+            done.touch()
+
+    threading.Thread(target=look, daemon=True).start()
+    code = launch.launch(2, 0, ["-c", LISTENING_TASK, str(done), *extra], out=out, program=[sys.executable])
+    ports = [int(line.split()[-1]) for line in out.getvalue().splitlines() if "] up " in line]
+    return code, out.getvalue(), ports, seen
+
+
+def test_a_local_cluster_listens_only_in_its_own_network_namespace(tmp_path):
+    import shutil
+    import subprocess
+
+    if not (shutil.which("unshare") and shutil.which("nsenter")) or subprocess.run(
+            ["unshare", "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]), "true"]).returncode:
+        pytest.skip("this system gives no network namespace (unshare --net fails)")
+    code, log, ports, seen = launch_listening_tasks(tmp_path)
+    assert code == 0, log
+    assert len(ports) == 2 and len(seen["inside"]) == 2
+    for pid, listening in seen["inside"].items():  # each task listens on 0.0.0.0 inside the namespace ...
+        assert any(listening.get(port) == "0.0.0.0" for port in ports), (pid, listening, ports)
+    assert not set(ports) & set(seen["outside"])  # ... and nothing listens on those ports in the host's network
+    assert "launch    network: the tasks run in their own network namespace with only loopback" in log
+
+    code, log, ports, seen = launch_listening_tasks(tmp_path, extra=["--run_dir=gs://bucket/run"])  # needs the network
+    assert code == 0, log
+    assert ("launch    warning: the cluster's ports are open to the network (the run reads or writes a remote "
+            "location): TensorFlow's gRPC servers listen on 0.0.0.0 without authentication, and its distributed "
+            "runtime requires a trusted network") in log
+    assert all(seen["outside"].get(port) == "0.0.0.0" for port in ports), (ports, seen["outside"])
 
 
 def test_launch_usage_errors(capsys):

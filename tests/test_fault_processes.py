@@ -157,10 +157,16 @@ def test_runs_killed_mid_run_or_mid_save_resume_to_exactly_the_uninterrupted_res
 # ---- parameter server: a worker killed, then a ps task --------------------------------------------
 
 
-def test_parameter_server_training_survives_a_lost_worker_and_stops_cleanly_on_a_lost_ps(tmp_path, procs):
+def chief_step(text: str) -> int:
+    lines = [line for line in text.splitlines() if line.startswith("[chief 0] step ")]
+    return int(lines[-1].split()[3].split("/")[0]) if lines else -1
+
+
+def test_parameter_server_training_survives_a_lost_worker_and_stops_cleanly_without_workers_or_ps(tmp_path, procs):
     write_corpus(tmp_path / "corpus")
     common = ["train", f"--run_dir={tmp_path / 'run'}", f"--data.train={tmp_path / 'corpus' / '*.txt'}", *TINY,
-              "--train.batch_size=8", "--train.steps_per_loop=2", "--checkpoint.every_steps=10"]
+              "--train.batch_size=8", "--train.steps_per_loop=2", "--checkpoint.every_steps=10",
+              "--cluster.timeout_seconds=5"]  # how long the chief waits for a worker to answer again
 
     def cluster(name, steps):
         procs.append(Proc(tmp_path / f"{name}.log", ["launch", "--workers", "2", "--ps", "1", "--", *common,
@@ -171,22 +177,33 @@ def test_parameter_server_training_survives_a_lost_worker_and_stops_cleanly_on_a
         line = next(line for line in text.splitlines() if line.startswith("launch    pids "))
         return dict(item.split("=") for item in line[len("launch    pids "):].split(", "))
 
-    first = cluster("first", 40)
+    def errors(text):
+        return [line for line in text.splitlines() if line.startswith("[chief 0] error: ")]
+
+    first = cluster("first", 4000)  # one worker killed: the other goes on; then the last one: the chief stops
     text = first.wait_for(lambda t: "[chief 0] step" in t, "the chief's first steps")
     os.kill(int(pids(text)["worker 1"]), signal.SIGKILL)
-    assert first.wait() == 0, first.text[-5000:]
+    killed_at = chief_step(first.wait_for(lambda t: "launch    worker 1 exited" in t, "worker 1's end"))
     assert "launch    worker 1 exited with status -9; the chief's coordinator goes on" in first.text
-    assert "[chief 0] done      step 40:" in first.text  # the final step, with one worker left
-    assert tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints")).endswith("ckpt-40")
+    first.wait_for(lambda t: chief_step(t) >= killed_at + 20, "steps with one worker left")
+    os.kill(int(pids(text)["worker 0"]), signal.SIGKILL)
+    lost = time.monotonic()
+    assert first.wait() == 4, first.text[-5000:]
+    assert time.monotonic() - lost < 60, "the chief did not notice that no worker was left"
+    assert "launch    worker 0 exited with status -9: no worker is left; the chief stops (exit 4)" in first.text
+    latest = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    [error] = errors(first.text)
+    assert "the cluster lost worker 0, worker 1 (UnavailableError: no worker is left to run steps)" in error, error
+    assert error.endswith(f"every task stops; restart the whole job with the same command to resume from {latest}")
 
-    second = cluster("second", 400)  # resumes; then its ps task is killed
+    second = cluster("second", 4000)  # resumes; then its ps task is killed
     text = second.wait_for(lambda t: "[chief 0] step" in t, "the chief's first steps")
-    assert f"resumed   from {tmp_path / 'run' / 'checkpoints' / 'ckpt-40'} at step 40" in text
+    assert f"resumed   from {latest} at step {latest.rsplit('-', 1)[1]}" in text
     os.kill(int(pids(text)["ps 0"]), signal.SIGKILL)
     assert second.wait() == 4, second.text[-5000:]
-    errors = [line for line in second.text.splitlines() if line.startswith("[chief 0] error: ")]
-    assert len(errors) == 1 and "the cluster lost ps 0" in errors[0], second.text[-5000:]
-    assert "every task stops; restart the whole job with the same command to resume from " in errors[0]
+    [error] = errors(second.text)
+    assert "the cluster lost ps 0" in error, second.text[-5000:]
+    assert "every task stops; restart the whole job with the same command to resume from " in error
 
 
 # ---- multi-worker: a peer preempted, then a peer killed -------------------------------------------

@@ -206,6 +206,27 @@ def test_network_has_private_google_access_and_nat(tf):
         assert "0.0.0.0/0" not in json.dumps(rule.get("source_ranges", "")), f"firewall {name} is open to the world"
 
 
+def test_worker_ports_are_open_only_inside_the_subnet(tf):
+    """TensorFlow's gRPC servers listen on every interface without authentication (its distributed
+    runtime assumes a trusted network): no firewall rule may let anything outside the TPU subnet
+    reach them. The only ingress from outside the subnet is SSH (tcp:22) from ssh_source_ranges."""
+    subnet_range = tf["resource"]["google_compute_subnetwork"]["tpu"]["ip_cidr_range"]
+    assert subnet_range == "${var.network_cidr}"
+    rules = tf["resource"]["google_compute_firewall"]
+    assert any(rule["source_ranges"] == [subnet_range] for rule in rules.values())  # the workers reach each other
+    for name, rule in rules.items():
+        assert unquote(rule.get("direction", '"INGRESS"')) == "INGRESS", f"firewall {name}: only ingress rules here"
+        assert not {"source_tags", "source_service_accounts", "target_tags"} & set(rule), name
+        if rule["source_ranges"] == [subnet_range]:
+            continue  # inside the subnet: the workers' TF ports, ssh between workers
+        allowed = [(unquote(a["protocol"]), [unquote(p) for p in a.get("ports", [])]) for a in rule["allow"]]
+        assert rule["source_ranges"] == "${var.ssh_source_ranges}" and allowed == [("tcp", ["22"])], (
+            f"firewall {name} opens {allowed} to {rule['source_ranges']}: worker ports must stay inside the subnet")
+        assert "deny" not in rule
+    ssh = tf["variable"]["ssh_source_ranges"]["validation"][0]["condition"]
+    assert '"0.0.0.0/0"' in ssh  # the SSH range can never be the whole internet
+
+
 def test_service_account_has_no_primitive_project_role(tf):
     assert "google_project_iam_binding" not in tf["resource"] and "google_project_iam_policy" not in tf["resource"]
     members = tf["resource"]["google_project_iam_member"]

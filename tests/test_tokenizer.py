@@ -171,3 +171,18 @@ def test_a_sentencepiece_model_path_that_is_a_directory_is_one_line(tmp_path):
 def test_missing_names_the_characters_a_char_vocabulary_lacks():
     assert CharTokenizer("Helo !").missing("Hello Жук €!") == ["Ж", "у", "к", "€"]
     assert ByteTokenizer().missing("Hello Жук €!") == []
+
+
+def test_a_torn_tokenizer_file_is_one_line_exit_2_and_the_run_directory_is_untouched(tmp_path, capsys):
+    """A tokenizer.json cut short by a kill or a full disk (the torn file `make faults` writes)."""
+    from tpu_llm import cli
+
+    write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / SPEC_FILE).write_text('{"kind": "byte", "vocab')
+    assert cli.main(["train", f"--run_dir={run}", f"--data.train={tmp_path / 'corpus' / '*.txt'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run / SPEC_FILE} is not a readable tokenizer file (") and err.count("\n") == 1, err
+    assert "move the run directory away to start over" in err
+    assert [p.name for p in run.iterdir()] == [SPEC_FILE] and (run / SPEC_FILE).read_text() == '{"kind": "byte", "vocab'

@@ -142,3 +142,25 @@ def test_a_different_sentencepiece_model_is_refused_on_resume(tmp_path):
     with pytest.raises(UserError, match="different SentencePiece model"):
         train(cfg_for(tmp_path / "run", **sp, **{"data.tokenizer_model": str(tmp_path / "b.model")}), say=quiet)
     assert snapshot(tmp_path / "run") == before
+
+
+def test_a_resume_logs_every_step_once_in_metrics_and_tensorboard(tmp_path):
+    """Resumed from step 2 after ckpt-4 was lost: the entries of steps 3-4 the first run logged are
+    dropped (metrics.jsonl and the TensorBoard event files), so each step is logged once."""
+    cfg = cfg_for(tmp_path / "run", **{"train.steps": 4, "train.steps_per_loop": 2, "checkpoint.every_steps": 2,
+                                       "train.eval_every": 2})
+    train(cfg, say=quiet)
+    for path in (tmp_path / "run" / "checkpoints").glob("ckpt-4.*"):
+        path.unlink()  # the newest checkpoint is lost: the next run resumes from ckpt-2
+    said = []
+    train(cfg, say=said.append)
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(m["split"], m["step"]) for m in lines] == [("train", 2), ("validation", 2), ("train", 4),
+                                                         ("validation", 4), ("summary", 4)]
+    for split in ("train", "validation"):
+        steps = [event.step for path in sorted((tmp_path / "run" / "logs" / split).glob("events.out.tfevents.*"))
+                 for event in tf.compat.v1.train.summary_iterator(str(path))
+                 if any(value.tag == "loss" for value in event.summary.value)]
+        assert steps == [2, 4], (split, steps)
+    assert any(line.startswith("resumed   from") for line in said)
+    assert any(line.startswith("metrics   dropped 3 entries logged after step 2") for line in said), said

@@ -7,7 +7,7 @@
   tokenizer.json       the tokenizer (+ tokenizer.model for SentencePiece)
   checkpoints/         tf.train.CheckpointManager: model, optimizer, step, dropout RNG, data position
   logs/train, logs/validation   TensorBoard summaries
-  metrics.jsonl        one JSON line per logged loop and evaluation (appended, never rewritten)
+  metrics.jsonl        one JSON line per logged loop and evaluation (appended; a resume drops the lines after its step)
 
 Re-using a run directory resumes it. `check_run_dir` refuses a non-empty directory that is not a
 tpu-llm run and a run made by another model; `record_run` writes the marker, config and tokenizer,

@@ -167,6 +167,26 @@ def _remote_blobs(client, bucket_name: str, prefix: str) -> dict[str, object]:
             if not b.name.endswith("/")}
 
 
+# written beside the shards by `tpu-llm data prepare`: one kind, so a stale tokenizer.model goes with them
+SHARD_COMPANIONS = ("meta.json", "tokenizer.json", "tokenizer.model")
+
+
+def _kind(name: str) -> str:
+    """'data-00001-of-00004.tfrecord' -> '.tfrecord'; a shard companion -> 'shard companion'; '' if none."""
+    if name in SHARD_COMPANIONS:
+        return "shard companion"
+    return "." + name.split(".", 1)[1] if "." in name.strip(".") else ""
+
+
+def _same_kind(rel: str, files: dict[str, str]) -> bool:
+    """Whether the remote object `rel` is of a kind the upload writes: in a folder that receives local
+    files, with the same kind as one of them. Only such objects may be deleted by --overwrite."""
+    folder, name = rel.rpartition("/")[::2]
+    kind = _kind(name)
+    return bool(kind) and any(local.rpartition("/")[0] == folder and _kind(local.rpartition("/")[2]) == kind
+                              for local in files)
+
+
 @dataclasses.dataclass
 class TransferReport:
     transferred: list[str] = dataclasses.field(default_factory=list)
@@ -191,14 +211,19 @@ def upload_dir(local_dir: str, url: str, overwrite: bool = False, client=None,
     """Upload every file under `local_dir` to `url` (gs://bucket/prefix), keeping relative paths.
 
     Files already at the destination with the same MD5 are skipped: re-running an interrupted upload
-    resumes it. A destination object with other content, or an object that is not in `local_dir`,
-    stops the upload with a UserError unless `overwrite` (which replaces the first and deletes the
-    second, so the destination ends up equal to `local_dir`).
+    resumes it. A destination object with other content, or a stale object of the kind being
+    uploaded (`_same_kind`: e.g. a shard of an earlier `--shards` count, an old tokenizer.model),
+    stops the upload with a UserError unless `overwrite`, which replaces the first and deletes the
+    second. Nothing else under the prefix is touched (a run directory's checkpoints beside the
+    shards stay), and `overwrite` refuses the bucket's root, where other runs live.
     """
     if not os.path.isdir(local_dir):
         raise UserError(f"upload: {local_dir!r} is not a directory; run `tpu-llm data prepare --output "
                         f"{local_dir}` first")
     bucket_name, prefix = parse_gs_url(url)
+    if overwrite and not prefix:
+        raise UserError(f"upload --overwrite into the root of gs://{bucket_name} could delete other runs' objects; "
+                        f"upload to a folder such as gs://{bucket_name}/shards")
     client = client or storage_client()
     check_bucket_writable(url, client)
     files = _local_files(local_dir)
@@ -208,12 +233,18 @@ def upload_dir(local_dir: str, url: str, overwrite: bool = False, client=None,
     with _Errors(f"uploading {local_dir} to {url}", url):
         remote = _remote_blobs(client, bucket_name, prefix)
         changed = [rel for rel, path in files.items() if rel in remote and remote[rel].md5_hash != _md5_b64(path)]
-        extra = sorted(set(remote) - set(files))
+        extra = sorted(rel for rel in set(remote) - set(files) if _same_kind(rel, files))
         if (changed or extra) and not overwrite:
-            what = f"{len(changed)} file(s) with other content (e.g. {changed[0]})" if changed else \
-                f"{len(extra)} object(s) not in {local_dir} (e.g. {extra[0]})"
+            what = " and ".join([f"{len(changed)} file(s) with other content (e.g. {changed[0]})"] * bool(changed)
+                                + [f"{len(extra)} stale object(s) of the kind uploaded, not in {local_dir} "
+                                   f"(e.g. {extra[0]})"] * bool(extra))
+            fix = " and ".join(["replace the changed files"] * bool(changed)
+                               + ["delete the stale objects"] * bool(extra))
             raise UserError(f"upload: {url} already holds {what}; pass --overwrite (make data-upload "
-                            "OVERWRITE=1) to replace them, or upload to another location")
+                            f"OVERWRITE=1) to {fix}, or upload to another location")
+        if extra and progress:  # said before anything is deleted
+            progress(f"deleting {len(extra)} stale object(s) under {url} (--overwrite): {', '.join(extra[:10])}"
+                     + (f" and {len(extra) - 10} more" if len(extra) > 10 else ""))
         for rel, path in files.items():
             name = f"{prefix}/{rel}" if prefix else rel
             blob = remote.get(rel)
@@ -437,7 +468,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("upload", help="upload a directory (resumable; skips files already uploaded)")
     s.add_argument("local_dir")
     s.add_argument("url")
-    s.add_argument("--overwrite", action="store_true", help="replace different objects, delete extra ones")
+    s.add_argument("--overwrite", action="store_true", help="replace different objects and delete stale ones of the "
+                   "kind uploaded (other shards, an old tokenizer); never the bucket root")
     s = sub.add_parser("download", help="download a gs:// directory (skips files already downloaded)")
     s.add_argument("url")
     s.add_argument("local_dir")

@@ -180,13 +180,40 @@ def say_now(text: str) -> None:
 
 
 class MetricsLog:
-    """TensorBoard summaries plus an append-only metrics.jsonl in the run directory (chief only)."""
+    """TensorBoard summaries plus metrics.jsonl in the run directory (chief only).
 
-    def __init__(self, run_dir: str, enabled: bool = True):
+    Both hold one history, that of the steps the run's weights went through: a run resumed from (or
+    rolled back to) step S first drops every entry past S (`truncate`), since those steps are done
+    again, with other values after a rollback or a changed config. So no step is logged twice, and
+    readers need no rule for duplicates. metrics.jsonl is rewritten atomically (a new file renamed
+    over it); TensorBoard's event files are rewritten likewise, keeping the events up to S.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool = True, resume_step: int | None = None):
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.enabled = enabled
+        self.logs = os.path.join(run_dir, "logs")
+        self.enabled, self.writers = enabled, {}
+        self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
         self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
                         for split in ("train", "validation")} if enabled else {}
+
+    def truncate(self, step: int) -> int:
+        """Drop the entries logged after `step` from metrics.jsonl and the event files; returns how
+        many metrics.jsonl lines went."""
+        if not self.enabled:
+            return 0
+        self.flush()
+        dropped = 0
+        if tf.io.gfile.exists(self.path):
+            with tf.io.gfile.GFile(self.path) as f:
+                lines = f.read().splitlines(keepends=True)
+            kept = [line for line in lines if _logged_step(line) is not None and _logged_step(line) <= step]
+            if len(kept) < len(lines):  # (a line torn by a kill mid-write goes too)
+                dropped = len(lines) - len(kept)
+                _replace(self.path, lambda f: f.write("".join(kept)))
+        for path in tf.io.gfile.glob(os.path.join(self.logs, "*", "events.out.tfevents.*")):
+            _truncate_events(path, step)
+        return dropped
 
     def write(self, split: str, step: int, values: dict) -> None:
         if not self.enabled:
@@ -201,6 +228,40 @@ class MetricsLog:
     def flush(self) -> None:
         for w in self.writers.values():
             w.flush()
+
+
+def _logged_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _replace(path: str, write) -> None:
+    """Write `path` anew through a temporary file renamed over it: a kill leaves the old or the new file."""
+    tmp = f"{path}.tmp"
+    with tf.io.gfile.GFile(tmp, "w") as f:
+        write(f)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def _truncate_events(path: str, step: int) -> None:
+    """Rewrite a TensorBoard event file without its events after `step` (if it has any)."""
+    kept, changed = [], False
+    try:
+        for event in tf.compat.v1.train.summary_iterator(path):
+            if event.step > step:
+                changed = True
+            else:
+                kept.append(event.SerializeToString())
+    except tf.errors.DataLossError:  # a record torn by a kill mid-write
+        changed = True
+    if changed:
+        tmp = f"{path}.tmp"
+        with tf.io.TFRecordWriter(tmp) as writer:
+            for record in kept:
+                writer.write(record)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 def evaluate(run: Run) -> float:
@@ -263,7 +324,10 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     if step >= t.steps:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
 
-    log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief)
+    log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief, resume_step=step)  # drops entries past `step`
+    if log.dropped:
+        say(f"metrics   dropped {log.dropped} entries logged after step {step} (metrics.jsonl and TensorBoard): "
+            "the steps after the checkpoint are done again")
     progress = perf.Progress(t.steps, initial=step, label="step ", quiet=not run.dist.is_chief)
     timings = []  # (steps, seconds) of each call
     last = {"loss": float("nan")}

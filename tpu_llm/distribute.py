@@ -27,6 +27,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
+import time
 from typing import Callable
 
 import tensorflow as tf
@@ -36,6 +38,10 @@ from tpu_llm.config import Config
 from tpu_llm.errors import UserError
 
 RUN_HERE = "strategy=auto, mirrored (cpu_devices=N) or default"
+# parameter_server: how long the chief waits for a worker to answer again once none does
+# (cluster.timeout_seconds when set), and how often it looks
+NO_WORKER_SECONDS = 60
+WORKER_PROBE_SECONDS = 1.0
 
 
 @dataclasses.dataclass
@@ -190,6 +196,8 @@ class Distribution:
     task: str = ""  # this process's place in a cluster, e.g. "worker 1 of 2"
     chips: int = 0  # TPU chips in the slice (the published peak is per chip)
     placement: Placement = dataclasses.field(default_factory=Placement)  # pipeline stages -> devices
+    workers: tuple = ()  # parameter_server: the workers' host:port, watched while steps run
+    worker_timeout: float = NO_WORKER_SECONDS  # parameter_server: no worker answers this long -> stop
 
     @property
     def num_replicas(self) -> int:
@@ -226,8 +234,31 @@ class Distribution:
             return [(num_steps, loop(iterator, tf.constant(num_steps)))]
         sizes = [min(chunk, num_steps - start) for start in range(0, num_steps, chunk)]
         pending = [(n, self.coordinator.schedule(loop, args=(iterator, tf.constant(n)))) for n in sizes]
-        self.coordinator.join()
+        self._join()
         return [(n, remote.fetch()) for n, remote in pending]
+
+    def _join(self) -> None:
+        """`coordinator.join()`, except when no worker is left. TF's coordinator puts a dead worker's
+        steps back in its queue and waits, up to an hour per attempt, for a worker to come back; a
+        local worker never does, and the chief would wait in join() for ever, unable even to stop on
+        a signal. So the chief polls `done()` (which raises a step's error, as join() does) and checks
+        that some worker still accepts connections on its port: when none has for `worker_timeout`
+        seconds, the call fails as a lost task (fault.cluster_failure: exit 4)."""
+        silent_since, next_probe = None, time.monotonic() + WORKER_PROBE_SECONDS
+        while not self.coordinator.done():
+            time.sleep(0.02)
+            now = time.monotonic()
+            if not self.workers or now < next_probe:
+                continue
+            next_probe = now + WORKER_PROBE_SECONDS
+            if any(map(_accepts_connections, self.workers)):
+                silent_since = None
+            elif silent_since is None:
+                silent_since = now
+            elif now - silent_since >= self.worker_timeout:
+                tasks = ", ".join(f"/job:worker/replica:0/task:{i}" for i in range(len(self.workers)))
+                raise tf.errors.UnavailableError(None, None, f"no worker is left: {tasks} accepted no connection "
+                                                             f"for {self.worker_timeout:.0f} s")
 
     def peak_flops(self) -> tuple[float, str]:
         """(peak FLOP/s of all replicas together, how it was obtained)."""
@@ -239,6 +270,16 @@ class Distribution:
             return perf.measured_matmul_flops("/GPU:0") * self.num_replicas, "measured /GPU:0 float32 matmul"
         # logical CPU devices share the same cores: the measured matmul already uses all of them
         return perf.measured_matmul_flops("/CPU:0"), "measured CPU float32 matmul of this process"
+
+
+def _accepts_connections(address: str) -> bool:
+    """Whether a TCP connection to host:port succeeds (a worker's TF server is there to answer)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def split_cpu(n: int) -> list[str]:
@@ -281,7 +322,7 @@ def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
     if name == "multi_worker":
         return _multi_worker(cfg, reason, kind, found)
     if name == "parameter_server":
-        return _parameter_server(reason, kind, found)
+        return _parameter_server(reason, kind, found, cfg.cluster.timeout_seconds or NO_WORKER_SECONDS)
     if found.gpus and (name == "mirrored" or per_replica > 1):
         if found.gpus < per_replica:
             raise UserError(f"{_layout(cfg)} need a GPU each; this machine has {found.gpus}; lower "
@@ -342,7 +383,7 @@ def _multi_worker(cfg: Config, reason: str, kind: str, found: Found) -> Distribu
                         is_chief=_is_chief(found), task=f"{found.task[0]} {found.task[1]} of {workers} workers")
 
 
-def _parameter_server(reason: str, kind: str, found: Found) -> Distribution:
+def _parameter_server(reason: str, kind: str, found: Found, worker_timeout: float) -> Distribution:
     if not found.task or found.task[0] != "chief":
         raise UserError("this process is a parameter-server cluster's worker or ps task: start it with "
                         "`tpu-llm train` (it serves) or use `tpu-llm launch --workers N --ps M -- train ...`")
@@ -353,6 +394,7 @@ def _parameter_server(reason: str, kind: str, found: Found) -> Distribution:
     # the variables on the worker's device), so the workers run it as a TF graph.
     return Distribution(strategy, "parameter_server", f"{reason}, ASYNCHRONOUS updates", kind,
                         jit_compile=False, xla="off (variables live on the ps tasks)", coordinator=coordinator,
+                        workers=tuple(found.cluster["worker"]), worker_timeout=worker_timeout,
                         task=f"{found.task[0]} {found.task[1]} of {len(found.cluster['worker'])} workers and "
                              f"{len(found.cluster['ps'])} ps")
 

@@ -211,7 +211,8 @@ def cluster_failure(error: tf.errors.OpError, me: str, checkpoint: str | None) -
     text = str(error.message)
     lost = sorted({f"{job} {task}" for job, task in re.findall(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)", text)}
                   - {" ".join(me.split()[:2])})
-    why = ("it stopped sending heartbeats" if "heartbeat" in text else
+    why = ("no worker is left to run steps" if "no worker is left" in text else
+           "it stopped sending heartbeats" if "heartbeat" in text else
            "a collective waited longer than cluster.timeout_seconds" if isinstance(error, tf.errors.DeadlineExceededError)
            else "it cannot be reached" if isinstance(error, tf.errors.UnavailableError) else "its work was aborted")
     resume = f"resume from {checkpoint}" if checkpoint else "start again (no checkpoint was saved yet)"
@@ -310,6 +311,7 @@ class Guard:
             if getattr(self.run, "comm", None):  # per-replica residuals / local SGD copies (comm.py)
                 self.run.comm.restore(latest)
             step = int(self.run.optimizer.iterations.numpy())
+            self.log.truncate(step)  # the steps after the checkpoint are done again: logged once (MetricsLog)
             what += f"; rolled back to {latest}, continuing with the batches after the bad ones"
         self.say(f"warning   {what}")
         self.log.write("bad_steps", step, {"bad_steps": out["bad_steps"], "first_bad_step": out["first_bad_step"],

@@ -198,7 +198,16 @@ def load_tokenizer(run_dir: str) -> Tokenizer | None:
     if not tf.io.gfile.exists(path):
         return None
     with tf.io.gfile.GFile(path, "r") as f:
-        spec = json.loads(f.read())
+        text = f.read()
+    try:  # a file torn by a kill or a full disk mid-write must not become a traceback
+        spec = json.loads(text)
+        needs = {"byte": (), "char": ("chars",), "sentencepiece": ("model",)}
+        if spec["kind"] not in needs or any(key not in spec for key in needs[spec["kind"]]):
+            raise ValueError(f"kind {spec['kind']!r} without {needs.get(spec['kind'], ('a known kind',))}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is not a readable tokenizer file ({str(e)[:80]}); restore it from a copy of the run "
+                        "directory (or the shards' tokenizer.json), or move the run directory away to start "
+                        "over") from None
     if spec["kind"] == "byte":
         return ByteTokenizer()
     if spec["kind"] == "char":

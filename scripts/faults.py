@@ -1,0 +1,519 @@
+#!/usr/bin/env python3
+"""`make faults`: inject faults into tiny real runs and print what happened (docs/faults.md).
+
+Each row of ROWS starts real `python -m tpu_llm` processes (a 2-layer model, 24 steps of 4 x 16
+tokens, a checkpoint every 8 steps), injects one fault (a signal at a chosen moment, a killed task
+of a cluster, a truncated or corrupted file, NaN gradients, a full disk) and checks the outcome:
+
+  expected   what the run must do (exit status and the line it prints)
+  observed   what it did
+  lost       whether anything was lost: the final weights' fingerprint (metrics.jsonl's summary)
+             and every step's loss against an uninterrupted run of the same config, or, for a run
+             that must refuse to start, the run directory's file hashes before and after
+
+Every process has a timeout: a hang is a failure. The table ends with a count of rows as expected;
+the exit status is 1 if any row is not.
+
+    python scripts/faults.py                 # every row, two at a time (FAULTS_JOBS=N to change)
+    python scripts/faults.py -k nan -k sigterm   # rows whose name contains one of the words
+    python scripts/faults.py --list
+
+Needs Linux; the full-disk row mounts a small tmpfs and is skipped (with the reason) when this user
+may not mount one. It is not part of `make test`: it runs ~60 TensorFlow processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this process reads checkpoints with TensorFlow too
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, EVERY, LOOP = 24, 8, 4
+TIMEOUT = 240  # seconds for one process; a process still running then is a hang
+TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.max_len=32", "--model.dropout=0.1",
+        "--data.seq_len=16", "--data.shuffle_buffer=64", "--train.batch_size=4", "--train.warmup_steps=1",
+        f"--train.decay_steps={STEPS}", f"--train.steps_per_loop={LOOP}", f"--checkpoint.every_steps={EVERY}",
+        "--train.eval_every=0", "--train.eval_steps=2", "--sample.num_samples=0"]
+CLUSTER = [f"--train.batch_size=8", "--train.steps_per_loop=2", "--cluster.timeout_seconds=10"]
+
+# Runs tpu_llm's CLI with a hook in TF's checkpoint bookkeeping: when checkpoint FAULT_SAVE is being
+# recorded (its files are written; the state file is written last), send FAULT_SIGNAL to itself.
+IN_SAVE = """
+import os, signal, sys
+from tensorflow.python.checkpoint import checkpoint_management as cm
+record = cm.update_checkpoint_state_internal
+def hooked(save_dir, model_checkpoint_path, *args, **kwargs):
+    if model_checkpoint_path.endswith("ckpt-" + os.environ["FAULT_SAVE"]):
+        os.kill(os.getpid(), getattr(signal, os.environ["FAULT_SIGNAL"]))
+    return record(save_dir, model_checkpoint_path, *args, **kwargs)
+cm.update_checkpoint_state_internal = hooked
+from tpu_llm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+# Runs tpu_llm's CLI with NaN loss and gradients on every replica at optimizer step FAULT_NAN_STEP
+# (0-based), once: what a bad batch or an overflow does to a step.
+NAN = """
+import os, sys
+import tensorflow as tf
+from tpu_llm.train import Trainer
+original = Trainer._loss_and_grads_fn
+at = int(os.environ["FAULT_NAN_STEP"])
+def poisoned(self, inputs, targets):
+    loss, grads = original(self, inputs, targets)
+    bad = tf.equal(tf.cast(self.optimizer.iterations, tf.int32), at)
+    nan = tf.constant(float("nan"))
+    return tf.where(bad, nan, loss), [tf.where(bad, nan, g) for g in grads]
+Trainer._loss_and_grads_fn = poisoned
+from tpu_llm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+# ---- processes ------------------------------------------------------------------------------------
+
+
+class Hang(Exception):
+    pass
+
+
+class Proc:
+    """A `python -m tpu_llm ...` (or `python -c CODE ...`) process, its output in a file."""
+
+    def __init__(self, log: Path, args: list[str], code: str | None = None, env: dict | None = None):
+        self.log = log
+        prefix = ["-c", code] if code else ["-m", "tpu_llm"]
+        environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", **(env or {})}
+        environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, *prefix, *args], cwd=ROOT, env=environment, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, predicate: Callable[[str], bool], what: str) -> str:
+        deadline = time.time() + TIMEOUT
+        while time.time() < deadline:
+            text = self.text
+            if predicate(text):
+                return text
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited ({self.proc.returncode}) before {what}: {last_lines(text)}")
+            time.sleep(0.05)
+        self.kill()
+        raise Hang(f"no {what} within {TIMEOUT} s")
+
+    def wait(self) -> int:
+        try:
+            return self.proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise Hang(f"still running after {TIMEOUT} s: {last_lines(self.text)}") from None
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: a launcher's tasks too
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+def last_lines(text: str, n: int = 2) -> str:
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(("W0", "E0", "I0"))]
+    return " | ".join(lines[-n:])[-400:]
+
+
+def progress(text: str) -> int:
+    """The newest step of a progress line ('step  12/24 ...', or '[chief 0] step ...')."""
+    steps = [line.split("step", 1)[1].split("/")[0].strip() for line in text.splitlines()
+             if line.startswith(("step ", "[chief 0] step ", "[worker 0] step "))]
+    return int(steps[-1]) if steps and steps[-1].isdigit() else -1
+
+
+def error_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.startswith(("error:", "stopped:", "[chief 0] error:",
+                                                                    "[worker 0] error:"))]
+    return lines[-1] if lines else ""
+
+
+def has_traceback(text: str) -> bool:
+    return "Traceback (most recent call last)" in text
+
+
+# ---- the run directory ----------------------------------------------------------------------------
+
+
+def tree_hash(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def logged(run_dir: Path) -> tuple[dict[int, float], str | None]:
+    """(step -> training loss, the final fingerprint) from metrics.jsonl."""
+    losses, fingerprint = {}, None
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        entry = json.loads(line)
+        if entry["split"] == "train":
+            losses[entry["step"]] = entry["loss"]
+        elif entry["split"] == "summary":
+            fingerprint = entry.get("fingerprint")
+    return losses, fingerprint
+
+
+def checkpoint_finite(run_dir: Path) -> tuple[str | None, int]:
+    """(the newest readable checkpoint, how many of its float tensors hold NaN or inf)."""
+    import numpy as np
+    import tensorflow as tf
+
+    latest = tf.train.latest_checkpoint(str(run_dir / "checkpoints"))
+    if not latest:
+        return None, 0
+    reader = tf.train.load_checkpoint(latest)
+    bad = 0
+    for name, dtype in reader.get_variable_to_dtype_map().items():
+        if dtype.is_floating:
+            bad += int(not np.all(np.isfinite(reader.get_tensor(name))))
+    return latest, bad
+
+
+@dataclasses.dataclass
+class Outcome:
+    observed: str
+    ok: bool  # as expected
+    lost: str  # "no" | "YES: ..." | "-" (not applicable)
+
+
+class Bench:
+    """The shared pieces of every row: the corpus, the command lines, the uninterrupted reference."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        corpus = work / "corpus"
+        corpus.mkdir(parents=True, exist_ok=True)
+        rng = random.Random(0)
+        words = ("the quick brown fox jumps over the lazy dog; héllo wörld, naïve café. 日本語 Ελληνικά "
+                 "русский ✓ ∑ x² def add(a, b): return a + b").split()
+        for i in range(3):
+            (corpus / f"doc{i}.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(12))
+                                                          for _ in range(80)) + "\n", encoding="utf-8")
+        self.corpus = str(corpus / "*.txt")
+        self.reference: tuple[dict[int, float], str | None] | None = None
+
+    def train_args(self, run_dir: Path, steps: int = STEPS, *extra: str) -> list[str]:
+        return ["train", f"--run_dir={run_dir}", f"--data.train={self.corpus}", *TINY, f"--train.steps={steps}",
+                *extra]
+
+    def dir(self, name: str) -> Path:
+        path = self.work / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def compare(self, run_dir: Path) -> str:
+        """'no' if run_dir's losses and final weights equal the uninterrupted run's, else what differs."""
+        losses, fingerprint = logged(run_dir)
+        ref_losses, ref_fingerprint = self.reference
+        if fingerprint != ref_fingerprint:
+            first = next((s for s in sorted(ref_losses) if losses.get(s) != ref_losses[s]), None)
+            return f"YES: final weights differ from the uninterrupted run (losses from step {first})"
+        if losses != ref_losses:
+            return "YES: the logged losses differ from the uninterrupted run's"
+        return "no"
+
+
+# ---- rows -----------------------------------------------------------------------------------------
+
+
+def resume_and_compare(bench: Bench, run_dir: Path, first: int | None, expect_first: tuple[int, ...], name: str,
+                       extra_check: Callable[[str], str] = lambda text: "") -> Outcome:
+    """After the fault (`first`: the exit status it caused, None for a damaged file), run the same
+    command again: it must finish, and the run must equal the uninterrupted one."""
+    again = Proc(bench.work / f"{name}-again.log", bench.train_args(run_dir))
+    code = again.wait()
+    text = again.text
+    observed = (f"exit {first}; " if first is not None else "") + f"again: exit {code}" + \
+        (f" ({error_line(text) or last_lines(text, 1)})" if code else "")
+    note = extra_check(text)
+    if note:
+        observed += f"; {note}"
+    lost = bench.compare(run_dir) if code == 0 else "YES: the same command did not finish"
+    ok = code == 0 and lost == "no" and not note and (first is None or first in expect_first)
+    return Outcome(observed[:300], ok, lost)
+
+
+def signal_row(moment: str, predicate: Callable[[str], bool], sig=signal.SIGTERM, prepare_steps: int = 0):
+    def run(bench: Bench, name: str) -> Outcome:
+        run_dir = bench.dir(name) / "run"
+        if prepare_steps:  # a run to resume: it stops at a checkpoint first
+            code = Proc(bench.work / f"{name}-prepare.log", bench.train_args(run_dir, prepare_steps)).wait()
+            if code:
+                return Outcome(f"preparing the run failed (exit {code})", False, "-")
+        p = Proc(bench.work / f"{name}.log", bench.train_args(run_dir))
+        p.wait_for(predicate, moment)
+        p.signal(sig)
+        code = p.wait()
+        return resume_and_compare(bench, run_dir, code, (128 + sig, -sig), name)
+    return run
+
+
+def in_save_row(sig: str, expect: tuple[int, ...]):
+    def run(bench: Bench, name: str) -> Outcome:
+        run_dir = bench.dir(name) / "run"
+        p = Proc(bench.work / f"{name}.log", bench.train_args(run_dir), code=IN_SAVE,
+                 env={"FAULT_SAVE": str(2 * EVERY), "FAULT_SIGNAL": sig})
+        code = p.wait()
+        return resume_and_compare(bench, run_dir, code, expect, name)
+    return run
+
+
+def damaged_checkpoint_row(damage: Callable[[Path], None], expect_line: str):
+    def run(bench: Bench, name: str) -> Outcome:
+        run_dir = bench.dir(name) / "run"
+        code = Proc(bench.work / f"{name}-prepare.log", bench.train_args(run_dir, 2 * EVERY)).wait()
+        if code:
+            return Outcome(f"preparing the run failed (exit {code})", False, "-")
+        damage(run_dir / "checkpoints")
+
+        def says(text: str) -> str:
+            return "" if expect_line in text else f"no line with {expect_line!r}"
+        return resume_and_compare(bench, run_dir, None, (), name, says)
+    return run
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+def refused_row(prepare: Callable[[Bench, Path], list[str]], expect_text: str):
+    """A fault the run must refuse in one line (exit 2), leaving the run directory as it was."""
+    def run(bench: Bench, name: str) -> Outcome:
+        run_dir = bench.dir(name) / "run"
+        args = prepare(bench, run_dir)
+        before = tree_hash(run_dir) if run_dir.exists() else ""
+        p = Proc(bench.work / f"{name}.log", args)
+        code = p.wait()
+        text, line = p.text, error_line(p.text)
+        after = tree_hash(run_dir) if run_dir.exists() else ""
+        lost = "no" if before == after else "YES: the run directory changed"
+        ok = code == 2 and expect_text in line and not has_traceback(text) and lost == "no"
+        observed = f"exit {code}: {line or last_lines(text)}" + (" (with a traceback)" if has_traceback(text) else "")
+        return Outcome(observed[:300], ok, lost)
+    return run
+
+
+def corrupted_tokenizer(bench: Bench, run_dir: Path) -> list[str]:
+    Proc(bench.work / "tokenizer-prepare.log", bench.train_args(run_dir, EVERY)).wait()
+    (run_dir / "tokenizer.json").write_text('{"kind": "byte", "vocab')  # torn mid-write
+    return bench.train_args(run_dir)
+
+
+def truncated_shard(bench: Bench, run_dir: Path) -> list[str]:
+    shards = run_dir.parent / "shards"
+    Proc(bench.work / "shards-prepare.log", ["data", "prepare", "--input", bench.corpus, "--output", str(shards),
+                                             "--shards", "2"]).wait()
+    train, validation = sorted(shards.glob("*.tfrecord"))
+    truncate(train, 0.6)
+    return ["train", f"--run_dir={run_dir}", f"--data.train={train}", f"--data.validation={validation}", *TINY,
+            f"--train.steps={STEPS}"]
+
+
+def nan_row(comm: list[str]):
+    def run(bench: Bench, name: str) -> Outcome:
+        run_dir = bench.dir(name) / "run"
+        p = Proc(bench.work / f"{name}.log", bench.train_args(run_dir, 16, "--cpu_devices=2", "--strategy=mirrored",
+                                                              "--execution=graph", *comm),
+                 code=NAN, env={"FAULT_NAN_STEP": "3"})
+        code = p.wait()
+        text = p.text
+        skipped = "1 step(s) up to step" in text and "were not applied" in text
+        latest, bad = checkpoint_finite(run_dir) if code in (0, 3) else (None, 0)
+        losses, _ = logged(run_dir)
+        finite = all(v == v and abs(v) != float("inf") for v in losses.values())
+        observed = (f"exit {code}" + ("; the bad step was skipped" if skipped else "; no skip reported")
+                    + (f"; {bad} non-finite tensors in {Path(latest).name}" if latest else "")
+                    + ("" if finite else "; non-finite losses logged")
+                    + (f" ({error_line(text) or last_lines(text, 1)})" if code else ""))
+        lost = "no" if latest and not bad and finite else "YES: NaN state or no checkpoint"
+        return Outcome(observed[:300], code == 0 and skipped and lost == "no", lost)
+    return run
+
+
+def cluster_row(workers: int, ps: int, victim: str, expect_code: int, expect_text: str, steps: int = 40):
+    def run(bench: Bench, name: str) -> Outcome:
+        run_dir = bench.dir(name) / "run"
+        args = ["launch", "--workers", str(workers), "--ps", str(ps), "--",
+                *bench.train_args(run_dir, steps), *CLUSTER, "--checkpoint.every_steps=10"]
+        p = Proc(bench.work / f"{name}.log", args)
+        text = p.wait_for(lambda t: progress(t) >= 12, "step 12")  # after the first checkpoint (ckpt-10)
+        line = next(line for line in text.splitlines() if line.startswith("launch    pids "))
+        pids = dict(item.split("=") for item in line[len("launch    pids "):].split(", "))
+        os.kill(int(pids[victim]), signal.SIGKILL)
+        code = p.wait()
+        text = p.text
+        line = error_line(text) or next((l for l in text.splitlines() if "done      step" in l), "")
+        latest, bad = checkpoint_finite(run_dir)
+        lost = "no" if latest and not bad else "YES: no readable checkpoint"
+        ok = code == expect_code and expect_text in text and lost == "no"
+        return Outcome(f"exit {code}: {line or last_lines(text)}"[:300], ok, lost)
+    return run
+
+
+def full_disk(bench: Bench, name: str) -> Outcome:
+    mount = bench.dir(f"{name}/disk")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount)], capture_output=True,
+                             text=True) if os.geteuid() == 0 else None
+    if not mounted or mounted.returncode:
+        why = mounted.stderr.strip()[:120] if mounted else "not root"
+        return Outcome(f"skipped: cannot mount a small tmpfs here ({why})", True, "-")
+    try:
+        run_dir = mount / "run"
+        p = Proc(bench.work / f"{name}.log", bench.train_args(run_dir))
+        code = p.wait()
+        text, line = p.text, error_line(p.text)
+        latest, bad = checkpoint_finite(run_dir)
+        lost = "no" if latest and not bad else "YES: no readable checkpoint left"
+        ok = code == 2 and "space" in line and not has_traceback(text) and lost == "no"
+        observed = (f"exit {code}: {line or last_lines(text)}"[:240] + f"; newest checkpoint "
+                    f"{Path(latest).name if latest else 'none'}")
+        return Outcome(observed, ok, lost)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    fault: str
+    expected: str
+    run: Callable[[Bench, str], Outcome]
+
+
+SAME = "the same command then finishes equal to the uninterrupted run"
+ROWS = [
+    Row("sigterm-startup", "SIGTERM at start-up (first line printed)", f"stops (143 or killed); {SAME}",
+        signal_row("start-up", lambda t: "run_dir" in t)),
+    Row("sigterm-resumed", "SIGTERM right after resuming (the `resumed` line)", f"143, keeps the data position; {SAME}",
+        signal_row("the resumed line", lambda t: "resumed   from" in t, prepare_steps=EVERY)),
+    Row("sigterm-compile", "SIGTERM during the first host call (XLA compilation)", f"143 at a step boundary; {SAME}",
+        signal_row("compilation", lambda t: "batch " in t and time.sleep(0.5) is None)),
+    Row("sigterm-step", "SIGTERM mid-run (after step 12)", f"143 at the next step boundary; {SAME}",
+        signal_row("step 12", lambda t: progress(t) >= 12)),
+    Row("sigint-step", "SIGINT mid-run (after step 12)", f"130 at the next step boundary; {SAME}",
+        signal_row("step 12", lambda t: progress(t) >= 12, sig=signal.SIGINT)),
+    Row("sigkill-save", "SIGKILL while saving ckpt-16", f"killed, ckpt-16 not recorded; {SAME}",
+        in_save_row("SIGKILL", (-9,))),
+    Row("sigterm-save", "SIGTERM while saving ckpt-16", f"the save completes, then 143; {SAME}",
+        in_save_row("SIGTERM", (143,))),
+    Row("truncated-index", "truncated ckpt-16.index", f"a warning, resumes from ckpt-8; {SAME}",
+        damaged_checkpoint_row(lambda d: truncate(d / f"ckpt-{2 * EVERY}.index"), "cannot be read")),
+    Row("truncated-data", "truncated ckpt-16 data file", f"a warning, resumes from ckpt-8; {SAME}",
+        damaged_checkpoint_row(lambda d: truncate(next(d.glob(f"ckpt-{2 * EVERY}.data-*"))), "cannot be read")),
+    Row("truncated-state", "truncated checkpoint state file", f"a warning, resumes from the files; {SAME}",
+        damaged_checkpoint_row(lambda d: truncate(d / "checkpoint", 0.4), "state file")),
+    Row("empty-state", "empty checkpoint state file (power loss)", f"a warning, resumes from the files; {SAME}",
+        damaged_checkpoint_row(lambda d: (d / "checkpoint").write_text(""), "state file")),
+    Row("corrupt-tokenizer", "torn tokenizer.json in the run directory", "exit 2, one line naming tokenizer.json; "
+        "the run directory unchanged", refused_row(corrupted_tokenizer, "tokenizer.json")),
+    Row("truncated-shard", "truncated TFRecord training shard (TF reads it as if it ended there)",
+        "exit 2, one line naming the shard (its records disagree with meta.json); nothing written",
+        refused_row(truncated_shard, "data-00000-of-00002.tfrecord")),
+    Row("full-disk", "full disk (640 KB tmpfs run directory)", "exit 2, one line (free space); the newest "
+        "checkpoint readable", full_disk),
+    *[Row(f"nan-{mode}", f"NaN gradients at step 4, 2 replicas, {mode}", "the step skipped, exit 0; every "
+          "checkpoint tensor finite", nan_row(flags)) for mode, flags in {
+        "allreduce": [], "bf16": ["--comm.compression=bf16"], "powersgd": ["--comm.compression=powersgd",
+                                                                          "--comm.rank=2"],
+        "topk": ["--comm.compression=topk", "--comm.topk_ratio=0.05"], "localsgd": ["--comm.sync_every=4"]}.items()],
+    Row("ps-worker", "SIGKILL of one of 2 parameter-server workers", "exit 0: the chief goes on with the other",
+        cluster_row(2, 1, "worker 1", 0, "[chief 0] done      step 40")),
+    Row("ps-task", "SIGKILL of the ps task", "exit 4, one line: the cluster lost ps 0",
+        cluster_row(2, 1, "ps 0", 4, "the cluster lost ps 0", steps=4000)),
+    Row("ps-last-worker", "SIGKILL of the last parameter-server worker", "exit 4, one line: no worker is left",
+        cluster_row(1, 1, "worker 0", 4, "no worker is left to run steps", steps=4000)),
+    Row("mw-worker", "SIGKILL of a multi-worker peer", "exit 4: every task stops",
+        cluster_row(2, 0, "worker 1", 4, "exited with status -9: stopping every task", steps=4000)),
+]
+
+
+def run_row(bench: Bench, row: Row) -> tuple[Row, Outcome, float]:
+    start = time.time()
+    try:
+        outcome = row.run(bench, row.name)
+    except Hang as e:
+        outcome = Outcome(f"HANG: {e}"[:300], False, "?")
+    except Exception as e:  # noqa: BLE001 (a row that cannot even run is reported, not fatal)
+        outcome = Outcome(f"harness error: {type(e).__name__}: {e}"[:300], False, "?")
+    return row, outcome, time.time() - start
+
+
+def table(results) -> str:
+    lines = ["| fault | expected | observed | lost | as expected | seconds |", "|---|---|---|---|---|---|"]
+    for row, outcome, seconds in results:
+        observed = outcome.observed.replace("|", "/").replace("\n", " ")
+        lines.append(f"| {row.fault} | {row.expected} | {observed} | {outcome.lost} | "
+                     f"{'yes' if outcome.ok else '**NO**'} | {seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", action="append", default=[], help="only rows whose name contains this")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run directories)")
+    options = parser.parse_args(argv)
+    rows = [r for r in ROWS if not options.k or any(k in r.name for k in options.k)]
+    if options.list:
+        for r in rows:
+            print(f"{r.name:18} {r.fault}: {r.expected}")
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="tpu-llm-faults-"))
+    bench, start = Bench(work), time.time()
+    print(f"faults    {len(rows)} rows; logs and run directories in {work}", flush=True)
+    reference = Proc(work / "reference.log", bench.train_args(work / "reference"))
+    if reference.wait():
+        print(f"error: the uninterrupted reference run failed: {last_lines(reference.text)}", file=sys.stderr)
+        return 1
+    bench.reference = logged(work / "reference")
+    print(f"faults    reference: {STEPS} steps, fingerprint {bench.reference[1]} ({time.time() - start:.0f} s)",
+          flush=True)
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("FAULTS_JOBS", "2"))) as pool:
+        for row, outcome, seconds in pool.map(lambda r: run_row(bench, r), rows):
+            print(f"faults    {row.name:18} {'ok ' if outcome.ok else 'NOT'} ({seconds:.0f} s) {outcome.observed}",
+                  flush=True)
+            results.append((row, outcome, seconds))
+    print()
+    print(table(results))
+    good = sum(o.ok for _, o, _ in results)
+    print(f"\n{good} of {len(results)} rows as expected; {time.time() - start:.0f} s in all")
+    if not options.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if good == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
