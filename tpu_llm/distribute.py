@@ -365,7 +365,10 @@ def serve_if_cluster_server(cfg: Config) -> bool:
     cluster, task = read_tf_config()
     if "ps" not in cluster or not task or task[0] not in ("worker", "ps"):
         return False
-    import tensorflow_text  # noqa: F401  (the chief ships input pipelines that tokenize with its ops)
+    try:  # the chief may ship input pipelines that tokenize with its ops (SentencePiece)
+        import tensorflow_text  # noqa: F401
+    except ImportError:  # an optional extra: byte and char tokenize with core ops
+        pass
 
     config = tf.compat.v1.ConfigProto()
     if task[0] == "worker":  # closures from the chief run concurrently with the worker's own ops
