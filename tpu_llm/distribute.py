@@ -190,6 +190,7 @@ class Distribution:
     task: str = ""  # this process's place in a cluster, e.g. "worker 1 of 2"
     chips: int = 0  # TPU chips in the slice (the published peak is per chip)
     placement: Placement = dataclasses.field(default_factory=Placement)  # pipeline stages -> devices
+    workers: int = 1  # parameter_server: the worker tasks of TF_CONFIG (TF keeps its count private)
 
     @property
     def num_replicas(self) -> int:
@@ -202,7 +203,7 @@ class Distribution:
 
     @property
     def num_workers(self) -> int:
-        return self.coordinator.strategy._num_workers if self.coordinator else 1  # noqa: SLF001
+        return self.workers if self.coordinator else 1
 
     def distribute_dataset(self, dataset_fn: Callable):
         """A dataset for `strategy.run` (sync) or one per worker (parameter_server); iterate it with iter()."""
@@ -353,6 +354,7 @@ def _parameter_server(reason: str, kind: str, found: Found) -> Distribution:
     # the variables on the worker's device), so the workers run it as a TF graph.
     return Distribution(strategy, "parameter_server", f"{reason}, ASYNCHRONOUS updates", kind,
                         jit_compile=False, xla="off (variables live on the ps tasks)", coordinator=coordinator,
+                        workers=len(found.cluster["worker"]),
                         task=f"{found.task[0]} {found.task[1]} of {len(found.cluster['worker'])} workers and "
                              f"{len(found.cluster['ps'])} ps")
 
