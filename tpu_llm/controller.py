@@ -193,6 +193,22 @@ def evaluate(run: Run) -> float:
                         "train.batch_size / data.seq_len") from None
 
 
+def out_of_memory(error: tf.errors.ResourceExhaustedError, run: Run, step: int, doing: str = "training") -> UserError:
+    """The one line for a step that did not fit in device memory (XLA's own error is a page of HLO).
+
+    Raised straight from the failed call: the guard saves nothing on the way out, so the newest
+    checkpoint stays the last one written before it, and no half-updated state is saved."""
+    cfg = run.cfg
+    first = (str(getattr(error, "message", "") or error).strip().splitlines() or [""])[0][:160]
+    remat = "" if cfg.parallel.remat else ", set parallel.remat=true (recomputes activations)"
+    latest = run.checkpointer.latest
+    kept = f"the newest checkpoint, {latest}, is unchanged" if latest else "no checkpoint was saved yet"
+    return UserError(f"out of device memory {doing} at step {step} ({type(error).__name__}: {first}); lower "
+                     f"train.batch_size={cfg.train.batch_size} (or raise train.grad_accum={cfg.train.grad_accum}) or "
+                     f"data.seq_len={cfg.data.seq_len}{remat}, and check the fit first with `tpu-llm plan "
+                     f"--accelerator ...`; {kept}")
+
+
 def _next_boundary(step: int, every: int, total: int) -> int:
     return min(total, (step // every + 1) * every) if every > 0 else total
 
@@ -261,6 +277,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                     raise UserError(f"training data ({run.sources[0].description}) holds less than one batch of "
                                     f"{t.batch_size} x {d.seq_len + 1} tokens; add data or lower train.batch_size "
                                     "/ data.seq_len") from None
+                except tf.errors.ResourceExhaustedError as e:  # nothing of this call is saved
+                    raise out_of_memory(e, run, step) from None
                 n = out["steps"]
                 if n:
                     loss, grad_norm = out["loss"], out["grad_norm"]
@@ -282,7 +300,10 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                     step = guard.after_call(out, step)
                 boundary = step == end  # all steps asked for were done (no signal, no rollback)
                 if boundary and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
-                    val_loss = evaluate(run)
+                    try:
+                        val_loss = evaluate(run)
+                    except tf.errors.ResourceExhaustedError as e:
+                        raise out_of_memory(e, run, step, "evaluating") from None
                     log.write("validation", step, {"loss": val_loss})
                     progress.message(f"eval      step {step}: validation loss {val_loss:.4f}")
                 guard.checkpoint(step, due=boundary and (step == t.steps or bool(
