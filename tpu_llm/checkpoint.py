@@ -129,12 +129,17 @@ class Checkpointer:
     Under multi_worker every worker must take part in a save (TF's rule: saving may need its
     collectives); only the chief writes the run's checkpoints, the others (`scratch` = a worker name)
     write to a scratch directory that is deleted straight after. All of them restore from the run's.
+
+    `io_device` (a remote TPU: tpu.CLIENT_IO) makes this process read and write the files: otherwise
+    TensorFlow runs each variable's save and restore on the host that owns it, a TPU host whose
+    credentials and view of the filesystem are not the ones `check_run_dir_usable` checked here.
     """
 
     NOT_RESTORED = ("data_position",)
 
     def __init__(self, run_dir: str, keep: int, scratch: str = "", keep_every_hours: float = 0.0,
-                 **trackables):
+                 io_device: str = "", **trackables):
+        self.options = tf.train.CheckpointOptions(experimental_io_device=io_device or None)
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
         self.keep, self.keep_every_hours = keep, keep_every_hours
         self.scratch = os.path.join(run_dir, f".scratch-{scratch}") if scratch else ""
@@ -184,7 +189,7 @@ class Checkpointer:
             held = self.held(path)
             objects = {k: v for k, v in self.trackables.items()
                        if k not in self.NOT_RESTORED and (k in held or k in ("model", "optimizer"))}
-            status = tf.train.Checkpoint(**objects).restore(path)
+            status = tf.train.Checkpoint(**objects).restore(path, options=self.options)
             status.assert_existing_objects_matched()
             status.expect_partial()  # what is left (the position, an old iterator) is read elsewhere or unused
         except (AssertionError, ValueError) as e:
@@ -218,8 +223,8 @@ class Checkpointer:
         checkpoint still usable; the partial files of the failed save are removed."""
         try:
             if not self.scratch:
-                return self.manager.save(checkpoint_number=step)
-            path = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(step)
+                return self.manager.save(checkpoint_number=step, options=self.options)
+            path = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(step, options=self.options)
             tf.io.gfile.rmtree(self.scratch)
             return path
         except (tf.errors.OpError, OSError) as e:

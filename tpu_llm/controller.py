@@ -90,6 +90,10 @@ def build_run(cfg: Config) -> Run:
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = data.resolve_sources(cfg.data)
+    if dist.io_device:  # a remote TPU: its hosts tokenize, with core TF ops only
+        from tpu_llm import tpu
+
+        tpu.check_remote_data(cfg, (train_src, val_src))
     check_run_dir_reachable(cfg.run_dir)  # before the tokenizer is looked for in it
     tokenizer = setup_tokenizer(cfg, train_src, val_src)
     if cfg.model.vocab_size == 0:
@@ -131,7 +135,7 @@ def build_run(cfg: Config) -> Run:
     rng = [v for v in model.variables if "seed_generator_state" in v.path]  # Keras does not checkpoint it
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
-                                model=model, optimizer=optimizer, rng=rng,
+                                io_device=dist.io_device, model=model, optimizer=optimizer, rng=rng,
                                 **(communication.trackables() if communication else {}))
     resumed_from = checkpointer.restore_latest()
     if communication:  # each replica's own residuals / weights, which a plain restore cannot give
@@ -162,25 +166,29 @@ def say_now(text: str) -> None:
 class MetricsLog:
     """TensorBoard summaries plus an append-only metrics.jsonl in the run directory (chief only)."""
 
-    def __init__(self, run_dir: str, enabled: bool = True):
+    def __init__(self, run_dir: str, enabled: bool = True, device: str = ""):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.enabled = enabled
-        self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
-                        for split in ("train", "validation")} if enabled else {}
+        # a remote TPU: the writers (and their ops) on this process, not on the TPU host (tpu.CLIENT_IO)
+        self.device = device
+        with tf.device(device or None):
+            self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
+                            for split in ("train", "validation")} if enabled else {}
 
     def write(self, split: str, step: int, values: dict) -> None:
         if not self.enabled:
             return
         if split in self.writers:  # the end-of-run summary goes to metrics.jsonl only
-            with self.writers[split].as_default(step=step):
+            with tf.device(self.device or None), self.writers[split].as_default(step=step):
                 for key, value in values.items():
                     tf.summary.scalar(key, value)
         with tf.io.gfile.GFile(self.path, "a") as f:
             f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
 
     def flush(self) -> None:
-        for w in self.writers.values():
-            w.flush()
+        with tf.device(self.device or None):
+            for w in self.writers.values():
+                w.flush()
 
 
 def evaluate(run: Run) -> float:
@@ -259,7 +267,7 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     if step >= t.steps:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
 
-    log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief)
+    log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief, device=run.dist.io_device)
     progress = perf.Progress(t.steps, initial=step, label="step ", quiet=not run.dist.is_chief)
     timings = []  # (steps, seconds) of each call
     last = {"loss": float("nan")}

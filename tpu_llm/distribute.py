@@ -191,6 +191,9 @@ class Distribution:
     chips: int = 0  # TPU chips in the slice (the published peak is per chip)
     placement: Placement = dataclasses.field(default_factory=Placement)  # pipeline stages -> devices
     workers: int = 1  # parameter_server: the worker tasks of TF_CONFIG (TF keeps its count private)
+    # a TPU reached over the network: ops run in its hosts' TF servers by default; checkpoints and
+    # summaries are written on this device instead (tpu.CLIENT_IO), "" = wherever TF puts them
+    io_device: str = ""
 
     @property
     def num_replicas(self) -> int:
@@ -271,11 +274,17 @@ def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
         # No quiet fallback to the CPU when a TPU was seen but cannot be reached: a half-made
         # connection may already have changed TF's default devices, and a user on a TPU VM wants
         # the TPU. The error says how to run without it.
+        remote = tpu.is_remote(cfg.tpu)
+        if remote:  # before connecting: a run its hosts cannot read is refused at once
+            tpu.check_remote_paths(cfg)
         strategy, kind, described, chips = tpu.tpu_strategy(cfg.tpu, per_replica)
+        io = {"io_device": tpu.CLIENT_IO} if remote else {}
+        if kind == "CPU":  # the remote CPU host stand-in (tests): Mirrored over its CPUs, the step XLA-compiled
+            return Distribution(strategy, "tpu", f"{reason}; {described}", kind, **io)
         # TPUStrategy compiles the whole replica function for the TPU: no nested jit_compile needed
         return Distribution(strategy, "tpu", f"{reason}; {described}", kind, jit_compile=False,
                             xla="whole replica step compiled for the TPU", chips=chips,
-                            placement=Placement(stages, tpu_strategy=strategy, tensor=ways))
+                            placement=Placement(stages, tpu_strategy=strategy, tensor=ways), **io)
     if per_replica > 1 and name in ("multi_worker", "parameter_server"):
         raise UserError(f"{_layout(cfg)} run under strategy tpu, mirrored or default, not {name}; set "
                         "parallel.pipeline_stages=1 and parallel.tensor=1")
