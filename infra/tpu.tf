@@ -7,16 +7,15 @@ locals {
   # tpu-llm's dependencies on a worker: pyproject.toml's `dependencies`, its `tpu` extra and its
   # build requirement, in the same words (tests/test_infra.py checks they match).
   python_requirements = [
-    "tensorflow==2.20.*",
-    "tensorflow-text==2.20.*",
     "keras>=3.10",
     "fire>=0.6",
     "pyyaml>=6",
     "google-cloud-storage>=2.10",
     "sentencepiece>=0.2",
     "tensorflow-tpu==2.20.0",
-    "libtpu",
-    "cloud-tpu-client",
+    "libtpu==0.0.14",
+    "google-api-python-client>=2",
+    "oauth2client>=4.1",
     "setuptools>=77",
   ]
 

@@ -21,6 +21,12 @@ import os
 import sys
 
 
+def tensorflow_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorflow") is not None
+
+
 def _quiet_tensorflow() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
 
@@ -232,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
+        if not tensorflow_installed():  # TensorFlow comes with an extra: one wheel per environment
+            raise UserError("TensorFlow is not installed: pip install 'tpu-llm[cpu]' (CPU), 'tpu-llm[gpu]' (NVIDIA "
+                            "GPUs) or 'tpu-llm[tpu]' (a Cloud TPU VM), one of them per environment")
         if argv[:1] == ["launch"]:  # its own parser: what follows `--` goes to the tasks verbatim
             from tpu_llm import launch
 

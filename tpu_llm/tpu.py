@@ -247,7 +247,8 @@ def _connect(tpu: str, env: Mapping[str, str], root: str, timeout: float):
         tf.config.experimental_connect_to_cluster(resolver)
         return resolver, None, target
     named = target != "local" and not target.startswith("grpc://")
-    if named and importlib.util.find_spec("googleapiclient") is None:
+    # TF's own resolver client (tensorflow/python/tpu/client) needs both, or it cannot look names up
+    if named and not all(importlib.util.find_spec(m) for m in ("googleapiclient", "oauth2client")):
         raise UserError(f"no TPU reachable via {how}: TensorFlow looks TPU names up through the Cloud TPU API, "
                         "whose client is not installed (pip install 'tpu-llm[tpu]'); " + ALTERNATIVES)
     try:
