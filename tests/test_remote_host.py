@@ -289,3 +289,11 @@ def test_shared_storage_is_what_both_sides_reach(tmp_path):
     assert not tpu.shared_storage(str(tmp_path / "shared-not"), standin)  # a prefix of the name is not inside
     assert tpu.shared_storage("gs://bucket/x", standin)
 
+
+
+def test_a_stand_in_host_that_does_not_answer_is_the_tpu_paths_one_line_error(tmp_path):
+    target = f"grpc://127.0.0.1:{_free_port()}"
+    with pytest.raises(tpu.UserError) as error:  # refused before TensorFlow connects: this process stays local
+        tpu.tpu_strategy(target, env={tpu.STANDIN_ENV: str(tmp_path)}, root=str(tmp_path))
+    assert str(error.value).startswith(f"no TPU reachable via tpu='{target}': ConnectionRefusedError")
+    assert "\n" not in str(error.value)

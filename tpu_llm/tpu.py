@@ -239,25 +239,19 @@ def _standin_resolver(target: str):
 
 def _connect(tpu: str, env: Mapping[str, str], root: str, timeout: float):
     target, how = _target(tpu, env, root)
-    if env.get(STANDIN_ENV) and target.startswith("grpc://"):  # tests: the same steps, minus the TPU system
-        resolver, workers = _standin_resolver(target)
-        for address in workers:
-            host, _, port = address.rpartition(":")
-            socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT).close()
-        tf.config.experimental_connect_to_cluster(resolver)
-        return resolver, None, target
+    standin = bool(env.get(STANDIN_ENV)) and target.startswith("grpc://")  # tests: no TPU system to initialize
     named = target != "local" and not target.startswith("grpc://")
     # TF's own resolver client (tensorflow/python/tpu/client) needs both, or it cannot look names up
     if named and not all(importlib.util.find_spec(m) for m in ("googleapiclient", "oauth2client")):
         raise UserError(f"no TPU reachable via {how}: TensorFlow looks TPU names up through the Cloud TPU API, "
                         "whose client is not installed (pip install 'tpu-llm[tpu]'); " + ALTERNATIVES)
     try:
-        resolver, workers = _bounded(lambda: _resolve(target), timeout)
+        resolver, workers = _bounded(lambda: _standin_resolver(target) if standin else _resolve(target), timeout)
         for address in workers:  # an unreachable worker would otherwise sit in gRPC retries for minutes
             host, _, port = address.rpartition(":")
             socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT).close()
         tf.config.experimental_connect_to_cluster(resolver)  # as TF's docs do; a no-op for 'local'
-        topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+        topology = None if standin else tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # noqa: BLE001 - every failure here means "no usable TPU"
         hint = (" (a TPU name needs the GCE metadata server, the Cloud TPU API and credentials)" if named else
                 " (a TPU VM needs the tensorflow-tpu build and libtpu: pip install 'tpu-llm[tpu]')"
