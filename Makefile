@@ -27,10 +27,12 @@ TOOLS_STAMP := $(TOOLS)/.installed
 
 .PHONY: train test faults bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
 
+# One TensorFlow wheel per environment, chosen by extra (pyproject.toml): here the CPU one, with
+# tensorflow-text for SentencePiece and the test tools.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[cpu,sentencepiece,dev]'
 	@touch $(STAMP)
 
 $(TOOLS_STAMP):

@@ -35,9 +35,10 @@ LOG_COPY = ("nohup bash -c 'while kill -0 \"$0\" 2>/dev/null; do gcloud storage 
             f"{TRAIN_LOG} \"$1\" >/dev/null 2>&1; sleep {LOG_COPY_SECONDS}; done; gcloud storage cp --quiet "
             f"{TRAIN_LOG} \"$1\"' \"$pid\" \"$log_url\" >/dev/null 2>&1 < /dev/null &")
 # Single host: PJRT through the runtime image's libtpu. TPU_LIBRARY_PATH makes TensorFlow's own
-# import-time load take that same matching library, not the pip `libtpu` that tensorflow-tpu pulls in
-# (with today's newest, 0.0.52, `import tensorflow` aborts: "ConfigureDistributedTpuOp_DoWork not
-# available in this library"); the image's system TensorFlow finds /lib/libtpu.so the same way.
+# import-time load take that same matching library, not the pip `libtpu` beside tensorflow-tpu (the tpu
+# extra pins 0.0.14, the release tensorflow-tpu 2.20.0 names; newer ones, e.g. 0.0.52, make `import
+# tensorflow` abort: "ConfigureDistributedTpuOp_DoWork not available in this library"); the image's
+# system TensorFlow finds /lib/libtpu.so the same way.
 PJRT_ENV = {"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/lib/libtpu.so",
             "TPU_LIBRARY_PATH": "/lib/libtpu.so"}
 

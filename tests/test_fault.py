@@ -236,6 +236,31 @@ def test_time_based_checkpoints_and_a_failed_save_that_leaves_the_checkpoints_as
         ["ckpt-8", "ckpt-10"]
 
 
+def test_out_of_memory_is_one_line_and_leaves_the_checkpoints_as_they_were(base, tmp_path, monkeypatch, capsys):
+    run_dir = copy_of_straight(base, tmp_path)  # ckpt-4, ckpt-8
+    before, calls, real_run = snapshot(run_dir / "checkpoints"), [], Trainer.run
+
+    def second_call_runs_out_of_memory(self, *args, **kwargs):  # steps 8-10 train, 10-12 do not fit
+        calls.append(int(self.optimizer.iterations.numpy()))
+        if len(calls) == 2:
+            raise tf.errors.ResourceExhaustedError(None, None, "Out of memory while trying to allocate 8.00G.\n"
+                                                   "%fusion.12 = bf16[...] ... (a page of HLO)")
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "run", second_call_runs_out_of_memory)
+    config = tmp_path / "c.yaml"
+    config.write_text(cfg_for(tmp_path).to_yaml())
+    code = cli.main(["train", "--config", str(config), "--train.steps=12", "--parallel.remat=false"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar's lines
+    assert code == 2 and calls == [8, 10]
+    assert err == (f"error: out of device memory training at step 10 (ResourceExhaustedError: Out of memory while "
+                   f"trying to allocate 8.00G.); lower train.batch_size=4 (or raise train.grad_accum=1) or "
+                   f"data.seq_len=16, set parallel.remat=true (recomputes activations), and check the fit first with "
+                   f"`tpu-llm plan --accelerator ...`; the newest checkpoint, {run_dir / 'checkpoints' / 'ckpt-8'}, "
+                   "is unchanged")
+    assert snapshot(run_dir / "checkpoints") == before  # step 10's weights, never saved, are not saved now
+
+
 def _write(path, content: bytes) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content)

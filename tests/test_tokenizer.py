@@ -1,11 +1,15 @@
 """Tokenizers: lossless round trips (non-ASCII, whitespace, invalid UTF-8), TF ops equal Python, save/load."""
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import tensorflow as tf
 
-from conftest import write_corpus
+from conftest import CORPUS_LINES, write_corpus
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizer import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
                                build_tokenizer, load_tokenizer, save_tokenizer, train_sentencepiece)
@@ -59,6 +63,63 @@ def test_byte_encode_tf_matches_encode():
     tok = ByteTokenizer()
     assert encode_tf(tok, TEXTS) == [tok.encode(t) for t in TEXTS]
     assert tok.encode_tf(tf.constant(TEXTS)).dtype == tf.int32
+
+
+def test_byte_core_ops_give_byte_splitter_ids(corpus_files):
+    # the ids of the tensorflow-text ByteSplitter this tokenizer used before (checkpoints stay valid)
+    tf_text = pytest.importorskip("tensorflow_text")
+    texts = CORPUS_LINES + TEXTS + [open(p, encoding="utf-8").read() for p in corpus_files] + ["\xff\xfe\x80abc"]
+    texts = [t.encode("latin-1") if t.startswith("\xff") else t for t in texts]  # invalid UTF-8 too
+    splitter = tf_text.ByteSplitter()
+    assert encode_tf(ByteTokenizer(), texts) == splitter.split(tf.constant(texts)).to_list()
+    for scalar in (TEXTS[0], ""):  # one string: a dense vector, as ByteSplitter gives
+        got = ByteTokenizer().encode_tf(tf.constant(scalar))
+        assert got.dtype == tf.int32 and got.numpy().tolist() == splitter.split(tf.constant(scalar)).numpy().tolist()
+
+
+# A TF server on a remote TPU host has no tensorflow-text: this process cannot import it at all.
+NO_TF_TEXT = textwrap.dedent("""
+    import json, sys
+    sys.modules["tensorflow_text"] = None  # `import tensorflow_text` raises ImportError
+    import tensorflow as tf
+    from tpu_llm import data
+    from tpu_llm.errors import UserError
+    from tpu_llm.tokenizer import SentencePieceTokenizer, build_tokenizer
+    sp_model, files = sys.argv[1], sys.argv[2:]
+    source = data.Source(files, "text")
+    out = {}
+    for kind in ("byte", "char"):
+        tok = build_tokenizer(kind, text_files=files)
+        for training in (True, False):
+            fn = data.make_dataset_fn(source, tok, 16, 4, training=training, seed=0, shuffle_buffer=8)
+            inputs, _ = next(iter(fn()))[:2]
+            out[f"{kind}-{training}"] = inputs.numpy().tolist()
+    try:
+        SentencePieceTokenizer(open(sp_model, "rb").read()).encode_tf(tf.constant(["x"]))
+    except UserError as e:
+        out["sentencepiece"] = str(e)
+    print(json.dumps(out))
+""")
+
+
+def test_byte_and_char_pipelines_run_without_tensorflow_text(tmp_path, corpus_files, sp):
+    from tpu_llm import data
+
+    script = tmp_path / "no_tf_text.py"
+    script.write_text(NO_TF_TEXT)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, str(script), sp[1], *corpus_files], capture_output=True, text=True,
+                          timeout=120, cwd=repo, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": repo})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    source = data.Source(corpus_files, "text")
+    for kind in ("byte", "char"):  # the same batches as this process, which has tensorflow-text
+        tok = build_tokenizer(kind, text_files=corpus_files)
+        for training in (True, False):
+            fn = data.make_dataset_fn(source, tok, 16, 4, training=training, seed=0, shuffle_buffer=8)
+            assert got[f"{kind}-{training}"] == next(iter(fn()))[0].numpy().tolist()
+    assert got["sentencepiece"].startswith("data.tokenizer=sentencepiece needs tensorflow-text")
+    assert "tpu-llm[cpu,sentencepiece]" in got["sentencepiece"] and "\n" not in got["sentencepiece"]
 
 
 # --- char ------------------------------------------------------------------------------------------

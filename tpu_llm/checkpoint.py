@@ -179,12 +179,17 @@ class Checkpointer:
     after, so a gs:// run directory is not written twice. All of them restore from the run's. In a
     cluster (`cluster`), a save that fails because a task was lost (the save's collectives) raises
     that error, for the caller to stop the whole job (fault.Guard.call: exit 4).
+
+    `io_device` (a remote TPU: tpu.CLIENT_IO) makes this process read and write the files: otherwise
+    TensorFlow runs each variable's save and restore on the host that owns it, a TPU host whose
+    credentials and view of the filesystem are not the ones `check_run_dir_usable` checked here.
     """
 
     NOT_RESTORED = ("data_position",)
 
     def __init__(self, run_dir: str, keep: int, scratch: str = "", keep_every_hours: float = 0.0,
-                 cluster: bool = False, **trackables):
+                 cluster: bool = False, io_device: str = "", **trackables):
+        self.options = tf.train.CheckpointOptions(experimental_io_device=io_device or None)
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
         self.keep, self.keep_every_hours, self.cluster = keep, keep_every_hours, cluster
         self.scratch = scratch_directory(run_dir, scratch) if scratch else ""
@@ -255,7 +260,7 @@ class Checkpointer:
             held = self.held(path)
             objects = {k: v for k, v in self.trackables.items()
                        if k not in self.NOT_RESTORED and (k in held or k in ("model", "optimizer"))}
-            status = tf.train.Checkpoint(**objects).restore(path)
+            status = tf.train.Checkpoint(**objects).restore(path, options=self.options)
             status.assert_existing_objects_matched()
             status.expect_partial()  # what is left (the position, an old iterator) is read elsewhere or unused
         except (AssertionError, ValueError) as e:
@@ -295,8 +300,8 @@ class Checkpointer:
                     self.manager = self._manager()
                     if self.manager is None:
                         raise OSError(f"cannot replace the empty checkpoint state file in {self.directory}")
-                return self.manager.save(checkpoint_number=step)
-            path = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(step)
+                return self.manager.save(checkpoint_number=step, options=self.options)
+            path = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(step, options=self.options)
             tf.io.gfile.rmtree(self.scratch)
             return path
         except (tf.errors.OpError, OSError) as e:

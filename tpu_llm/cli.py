@@ -619,6 +619,12 @@ def _fileno(stream) -> int:
         return -1
 
 
+def tensorflow_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorflow") is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     from tpu_llm.errors import EXIT_USER_ERROR, RunStopped
 
@@ -631,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd, kwargs = parse(argv)
         if cmd is None:  # --help was printed
             return 0
+        if not tensorflow_installed():  # TensorFlow comes with an extra: one wheel per environment
+            raise UserError("TensorFlow is not installed: pip install 'tpu-llm[cpu]' (CPU), 'tpu-llm[gpu]' (NVIDIA "
+                            "GPUs) or 'tpu-llm[tpu]' (a Cloud TPU VM), one of them per environment")
         result = cmd.run(**kwargs)
         return result if isinstance(result, int) else 0
     except UserError as e:

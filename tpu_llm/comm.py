@@ -31,6 +31,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from tpu_llm import tf_compat
 from tpu_llm.errors import UserError
 
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
@@ -340,7 +341,7 @@ class Comm:
         self.ratio = self.dense_bytes / self.bytes_per_step
         # replica ids across the cluster: under multi_worker this process holds only its own replicas
         local_count = len(strategy.extended.worker_devices)
-        self.first_replica = getattr(strategy.extended, "_id_in_cluster", 0) * local_count
+        self.first_replica = tf_compat.worker_index(strategy) * local_count
         self.state = PerReplicaState(name="comm")
         self.state.shared = list(part.shared)
         per_replica = [strategy.experimental_local_results(v) for v in part.per_replica]

@@ -98,6 +98,10 @@ def build_run(cfg: Config) -> Run:
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = data.resolve_sources(cfg.data)
+    if dist.io_device:  # a remote TPU: its hosts tokenize, with core TF ops only
+        from tpu_llm import tpu
+
+        tpu.check_remote_data(cfg, (train_src, val_src))
     check_run_dir_reachable(cfg.run_dir)  # before the tokenizer is looked for in it
     if dist.is_chief:  # not another tool's directory (the other workers of a cluster write nothing)
         check_run_dir_owner(cfg.run_dir)
@@ -147,7 +151,7 @@ def build_run(cfg: Config) -> Run:
     rng = [v for v in model.variables if "seed_generator_state" in v.path]  # Keras does not checkpoint it
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
-                                cluster=bool(dist.task or dist.asynchronous),
+                                cluster=bool(dist.task or dist.asynchronous), io_device=dist.io_device,
                                 model=model, optimizer=optimizer, rng=rng,
                                 **(communication.trackables() if communication else {}))
     resumed_from = checkpointer.restore_latest()  # a UserError if none of the checkpoints can be read
@@ -189,13 +193,16 @@ class MetricsLog:
     over it); TensorBoard's event files are rewritten likewise, keeping the events up to S.
     """
 
-    def __init__(self, run_dir: str, enabled: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: str, enabled: bool = True, resume_step: int | None = None, device: str = ""):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.logs = os.path.join(run_dir, "logs")
         self.enabled, self.writers = enabled, {}
         self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
-        self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
-                        for split in ("train", "validation")} if enabled else {}
+        # a remote TPU: the writers (and their ops) on this process, not on the TPU host (tpu.CLIENT_IO)
+        self.device = device
+        with tf.device(device or None):
+            self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
+                            for split in ("train", "validation")} if enabled else {}
 
     def truncate(self, step: int) -> int:
         """Drop the entries logged after `step` from metrics.jsonl and the event files; returns how
@@ -219,15 +226,16 @@ class MetricsLog:
         if not self.enabled:
             return
         if split in self.writers:  # the end-of-run summary goes to metrics.jsonl only
-            with self.writers[split].as_default(step=step):
+            with tf.device(self.device or None), self.writers[split].as_default(step=step):
                 for key, value in values.items():
                     tf.summary.scalar(key, value)
         with tf.io.gfile.GFile(self.path, "a") as f:
             f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
 
     def flush(self) -> None:
-        for w in self.writers.values():
-            w.flush()
+        with tf.device(self.device or None):
+            for w in self.writers.values():
+                w.flush()
 
 
 def _logged_step(line: str) -> int | None:
@@ -272,6 +280,22 @@ def evaluate(run: Run) -> float:
         raise UserError(f"validation data ({run.sources[1].description}) holds less than one batch of "
                         f"{run.cfg.train.batch_size} x {run.cfg.data.seq_len + 1} tokens; add data or lower "
                         "train.batch_size / data.seq_len") from None
+
+
+def out_of_memory(error: tf.errors.ResourceExhaustedError, run: Run, step: int, doing: str = "training") -> UserError:
+    """The one line for a step that did not fit in device memory (XLA's own error is a page of HLO).
+
+    Raised straight from the failed call: the guard saves nothing on the way out, so the newest
+    checkpoint stays the last one written before it, and no half-updated state is saved."""
+    cfg = run.cfg
+    first = (str(getattr(error, "message", "") or error).strip().splitlines() or [""])[0][:160]
+    remat = "" if cfg.parallel.remat else ", set parallel.remat=true (recomputes activations)"
+    latest = run.checkpointer.latest
+    kept = f"the newest checkpoint, {latest}, is unchanged" if latest else "no checkpoint was saved yet"
+    return UserError(f"out of device memory {doing} at step {step} ({type(error).__name__}: {first}); lower "
+                     f"train.batch_size={cfg.train.batch_size} (or raise train.grad_accum={cfg.train.grad_accum}) or "
+                     f"data.seq_len={cfg.data.seq_len}{remat}, and check the fit first with `tpu-llm plan "
+                     f"--accelerator ...`; {kept}")
 
 
 def _next_boundary(step: int, every: int, total: int) -> int:
@@ -324,7 +348,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     if step >= t.steps:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
 
-    log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief, resume_step=step)  # drops entries past `step`
+    log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief, resume_step=step,
+                     device=run.dist.io_device)  # drops entries past `step`
     if log.dropped:
         say(f"metrics   dropped {log.dropped} entries logged after step {step} (metrics.jsonl and TensorBoard): "
             "the steps after the checkpoint are done again")
@@ -345,6 +370,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                     raise UserError(f"training data ({run.sources[0].description}) holds less than one batch of "
                                     f"{t.batch_size} x {d.seq_len + 1} tokens; add data or lower train.batch_size "
                                     "/ data.seq_len") from None
+                except tf.errors.ResourceExhaustedError as e:  # nothing of this call is saved
+                    raise out_of_memory(e, run, step) from None
                 n = out["steps"]
                 if n:
                     loss, grad_norm = out["loss"], out["grad_norm"]
@@ -368,7 +395,10 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                 if boundary and step == t.steps:  # local SGD: the final model is the synchronised one
                     run.trainer.synchronise()
                 if boundary and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
-                    val_loss = evaluate(run)
+                    try:
+                        val_loss = evaluate(run)
+                    except tf.errors.ResourceExhaustedError as e:
+                        raise out_of_memory(e, run, step, "evaluating") from None
                     log.write("validation", step, {"loss": val_loss})
                     progress.message(f"eval      step {step}: validation loss {val_loss:.4f}")
                 guard.checkpoint(step, due=boundary and (step == t.steps or bool(

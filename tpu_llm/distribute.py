@@ -198,6 +198,9 @@ class Distribution:
     placement: Placement = dataclasses.field(default_factory=Placement)  # pipeline stages -> devices
     workers: tuple = ()  # parameter_server: the workers' host:port, watched while steps run
     worker_timeout: float = NO_WORKER_SECONDS  # parameter_server: no worker answers this long -> stop
+    # a TPU reached over the network: ops run in its hosts' TF servers by default; checkpoints and
+    # summaries are written on this device instead (tpu.CLIENT_IO), "" = wherever TF puts them
+    io_device: str = ""
 
     @property
     def num_replicas(self) -> int:
@@ -210,7 +213,7 @@ class Distribution:
 
     @property
     def num_workers(self) -> int:
-        return self.coordinator.strategy._num_workers if self.coordinator else 1  # noqa: SLF001
+        return len(self.workers) if self.coordinator else 1  # (TF keeps its count private)
 
     def distribute_dataset(self, dataset_fn: Callable):
         """A dataset for `strategy.run` (sync) or one per worker (parameter_server); iterate it with iter()."""
@@ -311,11 +314,17 @@ def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
         # No quiet fallback to the CPU when a TPU was seen but cannot be reached: a half-made
         # connection may already have changed TF's default devices, and a user on a TPU VM wants
         # the TPU. The error says how to run without it.
+        remote = tpu.is_remote(cfg.tpu)
+        if remote:  # before connecting: a run its hosts cannot read is refused at once
+            tpu.check_remote_paths(cfg)
         strategy, kind, described, chips = tpu.tpu_strategy(cfg.tpu, per_replica)
+        io = {"io_device": tpu.CLIENT_IO} if remote else {}
+        if kind == "CPU":  # the remote CPU host stand-in (tests): Mirrored over its CPUs, the step XLA-compiled
+            return Distribution(strategy, "tpu", f"{reason}; {described}", kind, **io)
         # TPUStrategy compiles the whole replica function for the TPU: no nested jit_compile needed
         return Distribution(strategy, "tpu", f"{reason}; {described}", kind, jit_compile=False,
                             xla="whole replica step compiled for the TPU", chips=chips,
-                            placement=Placement(stages, tpu_strategy=strategy, tensor=ways))
+                            placement=Placement(stages, tpu_strategy=strategy, tensor=ways), **io)
     if per_replica > 1 and name in ("multi_worker", "parameter_server"):
         raise UserError(f"{_layout(cfg)} run under strategy tpu, mirrored or default, not {name}; set "
                         "parallel.pipeline_stages=1 and parallel.tensor=1")
@@ -407,7 +416,10 @@ def serve_if_cluster_server(cfg: Config) -> bool:
     cluster, task = read_tf_config()
     if "ps" not in cluster or not task or task[0] not in ("worker", "ps"):
         return False
-    import tensorflow_text  # noqa: F401  (the chief ships input pipelines that tokenize with its ops)
+    try:  # the chief may ship input pipelines that tokenize with its ops (SentencePiece)
+        import tensorflow_text  # noqa: F401
+    except ImportError:  # an optional extra: byte and char tokenize with core ops
+        pass
 
     config = tf.compat.v1.ConfigProto()
     if task[0] == "worker":  # closures from the chief run concurrently with the worker's own ops

@@ -35,6 +35,7 @@ import uuid
 
 import tensorflow as tf
 
+from tpu_llm import tf_compat
 from tpu_llm.errors import RunStopped
 
 EXIT_DIVERGED = 3
@@ -134,8 +135,7 @@ class MultiWorkerPreemption:
         self.handler = tf.distribute.experimental.PreemptionCheckpointHandler(
             strategy.cluster_resolver, manager, termination_config=config)
         # On Google Cloud CPU/TPU VMs TensorFlow disables the handler (it installs no SIGTERM handler)
-        self.active = getattr(self.handler, "_platform_device", None) is None or \
-            self.handler._platform_device.name not in ("GCE_CPU", "GCE_TPU")  # noqa: SLF001
+        self.active = tf_compat.preemption_handler_active(self.handler)
 
     def check(self) -> None:
         """After every host call, on every worker: saves and stops (through `stop`) if any was preempted."""

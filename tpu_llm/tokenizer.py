@@ -5,11 +5,17 @@ Every tokenizer turns a batch of strings into a RaggedTensor of int32 ids on the
 (`tokenizer.json`, plus `tokenizer.model` for SentencePiece) so `generate` and resumed runs use
 exactly the one the model was trained with.
 
-- byte: ids 0..255 are the raw UTF-8 bytes (tensorflow-text's ByteSplitter), 256 is end-of-text.
-  Lossless for any input, including invalid UTF-8.
+- byte: ids 0..255 are the raw UTF-8 bytes, 256 is end-of-text. Lossless for any input, including
+  invalid UTF-8.
 - char: one id per Unicode character seen in the data, then end-of-text and unknown.
 - sentencepiece: a model trained by `tpu-llm tokenizer train` (BPE with byte fallback), applied with
   tensorflow-text's SentencepieceTokenizer.
+
+Byte and char run on core TensorFlow ops only: a remote TPU host (a pod's TF servers, `tpu=grpc://`)
+runs the input pipeline in a TF server that has no tensorflow-text ops, and a TPU environment cannot
+install tensorflow-text at all (it depends on the CPU `tensorflow` wheel, which would overwrite
+tensorflow-tpu's files). Only SentencePiece needs it: the `sentencepiece` extra (`REMOTE_OK` says which
+kinds a remote host can run).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from tpu_llm.errors import UserError
 
 SPEC_FILE = "tokenizer.json"
 SP_MODEL_FILE = "tokenizer.model"
+REMOTE_OK = ("byte", "char")  # kinds whose encode_tf uses core TF ops only (runs in any TF server)
 
 
 class ByteTokenizer:
@@ -31,13 +38,15 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
 
-    def __init__(self):
-        import tensorflow_text as tf_text  # loads the custom ops; not needed by other tokenizers
-
-        self._splitter = tf_text.ByteSplitter()
-
     def encode_tf(self, texts: tf.Tensor) -> tf.RaggedTensor:
-        return tf.cast(self._splitter.split(texts), tf.int32)
+        """The same ids as tensorflow-text's ByteSplitter, from core ops: `bytes_split` cuts each string
+        into one-byte strings, `decode_raw` reads each as a uint8."""
+        pieces = tf.strings.bytes_split(texts)  # (batch, None) of 1-byte strings; (None,) for a scalar
+
+        def ids(flat):  # (n,) 1-byte strings -> (n,) int32
+            return tf.cast(tf.reshape(tf.io.decode_raw(flat, tf.uint8), [-1]), tf.int32)
+
+        return tf.ragged.map_flat_values(ids, pieces) if isinstance(pieces, tf.RaggedTensor) else ids(pieces)
 
     def encode(self, text: str | bytes) -> list[int]:
         return list(text.encode("utf-8") if isinstance(text, str) else text)
@@ -110,7 +119,6 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_proto: bytes, source: str = ""):
         import sentencepiece as spm
-        import tensorflow_text as tf_text
 
         self.model_proto = model_proto
         try:
@@ -118,7 +126,7 @@ class SentencePieceTokenizer:
         except Exception:  # sentencepiece raises a bare RuntimeError with a C++ message
             raise UserError(f"{source or 'tokenizer'}: not a SentencePiece model; make one with "
                             "`tpu-llm tokenizer train --input ... --vocab_size N`") from None
-        self._tf = tf_text.SentencepieceTokenizer(model=model_proto, out_type=tf.int32)
+        self._tf = None  # tensorflow-text's op, made by the first encode_tf: shards need no tensorflow-text
         self.vocab_size = self._sp.get_piece_size()
         self.eos_id = self._sp.eos_id()
         if self.eos_id < 0:
@@ -135,6 +143,10 @@ class SentencePieceTokenizer:
             return cls(f.read(), source=path)
 
     def encode_tf(self, texts: tf.Tensor) -> tf.RaggedTensor:
+        if self._tf is None:  # eagerly (init_scope), so that every graph can capture it
+            tf_text = import_tensorflow_text()
+            with tf.init_scope():
+                self._tf = tf_text.SentencepieceTokenizer(model=self.model_proto, out_type=tf.int32)
         return self._tf.tokenize(texts)
 
     def encode(self, text: str | bytes) -> list[int]:
@@ -156,6 +168,17 @@ class SentencePieceTokenizer:
 
 
 Tokenizer = ByteTokenizer | CharTokenizer | SentencePieceTokenizer
+
+
+def import_tensorflow_text():
+    """tensorflow_text, or a one-line UserError naming the extra that installs it."""
+    try:
+        import tensorflow_text
+    except ImportError:
+        raise UserError("data.tokenizer=sentencepiece needs tensorflow-text, which is not installed: pip install "
+                        "'tpu-llm[cpu,sentencepiece]' (not on a TPU VM: it pulls in the CPU tensorflow wheel; there, "
+                        "use data.tokenizer=byte or char, or shards from `tpu-llm data prepare` made elsewhere)") from None
+    return tensorflow_text
 
 
 def build_tokenizer(kind: str, model_path: str = "", text_files: list[str] | None = None) -> Tokenizer:

@@ -11,6 +11,15 @@
 * `tpu=""` means "what this machine shows": `TPU_NAME` (pod slices, as Google's TF harness runs them),
   `COLAB_TPU_ADDR` (legacy Colab TPU nodes), else the chips of a TPU VM. Colab's and Kaggle's TPUs are
   TPU VMs today, where TF's own `tpu=""` fails with "Please provide a TPU Name".
+* A TPU reached over the network (`tpu=<name>`, `grpc://`, a pod's TPU_NAME: everything but `local`) runs
+  its ops in TF servers on the TPU hosts: `experimental_connect_to_cluster` makes
+  /job:worker/replica:0/task:0 the default device, input pipelines run there, and so would checkpoint
+  and summary writes (`CLIENT_IO` keeps those on this process). Those servers see neither this
+  machine's files nor tensorflow-text's ops: `check_remote_paths` and `check_remote_data` refuse such a
+  run in one line before it starts.
+* `STANDIN_ENV` (tests only) makes a `grpc://` TPU a "remote CPU host stand-in": a tf.distribute.Server
+  on this machine serving CPU devices, reached through the same connection code, with
+  MirroredStrategy over its CPUs where a TPU would get TPUStrategy (the one difference: the device type).
 * `device_assignment` gives each replica's logical cores (later: pipeline stages x tensor-parallel
   ways) physical cores that are ICI neighbours and share a host when they fit in one. It is topology
   arithmetic only, unit-tested offline on hand-built `tf.tpu.experimental.Topology` objects.
@@ -36,6 +45,16 @@ ALTERNATIVES = ("use tpu=local on a TPU VM, tpu=<name> or tpu=grpc://<ip>:8470 f
 LOOKED_FOR = "/dev/accel*, /dev/vfio with libtpu, a Google TPU on the PCI bus, TPU devices listed by TensorFlow"
 RESOLVE_TIMEOUT = 30.0  # seconds for TF's name lookup (metadata server + Cloud TPU API); instant on GCE
 PROBE_TIMEOUT = 5.0  # seconds for a TCP connect to each TPU worker
+# Checkpoints and summaries of a remote TPU run are written by this process (the client), not by the
+# TPU hosts that own the variables: see `CLIENT_IO`.
+CLIENT_IO = "/job:localhost"
+# Tests only: a grpc:// TPU is a tf.distribute.Server on this machine serving CPUs. The value is a
+# directory standing in for Cloud Storage: both sides reach paths under it, as both reach gs:// on a
+# real TPU; every other local path counts as this machine's own, as it does with a real remote TPU.
+STANDIN_ENV = "TPU_LLM_REMOTE_CPU_STANDIN"
+# URL schemes of storage that a TPU host and this process both reach (TF's own filesystems); file://
+# and ram:// are this machine's, or this process's, alone
+SHARED_SCHEMES = ("gs://", "s3://", "hdfs://", "viewfs://")
 # Google's PCI vendor and TPU device ids, as JAX's hardware detection reads them; the kinds are spelled
 # as perf.TPU_PEAK_TFLOPS (and JAX's device_kind) spell them
 _PCI_KINDS = {"0x0027": "TPU v2/v3", "0x005e": "TPU v4", "0x0062": "TPU v5p", "0x0063": "TPU v5 lite",
@@ -136,6 +155,53 @@ def _target(tpu: str, env: Mapping[str, str], root: str) -> tuple[str, str]:
                     f"{LOOKED_FOR}; " + ALTERNATIVES)
 
 
+def is_remote(tpu: str, *, env: Mapping[str, str] | None = None, root: str = "/") -> bool:
+    """Whether `tpu` names a TPU whose hosts are other processes (a name, grpc://, a pod's TPU_NAME), not the
+    chips of this TPU VM (`local`). Decided from the setting and the environment, without connecting."""
+    env = os.environ if env is None else env
+    return _target(tpu, env, root)[0] != "local"
+
+
+def shared_storage(path: str, env: Mapping[str, str] | None = None) -> bool:
+    """`path` is on storage the TPU hosts reach too (gs://, ...; with the stand-in, its shared directory)."""
+    env = os.environ if env is None else env
+    if path.startswith(SHARED_SCHEMES):
+        return True
+    shared = env.get(STANDIN_ENV, "")
+    return bool(shared) and "://" not in path and os.path.abspath(path).startswith(os.path.abspath(shared) + os.sep)
+
+
+def check_remote_paths(cfg, *, env: Mapping[str, str] | None = None) -> None:
+    """Before connecting to a remote TPU: its run directory and data must be on storage its hosts share."""
+    where = (f"tpu={cfg.tpu!r} is a TPU reached over the network, whose hosts run the input pipeline and cannot "
+             "read this machine's files")
+    if not shared_storage(cfg.run_dir, env):
+        raise UserError(f"run_dir {cfg.run_dir!r} is on this machine, but {where}; put the run on Cloud Storage: "
+                        "--run_dir=gs://BUCKET/runs/NAME")
+    if not cfg.data.train:
+        raise UserError(f"data.train is empty (the embedded corpus: this machine's Python sources), but {where}; "
+                        "write shards to Cloud Storage with `tpu-llm data prepare --output gs://BUCKET/shards` and set "
+                        "--data.train='gs://BUCKET/shards/*.tfrecord'")
+    for key in ("train", "validation"):
+        for pattern in (p.strip() for p in getattr(cfg.data, key).split(",") if p.strip()):
+            if not shared_storage(pattern, env):
+                raise UserError(f"data.{key} {pattern!r} is on this machine, but {where}; upload it (`tpu-llm data "
+                                "prepare --output gs://BUCKET/shards`, or gsutil cp for text) and set "
+                                f"--data.{key}=gs://...")
+
+
+def check_remote_data(cfg, sources) -> None:
+    """After the data is resolved: text tokenized on the TPU hosts must need core TF ops only."""
+    from tpu_llm.tokenizer import REMOTE_OK
+
+    text = [s for s in sources if s.format == "text"]
+    if text and cfg.data.tokenizer not in REMOTE_OK:
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer} tokenizes text with tensorflow-text's ops, which the TF "
+                        f"servers on the hosts of tpu={cfg.tpu!r} do not have; pre-tokenize it with `tpu-llm data prepare "
+                        f"--tokenizer {cfg.data.tokenizer} --output gs://BUCKET/shards` and train on the shards, or use "
+                        f"data.tokenizer={' or '.join(REMOTE_OK)}")
+
+
 def _bounded(fn, seconds: float):
     """fn() in a daemon thread, so a lookup without a timeout cannot hold the run (or its exit)."""
     box: dict = {}
@@ -164,19 +230,28 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+def _standin_resolver(target: str):
+    """The stand-in's resolver: one worker task serving CPUs; with `master` set, connecting makes it the
+    default device, as TPUClusterResolver's master does for a TPU."""
+    spec = tf.train.ClusterSpec({"worker": [target[len("grpc://"):]]})
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, master=target), spec.job_tasks("worker")
+
+
 def _connect(tpu: str, env: Mapping[str, str], root: str, timeout: float):
     target, how = _target(tpu, env, root)
+    standin = bool(env.get(STANDIN_ENV)) and target.startswith("grpc://")  # tests: no TPU system to initialize
     named = target != "local" and not target.startswith("grpc://")
-    if named and importlib.util.find_spec("googleapiclient") is None:
+    # TF's own resolver client (tensorflow/python/tpu/client) needs both, or it cannot look names up
+    if named and not all(importlib.util.find_spec(m) for m in ("googleapiclient", "oauth2client")):
         raise UserError(f"no TPU reachable via {how}: TensorFlow looks TPU names up through the Cloud TPU API, "
                         "whose client is not installed (pip install 'tpu-llm[tpu]'); " + ALTERNATIVES)
     try:
-        resolver, workers = _bounded(lambda: _resolve(target), timeout)
+        resolver, workers = _bounded(lambda: _standin_resolver(target) if standin else _resolve(target), timeout)
         for address in workers:  # an unreachable worker would otherwise sit in gRPC retries for minutes
             host, _, port = address.rpartition(":")
             socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT).close()
         tf.config.experimental_connect_to_cluster(resolver)  # as TF's docs do; a no-op for 'local'
-        topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+        topology = None if standin else tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # noqa: BLE001 - every failure here means "no usable TPU"
         hint = (" (a TPU name needs the GCE metadata server, the Cloud TPU API and credentials)" if named else
                 " (a TPU VM needs the tensorflow-tpu build and libtpu: pip install 'tpu-llm[tpu]')"
@@ -266,6 +341,8 @@ def tpu_strategy(tpu: str, cores_per_replica: int = 1, *, env: Mapping[str, str]
     may span several cores."""
     env = os.environ if env is None else env
     resolver, topology, target = _connect(tpu, env, root, timeout)
+    if topology is None:  # the remote CPU host stand-in (STANDIN_ENV): its CPUs in place of TPU cores
+        return _standin_strategy(target, cores_per_replica)
     strategy = tf.distribute.TPUStrategy(
         resolver, experimental_device_assignment=device_assignment(topology, cores_per_replica))
     kind = tpu_kind(env=env, root=root)
@@ -275,3 +352,16 @@ def tpu_strategy(tpu: str, cores_per_replica: int = 1, *, env: Mapping[str, str]
                    f"{strategy.num_replicas_in_sync} replicas x {cores_per_replica} core(s)")
     chips = topology.num_tasks * topology.num_tpus_per_task // int(topology.mesh_shape[3])
     return strategy, kind, description, chips
+
+
+def _standin_strategy(target: str, cores_per_replica: int):
+    """MirroredStrategy over the remote host's CPU devices, where a TPU gets TPUStrategy over its cores."""
+    if cores_per_replica != 1:
+        raise UserError(f"{STANDIN_ENV}: the remote CPU host stand-in has no logical cores for {cores_per_replica} "
+                        "pipeline stages / tensor groups per replica; set parallel.pipeline_stages=1 and "
+                        "parallel.tensor=1")
+    devices = [d.name for d in tf.config.list_logical_devices("CPU") if d.name.startswith("/job:worker/")]
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    return (strategy, "CPU", f"remote CPU host stand-in via tpu={target!r} ({STANDIN_ENV}): {len(devices)} CPU "
+                             f"devices of /job:worker, {strategy.num_replicas_in_sync} replicas", 0)
+

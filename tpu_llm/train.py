@@ -15,7 +15,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tpu_llm import fault
+from tpu_llm import fault, tf_compat
 from tpu_llm.comm import replica_variable
 from tpu_llm.config import TrainConfig
 from tpu_llm.distribute import Distribution
@@ -193,8 +193,7 @@ class Trainer:
     def _overflowed(self):
         """A mixed_float16 step whose gradients overflowed: what LossScaleOptimizer does (halve the
         scale, restart its growth count), plus counting the step, which Keras does not do."""
-        self.optimizer.step_counter.assign(0)
-        self.optimizer.dynamic_scale.assign(self.optimizer.dynamic_scale * 0.5)
+        tf_compat.loss_scale_overflowed(self.optimizer)
         self.optimizer.iterations.assign_add(1)
 
     def _staleness_measured(self, loss_and_grads, inputs, targets):
