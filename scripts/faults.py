@@ -55,9 +55,10 @@ CLUSTER = [f"--train.batch_size=8", "--train.steps_per_loop=2", "--cluster.timeo
 IN_SAVE = """
 import os, signal, sys
 from tensorflow.python.checkpoint import checkpoint_management as cm
-record = cm.update_checkpoint_state_internal
+record, sent = cm.update_checkpoint_state_internal, []
 def hooked(save_dir, model_checkpoint_path, *args, **kwargs):
-    if model_checkpoint_path.endswith("ckpt-" + os.environ["FAULT_SAVE"]):
+    if model_checkpoint_path.endswith("ckpt-" + os.environ["FAULT_SAVE"]) and not sent:  # once: a second
+        sent.append(1)  # SIGTERM means "stop now" (tpu_llm.fault.StopSignals), and TF records a save twice
         os.kill(os.getpid(), getattr(signal, os.environ["FAULT_SIGNAL"]))
     return record(save_dir, model_checkpoint_path, *args, **kwargs)
 cm.update_checkpoint_state_internal = hooked
