@@ -103,15 +103,16 @@ def build_run(cfg: Config) -> Run:
     precision = set_precision(cfg, dist)
     tf.config.run_functions_eagerly(cfg.execution == "eager")
     local_sgd = comm.check(cfg.comm, dist)  # local SGD: per-replica copies of the weights and moments
+    stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
     with dist.strategy.scope(), comm.variable_scope(local_sgd):
-        model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+        # each stage's variables on its own device or logical TPU core (pipeline.build_weights)
+        model = pipeline.build_weights(GPT(cfg.model, cfg.model.vocab_size), stages, dist.placement)
         optimizer = make_optimizer(cfg.train, model)
         if precision == "mixed_float16":  # float16 gradients underflow without a scaled loss
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             optimizer.build(model.trainable_variables)
     with dist.strategy.scope():
         communication = comm.build(cfg.comm, dist, model, optimizer)
-    stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
     pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat)
     trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication)
 

@@ -107,6 +107,9 @@ class Trainer:
         scale = 1.0 / (k * self.num_replicas)
 
         def micro(x, y):
+            if self.pipeline.staged:  # stages or groups on their own devices: each its own backward there
+                return self.pipeline.loss_and_grads(x, y, variables, seed=self._seed(scale),
+                                                    watch=self.local_sgd is not None)
             with tf.GradientTape() as tape:
                 if self.local_sgd is not None:  # per-replica variables are not trainable tf.Variables
                     tape.watch([v.value for v in variables])
@@ -127,6 +130,12 @@ class Trainer:
             loss_sum += loss_i
             grads = [g + gi for g, gi in zip(grads, grads_i)]
         return loss_sum / k, grads
+
+    def _seed(self, scale):
+        """What the backward pass differentiates, from the mean loss: scaled for a SUM reduce, and by
+        the loss scale under mixed_float16."""
+        return (lambda loss: self.optimizer.scale_loss(loss * scale)) if self.loss_scaled else \
+            (lambda loss: loss * scale)
 
     def _replica_step(self, inputs, targets, position=None):
         loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
