@@ -10,6 +10,7 @@
   plan        tpu-llm plan --config configs/gpt2_125m.yaml --accelerator v5p-16   (memory, step time)
   export      tpu-llm export --run_dir runs/tiny [--output DIR] [--overwrite]   (SavedModel + Keras weights)
   config      tpu-llm config --config configs/tiny.yaml   (the effective config; --reference: every key)
+  doctor      tpu-llm doctor [--run_dir gs://bucket/doctor]   (first-contact check of this machine)
 
 Config overrides are dotted flags (`--train.steps=100`) or `--set train.steps=100` (repeatable).
 A user mistake prints one line starting with "error:" and exits with status 2.
@@ -170,6 +171,17 @@ class Commands:
         for line in result.lines():
             print(line)
         result.check()  # after the table, so the terms are on screen above the error line
+
+    def doctor(self, run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu_devices: int = 8,
+               stages: int = 0, tensor: int = 0, steps: int = 4):
+        """First-contact check of this machine (~2 minutes on a v5e-8): devices, per-stage placement,
+        replica sync, bfloat16 vs float32, a checkpoint round trip in --run_dir (gs:// on a TPU), input vs
+        step speed, measured vs planned step time. Prints PASS/FAIL lines, writes <run_dir>/doctor.json,
+        exits 2 when a check fails."""
+        from tpu_llm import doctor
+
+        doctor.main(run_dir=str(run_dir), tpu=str(tpu), strategy=str(strategy), cpu_devices=int(cpu_devices),
+                    stages=int(stages), tensor=int(tensor), steps=int(steps))
 
     def bench(self, suite: str = "shakespeare_char", data: str = "", steps: int = 0, config: str = "",
               run_dir: str = "", only: str = "", set=None, **overrides):

@@ -85,8 +85,9 @@ def check_batch_split(batch_size: int, replicas: int, grad_accum: int, microbatc
                         f"train.grad_accum={grad_accum} micro-batches{pipe}; nearest valid values: {nearest}")
 
 
-def build_run(cfg: Config) -> Run:
-    dist = get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
+def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
+    """`dist`: a distribution to reuse (tpu-llm doctor builds several runs on one TPU connection)."""
+    dist = dist or get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = data.resolve_sources(cfg.data)
