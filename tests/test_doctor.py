@@ -102,3 +102,16 @@ def test_plan_accelerator_names():
     tpu.device_kind, tpu.chips = "TPU v4", 4
     assert doctor.accelerator_name(tpu) == "v4-8"
     assert np.isfinite(doctor.PLAN_RATIO[1])
+
+
+def test_layout_fits_the_devices_found(tmp_path):
+    from tpu_llm.distribute import Found
+    assert doctor.layout(Found(), 8, 0, 0) == (2, 2) and doctor.layout(Found(), 4, 0, 0) == (2, 1)
+    assert doctor.layout(Found(gpus=1), 8, 0, 0) == (1, 1)  # one GPU: no stages to place
+    assert doctor.layout(Found(tpu="tpu='local' set"), 8, 2, 1) == (2, 1)
+
+    class Dist:
+        name, device_kind, chips = "default", "CPU", 0
+    cfg = doctor.tiny_config(str(tmp_path), "", "auto", 8, 2, 2, 4)  # the planner has no CPU model of tensor groups
+    check = doctor.check_plan(cfg, Dist, 0.05)
+    assert check.status == "SKIP" and "parallel.tensor=2" in check.numbers
