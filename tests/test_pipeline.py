@@ -1,5 +1,6 @@
 """Pipeline parallelism, mixed precision and execution modes: the same training as the plain model."""
 
+import contextlib
 import json
 
 import keras
@@ -44,6 +45,8 @@ def loss_and_grads(model, stages=1, microbatches=1, devices=(), remat=False, jit
     y = tf.random.stateless_uniform([8, 16], [3, 4], 0, 64, tf.int32)
 
     def step():
+        if pipe.staged:  # what the trainer runs: each stage's backward in its own scope
+            return pipe.loss_and_grads(x, y, model.trainable_variables)
         with tf.GradientTape() as tape:
             loss = pipe.loss(x, y, training=True)
         return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
@@ -121,6 +124,9 @@ def tpu_cores(model, stages, ways=1, microbatches=1) -> list[int]:
     cores = []
 
     class RecordingTPUStrategy:
+        class extended:  # noqa: N801 - the logical-device scope (tests/test_placement.py runs TF's own)
+            experimental_logical_device = staticmethod(lambda core: contextlib.nullcontext())
+
         def experimental_assign_to_logical_device(self, tensor, core):
             cores.append(core)
             return tensor

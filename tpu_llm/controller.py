@@ -93,8 +93,9 @@ def check_batch_split(batch_size: int, replicas: int, grad_accum: int, microbatc
                         f"train.grad_accum={grad_accum} micro-batches{pipe}; nearest valid values: {nearest}")
 
 
-def build_run(cfg: Config) -> Run:
-    dist = get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
+def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
+    """`dist`: a distribution to reuse (tpu-llm doctor builds several runs on one TPU connection)."""
+    dist = dist or get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = data.resolve_sources(cfg.data)
@@ -123,15 +124,16 @@ def build_run(cfg: Config) -> Run:
     precision = set_precision(cfg, dist)
     tf.config.run_functions_eagerly(cfg.execution == "eager")
     local_sgd = comm.check(cfg.comm, dist)  # local SGD: per-replica copies of the weights and moments
+    stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
     with dist.strategy.scope(), comm.variable_scope(local_sgd):
-        model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+        # each stage's variables on its own device or logical TPU core (pipeline.build_weights)
+        model = pipeline.build_weights(GPT(cfg.model, cfg.model.vocab_size), stages, dist.placement)
         optimizer = make_optimizer(cfg.train, model)
         if precision == "mixed_float16":  # float16 gradients underflow without a scaled loss
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             optimizer.build(model.trainable_variables)
     with dist.strategy.scope():
         communication = comm.build(cfg.comm, dist, model, optimizer)
-    stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
     pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat)
     trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication)
 

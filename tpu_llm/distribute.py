@@ -134,14 +134,21 @@ def choose(cfg: Config, found: Found) -> tuple[str, str]:
 
 @dataclasses.dataclass
 class Placement:
-    """Where pipeline stage i of a replica, and tensor-parallel group g of that stage, run: the one
-    thing pipeline.py and tensor.py ask about devices.
+    """Where pipeline stage i of a replica, and tensor-parallel group g of that stage, live and run:
+    the one thing pipeline.py and tensor.py ask about devices.
 
     A replica spans P x T devices or cores, stage-major: stage i's group g is number i*T + g (T = 1
     without tensor parallelism). Off-TPU: `devices[r]` lists replica r's devices in that order,
     entered with tf.device; a stage's own work (embedding, norms, residuals, head) runs on its group
-    0 device. On TPU: tensors are annotated for the replica's logical core of that number (the
-    DeviceAssignment gives each replica P x T neighbouring cores).
+    0 device. On TPU: logical core i*T + g of the replica (the DeviceAssignment gives each replica
+    P x T neighbouring cores), entered with `strategy.extended.experimental_logical_device`, which
+    both places variables created inside it (TPUStrategy creates variables on the top of its
+    logical-device stack, which is core 0 unless this scope is entered) and, inside the TPU
+    computation, puts ops on `tpu.core(k)`; tensors crossing stages are also annotated.
+
+    `variables(i)` is where stage i's variables are created (pipeline.build_weights), `stage(i)` and
+    `shard(i, g)` where its forward and backward ops run. Keras creates AdamW's moments with
+    `colocate_vars_with(variable)`, so they land beside their variable, on the stage's device.
     """
 
     stages: int = 1
@@ -156,10 +163,30 @@ class Placement:
         return self._device(i * self.tensor + g)
 
     def _device(self, k: int):
-        if self.tpu_strategy is not None or not self.devices:
+        if self.tpu_strategy is not None:
+            return self._logical_core(k)
+        if not self.devices:
             return contextlib.nullcontext()
         replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         return tf.device(self.devices[int(replica or 0)][k])
+
+    def _logical_core(self, k: int):
+        if self.stages * self.tensor == 1:  # one core per replica: TPUStrategy's default placement
+            return contextlib.nullcontext()
+        return self.tpu_strategy.extended.experimental_logical_device(k)
+
+    def variables(self, i: int):
+        """The scope in which stage i's variables are created (inside the strategy's scope): its logical
+        core on TPU; off-TPU its device in every replica (MirroredStrategy would otherwise put all of a
+        replica's variables on the replica's first device)."""
+        k = i * self.tensor
+        if self.tpu_strategy is not None:
+            return self._logical_core(k)
+        if not self.devices:
+            return contextlib.nullcontext()
+        if not tf.distribute.has_strategy():  # one replica under the default strategy
+            return tf.device(self.devices[0][k])
+        return tf.variable_creator_scope(_create_on(tuple(replica[k] for replica in self.devices)))
 
     def place(self, tensor, i: int):
         """Annotate stage i's output for its logical TPU core (a no-op off-TPU: tf.device placed it)."""
@@ -181,6 +208,24 @@ class Placement:
             return f"{what} on logical TPU cores 0-{self.stages * self.tensor - 1} of each replica"
         return f"{what} per replica on " + "; ".join(", ".join(d.split("device:")[-1] for d in r)
                                                      for r in self.devices)
+
+
+class _Devices:
+    """What MirroredStrategy's variable creator reads from `colocate_with`: the devices of each
+    replica's copy (its `_devices`, TF 2.20 mirrored_strategy.py `_create_variable`, the same
+    attribute a MirroredVariable carries). tests/test_pipeline.py fails if TF stops honouring it."""
+
+    def __init__(self, devices: tuple):
+        self._devices = devices
+
+
+def _create_on(devices: tuple):
+    """A variable creator putting replica r's copy of each new variable on devices[r]."""
+    def creator(next_creator, **kwargs):
+        if kwargs.get("colocate_with") is None:
+            kwargs["colocate_with"] = _Devices(devices)
+        return next_creator(**kwargs)
+    return creator
 
 
 @dataclasses.dataclass

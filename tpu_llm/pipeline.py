@@ -19,11 +19,20 @@ and gradient call per (stage, micro-batch), which in a dataflow graph still does
 any earlier than the executor already does. Rematerialisation (`parallel.remat`, tf.recompute_grad
 per block) is the memory lever here instead.
 
-On TPU the whole replica step is one XLA program and the stage boundaries are logical-core
-annotations. Off-TPU the stages run on their devices as a TF graph, not XLA: one XLA program cannot
-span devices, and a stage compiled on its own device could not read the replica's variables, which
-live on the replica's first device (MirroredStrategy mirrors variables per replica, not per stage).
-The same schedule compiled as one program (no devices) is what a TPU runs; a test compiles it.
+Where: each stage's variables are created on its own device or logical TPU core (`build_weights`
+under `Placement.variables`), AdamW's moments follow them (Keras colocates each moment with its
+variable), and with P x T > 1 `loss_and_grads` runs each stage's forward AND backward inside its
+scope: one GradientTape per (stage, micro-batch), the backward handing each stage the gradient of
+its output. (One tape over the whole forward would put every backward op wherever the
+tape.gradient call happens to be placed: TF2's tape does not colocate gradients with their ops.)
+So a stage's weights, gradients and moments sit on one device, which is what `tpu-llm plan`'s
+per-stage memory assumes. The tied embedding table stays with the first stage; the head reads it.
+
+On TPU the whole replica step is one XLA program and the stage boundaries are logical cores
+(`experimental_logical_device`, which puts ops on `tpu.core(k)`) plus annotations on the tensors
+crossing them. Off-TPU the stages run on their devices as a TF graph, not XLA: one XLA program
+cannot span devices. The same schedule compiled as one program (no devices) is what a TPU runs; a
+test compiles it.
 """
 
 from __future__ import annotations
@@ -120,6 +129,20 @@ def describe(stages: list[Stage]) -> list[str]:
     return lines
 
 
+def build_weights(model, stages: list[Stage], placement):
+    """Create `model`'s variables stage by stage, each inside `placement.variables(i)` (call inside the
+    strategy scope); returns the model, built."""
+    ids = tf.zeros([1, 1], tf.int32)
+    for stage in stages:
+        with placement.variables(stage.index):
+            x = model.embed(ids) if stage.embed else tf.zeros([1, 1, model.cfg.n_embd])
+            for b in stage.blocks:
+                x = model.blocks[b](x)[0]
+            if stage.head:
+                model.head(x)
+    return model.build_weights()  # marks the model built: every variable exists already
+
+
 class Pipeline:
     """The training forward pass of `model` as P placed stages over M micro-batches (P = M = 1: the
     plain forward pass, with optional rematerialisation)."""
@@ -154,6 +177,59 @@ class Pipeline:
                 return loss_fn(model.head(x), targets)  # the micro-batch's mean loss, float32
             return x  # (b, T, C), handed to the next stage's device
         return run
+
+    @property
+    def staged(self) -> bool:
+        """More than one device or core per replica: gradients come from `loss_and_grads`."""
+        return self.placement.stages * self.placement.tensor > 1
+
+    def stage_variables(self, i: int) -> list:
+        """The trainable variables stage i reads (the tied table twice: first and last stage)."""
+        stage, m = self.stages[i], self.model
+        layers = [m.wte, m.wpe] * stage.embed + [m.blocks[b] for b in stage.blocks]
+        if stage.head:
+            layers += [m.ln_f] + [m.wte] * (not stage.embed)
+        return [v for layer in layers for v in layer.trainable_variables]
+
+    def loss_and_grads(self, inputs, targets, variables, seed=None, watch: bool = False):
+        """(mean loss, gradients of seed(mean loss) with respect to `variables`), with each stage's
+        forward and backward inside its Placement scope. `seed` must be linear (the trainer's scaling
+        by 1 / replicas and the loss scale); `watch`: also watch `v.value` (local SGD's per-replica
+        variables are not trainable tf.Variables)."""
+        m, seed = self.microbatches, seed or (lambda loss: loss)
+        last = len(self.stage_fns) - 1
+        own = [self.stage_variables(i) for i in range(last + 1)]
+        tapes = []  # per micro-batch, per stage: (tape, stage input, what to differentiate)
+        total = tf.constant(0.0)
+        for x, y in zip(tf.split(inputs, m), tf.split(targets, m)):  # M x (B/M, T)
+            chain = []
+            for i, stage_fn in enumerate(self.stage_fns):
+                with self.placement.stage(i), tf.GradientTape() as tape:
+                    if watch:
+                        tape.watch([v.value for v in own[i]])
+                    if i:
+                        tape.watch(x)
+                    out = self.placement.place(stage_fn(x, y, True), i)
+                    target = seed(out / m) if i == last else out
+                chain.append((tape, x, target))
+                x = out
+            total += x
+            tapes.append(chain)
+        index = {id(v): k for k, v in enumerate(variables)}
+        grads = [None] * len(variables)
+        for chain in reversed(tapes):  # last micro-batch first, as GPipe drains
+            upstream = None
+            for i in reversed(range(last + 1)):
+                tape, x, target = chain[i]
+                sources = own[i] + [x] * (i > 0)
+                with self.placement.stage(i):
+                    out = tape.gradient(target, sources, output_gradients=upstream,
+                                        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    for v, g in zip(own[i], out):
+                        k, g = index[id(v)], tf.convert_to_tensor(g)  # embedding: IndexedSlices
+                        grads[k] = g if grads[k] is None else grads[k] + g
+                upstream = out[-1] if i else None
+        return total / m, [g if g is not None else tf.zeros_like(v) for g, v in zip(grads, variables)]
 
     def loss(self, inputs, targets, training: bool = True):
         """Mean loss of the batch `inputs` (B, T) -> `targets` (B, T)."""

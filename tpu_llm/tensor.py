@@ -15,8 +15,10 @@ of its partition dimensions to equal a replica's whole core count (TF 2.20, tpu_
 cannot split a block T ways inside one of P > 1 pipeline stages.
 
 What is split is the work and the activations of the attention and MLP, not the weights: the
-variables, their gradients and AdamW's moments stay whole on the replica's (or stage's) first device,
-as TensorFlow places a replica's variables, and each group reads its slices from there every step.
+variables, their gradients and AdamW's moments stay whole on the stage's first device or logical core
+(group 0: `Placement.variables`, pipeline.build_weights), and each group reads its slices from there
+every step. The backward pass of a stage runs in that stage's scope (pipeline.Pipeline.loss_and_grads),
+not per group.
 Sharding the variables themselves would need XLA's SPMD partitioner to own the layout, which the
 per-core assignments used for stages do not give. So tensor parallelism here buys speed (T devices
 share every block's matmuls) and activation memory, while `parallel.pipeline_stages` is what divides

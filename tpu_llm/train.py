@@ -91,6 +91,35 @@ def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
     return optimizer
 
 
+class ReplicaSeedGenerator(keras.random.SeedGenerator):
+    """A dropout layer's seed generator that gives every replica its own masks.
+
+    Keras keeps a SeedGenerator's state in a variable with aggregation NONE: under a distribution
+    strategy each replica holds a copy and advances it identically, so every replica would draw the
+    same masks for its different examples. Here the replica id is folded into each drawn seed
+    (tf.random.experimental.stateless_fold_in, XLA-compilable), while the state itself stays the one
+    counter that is checkpointed: masks stay reproducible on resume. With one replica the draws are
+    Keras' own, unchanged.
+    """
+
+    def next(self, ordered=True):
+        seed = super().next(ordered)
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return seed
+        return tf.random.experimental.stateless_fold_in(seed, ctx.replica_id_in_sync_group)
+
+
+def per_replica_dropout(model) -> int:
+    """Switch the dropout layers of `model` with a non-zero rate to ReplicaSeedGenerator (their state
+    variables, and so checkpoints, stay as they are); returns how many were switched."""
+    layers = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Dropout)  # noqa: SLF001
+              and layer.rate > 0 and getattr(layer, "seed_generator", None) is not None]
+    for layer in layers:
+        layer.seed_generator.__class__ = ReplicaSeedGenerator
+    return len(layers)
+
+
 class Trainer:
     # Set by controller.build_run (fault tolerance): the SUM-on-read variable recording the input
     # stream's position (data.make_dataset_fn), and a flag that ends a host call at the next step.
@@ -115,6 +144,8 @@ class Trainer:
             stages = partition(model.cfg, model.vocab_size, 1, 1)
             pipeline = Pipeline(model, stages, dist.placement)
         self.pipeline = pipeline
+        if self.num_replicas > 1:  # identical dropout masks on every replica otherwise
+            per_replica_dropout(model)
         self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=jit)
         if dist.asynchronous:
             with self.strategy.scope():  # on a ps task; atomic increments, unlike the optimizer's step
@@ -133,6 +164,9 @@ class Trainer:
         scale = 1.0 / (k * self.num_replicas)
 
         def micro(x, y):
+            if self.pipeline.staged:  # stages or groups on their own devices: each its own backward there
+                return self.pipeline.loss_and_grads(x, y, variables, seed=self._seed(scale),
+                                                    watch=self.local_sgd is not None)
             with tf.GradientTape() as tape:
                 if self.local_sgd is not None:  # per-replica variables are not trainable tf.Variables
                     tape.watch([v.value for v in variables])
@@ -153,6 +187,12 @@ class Trainer:
             loss_sum += loss_i
             grads = [g + gi for g, gi in zip(grads, grads_i)]
         return loss_sum / k, grads
+
+    def _seed(self, scale):
+        """What the backward pass differentiates, from the mean loss: scaled for a SUM reduce, and by
+        the loss scale under mixed_float16."""
+        return (lambda loss: self.optimizer.scale_loss(loss * scale)) if self.loss_scaled else \
+            (lambda loss: loss * scale)
 
     def _replica_step(self, inputs, targets, position=None):
         loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
