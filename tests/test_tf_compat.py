@@ -45,7 +45,7 @@ def test_parameter_server_worker_count_comes_from_tf_config_not_a_private_attrib
 
     found = Found(cluster=CLUSTER, task=("chief", 0))
     dist = Distribution(tf.distribute.get_strategy(), "parameter_server", "", "CPU", coordinator=object(),
-                        workers=len(found.cluster["worker"]))
+                        workers=tuple(found.cluster["worker"]))
     assert dist.num_workers == 3 and dist.loops_per_call() == 6
 
 

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from conftest import CORPUS_LINES, write_corpus
 from tpu_llm.errors import UserError
+from tpu_llm.checkpoint import MARKER_FILE
 from tpu_llm.tokenizer import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
                                build_tokenizer, load_tokenizer, save_tokenizer, train_sentencepiece)
 
@@ -241,9 +242,10 @@ def test_a_torn_tokenizer_file_is_one_line_exit_2_and_the_run_directory_is_untou
     write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     run.mkdir()
+    (run / MARKER_FILE).write_text("a tpu-llm run directory\n")  # a run of ours, its tokenizer torn
     (run / SPEC_FILE).write_text('{"kind": "byte", "vocab')
     assert cli.main(["train", f"--run_dir={run}", f"--data.train={tmp_path / 'corpus' / '*.txt'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {run / SPEC_FILE} is not a readable tokenizer file (") and err.count("\n") == 1, err
     assert "move the run directory away to start over" in err
-    assert [p.name for p in run.iterdir()] == [SPEC_FILE] and (run / SPEC_FILE).read_text() == '{"kind": "byte", "vocab'
+    assert sorted(p.name for p in run.iterdir()) == sorted([MARKER_FILE, SPEC_FILE]) and (run / SPEC_FILE).read_text() == '{"kind": "byte", "vocab'
