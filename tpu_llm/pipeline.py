@@ -223,9 +223,10 @@ class Pipeline:
                 tape, x, target = chain[i]
                 sources = own[i] + [x] * (i > 0)
                 with self.placement.stage(i):
-                    out = tape.gradient(target, sources, output_gradients=upstream,
-                                        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    out = tape.gradient(target, sources, output_gradients=upstream)
                     for v, g in zip(own[i], out):
+                        if g is None:  # not read by this stage (none today); zeros at the end if by none
+                            continue
                         k, g = index[id(v)], tf.convert_to_tensor(g)  # embedding: IndexedSlices
                         grads[k] = g if grads[k] is None else grads[k] + g
                 upstream = out[-1] if i else None
