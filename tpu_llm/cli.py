@@ -322,11 +322,15 @@ def tokenizer_train(input: str = "", vocab_size: int = 8000, output: str = "toke
          "tpu-llm launch --workers 2 --ps 1 -- train --config configs/tiny.yaml", details="""
 Everything after `--` is the tpu-llm command each task runs; only its TF_CONFIG differs. Output lines
 are prefixed with the task. See tpu_llm/launch.py.""",
-         workers="worker processes", ps="parameter-server tasks; > 0 adds a chief and trains asynchronously")
-def launch(workers: int = 2, ps: int = 0, task_args: list | None = None):
+         workers="worker processes", ps="parameter-server tasks; > 0 adds a chief and trains asynchronously",
+         network="auto: the tasks get a network namespace with only loopback when the run needs no network and "
+                 "the system allows it; open: the host's network (TF's servers listen on every interface)")
+def launch(workers: int = 2, ps: int = 0, network: str = "auto", task_args: list | None = None):
     from tpu_llm import launch
 
-    return launch.launch(workers, ps, task_args or [])
+    if network not in ("auto", "open"):
+        raise UserError(f"tpu-llm launch: --network={network!r}; choose auto or open")
+    return launch.launch(workers, ps, task_args or [], network=network)
 
 
 

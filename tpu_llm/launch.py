@@ -288,24 +288,3 @@ def _say(out, lock, text: str) -> None:
     with lock:
         out.write(text + "\n")
         out.flush()
-
-
-def main(argv: list[str]) -> int:
-    """`tpu-llm launch [--workers N] [--ps M] -- <tpu-llm command and flags>` (parsed here, not by fire,
-    so that everything after `--` reaches the tasks untouched)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="tpu-llm launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    parser.add_argument("--ps", type=int, default=0, help="parameter-server tasks; > 0 adds a chief and "
-                                                          "trains asynchronously (default 0: multi_worker)")
-    if "--" in argv:
-        split = argv.index("--")
-        own, args = argv[:split], argv[split + 1:]
-    else:
-        own, args = argv, []
-    parser.add_argument("--network", choices=("auto", "open"), default="auto",
-                        help="auto (default): the tasks get a network namespace with only loopback when the run "
-                             "needs no network and the system allows it; open: the host's network")
-    options = parser.parse_args(own)
-    return launch(options.workers, options.ps, args, network=options.network)
