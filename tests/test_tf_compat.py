@@ -97,7 +97,29 @@ def test_no_private_tensorflow_attribute_outside_tf_compat():
             continue
         text = open(os.path.join(root, name), encoding="utf-8").read()
         for attr in ("_num_workers", "_id_in_cluster", "_platform_device", "_stateful_handle", "step_counter",
-                     "dynamic_scale.assign", "tensorflow.python", "keras.src"):
+                     "dynamic_scale.assign", "tensorflow.python", "keras.src", "_flatten_layers", "._devices"):
             if attr in text:
                 offenders.append(f"{name}: {attr}")
     assert not offenders, json.dumps(offenders)
+
+
+def test_mirrored_variables_are_placed_by_colocate_with_devices():
+    # MirroredStrategy's variable creator takes each replica's device from `colocate_with._devices`
+    from tensorflow.python.distribute import mirrored_strategy
+
+    source = inspect.getsource(mirrored_strategy.MirroredExtended._create_variable)
+    assert "devices = colocate_with._devices" in source
+    devices = tuple(d.name for d in tf.config.list_logical_devices("CPU")[:2])
+    strategy = tf.distribute.MirroredStrategy(devices)
+    with strategy.scope():
+        v = tf.Variable(1.0, colocate_with=tf_compat.ReplicaDevices(devices[::-1]))  # noqa: F841
+    placed = [x.device.split("device:")[-1] for x in strategy.experimental_local_results(v)]
+    assert placed == [d.split("device:")[-1] for d in devices[::-1]] == ["CPU:1", "CPU:0"]
+
+
+def test_all_layers_finds_nested_dropout():
+    import keras
+
+    inner = keras.Sequential([keras.layers.Dense(2), keras.layers.Dropout(0.5)])
+    outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dropout(0.1)])
+    assert sum(isinstance(layer, keras.layers.Dropout) for layer in tf_compat.all_layers(outer)) == 2

@@ -33,7 +33,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tpu_llm import perf
+from tpu_llm import perf, tf_compat
 from tpu_llm.config import Config
 from tpu_llm.errors import UserError
 
@@ -210,20 +210,11 @@ class Placement:
                                                      for r in self.devices)
 
 
-class _Devices:
-    """What MirroredStrategy's variable creator reads from `colocate_with`: the devices of each
-    replica's copy (its `_devices`, TF 2.20 mirrored_strategy.py `_create_variable`, the same
-    attribute a MirroredVariable carries). tests/test_pipeline.py fails if TF stops honouring it."""
-
-    def __init__(self, devices: tuple):
-        self._devices = devices
-
-
 def _create_on(devices: tuple):
     """A variable creator putting replica r's copy of each new variable on devices[r]."""
     def creator(next_creator, **kwargs):
         if kwargs.get("colocate_with") is None:
-            kwargs["colocate_with"] = _Devices(devices)
+            kwargs["colocate_with"] = tf_compat.ReplicaDevices(devices)
         return next_creator(**kwargs)
     return creator
 

@@ -48,3 +48,18 @@ def loss_scale_overflowed(optimizer) -> None:
     letting the optimizer decide (see train.Trainer._overflowed)."""
     optimizer.step_counter.assign(0)
     optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+
+
+class ReplicaDevices:
+    """A `colocate_with` value that makes MirroredStrategy put replica r's copy of a new variable on
+    `devices[r]`: TF 2.20's `MirroredExtended._create_variable` reads the private `colocate_with._devices`
+    (the attribute a MirroredVariable carries); no public API places one replica's copies per stage."""
+
+    def __init__(self, devices: tuple):
+        self._devices = devices
+
+
+def all_layers(model) -> list:
+    """Every layer inside `model`, nested ones included (Keras 3's private `Layer._flatten_layers`;
+    `Model.layers` lists only the top level)."""
+    return list(model._flatten_layers())  # noqa: SLF001

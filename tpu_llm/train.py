@@ -113,7 +113,7 @@ class ReplicaSeedGenerator(keras.random.SeedGenerator):
 def per_replica_dropout(model) -> int:
     """Switch the dropout layers of `model` with a non-zero rate to ReplicaSeedGenerator (their state
     variables, and so checkpoints, stay as they are); returns how many were switched."""
-    layers = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Dropout)  # noqa: SLF001
+    layers = [layer for layer in tf_compat.all_layers(model) if isinstance(layer, keras.layers.Dropout)
               and layer.rate > 0 and getattr(layer, "seed_generator", None) is not None]
     for layer in layers:
         layer.seed_generator.__class__ = ReplicaSeedGenerator
