@@ -115,3 +115,17 @@ def test_layout_fits_the_devices_found(tmp_path):
     cfg = doctor.tiny_config(str(tmp_path), "", "auto", 8, 2, 2, 4)  # the planner has no CPU model of tensor groups
     check = doctor.check_plan(cfg, Dist, 0.05)
     assert check.status == "SKIP" and "parallel.tensor=2" in check.numbers
+
+
+def test_a_remote_tpu_gets_the_data_staged_beside_the_run(tmp_path):
+    # a pod's hosts cannot read this machine's files: doctor copies a few embedded-corpus files into
+    # the run directory (gs:// there) and trains on them
+    from tpu_llm import data
+
+    pattern = doctor.stage_data(str(tmp_path / "data"))
+    staged = sorted(tf.io.gfile.glob(pattern))
+    originals = data.embedded_corpus_files()[:doctor.STAGED_FILES]
+    assert len(staged) == len(originals) == doctor.STAGED_FILES
+    for copy, original in zip(staged, originals):
+        with open(copy, "rb") as a, open(original, "rb") as b:
+            assert a.read() == b.read()

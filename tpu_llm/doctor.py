@@ -78,13 +78,13 @@ def _status(ok: bool) -> str:
 
 
 def tiny_config(run_dir: str, tpu: str, strategy: str, cpu_devices: int, stages: int, tensor: int,
-                steps: int, precision: str = "float32") -> Config:
-    """The doctor's run: a GPT of one block per stage (at least 2), width 64, on the embedded corpus,
-    bytes, no eval or samples."""
+                steps: int, precision: str = "float32", train: str = "") -> Config:
+    """The doctor's run: a GPT of one block per stage (at least 2), width 64, on `train` (default: the
+    embedded corpus), bytes, no eval or samples."""
     return load_config(None, {
         "run_dir": run_dir, "tpu": tpu, "strategy": strategy, "cpu_devices": cpu_devices, "precision": precision,
         "model.n_layer": max(2, stages), "model.n_head": 4, "model.n_embd": 64, "model.max_len": 64, "model.dropout": 0.0,
-        "data.train": "", "data.tokenizer": "byte", "data.seq_len": 64, "data.shuffle_buffer": 64,
+        "data.train": train, "data.tokenizer": "byte", "data.seq_len": 64, "data.shuffle_buffer": 64,
         "train.steps": steps, "train.steps_per_loop": max(steps // 2, 1), "train.warmup_steps": 1,
         "train.eval_every": 0, "checkpoint.every_steps": 0, "sample.num_samples": 0,
         "parallel.pipeline_stages": stages, "parallel.tensor": tensor, "parallel.microbatches": 2})
@@ -98,6 +98,22 @@ def _copies(v) -> list:
 
 def _devices_of(v) -> list[str]:
     return [c.device for c in _copies(v)]
+
+
+STAGED_FILES = 12  # embedded-corpus files copied for a remote TPU (a few hundred KB: many batches of 64 bytes)
+
+
+def stage_data(directory: str) -> str:
+    """Copy a few files of the embedded corpus into `directory` (the run directory, on Cloud Storage for
+    a remote TPU, whose hosts run the input pipeline and cannot read this machine's files); returns
+    their glob for data.train. Byte tokenization runs on the hosts with core TF ops only."""
+    tf.io.gfile.makedirs(directory)
+    for i, path in enumerate(data.embedded_corpus_files()[:STAGED_FILES]):
+        with open(path, "rb") as f:
+            text = f.read()
+        with tf.io.gfile.GFile(os.path.join(directory, f"corpus-{i:02d}.txt"), "wb") as f:
+            f.write(text)
+    return os.path.join(directory, "corpus-*.txt")
 
 
 def check_devices(found: distribute.Found, name: str, reason: str, dist) -> Check:
@@ -283,7 +299,12 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
     probe = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, 1, 1, steps)
     found = distribute.look_around(probe)
     stages, tensor = layout(found, cpu_devices, stages, tensor)
-    cfg = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, stages, tensor, steps)
+    from tpu_llm import tpu as tpus
+
+    # a remote TPU (a pod from worker 0, tpu=<name>) reads its data from shared storage, never local files
+    train = stage_data(os.path.join(work, "data")) if found.tpu and tpus.is_remote(tpu) and \
+        tpus.shared_storage(run_dir) else ""
+    cfg = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, stages, tensor, steps, train=train)
     checks: list[Check] = []
     say(f"doctor    tensorflow {tf.__version__}, keras {keras.__version__}; runs in {work}")
     for line in found.describe():
@@ -308,7 +329,7 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
         checks.append(check_placement(f32))
         checks.append(check_replicas(f32))
         bf16_cfg = tiny_config(os.path.join(work, "bfloat16"), tpu, strategy, cpu_devices, stages, tensor, steps,
-                               precision="mixed_bfloat16")
+                               precision="mixed_bfloat16", train=train)
         bf16_cfg.train.batch_size = batch
         try:
             bf16 = controller.build_run(bf16_cfg, dist)
