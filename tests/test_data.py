@@ -256,6 +256,19 @@ def test_too_few_shards_to_hold_out_validation(tmp_path, corpus_files):
     assert "data.validation" in message
 
 
+def test_a_shard_cut_short_is_refused_before_training(tmp_path, corpus_files):
+    # TensorFlow reads a truncated TFRecord file as if it ended there: the recorded size catches it
+    out = tmp_path / "shards"
+    data.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=2)
+    first, second = sorted(out.glob("*.tfrecord"))
+    assert data.detect_format([str(first), str(second)], "auto", "data.train") == "tfrecord"
+    first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])
+    with pytest.raises(UserError, match=rf"data.train: shard {first} is [\d,]+ bytes, but its meta.json records "
+                                        r"[\d,]+: it was cut short or changed"):
+        data.detect_format([str(first), str(second)], "auto", "data.train")
+    assert data.detect_format([str(second)], "auto", "data.train") == "tfrecord"
+
+
 def test_write_shards_refuses_to_overwrite(tmp_path, corpus_files):
     tok, out = ByteTokenizer(), str(tmp_path / "shards")
     source = data.Source(corpus_files, "text")

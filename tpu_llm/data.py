@@ -149,7 +149,31 @@ def detect_format(files: list[str], fmt: str, key: str) -> str:
     if fmt == "text":
         for path in files[:SNIFF_MAX_FILES]:
             check_text_file(path, key)
+    else:
+        check_shard_sizes(files, key)
     return fmt
+
+
+def check_shard_sizes(files: list[str], key: str) -> None:
+    """Raise UserError for a shard whose size differs from the one `data prepare` recorded in its
+    folder's meta.json ("shard_bytes"): TensorFlow reads a TFRecord file cut short (an interrupted copy
+    or upload) as if it ended there, so a torn shard would train silently on part of its data. One
+    stat per file; shards without that record (written by an earlier version) are not checked."""
+    recorded: dict[str, dict] = {}
+    for path in files:
+        folder = os.path.dirname(path)
+        if folder not in recorded:
+            meta_path = os.path.join(folder, "meta.json")
+            try:
+                with tf.io.gfile.GFile(meta_path) as f:
+                    recorded[folder] = json.loads(f.read()).get("shard_bytes", {})
+            except (tf.errors.NotFoundError, ValueError, AttributeError):
+                recorded[folder] = {}
+        expected = recorded[folder].get(os.path.basename(path))
+        if expected is not None and tf.io.gfile.stat(path).length != expected:
+            raise UserError(f"{key}: shard {path} is {tf.io.gfile.stat(path).length:,} bytes, but its meta.json "
+                            f"records {expected:,}: it was cut short or changed (an interrupted copy?); copy it "
+                            "again, or re-run `tpu-llm data prepare`")
 
 
 def check_text_file(path: str, key: str) -> None:
@@ -560,7 +584,9 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
         tf.io.gfile.remove(path)
     save_tokenizer(tokenizer, output)
     meta = {"files": len(source.files), "tokens": tokens, "records": records, "shards": num_shards,
-            "tokenizer": tokenizer.spec(), "seconds": round(time.time() - start, 1)}
+            "tokenizer": tokenizer.spec(), "seconds": round(time.time() - start, 1),
+            # what check_shard_sizes compares each shard with before training
+            "shard_bytes": {os.path.basename(n): tf.io.gfile.stat(n).length for n in names}}
     with tf.io.gfile.GFile(os.path.join(output, "meta.json"), "w") as f:
         f.write(json.dumps(meta, indent=1))
     return meta
