@@ -347,7 +347,7 @@ class Launcher:
                 raise LaunchError(explain_failure(argv, status, out, o.context()))
             for line in describe_node(json.loads(out) if status == 0 and out.strip() else None):
                 print(f"  {line}")
-        self.print_log_tail(o, lines=int(env("LINES", "20")))
+        self.print_log_tail(o, lines=int(env("LOG_LINES", "20")))
         return 0
 
     def newest_log(self, o: Outputs, run_dir: str) -> str:
@@ -459,7 +459,7 @@ class Launcher:
         if not url and not self.dry:
             raise LaunchError(f"no training log in {run_dir}/{LOG_DIR}/: `make train` writes one there; RUN=NAME or "
                               "RUN_DIR=gs://... picks another run")
-        self.print_log_tail(o, lines=int(env("LINES", "200")), url=url)
+        self.print_log_tail(o, lines=int(env("LOG_LINES", "200")), url=url)
         return 0
 
     def tensorboard(self) -> int:
