@@ -199,9 +199,9 @@ class MetricsLog:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.logs = os.path.join(run_dir, "logs")
         self.enabled, self.writers = enabled, {}
-        self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
         # a remote TPU: the writers (and their ops) on this process, not on the TPU host (tpu.CLIENT_IO)
-        self.device = device
+        self.device = device  # (before truncate, which flushes on it)
+        self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
         with tf.device(device or None):
             self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
                             for split in ("train", "validation")} if enabled else {}
