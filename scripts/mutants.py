@@ -247,7 +247,8 @@ def run_tests(root: Path, tests: str) -> tuple[str, float, str]:
     except subprocess.TimeoutExpired:
         return "failed", time.monotonic() - start, f"timed out after {TIMEOUT} s"
     seconds = time.monotonic() - start
-    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    tail = "\n".join([line for line in lines if line.startswith("E ")][:3] + lines[-2:])
     # pytest: 0 all passed, 1 some failed, 5 nothing collected; 2-4 usage or internal errors
     return {0: "passed", 1: "failed"}.get(proc.returncode, "error"), seconds, tail
 
@@ -258,6 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="print the mutations and their tests")
     parser.add_argument("--check", action="store_true", help="only check that every mutation still applies")
     parser.add_argument("--baseline", action="store_true", help="run each mutation's tests unmutated first")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the last lines of pytest's output")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.k or any(k in m.name for k in args.k)]
     problems = check(MUTATIONS)
@@ -297,8 +299,8 @@ def main(argv=None) -> int:
             rows.append((m, verdict, seconds))
             errors += verdict == "error"
             print(f"{m.name:{width}}  {verdict:8}  {seconds:7.1f}  {m.tests}", flush=True)
-            if verdict == "error":
-                print(f"{'':{width}}  {tail}", flush=True)
+            if verdict == "error" or args.verbose:
+                print("\n".join(f"{'':{width}}  {line}" for line in tail.splitlines()), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     killed = sum(v == "killed" for _, v, _ in rows)

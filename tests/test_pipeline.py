@@ -190,6 +190,7 @@ def test_float16_skips_an_overflowing_step_and_recovers(tmp_path):
         run = build_run(tiny_config(tmp_path, precision="mixed_float16"))
         optimizer = run.optimizer
         assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        assert run.model(tf.zeros([1, 4], tf.int32)).dtype == tf.float32  # logits in float32 here too
         before = [w.numpy().copy() for w in run.model.trainable_variables]
         optimizer.dynamic_scale.assign(2.0 ** 40)  # float16 gradients overflow at this scale
         out = run.trainer.run(run.train_iterator, 1, 1)
