@@ -70,8 +70,8 @@ MUTATIONS = [
       "self.wpe(pos + tf.range(T))[None]", "self.wpe(tf.range(T))[None]",
       "tests/test_model.py::test_kv_cache_decoding_matches_the_full_forward_pass"),
     M("no-attention-residual", "tpu_llm/model.py",
-      "        x = x + a\n", "        x = a\n",
-      "tests/test_model.py::test_overfits_one_batch tests/test_model.py::test_untrained_loss_is_about_log_vocab"),
+      "        x = x + a\n", "        x = a\n",  # (survives test_overfits_one_batch: the MLP still fits)
+      "tests/test_tensor.py -k test_split_blocks_give_the_plain_models_loss_and_gradients"),
     M("logits-in-compute-dtype", "tpu_llm/model.py",
       'tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.wte.embeddings, tf.float32))',
       'tf.einsum("btc,vc->btv", x, tf.cast(self.wte.embeddings, x.dtype))',
@@ -168,7 +168,7 @@ MUTATIONS = [
       "tests/test_fault.py::test_a_second_signal_ends_the_process_at_once_and_sigint_exits_130"),
     M("signal-flag-not-set", "tpu_llm/fault.py",
       "                    self.flag.assign(1)\n", "                    pass\n",
-      "tests/test_fault.py::test_sigterm_stops_inside_the_host_call_saves_and_the_same_command_resumes"),
+      "tests/test_fault.py::test_a_signal_sets_the_flag_while_the_main_thread_is_inside_a_tensorflow_call"),
     # ---- checkpoint ---------------------------------------------------------------------------------
     M("restore-skips-the-optimizer", "tpu_llm/checkpoint.py",
       'if k not in self.NOT_RESTORED and (k in held or k in ("model", "optimizer"))}',
@@ -199,7 +199,7 @@ MUTATIONS = [
     M("auto-does-not-mirror-two-cpu-devices", "tpu_llm/distribute.py",
       '    if replicas > 1:\n        return "mirrored", f"strategy=auto:',
       '    if replicas > 2:\n        return "mirrored", f"strategy=auto:',
-      "tests/test_distribute.py::test_selection_in_process_and_batch_split"),
+      "tests/test_distribute.py -k test_auto_and_explicit_choices"),
     # ---- plan ---------------------------------------------------------------------------------------
     M("planner-without-attention-scores", "tpu_llm/plan.py",
       "    return linear + scores, c * act_bytes", "    return linear, c * act_bytes",
@@ -239,7 +239,8 @@ def scratch_copy() -> Path:
 
 def run_tests(root: Path, tests: str) -> tuple[str, float, str]:
     """("passed" | "failed" | "error", seconds, last lines of the output)."""
-    env = {**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    # no .pyc files: a mutated module rewritten within the same second must not be read from a stale one
+    env = {**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *shlex.split(tests)]
     start = time.monotonic()
     try:

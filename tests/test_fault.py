@@ -413,6 +413,33 @@ def test_a_second_signal_ends_the_process_at_once_and_sigint_exits_130():
                 proc.wait()
 
 
+def test_a_signal_sets_the_flag_while_the_main_thread_is_inside_a_tensorflow_call():
+    """The Python handler runs only between bytecodes of the main thread; inside a host call (the
+    training loop, a graph that reads the flag every step) only the watcher thread can set it."""
+    flag, started = tf.Variable(0), tf.Variable(0)
+
+    @tf.function
+    def host_call():  # spins, as a training loop would, until the flag is set (at most 20 s)
+        with tf.control_dependencies([started.assign(1)]):
+            start = tf.timestamp()
+        now = start
+        while flag < 1 and now - start < 20.0:
+            now = tf.timestamp()
+        return now - start
+
+    def preempt():
+        while int(started.numpy()) == 0:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with fault.StopSignals(flag) as signals:
+        threading.Thread(target=preempt, daemon=True).start()
+        seconds = float(host_call())
+    assert signals.received == signal.SIGTERM and int(flag.numpy()) == 1
+    assert 0.2 <= seconds < 10  # stopped by the flag set during the call, not at its time limit
+
+
 def test_stop_signals_restore_the_handlers_they_replaced():
     before = signal.getsignal(signal.SIGINT)
     with fault.StopSignals(tf.Variable(0)) as signals:
