@@ -14,6 +14,9 @@ or strengthen a test), "error" when pytest collected nothing or could not run.
     python scripts/mutants.py --check          # only check that every old text is still there once
     python scripts/mutants.py --baseline       # also run each mutation's tests unmutated first
 
+The scratch copy holds the files git tracks, as they are in the work tree (uncommitted edits
+included; a new test file must be `git add`ed first).
+
 Exit status: 0 if every mutation run was killed, 1 if any survived, 2 on a stale mutation or an
 error. Not part of `make test` (CI's budget is the suite): run it when a feature lands, and add
 mutations of the feature's core lines here with the tests that pin them (docs/development.md).
