@@ -25,7 +25,7 @@ TPU := $(PYTHON) scripts/tpu.py
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: train test faults bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
+.PHONY: train test faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
 
 # One TensorFlow wheel per environment, chosen by extra (pyproject.toml): here the CPU one, with
 # tensorflow-text for SentencePiece and the test tools.
@@ -50,6 +50,9 @@ test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ ch
 
 faults: $(STAMP)  ## fault injection into tiny real runs (signals, kills, torn files, NaN, full disk); docs/faults.md
 	$(BIN)/python scripts/faults.py
+
+mutants: $(STAMP)  ## curated mutations of the core, each against the tests that must catch it (docs/development.md); not part of `make test`
+	$(BIN)/python scripts/mutants.py
 
 bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm
 	$(BIN)/tpu-llm bench

@@ -122,6 +122,10 @@ def test_mirrored_over_logical_cpus_trains_like_one_device(tmp_path, devices):
     train(mirrored, say=quiet, samples=False)
     np.testing.assert_allclose(train_losses(tmp_path / "many" / "run"), train_losses(tmp_path / "one" / "run"),
                                rtol=1e-5)
+    # AdamW and global-norm clipping do not see a uniform gradient scale, the logged norm does: the
+    # replicas' gradients must be averaged (scaled by 1/replicas), not summed
+    np.testing.assert_allclose([m["grad_norm"] for m in metrics(tmp_path / "many" / "run")],
+                               [m["grad_norm"] for m in metrics(tmp_path / "one" / "run")], rtol=1e-4)
     one, many = build_run(single), build_run(mirrored)
     assert one.dist.num_replicas == 1 and many.dist.num_replicas == devices
     for a, b in zip(one.model.weights, many.model.weights):
@@ -200,6 +204,31 @@ def test_parameter_server_cluster_trains_asynchronously_and_the_loss_falls(tmp_p
     assert 0 <= summary["staleness"] <= summary["staleness_max"] <= 8
     assert tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints")).get_tensor(
         "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE") == 40
+
+
+def test_staleness_counts_the_updates_other_workers_applied_between_read_and_write():
+    """The cheap half of the test above (whose 2 workers may or may not overlap on a busy machine):
+    the step's measurement, with 2 updates by other workers landing during its forward/backward."""
+    from tpu_llm.config import ModelConfig, TrainConfig
+    from tpu_llm.distribute import Distribution
+    from tpu_llm.model import GPT
+    from tpu_llm.train import Trainer, make_optimizer
+
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, max_len=8), 32).build_weights()
+    dist = Distribution(tf.distribute.get_strategy(), "parameter_server", "test", "CPU", jit_compile=False,
+                        coordinator=object())  # asynchronous: the Trainer keeps an update counter
+    trainer = Trainer(dist, model, make_optimizer(TrainConfig(), model), TrainConfig())
+
+    def loss_and_grads(others):
+        def run(x, y):
+            trainer.updates.assign_add(others)  # other workers apply their steps meanwhile
+            return tf.constant(1.0), []
+        return run
+
+    for others in (0, 2):
+        before = int(trainer.updates.numpy())
+        _, _, staleness = trainer._staleness_measured(loss_and_grads(others), None, None)
+        assert float(staleness) == others and int(trainer.updates.numpy()) == before + others + 1
 
 
 FAKE_TASK = """

@@ -136,8 +136,18 @@ def test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_che
         assert_same(saved(ckpts / f"ckpt-{step}", *WEIGHTS, *ADAM), saved(ckpts / "ckpt-3", *WEIGHTS, *ADAM))
 
 
-def test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches(tmp_path, poison):
+def test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches(tmp_path, poison, monkeypatch):
     poison(5)  # step 6, in the call that runs steps 5-6
+    after_call = fault.Guard.after_call
+
+    def keep_state_after_rollback(guard, out, step):  # the weights and moments just after the rollback
+        back = after_call(guard, out, step)
+        if back < step:
+            tf.train.Checkpoint(model=guard.run.model, optimizer=guard.run.optimizer).write(
+                str(tmp_path / "rolled" / "state"))
+        return back
+
+    monkeypatch.setattr(fault.Guard, "after_call", keep_state_after_rollback)
     lines = []
     summary = train(cfg_for(tmp_path, **{"train.on_bad_step": "rollback", "checkpoint.every_steps": 2}),
                     say=lines.append)
@@ -148,6 +158,9 @@ def test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches(tmp_p
     assert [m["step"] for m in metrics(tmp_path / "run")] == [2, 4, 6, 8]
     [event] = metrics(tmp_path / "run", "bad_steps")
     assert event["action"] == "rollback" and event["step"] == 4
+    # what the rollback restored: exactly the checkpoint's weights, Adam moments and step counter
+    assert_same(saved(tmp_path / "rolled" / "state", *WEIGHTS, *ADAM, "optimizer/_iter"),
+                saved(ckpt, *WEIGHTS, *ADAM, "optimizer/_iter"))
 
 
 # ---- stopping at a step boundary ------------------------------------------------------------------
@@ -358,6 +371,73 @@ def test_an_empty_checkpoint_state_file_resumes_from_the_checkpoint_files(base, 
     assert f"resumed   from {run / 'checkpoints' / 'ckpt-8'} at step 8 (data position restored)" in out
     # the first save writes a new state file
     assert tf.train.latest_checkpoint(str(run / "checkpoints")) == str(run / "checkpoints" / "ckpt-10")
+
+
+SIGNALLED = """
+import sys, time
+from tpu_llm import fault
+with fault.StopSignals(flag=None) as signals:
+    print("ready", flush=True)
+    while signals.received is None:
+        time.sleep(0.01)
+    print("stopping", signals.name, flush=True)
+    if sys.argv[1] == "slow":  # a long save: a second signal must not wait for it
+        time.sleep(60)
+    stopped = signals.stopped(5, "ckpt-5")
+print(stopped, flush=True)
+sys.exit(stopped.exit_code)
+"""
+
+
+def test_a_second_signal_ends_the_process_at_once_and_sigint_exits_130():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    procs = {mode: subprocess.Popen([sys.executable, "-c", SIGNALLED, mode], stdout=subprocess.PIPE, text=True,
+                                    stdin=subprocess.DEVNULL, env=env) for mode in ("once", "slow")}
+    for proc in procs.values():
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline() == "stopping SIGINT\n"
+    try:
+        once = procs["once"]
+        assert once.wait(timeout=30) == 130 and "SIGINT at step 5: saved ckpt-5" in once.stdout.read()
+        slow, start = procs["slow"], time.monotonic()
+        slow.send_signal(signal.SIGINT)  # again: ends the process now, as SIGINT without the handler would
+        assert slow.wait(timeout=30) == -signal.SIGINT and time.monotonic() - start < 20
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_signal_sets_the_flag_while_the_main_thread_is_inside_a_tensorflow_call():
+    """The Python handler runs only between bytecodes of the main thread; inside a host call (the
+    training loop, a graph that reads the flag every step) only the watcher thread can set it."""
+    flag, started = tf.Variable(0), tf.Variable(0)
+
+    @tf.function
+    def host_call():  # spins, as a training loop would, until the flag is set (at most 20 s)
+        with tf.control_dependencies([started.assign(1)]):
+            start = tf.timestamp()
+        now = start
+        while flag < 1 and now - start < 20.0:
+            now = tf.timestamp()
+        return now - start
+
+    def preempt():
+        while int(started.numpy()) == 0:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with fault.StopSignals(flag) as signals:
+        threading.Thread(target=preempt, daemon=True).start()
+        seconds = float(host_call())
+    assert signals.received == signal.SIGTERM and int(flag.numpy()) == 1
+    assert 0.2 <= seconds < 10  # stopped by the flag set during the call, not at its time limit
 
 
 def test_stop_signals_restore_the_handlers_they_replaced():

@@ -130,9 +130,15 @@ def test_runs_killed_mid_run_or_mid_save_resume_to_exactly_the_uninterrupted_res
 
     straight, killed = run("straight"), run("killed")
     in_save = run("in-save", code=KILL_IN_SAVE, env={"KILL_AT_SAVE": "80"})  # dies saving ckpt-80
-    kill_after = random.Random().randrange(44, 160, 4)  # SIGKILL at a random step after the first checkpoint
+    # SIGKILL at a step after the first checkpoint, drawn from a fixed seed so that a failure repeats
+    kill_after = random.Random(21).randrange(44, 160, 4)
     killed.wait_for(lambda text: progress_step(text) >= kill_after, f"step {kill_after}")
     killed.kill()
+    # the kill landed mid-run (not after a fast run had finished): the newest checkpoint is before the end
+    assert killed.proc.returncode == -signal.SIGKILL, killed.text
+    newest = tf.train.latest_checkpoint(str(tmp_path / "killed" / "checkpoints"))
+    killed_at = int(newest.rsplit("-", 1)[1])
+    assert 40 <= killed_at < 200 and progress_step(killed.text) < 200, (newest, killed.text[-2000:])
     assert in_save.wait() == -signal.SIGKILL, in_save.text
     assert (tmp_path / "in-save" / "checkpoints" / "ckpt-80.index").exists()  # written, but not recorded:
     assert tf.train.latest_checkpoint(str(tmp_path / "in-save" / "checkpoints")).endswith("ckpt-40")
@@ -142,6 +148,7 @@ def test_runs_killed_mid_run_or_mid_save_resume_to_exactly_the_uninterrupted_res
         assert p.wait() == 0, p.text
         assert "(data position restored)" in p.text and "resumed   from" in p.text, p.text
     assert "ckpt-40 at step 40 (data position restored)" in resumed["in-save"].text
+    assert f"ckpt-{killed_at} at step {killed_at} (data position restored)" in resumed["killed"].text
     assert straight.wait() == 0, straight.text
 
     reference = steps_logged(tmp_path / "straight")

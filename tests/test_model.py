@@ -36,6 +36,30 @@ def test_changing_a_later_token_never_changes_earlier_logits():
         assert not np.allclose(out[:, t + 1:], base[:, t + 1:])
 
 
+def test_the_last_position_sees_the_first_token_and_attend_matches_a_numpy_masked_softmax():
+    model = small_model()
+    x = tokens([2, 12]).numpy()
+    y = x.copy()
+    y[:, 0] = (y[:, 0] + 7) % VOCAB  # only token 0 differs: every later position must notice
+    base, out = model(x).numpy(), model(y).numpy()
+    assert all(not np.allclose(out[:, t], base[:, t], atol=1e-4) for t in range(12))
+
+    from tpu_llm.model import attend
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(2, 3, 5, 4)).astype(np.float32) for _ in range(3))
+    pos = 2  # queries at positions 2..6 over keys 0..4 (a KV cache's view): query i sees keys <= 2 + i
+    scores = np.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(4)
+    scores = np.where(np.arange(5)[None, :] <= (pos + np.arange(5))[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bhts,bhsd->bhtd", probs, v).transpose(0, 2, 1, 3).reshape(2, 5, 12)
+    got = attend(tf.constant(q), tf.constant(k), tf.constant(v), pos, lambda p, training: p, False)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
+    got0 = attend(tf.constant(q), tf.constant(k), tf.constant(v), 0, lambda p, training: p, False)
+    assert not np.allclose(got0.numpy(), want, atol=1e-3)  # the position offset matters too
+
+
 def test_untrained_loss_is_about_log_vocab():
     model = small_model()
     x = tokens([8, 16])
@@ -99,6 +123,26 @@ def test_per_replica_step_compiles_with_xla_and_matches_graph_mode():
     assert float(loss_xla) == pytest.approx(float(loss_graph), abs=1e-5)
     for a, b in zip(grads_xla, grads_graph):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])  # off, and a threshold at half the gradient's norm
+def test_logged_gradient_norm_is_the_global_norm_and_clipping_scales_the_update(clip):
+    model = small_model()
+    x, y = tokens([4, 16]), tokens([4, 16], seed=5)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(model(x, training=True), y)
+    ref = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, model.trainable_variables)]
+    norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in ref))
+    before = [v.numpy() for v in model.trainable_variables]
+    dist = Distribution(tf.distribute.get_strategy(), "default", "test", "CPU", jit_compile=False)
+    cfg = TrainConfig(clip_norm=clip * norm)
+    # plain SGD with lr 1: the update is minus the (clipped) gradient, so its size is visible
+    trainer = Trainer(dist, model, tf.keras.optimizers.SGD(learning_rate=1.0), cfg)
+    out = trainer.train_loop(iter(tf.data.Dataset.from_tensors((x, y)).repeat()), tf.constant(1))
+    assert float(out["grad_norm"]) == pytest.approx(norm, rel=1e-4)  # logged before clipping
+    factor = clip if clip else 1.0
+    for b, v, g in zip(before, model.trainable_variables, ref):
+        np.testing.assert_allclose(b - v.numpy(), factor * g, atol=1e-5, rtol=1e-3)
 
 
 def test_gradient_accumulation_equals_one_big_batch():

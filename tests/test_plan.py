@@ -138,7 +138,13 @@ print(json.dumps(results))
 
 # conftest's tiny config (2 layers, width 32, batch 4 x 16); measured the same way while writing this,
 # tiny_config(train.batch_size=16, data.seq_len=32) was within 1% and configs/tiny.yaml within 1%
-XLA_CONFIGS = {"tiny": {}}
+# "attention": where the (B, H, T, T) scores are about half of the estimate (at GPT-2 scale, about
+# 70% of the activations), so that an estimate without them is far off. Measured when written:
+# 9,117,696 vs 10,200,064 bytes (-11%). XLA:CPU's peak moves with the shapes: 1 layer, 8 heads,
+# batch 1 x 256 measured -41% (7 of the 8 other C-wide terms are tiny there), 8 heads x 128 -16%.
+XLA_CONFIGS = {"tiny": {}, "attention": {"model.n_layer": 2, "model.n_head": 4, "model.max_len": 256,
+                                         "data.seq_len": 256, "train.batch_size": 2}}
+XLA_TOLERANCE = {"tiny": 0.2, "attention": 0.15}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -296,5 +302,5 @@ def test_memory_estimate_within_20_percent_of_xla_on_cpu(xla_measurement):
         program = mem.parameters + mem.gradients + transient
         print(f"{name}: planner {transient:,.0f} vs XLA temp {xla['temp']:,}; "
               f"{program:,.0f} vs XLA total {xla['total']:,}")
-        assert transient == pytest.approx(xla["temp"], rel=0.2), name
-        assert program == pytest.approx(xla["total"], rel=0.2), name
+        assert transient == pytest.approx(xla["temp"], rel=XLA_TOLERANCE[name]), name
+        assert program == pytest.approx(xla["total"], rel=XLA_TOLERANCE[name]), name

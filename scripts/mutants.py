@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""`make mutants`: does the test suite notice real bugs? Apply each curated mutation of the core to a
+scratch copy of the repository, run only the tests that should catch it, and print a table.
+
+Each entry of MUTATIONS is one small source edit that a real bug could make: a name, the file, the
+exact old text (it must occur exactly once in that file: a stale mutation is an error, found before
+anything runs), the new text, and the pytest arguments that should fail with it (node ids, or a file
+with `-k`). A mutation is "killed" when those tests fail, "survived" when they pass (a blind spot: add
+or strengthen a test), "error" when pytest collected nothing or could not run.
+
+    python scripts/mutants.py                  # every mutation, one at a time (~25 min on 2 cores)
+    python scripts/mutants.py -k attend -k scale   # mutations whose name contains one of the words
+    python scripts/mutants.py --list           # the list, with each mutation's tests
+    python scripts/mutants.py --check          # only check that every old text is still there once
+    python scripts/mutants.py --baseline       # also run each mutation's tests unmutated first
+
+The scratch copy holds the files git tracks, as they are in the work tree (uncommitted edits
+included; a new test file must be `git add`ed first).
+
+Exit status: 0 if every mutation run was killed, 1 if any survived, 2 on a stale mutation or an
+error. Not part of `make test` (CI's budget is the suite): run it when a feature lands, and add
+mutations of the feature's core lines here with the tests that pin them (docs/development.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 900  # seconds per mutation; a hang counts as killed (a test that never ends fails in CI too)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # relative to the repository
+    old: str
+    new: str
+    tests: str  # pytest arguments, as on a command line
+
+
+M = Mutation
+MUTATIONS = [
+    # ---- model ------------------------------------------------------------------------------------
+    M("attend-sees-only-itself", "tpu_llm/model.py",
+      "<= (pos + tf.range(T))[:, None]", "== (pos + tf.range(T))[:, None]",
+      "tests/test_model.py::test_the_last_position_sees_the_first_token_and_attend_matches_a_numpy_masked_softmax"),
+    M("attend-sees-the-future", "tpu_llm/model.py",
+      "<= (pos + tf.range(T))[:, None]", "<= (pos + T + tf.range(T))[:, None]",
+      "tests/test_model.py::test_changing_a_later_token_never_changes_earlier_logits"),
+    M("attend-ignores-the-position-offset", "tpu_llm/model.py",
+      "<= (pos + tf.range(T))[:, None]", "<= (tf.range(T))[:, None]",
+      "tests/test_model.py::test_kv_cache_decoding_matches_the_full_forward_pass"),
+    M("attend-no-1/sqrt(hd)", "tpu_llm/model.py",
+      "q, k) * (1.0 / math.sqrt(hd))", "q, k)",
+      "tests/test_model.py::test_the_last_position_sees_the_first_token_and_attend_matches_a_numpy_masked_softmax"),
+    M("softmax-over-heads-axis", "tpu_llm/model.py",
+      "tf.nn.softmax(scores, axis=-1)", "tf.nn.softmax(scores, axis=-2)",
+      "tests/test_model.py::test_changing_a_later_token_never_changes_earlier_logits"),
+    M("kv-cache-write-ignores-pos", "tpu_llm/model.py",
+      "onehot = tf.one_hot(pos + tf.range(T), L", "onehot = tf.one_hot(tf.range(T), L",
+      "tests/test_model.py::test_kv_cache_decoding_matches_the_full_forward_pass"),
+    M("no-position-embedding-offset", "tpu_llm/model.py",
+      "self.wpe(pos + tf.range(T))[None]", "self.wpe(tf.range(T))[None]",
+      "tests/test_model.py::test_kv_cache_decoding_matches_the_full_forward_pass"),
+    M("no-attention-residual", "tpu_llm/model.py",
+      "        x = x + a\n", "        x = a\n",  # (survives test_overfits_one_batch: the MLP still fits)
+      "tests/test_tensor.py -k test_split_blocks_give_the_plain_models_loss_and_gradients"),
+    M("logits-in-compute-dtype", "tpu_llm/model.py",
+      'tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.wte.embeddings, tf.float32))',
+      'tf.einsum("btc,vc->btv", x, tf.cast(self.wte.embeddings, x.dtype))',
+      "tests/test_pipeline.py::test_bfloat16_trains_close_to_float32_with_float32_variables"),
+    M("attention-flops-term-dropped", "tpu_llm/model.py",
+      "+ 12 * c.n_layer * c.n_embd * seq_len", "",
+      "tests/test_model.py::test_parameter_count_and_flops_per_token"),
+    M("decay-on-every-variable", "tpu_llm/model.py",
+      'if len(v.shape) == 2 and v.path.endswith("kernel")]', "]",
+      "tests/test_model.py::test_weight_decay_applies_to_dense_kernels_only"),
+    # ---- train ------------------------------------------------------------------------------------
+    M("gradients-summed-over-replicas", "tpu_llm/train.py",
+      "scale = 1.0 / (k * self.num_replicas)", "scale = 1.0 / k",
+      "tests/test_distribute.py::test_mirrored_over_logical_cpus_trains_like_one_device"),
+    M("gradient-accumulation-not-averaged", "tpu_llm/train.py",
+      "scale = 1.0 / (k * self.num_replicas)", "scale = 1.0 / self.num_replicas",
+      "tests/test_model.py::test_gradient_accumulation_equals_one_big_batch"),
+    M("accumulation-drops-the-first-micro-batch", "tpu_llm/train.py",
+      "loss_sum, grads = micro(xs[0], ys[0])", "loss_sum, grads = micro(xs[1], ys[1])",
+      "tests/test_model.py::test_gradient_accumulation_equals_one_big_batch"),
+    M("no-clipping", "tpu_llm/train.py",
+      "        if self.clip_norm > 0:  # an overflow", "        if self.clip_norm < 0:  # an overflow",
+      "tests/test_model.py -k logged_gradient_norm"),
+    M("grad-norm-logged-after-clipping", "tpu_llm/train.py",
+      "self.clip_norm * scale, use_norm=grad_norm)", "self.clip_norm * scale, use_norm=grad_norm)\n"
+      "            grad_norm = tf.linalg.global_norm(grads)",
+      "tests/test_model.py -k logged_gradient_norm"),
+    M("non-finite-steps-applied", "tpu_llm/train.py",
+      "tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))", "tf.constant(True)",
+      "tests/test_fault.py::test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_checkpoint"),
+    M("staleness-forced-to-0", "tpu_llm/train.py",
+      "tf.cast(after - version - 1, tf.float32)", "tf.constant(0.0)",
+      "tests/test_distribute.py::test_staleness_counts_the_updates_other_workers_applied_between_read_and_write"),
+    M("bf16-gradients-zeroed", "tpu_llm/train.py",
+      "return loss, [tf.convert_to_tensor(g) for g in tape.gradient(scaled, variables)]",
+      "return loss, [tf.convert_to_tensor(g) * (0.0 if self.model.compute_dtype == 'bfloat16' else 1.0) "
+      "for g in tape.gradient(scaled, variables)]",
+      "tests/test_pipeline.py::test_bfloat16_trains_close_to_float32_with_float32_variables"),
+    M("data-position-not-recorded", "tpu_llm/train.py",
+      "            self.data_position.assign(position)", "            pass",
+      "tests/test_train.py::test_resume_continues_exactly_like_an_uninterrupted_run"),
+    M("warmup-off-by-one", "tpu_llm/train.py",
+      "warm = self.peak * (step + 1.0) /", "warm = self.peak * step /",
+      "tests/test_model.py::test_warmup_then_cosine_schedule"),
+    # ---- pipeline and tensor ------------------------------------------------------------------------
+    M("pipeline-seed-not-divided-by-microbatches", "tpu_llm/pipeline.py",
+      "target = seed(out / m) if i == last else out", "target = seed(out) if i == last else out",
+      "tests/test_pipeline.py -k test_pipelined_loss_and_gradients_equal_the_plain_model"),
+    M("pipeline-no-upstream-gradient", "tpu_llm/pipeline.py",
+      "upstream = out[-1] if i else None", "upstream = None",
+      "tests/test_pipeline.py -k test_pipelined_loss_and_gradients_equal_the_plain_model"),
+    M("pipeline-bubble-formula", "tpu_llm/pipeline.py",
+      "return (stages - 1) / (microbatches + stages - 1)", "return (stages - 1) / microbatches",
+      "tests/test_pipeline.py::test_gpipe_bubble_formula"),
+    M("tensor-group-takes-the-first-heads", "tpu_llm/tensor.py",
+      "heads = slice(g * h, (g + 1) * h)", "heads = slice(0, h)",
+      "tests/test_tensor.py -k test_split_blocks_give_the_plain_models_loss_and_gradients"),
+    M("tensor-bias-added-per-group", "tpu_llm/tensor.py",
+      "partials.append(self.placement.place_shard(part(x_g, g), self.stage, g))",
+      "partials.append(self.placement.place_shard(part(x_g, g), self.stage, g) + (0.0 if bias is None else "
+      "tf.cast(bias, x.dtype)))",
+      "tests/test_tensor.py -k test_split_blocks_give_the_plain_models_loss_and_gradients"),
+    # ---- comm ---------------------------------------------------------------------------------------
+    M("powersgd-residual-not-divided-by-replicas", "tpu_llm/comm.py",
+      "updates.append((e, tf.reshape(mat - approx / replicas, shape)))",
+      "updates.append((e, tf.reshape(mat - approx, shape)))",
+      "tests/test_comm.py::test_powersgd_error_feedback_tracks_the_sum_of_true_gradients"),
+    M("powersgd-no-orthonormalisation", "tpu_llm/comm.py",
+      "ps = [tf.linalg.qr(p).q for p in ps]", "ps = list(ps)",
+      "tests/test_comm.py::test_powersgd_at_full_rank_reproduces_the_average"),
+    M("topk-residual-keeps-the-sent-entries", "tpu_llm/comm.py",
+      "residual = tf.tensor_scatter_nd_update(flat, idx[:, None], tf.zeros([self.k[i]], flat.dtype))",
+      "residual = flat",
+      "tests/test_comm.py::test_topk_sends_exactly_k_entries_and_carries_the_rest"),
+    M("local-sgd-sync-off-by-one", "tpu_llm/comm.py",
+      "return tf.equal(step % self.sync_every, 0)", "return tf.equal(step % self.sync_every, 1)",
+      "tests/test_comm.py::test_local_sgd_replicas_diverge_between_syncs_and_agree_after_each"),
+    M("local-sgd-outer-step-sign", "tpu_llm/comm.py",
+      "weights.append(a.read_value() - self.outer_lr * d)", "weights.append(a.read_value() + self.outer_lr * d)",
+      "tests/test_comm.py::test_local_sgd_with_one_local_step_equals_synchronous_data_parallel"),
+    # ---- fault --------------------------------------------------------------------------------------
+    M("rollback-restores-nothing", "tpu_llm/fault.py",
+      "            self.run.checkpointer.restore(latest)\n",
+      "            self.run.optimizer.iterations.assign(latest_step)\n",
+      "tests/test_fault.py::test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches"),
+    M("bad-steps-limit-off-by-one", "tpu_llm/fault.py",
+      "if self.total > self.max:", "if self.total >= self.max:",
+      "tests/test_fault.py::test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_checkpoint"),
+    M("second-signal-ignored", "tpu_llm/fault.py",
+      "if self.received == signum and self._handled:", "if False:",
+      "tests/test_fault.py::test_a_second_signal_ends_the_process_at_once_and_sigint_exits_130"),
+    M("sigint-exit-code", "tpu_llm/fault.py",
+      "EXIT_SIGNAL.get(self.received, 143)", "143",
+      "tests/test_fault.py::test_a_second_signal_ends_the_process_at_once_and_sigint_exits_130"),
+    M("signal-flag-not-set", "tpu_llm/fault.py",
+      "                    self.flag.assign(1)\n", "                    pass\n",
+      "tests/test_fault.py::test_a_signal_sets_the_flag_while_the_main_thread_is_inside_a_tensorflow_call"),
+    # ---- checkpoint ---------------------------------------------------------------------------------
+    M("restore-skips-the-optimizer", "tpu_llm/checkpoint.py",
+      'if k not in self.NOT_RESTORED and (k in held or k in ("model", "optimizer"))}',
+      'if k not in self.NOT_RESTORED and k != "optimizer" and (k in held or k == "model")}',
+      "tests/test_train.py::test_checkpoint_restore_is_bit_identical"),
+    M("corrupt-newest-checkpoint-not-skipped", "tpu_llm/checkpoint.py",
+      "                skipped.append((path, str(e)))\n                continue\n",
+      "                raise UserError(str(e)) from None\n",
+      "tests/test_fault.py::test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one"),
+    M("failed-save-leaves-partial-files", "tpu_llm/checkpoint.py",
+      "                        _remove(leftover)\n", "                        pass\n",
+      "tests/test_fault.py -k test_time_based_checkpoints_and_a_failed_save"),
+    # ---- data ---------------------------------------------------------------------------------------
+    M("pack-drops-the-carry", "tpu_llm/data.py",
+      "return stream[n * window:], full", "return tf.zeros([0], tf.int32), full",
+      "tests/test_data.py -k test_pack_keeps_every_token_in_order"),
+    M("targets-not-shifted", "tpu_llm/data.py",
+      "batches = batches.map(lambda w, u: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE)",
+      "batches = batches.map(lambda w, u: (w[:, :-1], w[:, :-1]), num_parallel_calls=AUTOTUNE)",
+      "tests/test_data.py::test_training_batches_static_shapes_and_shifted_targets"),
+    M("resume-ignores-the-saved-position", "tpu_llm/data.py",
+      "stream = stream.prefetch(1).unbatch().skip(taken)", "stream = stream.prefetch(1).unbatch()",
+      "tests/test_data.py -k test_the_training_stream_resumes_exactly_from_a_saved_position"),
+    # ---- distribute ---------------------------------------------------------------------------------
+    M("auto-ignores-a-two-task-cluster", "tpu_llm/distribute.py",
+      "if found.cluster_size > 1:  # before local GPUs", "if found.cluster_size > 2:  # before local GPUs",
+      "tests/test_distribute.py -k test_auto_and_explicit_choices"),
+    M("auto-does-not-mirror-two-cpu-devices", "tpu_llm/distribute.py",
+      '    if replicas > 1:\n        return "mirrored", f"strategy=auto:',
+      '    if replicas > 2:\n        return "mirrored", f"strategy=auto:',
+      "tests/test_distribute.py -k test_auto_and_explicit_choices"),
+    # ---- plan ---------------------------------------------------------------------------------------
+    M("planner-without-attention-scores", "tpu_llm/plan.py",
+      "    return linear + scores, c * act_bytes", "    return linear, c * act_bytes",
+      "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
+    M("planner-adam-moments-once", "tpu_llm/plan.py",
+      "return Memory(4 * params, 8 * params, grads,", "return Memory(4 * params, 4 * params, grads,",
+      "tests/test_plan.py::test_parameters_and_optimizer_bytes_are_exact"),
+    M("planner-logits-workspace-dropped", "tpu_llm/plan.py",
+      "        work += 3 * 4 * vocab * tokens_micro  # logits", "        work += 0  # logits",
+      "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
+]
+
+
+def check(mutations) -> list[str]:
+    """Every stale mutation (old text missing or not unique), in words."""
+    problems = []
+    for m in mutations:
+        text = (REPO / m.file).read_text()
+        n = text.count(m.old)
+        if n != 1:
+            problems.append(f"{m.name}: its old text occurs {n} times in {m.file} (must be once): {m.old[:60]!r}")
+    names = [m.name for m in mutations]
+    problems += [f"{n}: name used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    return problems
+
+
+def scratch_copy() -> Path:
+    """The repository's tracked files (as they are in the work tree) in a new temporary directory."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    root = Path(tempfile.mkdtemp(prefix="mutants-"))
+    for name in files.decode().split("\0"):
+        if name and (REPO / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, root / name)
+    return root
+
+
+def run_tests(root: Path, tests: str) -> tuple[str, float, str]:
+    """("passed" | "failed" | "error", seconds, last lines of the output)."""
+    # no .pyc files: a mutated module rewritten within the same second must not be read from a stale one
+    env = {**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *shlex.split(tests)]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return "failed", time.monotonic() - start, f"timed out after {TIMEOUT} s"
+    seconds = time.monotonic() - start
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    tail = "\n".join([line for line in lines if line.startswith("E ")][:3] + lines[-2:])
+    # pytest: 0 all passed, 1 some failed, 5 nothing collected; 2-4 usage or internal errors
+    return {0: "passed", 1: "failed"}.get(proc.returncode, "error"), seconds, tail
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", action="append", default=[], help="run mutations whose name contains this")
+    parser.add_argument("--list", action="store_true", help="print the mutations and their tests")
+    parser.add_argument("--check", action="store_true", help="only check that every mutation still applies")
+    parser.add_argument("--baseline", action="store_true", help="run each mutation's tests unmutated first")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the last lines of pytest's output")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.k or any(k in m.name for k in args.k)]
+    problems = check(MUTATIONS)
+    if problems:
+        print("error: stale mutations in scripts/mutants.py (the code changed: update or remove them):",
+              *problems, sep="\n  ", file=sys.stderr)
+        return 2
+    if args.list or args.check:
+        if args.list:
+            for m in chosen:
+                print(f"{m.name:45} {m.file:22} {m.tests}")
+        print(f"{len(MUTATIONS)} mutations, each old text found once")
+        return 0
+    if not chosen:
+        print(f"error: no mutation name contains {' or '.join(args.k)} (see --list)", file=sys.stderr)
+        return 2
+    root = scratch_copy()
+    rows, errors = [], 0
+    width = max(len(m.name) for m in chosen)
+    print(f"{'mutation':{width}}  {'result':8}  {'seconds':>7}  tests", flush=True)
+    try:
+        for m in chosen:
+            if args.baseline:
+                result, _, tail = run_tests(root, m.tests)
+                if result != "passed":
+                    print(f"{m.name:{width}}  {'error':8}  {'':>7}  unmutated tests do not pass: {tail}", flush=True)
+                    errors += 1
+                    continue
+            path = root / m.file
+            original = path.read_text()
+            path.write_text(original.replace(m.old, m.new, 1))
+            try:
+                result, seconds, tail = run_tests(root, m.tests)
+            finally:
+                path.write_text(original)
+            verdict = {"failed": "killed", "passed": "SURVIVED", "error": "error"}[result]
+            rows.append((m, verdict, seconds))
+            errors += verdict == "error"
+            print(f"{m.name:{width}}  {verdict:8}  {seconds:7.1f}  {m.tests}", flush=True)
+            if verdict == "error" or args.verbose:
+                print("\n".join(f"{'':{width}}  {line}" for line in tail.splitlines()), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    killed = sum(v == "killed" for _, v, _ in rows)
+    survived = sum(v == "SURVIVED" for _, v, _ in rows)
+    total = sum(s for _, _, s in rows)
+    print(f"{killed} killed, {survived} survived" + (f", {errors} error(s)" if errors else "") +
+          f" ({total:.0f} s)")
+    return 1 if survived else 2 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
