@@ -440,7 +440,7 @@ ROWS = [
     Row("corrupt-tokenizer", "torn tokenizer.json in the run directory", "exit 2, one line naming tokenizer.json; "
         "the run directory unchanged", refused_row(corrupted_tokenizer, "tokenizer.json")),
     Row("truncated-shard", "truncated TFRecord training shard (TF reads it as if it ended there)",
-        "exit 2, one line naming the shard (its records disagree with meta.json); nothing written",
+        "exit 2, one line naming the shard (its size differs from the one meta.json records); nothing written",
         refused_row(truncated_shard, "data-00000-of-00002.tfrecord")),
     Row("full-disk", "full disk (640 KB tmpfs run directory)", "exit 2, one line (free space); the newest "
         "checkpoint readable", full_disk),
