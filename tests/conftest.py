@@ -15,6 +15,7 @@ first of them, exactly as it would without the split.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from pathlib import Path
@@ -127,3 +128,17 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(Trainer, "_loss_and_grads_fn", loss_and_grads)
     return lambda *steps: [armed[s].assign(1) for s in steps]
+
+
+def snapshot(root) -> dict[str, str] | None:
+    """Every file under `root` by content hash, and every directory; None if `root` does not exist.
+    Tests compare two snapshots to prove a run directory was left exactly as it was."""
+    if not os.path.exists(root):
+        return None
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        out.update({os.path.relpath(os.path.join(dirpath, d), root) + "/": "dir" for d in dirnames})
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                out[os.path.relpath(os.path.join(dirpath, name), root)] = hashlib.sha256(f.read()).hexdigest()
+    return out

@@ -7,7 +7,6 @@ concurrently where they do not depend on each other; the tests then check their 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import write_corpus
+from conftest import snapshot, write_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -65,18 +64,6 @@ class Command:
             self.proc.wait()
             code = -9
         return Result(self.args, code, self.out.read_text(errors="replace"), self.err.read_text(errors="replace"))
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file (by content hash) and directory under `root`."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), root) + "/"] = "dir"
-        for f in filenames:
-            path = os.path.join(dirpath, f)
-            out[os.path.relpath(path, root)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")

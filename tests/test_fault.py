@@ -5,7 +5,6 @@ tasks: test_fault_processes.py.
 
 Most tests start from `base`, one uninterrupted run shared by the module, and compare with it."""
 
-import hashlib
 import json
 import os
 import signal
@@ -15,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import tiny_config
+from conftest import snapshot, tiny_config
 
 from tpu_llm import cli, fault
 from tpu_llm.checkpoint import Checkpointer
@@ -37,17 +36,6 @@ def cfg_for(root, run="run", **overrides):
 
 def metrics(run_dir, split="train"):
     return [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if m["split"] == split]
-
-
-def snapshot(root) -> dict:
-    """Every file under `root` by content hash (and every directory)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        out.update({os.path.relpath(os.path.join(dirpath, d), root) + "/": "dir" for d in dirnames})
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                out[os.path.relpath(os.path.join(dirpath, name), root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 WEIGHTS = ("model/", "optimizer/_trainable_variables/")  # TF names each variable by one path to it

@@ -7,7 +7,6 @@ hashes before and after. The environment has no TF_CPP_MIN_LOG_LEVEL, as a user'
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_corpus
+from conftest import snapshot, write_corpus
+from tpu_llm import cli
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TPU_LLM_VERBOSE")}
@@ -27,22 +27,7 @@ TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.m
         "--train.batch_size=2", "--train.steps=4", "--train.steps_per_loop=2", "--train.warmup_steps=1",
         "--train.eval_steps=1", "--sample.num_samples=0", "--checkpoint.every_steps=2", "--data.tokenizer=char"]
 PROMPT = "Hello Жук €!"  # Ж and € are not in the corpus of conftest.write_corpus
-COMMANDS = ["train", "generate", "export", "plan", "info", "config", "bench", "data prepare", "tokenizer train",
-            "launch"]
-
-
-def snapshot(root: Path) -> dict[str, str] | None:
-    """Every file (by content hash) and directory under `root`; None if it does not exist."""
-    if not root.exists():
-        return None
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), root) + "/"] = "dir"
-        for f in filenames:
-            path = os.path.join(dirpath, f)
-            out[os.path.relpath(path, root)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return out
+COMMANDS = list(cli.COMMANDS)  # every registered command, so a new one cannot go without --help
 
 
 class Run:
