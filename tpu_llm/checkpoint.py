@@ -258,8 +258,9 @@ class Checkpointer:
         UserError; one that cannot be read raises `Unreadable`."""
         try:
             held = self.held(path)
+            # the optimizer too if the checkpoint has one: `tpu-llm import` saves the model alone (step 0)
             objects = {k: v for k, v in self.trackables.items()
-                       if k not in self.NOT_RESTORED and (k in held or k in ("model", "optimizer"))}
+                       if k not in self.NOT_RESTORED and (k in held or k == "model")}
             status = tf.train.Checkpoint(**objects).restore(path, options=self.options)
             status.assert_existing_objects_matched()
             status.expect_partial()  # what is left (the position, an old iterator) is read elsewhere or unused

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import inspect
 import io
+import keyword
 import os
 import re
 import sys
@@ -74,10 +75,16 @@ def command(name: str, summary: str, example: str, config: bool = False, positio
         for p in inspect.signature(fn).parameters.values():
             if p.name in ("config", "overrides") and config or p.name == "task_args":  # not flags (launch: after --)
                 continue
-            assert p.name in flag_help, f"{name}: --{p.name} needs a help text"
-            flags[p.name] = Flag(p.name, None if p.default is inspect.Parameter.empty else p.default,
-                                 flag_help[p.name])
-        COMMANDS[name] = Command(name, fn, summary, example, flags, config, positional, details.strip())
+            flag = p.name.rstrip("_") if keyword.iskeyword(p.name.rstrip("_")) else p.name  # from_: --from
+            assert flag in flag_help, f"{name}: --{flag} needs a help text"
+            flags[flag] = Flag(flag, None if p.default is inspect.Parameter.empty else p.default, flag_help[flag])
+        renamed = {f"{k}_": k for k in flags if keyword.iskeyword(k)}
+
+        def run(**kwargs):
+            return fn(**{k if k not in renamed.values() else f"{k}_": v for k, v in kwargs.items()})
+
+        COMMANDS[name] = Command(name, run if renamed else fn, summary, example, flags, config, positional,
+                                 details.strip())
         return fn
     return register
 
@@ -129,17 +136,39 @@ def generate(run_dir: str, prompt: str = "", max_new_tokens: int = 200, temperat
     print_samples(model, tokenizer, cfg)
 
 
-@command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights",
+@command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights, or in the HF layout",
          "tpu-llm export --run_dir runs/tiny --output exports/tiny",
          details="""
-The SavedModel has two signatures: logits (tokens int32 [batch, time] -> logits) and generate (tokens,
-max_new_tokens, temperature, top_k, top_p, seed -> ids); model.weights.h5, config.yaml and the
-tokenizer are written beside it. See tpu_llm/export.py.""",
-         run_dir="the run directory of a `tpu-llm train` run", output="where to write (default <run_dir>/export)",
-         overwrite="replace an earlier export at --output")
-def export(run_dir: str, output: str = "", overwrite: bool = False):
+--format savedmodel: the SavedModel has two signatures: logits (tokens int32 [batch, time] -> logits)
+and generate (tokens, max_new_tokens, temperature, top_k, top_p, seed -> ids); model.weights.h5,
+config.yaml and the tokenizer are written beside it. See tpu_llm/export.py.
+--format hf: config.json, model.safetensors, generation_config.json and the tokenizer files, which
+transformers' AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or LlamaForCausalLM). See
+tpu_llm/hf.py and docs/hugging-face.md.""",
+         run_dir="the run directory of a `tpu-llm train` run", output="where to write (default <run_dir>/export, "
+         "<run_dir>/hf with --format hf)", overwrite="replace an earlier export at --output",
+         format="savedmodel | hf (Hugging Face: safetensors and config.json)",
+         dtype="--format hf: weights as auto (an imported run's own dtype, else float32) | float32 | bfloat16 | float16")
+def export(run_dir: str, output: str = "", overwrite: bool = False, format: str = "savedmodel", dtype: str = "auto"):
     from tpu_llm import export
 
+    if format not in ("savedmodel", "hf"):
+        near = _nearest(format, ("savedmodel", "hf"))
+        raise UserError(f"--format={format!r}; " + (f"did you mean {near!r}? " if near else "") + "choose savedmodel or hf")
+    if format == "hf":
+        from tpu_llm import hf
+
+        meta = hf.export(run_dir, output, overwrite=overwrite, dtype=dtype)
+        for note in meta.get("notes", []):
+            print(f"warning   {note}", file=sys.stderr, flush=True)
+        out = meta["output"]
+        print(f"exported  {meta['run_dir']} at step {meta['step']} to {out}")
+        print(f"saved     Hugging Face {meta['family']} model in {meta['dtype']}: config.json, model.safetensors, "
+              f"generation_config.json" + "".join(f", {name}" for name in meta["tokenizer_files"]))
+        print(f"use       transformers.AutoModelForCausalLM.from_pretrained({out!r})")
+        return
+    if dtype != "auto":
+        raise UserError("--dtype is for --format hf (the SavedModel is float32)")
     meta = export.export(run_dir, output, overwrite=overwrite)
     for note in meta.get("notes", []):
         print(f"warning   {note}", file=sys.stderr, flush=True)
@@ -150,6 +179,24 @@ def export(run_dir: str, output: str = "", overwrite: bool = False):
           "ids int32 [batch, max_new_tokens])")
     print(f"weights   {out}/model.weights.h5 (Keras), with config.yaml and the tokenizer beside it")
     print(f"use       tf.saved_model.load({out!r}).signatures['generate'](tokens=..., max_new_tokens=...)")
+
+
+@command("import", "make a run directory from a Hugging Face checkpoint (GPT-2 or Llama layout)",
+         "tpu-llm import --from gpt2 --run_dir runs/gpt2", details="""
+--from is a Hugging Face model directory (e.g. `huggingface-cli download gpt2 --local-dir gpt2`):
+config.json, model.safetensors or a sharded model.safetensors.index.json, and the tokenizer files.
+The new run directory holds config.yaml (the model section mapped from config.json, fine-tuning
+defaults for the rest), the tokenizer and a checkpoint at step 0: `generate` and `export` use it as
+it is, `train --config <run_dir>/config.yaml --data.train=...` fine-tunes it (docs/hugging-face.md).""",
+         **{"from": "the Hugging Face model directory", "run_dir": "the new run directory (must not exist, or be empty)"})
+def import_(from_: str, run_dir: str):
+    from tpu_llm import hf
+
+    result = hf.import_checkpoint(from_, run_dir)
+    print(f"imported  {from_} ({result['family']}, {result['params']:,} parameters, {result['dtype']}) "
+          f"into {result['run_dir']} at step 0")
+    print(f"next      tpu-llm generate --run_dir {result['run_dir']} --prompt 'Hello'")
+    print(f"          tpu-llm train --config {result['run_dir']}/config.yaml --data.train=FILES  (fine-tune)")
 
 
 @command("plan", "memory per chip and step time of a config on a TPU type, without training",

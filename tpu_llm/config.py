@@ -72,6 +72,9 @@ class TrainConfig:
     seed: int = 1337  # initial weights, data order and dropout
     max_bad_steps: int = 10  # steps with a non-finite loss/gradient skipped (not applied) before the run stops
     on_bad_step: str = "skip"  # skip (go on) | rollback (to the newest checkpoint, past the bad batches)
+    # fine-tuning: layers kept as they are, comma-separated: embeddings (token and position tables; gpt2's
+    # tied head with them), head (an untied lm_head), blocks:A-B (blocks A..B, from 0), blocks:N; "" = none
+    freeze: str = ""
 
 
 @dataclasses.dataclass
@@ -348,12 +351,30 @@ def validate(cfg: Config) -> None:
            f"checkpoint.every_minutes ({c.every_minutes}) and checkpoint.keep_every_hours "
            f"({c.keep_every_hours}) must be >= 0 (0 = off)")
     _check(t.max_bad_steps >= 0, f"train.max_bad_steps={t.max_bad_steps} must be >= 0 (0 = stop at the first)")
+    freeze_spec(t.freeze, m.n_layer)
     _check(t.on_bad_step in BAD_STEP_ACTIONS,
            f"train.on_bad_step={t.on_bad_step!r}; valid choices: {', '.join(BAD_STEP_ACTIONS)}")
     _check(s.temperature >= 0, f"sample.temperature={s.temperature} must be >= 0 (0 = greedy)")
     _check(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1]")
     _check(s.top_k >= 0 and s.max_new_tokens >= 0 and s.num_samples >= 0,
            "sample.top_k, sample.max_new_tokens and sample.num_samples must be >= 0")
+
+
+def freeze_spec(text: str, n_layer: int) -> tuple[set, set]:
+    """train.freeze as (names of whole layers: embeddings, head; block indices); a UserError if malformed."""
+    named, blocks = set(), set()
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        if item in ("embeddings", "head"):
+            named.add(item)
+            continue
+        first, _, last = item.removeprefix("blocks:").partition("-")
+        ok = item.startswith("blocks:") and first.isdigit() and (last.isdigit() or not last)
+        low, high = (int(first), int(last or first)) if ok else (0, -1)
+        _check(ok and low <= high < n_layer,
+               f"train.freeze item {item!r}; give embeddings, head, blocks:A-B or blocks:N, comma-separated, with "
+               f"block numbers from 0 to model.n_layer - 1 = {n_layer - 1}")
+        blocks.update(range(low, high + 1))
+    return named, blocks
 
 
 def _validate_comm(cfg: Config) -> None:

@@ -24,7 +24,7 @@ from tpu_llm.errors import UserError
 from tpu_llm.generate import Sampler
 from tpu_llm.model import GPT
 from tpu_llm.tokenizer import build_tokenizer, check_covers, load_tokenizer
-from tpu_llm.train import Trainer, make_optimizer
+from tpu_llm.train import Trainer, freeze, make_optimizer
 
 
 @dataclasses.dataclass
@@ -128,6 +128,7 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     with dist.strategy.scope(), comm.variable_scope(local_sgd):
         # each stage's variables on its own device or logical TPU core (pipeline.build_weights)
         model = pipeline.build_weights(GPT(cfg.model, cfg.model.vocab_size), stages, dist.placement)
+        freeze(cfg.train, model)  # fine-tuning: layers that stay as they are (train.freeze)
         optimizer = make_optimizer(cfg.train, model)
         if precision == "mixed_float16":  # float16 gradients underflow without a scaled loss
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

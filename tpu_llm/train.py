@@ -19,6 +19,7 @@ from tpu_llm import fault, tf_compat
 from tpu_llm.comm import replica_variable
 from tpu_llm.config import TrainConfig
 from tpu_llm.distribute import Distribution
+from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, decay_mask
 
 
@@ -77,6 +78,26 @@ class ReducedGradientsAdamW(keras.optimizers.AdamW):
         super().update_step(gradient, variable, learning_rate)
         for v, before in zip(state, old):
             v.assign(tf.where(applied, v, before))
+
+
+def freeze(cfg: TrainConfig, model: GPT) -> list:
+    """Mark the layers named by train.freeze not trainable (before the optimizer is made): they get no
+    gradient, no optimizer slots, no weight decay, and keep their values bit for bit. Returns them."""
+    from tpu_llm.config import freeze_spec
+
+    named, blocks = freeze_spec(cfg.freeze, len(model.blocks))
+    layers = [model.blocks[i] for i in sorted(blocks)]
+    if "embeddings" in named:
+        layers += [layer for layer in (model.wte, getattr(model, "wpe", None)) if layer is not None]
+    if "head" in named:
+        head = getattr(model, "lm_head", None)
+        if head is None:
+            raise UserError("train.freeze=head: this model's output head is its embedding table (tied); freeze "
+                            "embeddings instead")
+        layers.append(head)
+    for layer in layers:
+        layer.trainable = False
+    return layers
 
 
 def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
