@@ -17,7 +17,7 @@ import yaml
 
 from tpu_llm.errors import UserError
 
-TOKENIZERS = ("byte", "char", "sentencepiece")
+TOKENIZERS = ("byte", "char", "sentencepiece", "hf")
 DATA_FORMATS = ("auto", "text", "tfrecord")
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "parameter_server", "default")
 COMMUNICATIONS = ("auto", "ring", "nccl")
@@ -46,8 +46,8 @@ class DataConfig:
     validation: str = ""  # same; "" = hold out validation_fraction of `train`
     validation_fraction: float = 0.1  # by file when there are >= 10 files, else the tail of each file
     format: str = "auto"  # auto | text | tfrecord (pre-tokenized shards from `tpu-llm data prepare`)
-    tokenizer: str = "byte"  # byte | char (vocabulary built from the data) | sentencepiece
-    tokenizer_model: str = ""  # SentencePiece .model file when tokenizer=sentencepiece
+    tokenizer: str = "byte"  # byte | char (vocabulary built from the data) | sentencepiece | hf (shards only)
+    tokenizer_model: str = ""  # SentencePiece .model file (sentencepiece); HF model dir or tokenizer.json (hf)
     seq_len: int = 128  # tokens per training window
     shuffle_buffer: int = 1024  # windows held for shuffling
 

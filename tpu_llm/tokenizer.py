@@ -10,6 +10,8 @@ exactly the one the model was trained with.
 - char: one id per Unicode character seen in the data, then end-of-text and unknown.
 - sentencepiece: a model trained by `tpu-llm tokenizer train` (BPE with byte fallback), applied with
   tensorflow-text's SentencepieceTokenizer.
+- hf: the tokenizer.json of a Hugging Face checkpoint (GPT-2, Llama), applied with Hugging Face's
+  `tokenizers` in Python: for `data prepare` and `generate`, never on text while training (tpu_llm/hf_tokenizer.py).
 
 Byte and char run on core TensorFlow ops only: a remote TPU host (a pod's TF servers, `tpu=grpc://`)
 runs the input pipeline in a TF server that has no tensorflow-text ops, and a TPU environment cannot
@@ -167,7 +169,7 @@ class SentencePieceTokenizer:
                 "sha256": hashlib.sha256(self.model_proto).hexdigest()}
 
 
-Tokenizer = ByteTokenizer | CharTokenizer | SentencePieceTokenizer
+Tokenizer = ByteTokenizer | CharTokenizer | SentencePieceTokenizer  # | hf_tokenizer.HFTokenizer
 
 
 def import_tensorflow_text():
@@ -192,7 +194,11 @@ def build_tokenizer(kind: str, model_path: str = "", text_files: list[str] | Non
         return CharTokenizer.from_files(text_files)
     if kind == "sentencepiece":
         return SentencePieceTokenizer.from_file(model_path)
-    raise UserError(f"data.tokenizer={kind!r}; valid choices: byte, char, sentencepiece")
+    if kind == "hf":
+        from tpu_llm.hf_tokenizer import load_hf_tokenizer
+
+        return load_hf_tokenizer(model_path)
+    raise UserError(f"data.tokenizer={kind!r}; valid choices: byte, char, sentencepiece, hf")
 
 
 def check_covers(tokenizer: Tokenizer, text: str, what: str) -> None:
@@ -207,10 +213,15 @@ def check_covers(tokenizer: Tokenizer, text: str, what: str) -> None:
 
 
 def save_tokenizer(tok: Tokenizer, run_dir: str) -> None:
+    """`tok` into a run, shard or export directory: tokenizer.json (the spec) and its model file, if any
+    (tokenizer.model for SentencePiece; hf_tokenizer.json, Hugging Face's tokenizer.json, for hf)."""
     tf.io.gfile.makedirs(run_dir)
     if isinstance(tok, SentencePieceTokenizer):
         with tf.io.gfile.GFile(os.path.join(run_dir, SP_MODEL_FILE), "wb") as f:
             f.write(tok.model_proto)
+    if tok.kind == "hf":
+        with tf.io.gfile.GFile(os.path.join(run_dir, tok.spec()["model"]), "w") as f:
+            f.write(tok.json)
     with tf.io.gfile.GFile(os.path.join(run_dir, SPEC_FILE), "w") as f:
         f.write(json.dumps(tok.spec(), ensure_ascii=False))
 
@@ -224,7 +235,7 @@ def load_tokenizer(run_dir: str) -> Tokenizer | None:
         text = f.read()
     try:  # a file torn by a kill or a full disk mid-write must not become a traceback
         spec = json.loads(text)
-        needs = {"byte": (), "char": ("chars",), "sentencepiece": ("model",)}
+        needs = {"byte": (), "char": ("chars",), "sentencepiece": ("model",), "hf": ("model", "eos_token")}
         if spec["kind"] not in needs or any(key not in spec for key in needs[spec["kind"]]):
             raise ValueError(f"kind {spec['kind']!r} without {needs.get(spec['kind'], ('a known kind',))}")
     except (ValueError, KeyError, TypeError) as e:
@@ -235,6 +246,15 @@ def load_tokenizer(run_dir: str) -> Tokenizer | None:
         return ByteTokenizer()
     if spec["kind"] == "char":
         return CharTokenizer(spec["chars"])
+    if spec["kind"] == "hf":
+        from tpu_llm.hf_tokenizer import HFTokenizer
+
+        model = os.path.join(run_dir, spec["model"])
+        if not tf.io.gfile.exists(model):
+            raise UserError(f"{path} names {spec['model']}, which is not in {run_dir}; restore it from a copy of the "
+                            "directory, or move the run directory away to start over")
+        with tf.io.gfile.GFile(model, "r") as f:
+            return HFTokenizer(f.read(), spec["eos_token"], spec.get("bos_token"), source=model)
     with tf.io.gfile.GFile(os.path.join(run_dir, spec["model"]), "rb") as f:
         return SentencePieceTokenizer(f.read(), source=os.path.join(run_dir, spec["model"]))
 
