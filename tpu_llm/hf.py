@@ -195,7 +195,8 @@ def load_weights(model, reader: safetensors_io.Reader, m) -> str:
         names_of = {n: n for n in names}
     unknown = [n for n in names_of if n not in wanted and not _ignored(n, m)]
     if unknown:
-        raise UserError(f"the checkpoint has tensor {names_of[unknown[0]]}, which a {getattr(m, "family", "gpt2")} model of this "
+        family = getattr(m, "family", "gpt2")
+        raise UserError(f"the checkpoint has tensor {names_of[unknown[0]]}, which a {family} model of this "
                         f"config.json does not have ({len(unknown)} such); is config.json the one of these weights?")
     missing = [n for n in wanted if n not in names_of]
     if missing:
