@@ -76,8 +76,8 @@ MUTATIONS = [
       "        x = x + a\n", "        x = a\n",  # (survives test_overfits_one_batch: the MLP still fits)
       "tests/test_tensor.py -k test_split_blocks_give_the_plain_models_loss_and_gradients"),
     M("logits-in-compute-dtype", "tpu_llm/model.py",
-      'tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.wte.embeddings, tf.float32))',
-      'tf.einsum("btc,vc->btv", x, tf.cast(self.wte.embeddings, x.dtype))',
+      'tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.head_weights(), tf.float32))',
+      'tf.einsum("btc,vc->btv", x, tf.cast(self.head_weights(), x.dtype))',
       "tests/test_pipeline.py::test_bfloat16_trains_close_to_float32_with_float32_variables"),
     M("attention-flops-term-dropped", "tpu_llm/model.py",
       "+ 12 * c.n_layer * c.n_embd * seq_len", "",

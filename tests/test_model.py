@@ -14,9 +14,14 @@ from tpu_llm.train import Trainer, WarmupCosine, make_optimizer
 VOCAB = 61
 
 
-def small_model(seed=0, **kw) -> GPT:
+# the llama family with grouped-query attention (2 query heads per kv head) and an untied head
+LLAMA = {"family": "llama", "n_head": 4, "n_kv_head": 2, "bias": False, "mlp_hidden": 48, "tie_embeddings": False}
+
+
+def small_model(seed=0, family="gpt2", **kw) -> GPT:
     tf.keras.utils.set_random_seed(seed)
-    cfg = ModelConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "max_len": 16, **kw})
+    cfg = ModelConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "max_len": 16,
+                         **(LLAMA if family == "llama" else {}), **kw})
     return GPT(cfg, VOCAB).build_weights()
 
 
@@ -24,8 +29,9 @@ def tokens(shape, seed=0):
     return tf.random.stateless_uniform(shape, [seed, 1], 0, VOCAB, tf.int32)
 
 
-def test_changing_a_later_token_never_changes_earlier_logits():
-    model = small_model()
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_changing_a_later_token_never_changes_earlier_logits(family):
+    model = small_model(family=family)
     x = tokens([2, 12]).numpy()
     base = model(x).numpy()
     for t in range(11):
@@ -66,8 +72,9 @@ def test_untrained_loss_is_about_log_vocab():
     assert abs(float(loss_fn(model(x), tokens([8, 16], seed=1))) - math.log(VOCAB)) < 0.1
 
 
-def test_kv_cache_decoding_matches_the_full_forward_pass():
-    model = small_model()
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_kv_cache_decoding_matches_the_full_forward_pass(family):
+    model = small_model(family=family)
     x = tokens([1, 12])
     full = model(x).numpy()
     logits, cache = model.call_with_cache(x[:, :5], model.empty_cache(1), 0)  # prefill 5 tokens

@@ -27,17 +27,36 @@ EXECUTIONS = ("xla", "graph", "eager")
 SCHEDULES = ("gpipe",)
 COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
+FAMILIES = ("gpt2", "llama")
 
 
 @dataclasses.dataclass
 class ModelConfig:
+    family: str = "gpt2"  # gpt2 (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, GQA); docs/model-families.md
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads per block
     n_embd: int = 128  # model width
-    max_len: int = 256  # longest context (learned positions)
+    max_len: int = 256  # longest context (gpt2: learned positions; both: the KV cache's length)
     dropout: float = 0.0  # on attention probabilities and residual branches
-    bias: bool = True  # biases in Dense and LayerNorm layers
+    bias: bool = True  # biases in Dense and LayerNorm layers (gpt2 only: llama has none, set false)
     vocab_size: int = 0  # 0: the tokenizer's size; larger pads the table (e.g. to a multiple of 128)
+    n_kv_head: int = 0  # llama: key/value heads (grouped-query attention), dividing n_head; 0 = n_head, 1 = multi-query
+    mlp_hidden: int = 0  # MLP hidden units; 0 = the family's: gpt2 4 x n_embd, llama 8/3 x n_embd rounded up to a multiple of 256
+    rope_theta: float = 10000.0  # llama: rotary embedding base (Llama 3 uses 500000)
+    norm_eps: float = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (llama); HF checkpoints carry their own
+    tie_embeddings: bool = True  # output head = the token embedding table; false (llama only): a separate lm_head
+
+    def kv_heads(self) -> int:
+        """Key/value heads per block."""
+        return self.n_kv_head or self.n_head
+
+    def hidden(self) -> int:
+        """The MLP's hidden size: model.mlp_hidden, or the family's default."""
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        if self.family == "llama":  # Meta's rule (int(2/3 of 4C), up to a multiple of 256): 11008 for 4096
+            return -(-int(8 * self.n_embd / 3) // 256) * 256
+        return 4 * self.n_embd
 
 
 @dataclasses.dataclass
@@ -309,6 +328,13 @@ def validate(cfg: Config) -> None:
     _check(p.tensor == 1 or cfg.model.n_head % p.tensor == 0,
            f"parallel.tensor={p.tensor} must divide model.n_head={cfg.model.n_head} (each device takes whole "
            f"attention heads); valid values: {', '.join(str(t) for t in _divisors(cfg.model.n_head))}")
+    kv = cfg.model.kv_heads()
+    _check(p.tensor == 1 or kv % p.tensor == 0,
+           f"parallel.tensor={p.tensor} must divide model.n_kv_head={kv} (each device takes whole key/value "
+           f"head groups); valid values: {', '.join(str(t) for t in _divisors(kv))}")
+    _check(p.tensor == 1 or cfg.model.hidden() % p.tensor == 0,
+           f"parallel.tensor={p.tensor} must divide the MLP's hidden size {cfg.model.hidden()}; set "
+           f"model.mlp_hidden to a multiple of {p.tensor}")
     _check(cfg.cluster.timeout_seconds >= 0,
            f"cluster.timeout_seconds={cfg.cluster.timeout_seconds} must be >= 0 (0 = no timeout)")
 
@@ -319,6 +345,7 @@ def validate(cfg: Config) -> None:
     _check(m.n_embd % m.n_head == 0,
            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
            f"valid n_head values: {', '.join(str(h) for h in _divisors(m.n_embd) if h <= 64)}")
+    _validate_family(m)
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (0 = the tokenizer's)")
     _check(d.tokenizer in TOKENIZERS,
@@ -358,6 +385,27 @@ def validate(cfg: Config) -> None:
     _check(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1]")
     _check(s.top_k >= 0 and s.max_new_tokens >= 0 and s.num_samples >= 0,
            "sample.top_k, sample.max_new_tokens and sample.num_samples must be >= 0")
+
+
+def _validate_family(m: ModelConfig) -> None:
+    _check(m.family in FAMILIES, f"model.family={m.family!r}; valid choices: {', '.join(FAMILIES)}")
+    _check(m.n_kv_head >= 0 and m.mlp_hidden >= 0,
+           f"model.n_kv_head ({m.n_kv_head}) and model.mlp_hidden ({m.mlp_hidden}) must be >= 0 (0 = the default)")
+    _check(m.rope_theta > 0 and m.norm_eps > 0,
+           f"model.rope_theta ({m.rope_theta}) and model.norm_eps ({m.norm_eps}) must be > 0")
+    if m.family == "gpt2":
+        _check(m.n_kv_head in (0, m.n_head), f"model.n_kv_head={m.n_kv_head}: grouped-query attention is for "
+                                              "model.family=llama; set model.n_kv_head=0 for gpt2")
+        _check(m.tie_embeddings, "model.tie_embeddings=false: gpt2's output head is the embedding table; "
+                                 "use model.family=llama for an untied head")
+        return
+    _check(not m.bias, "model.bias=true: the llama family has no biases; set model.bias=false")
+    _check(m.n_head % m.kv_heads() == 0,
+           f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}; "
+           f"valid values: {', '.join(str(k) for k in _divisors(m.n_head))}")
+    _check((m.n_embd // m.n_head) % 2 == 0,
+           f"model.n_embd / model.n_head = {m.n_embd // m.n_head} is odd: rotary embeddings rotate pairs of "
+           "dimensions; choose an even head size")
 
 
 def freeze_spec(text: str, n_layer: int) -> tuple[set, set]:

@@ -1,13 +1,31 @@
-"""GPT decoder in Keras 3 layers, readable top to bottom.
+"""GPT decoder in Keras 3 layers, readable top to bottom, in two families (`model.family`).
 
-token embedding (tied with the output head) + learned positions -> n_layer pre-LayerNorm blocks of
-causal multi-head attention and a GELU MLP -> final LayerNorm -> logits.
+gpt2:  token embedding (tied with the output head) + learned positions -> n_layer pre-LayerNorm
+       blocks of causal multi-head attention and a GELU MLP -> final LayerNorm -> logits.
+llama: token embedding -> n_layer pre-RMSNorm blocks of grouped-query attention with rotary
+       positions (no learned positions) and a SwiGLU MLP, no biases -> final RMSNorm -> logits,
+       with the output head tied to the embedding or its own (V, C) matrix (`model.tie_embeddings`).
+
+Variables (Keras paths; what `import`/`export --format hf` map Hugging Face tensors onto), with
+C = n_embd, H = n_head, Hkv = n_kv_head (0: H), hd = C / H, F = the MLP's hidden size (model.mlp_hidden):
+  both       wte/embeddings (V, C); ln_f/gamma (gpt2) or ln_f/scale (llama), (C,)
+  gpt2       wpe/embeddings (max_len, C); block_i/ln1, ln2: LayerNormalization gamma [beta];
+             block_i/attn/qkv/kernel (C, 3C) [bias] (q, k, v side by side, each head-major),
+             block_i/attn/proj/kernel (C, C) [bias]; block_i/mlp/fc/kernel (C, F) [bias],
+             block_i/mlp/proj/kernel (F, C) [bias]
+  llama      block_i/ln1/scale, block_i/ln2/scale (C,): RMSNorm;
+             block_i/attn/q/kernel (C, H hd), block_i/attn/k/kernel and attn/v/kernel (C, Hkv hd),
+             block_i/attn/proj/kernel (H hd, C); block_i/mlp/gate/kernel, mlp/up/kernel (C, F),
+             block_i/mlp/down/kernel (F, C); untied head: lm_head/embeddings (V, C)
+Keras Dense kernels are (in, out): the transpose of a torch Linear's weight. Rotary embeddings use
+Hugging Face Llama's convention (rotate_half: dimension i pairs with i + hd/2, not interleaved), so
+HF q/k weights need no permutation; query head h reads key/value head h // (H / Hkv) (HF repeat_kv).
 
 The blocks are an explicit list (`GPT.blocks`) and the model is also callable piecewise (`embed`,
 each block, `head`) so a pipeline can group blocks into stages. There is no device or strategy logic
 here. Logits are always float32, whatever the compute dtype.
 
-Attention takes an optional KV cache `(k, v)` of shape (B, H, max_len, head_dim) and the position of
+Attention takes an optional KV cache `(k, v)` of shape (B, Hkv, max_len, head_dim) and the position of
 the first new token, which is how `generate.py` decodes one token at a time. Cache writes use a
 one-hot mix rather than dynamic slicing so the shapes stay static and the decode step compiles with
 XLA.
@@ -26,45 +44,102 @@ from tpu_llm.config import ModelConfig
 def _normal(std: float) -> keras.initializers.Initializer:
     return keras.initializers.RandomNormal(mean=0.0, stddev=std)
 
+def _dense(units: int, cfg: ModelConfig, name: str, residual: bool = False) -> keras.layers.Dense:
+    # GPT-2 init (both families): std 0.02, residual projections scaled by 1/sqrt(2 * n_layer)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
+    return keras.layers.Dense(units, use_bias=cfg.bias, kernel_initializer=_normal(std), name=name)
+
+
+class RMSNorm(keras.layers.Layer):
+    """x / sqrt(mean(x^2) + eps) * scale, the mean in float32 (as HF Llama computes it)."""
+
+    def __init__(self, eps: float, **kwargs):
+        super().__init__(**kwargs)
+        self.eps = eps
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+    def call(self, x):
+        x32 = tf.cast(x, tf.float32)
+        x32 = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), axis=-1, keepdims=True) + self.eps)
+        return tf.cast(x32, x.dtype) * tf.cast(self.scale, x.dtype)
+
+
+def norm(cfg: ModelConfig, name: str) -> keras.layers.Layer:
+    if cfg.family == "llama":
+        return RMSNorm(cfg.norm_eps, name=name)
+    return keras.layers.LayerNormalization(epsilon=cfg.norm_eps, center=cfg.bias, name=name)
+
+
+def rope(x, pos, theta: float):
+    """Rotary position embedding of x (B, heads, T, hd) at positions pos..pos+T-1, HF Llama's layout:
+    dimension i and i + hd/2 rotate together by angle position * theta^(-2i/hd)."""
+    hd, T = x.shape[-1], tf.shape(x)[2]
+    inv_freq = 1.0 / theta ** (tf.range(0, hd, 2, dtype=tf.float32) / hd)  # (hd/2,)
+    angles = tf.cast(pos + tf.range(T), tf.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    angles = tf.concat([angles, angles], axis=-1)  # (T, hd)
+    cos, sin = tf.cast(tf.cos(angles), x.dtype), tf.cast(tf.sin(angles), x.dtype)
+    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+    return x * cos + tf.concat([-x2, x1], axis=-1) * sin  # rotate_half(x) = (-x2, x1)
+
 
 class CausalSelfAttention(keras.layers.Layer):
     def __init__(self, cfg: ModelConfig, **kwargs):
         super().__init__(**kwargs)
-        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
-        # GPT-2 init: residual projections scaled by 1/sqrt(2 * n_layer)
-        self.qkv = keras.layers.Dense(3 * cfg.n_embd, use_bias=cfg.bias, kernel_initializer=_normal(0.02),
-                                      name="qkv")
-        self.proj = keras.layers.Dense(cfg.n_embd, use_bias=cfg.bias, name="proj",
-                                       kernel_initializer=_normal(0.02 / math.sqrt(2 * cfg.n_layer)))
+        self.family, self.rope_theta = cfg.family, cfg.rope_theta
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), cfg.n_embd // cfg.n_head
+        if cfg.family == "gpt2":
+            self.qkv = _dense(3 * cfg.n_embd, cfg, "qkv")
+        else:  # separate projections: k and v have n_kv_head heads
+            self.q = _dense(self.n_head * self.head_dim, cfg, "q")
+            self.k = _dense(self.n_kv_head * self.head_dim, cfg, "k")
+            self.v = _dense(self.n_kv_head * self.head_dim, cfg, "v")
+        self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True)
         self.attn_drop = keras.layers.Dropout(cfg.dropout)
         self.resid_drop = keras.layers.Dropout(cfg.dropout)
 
     def call(self, x, training=False, cache=None, pos=0):
         B, T = tf.shape(x)[0], tf.shape(x)[1]
-        qkv = tf.reshape(self.qkv(x), [B, T, 3, self.n_head, self.head_dim])  # (B, T, 3, H, hd)
-        q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each (B, H, T, hd)
+        if self.family == "gpt2":
+            qkv = tf.reshape(self.qkv(x), [B, T, 3, self.n_head, self.head_dim])  # (B, T, 3, H, hd)
+            q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each (B, H, T, hd)
+        else:
+            q = heads(self.q(x), self.n_head)  # (B, H, T, hd)
+            k, v = heads(self.k(x), self.n_kv_head), heads(self.v(x), self.n_kv_head)  # (B, Hkv, T, hd)
+            q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
         if cache is not None:
-            k, v = _cache_write(cache[0], k, pos), _cache_write(cache[1], v, pos)  # (B, H, L, hd)
+            k, v = _cache_write(cache[0], k, pos), _cache_write(cache[1], v, pos)  # (B, Hkv, L, hd)
             cache = (k, v)
-        y = attend(q, k, v, pos, self.attn_drop, training)  # (B, T, C)
+        y = attend(q, k, v, pos, self.attn_drop, training)  # (B, T, H * hd)
         return self.resid_drop(self.proj(y), training=training), cache
 
 
+def heads(x, n: int):
+    """(B, T, n * hd) -> (B, n, T, hd)."""
+    B, T = tf.shape(x)[0], tf.shape(x)[1]
+    return tf.transpose(tf.reshape(x, [B, T, n, x.shape[-1] // n]), [0, 2, 1, 3])
+
+
 def attend(q, k, v, pos, dropout, training):
-    """Causal attention of queries q (B, H, T, hd) at positions pos.. over keys/values (B, H, S, hd);
-    returns the heads side by side, (B, T, H * hd). Softmax in float32."""
+    """Causal attention of queries q (B, H, T, hd) at positions pos.. over keys/values (B, Hkv, S, hd),
+    Hkv dividing H: query head h reads key/value head h // (H / Hkv) (grouped-query attention; HF's
+    repeat_kv order). Returns the heads side by side, (B, T, H * hd). Softmax in float32."""
     B, H, T, hd = tf.shape(q)[0], q.shape[1], tf.shape(q)[2], q.shape[3]
-    scores = tf.einsum("bhtd,bhsd->bhts", q, k) * (1.0 / math.sqrt(hd))  # (B, H, T, S)
+    Hkv = k.shape[1]
+    q = tf.reshape(q, [B, Hkv, H // Hkv, T, hd])  # (B, Hkv, H/Hkv, T, hd): heads g*H/Hkv.. share kv head g
+    scores = tf.einsum("bgrtd,bgsd->bgrts", q, k) * (1.0 / math.sqrt(hd))  # (B, Hkv, H/Hkv, T, S)
     # query i sits at position pos + i and may see keys at positions <= its own
     allowed = tf.range(tf.shape(k)[2])[None, :] <= (pos + tf.range(T))[:, None]  # (T, S)
     scores = tf.where(allowed, tf.cast(scores, tf.float32), -1e9)
     probs = dropout(tf.nn.softmax(scores, axis=-1), training=training)
-    y = tf.einsum("bhts,bhsd->bhtd", tf.cast(probs, v.dtype), v)  # (B, H, T, hd)
+    y = tf.einsum("bgrts,bgsd->bgrtd", tf.cast(probs, v.dtype), v)  # (B, Hkv, H/Hkv, T, hd)
+    y = tf.reshape(y, [B, H, T, hd])  # (B, H, T, hd)
     return tf.reshape(tf.transpose(y, [0, 2, 1, 3]), [B, T, H * hd])  # (B, T, H * hd)
 
 
 def _cache_write(cache, new, pos):
-    """cache (B, H, L, hd) with `new` (B, H, T, hd) written at positions pos..pos+T-1."""
+    """cache (B, Hkv, L, hd) with `new` (B, Hkv, T, hd) written at positions pos..pos+T-1."""
     L, T = cache.shape[2], tf.shape(new)[2]
     onehot = tf.one_hot(pos + tf.range(T), L, dtype=cache.dtype)  # (T, L)
     keep = 1.0 - tf.reduce_sum(onehot, axis=0)[None, None, :, None]  # (1, 1, L, 1)
@@ -72,17 +147,25 @@ def _cache_write(cache, new, pos):
 
 
 class MLP(keras.layers.Layer):
+    """gpt2: proj(gelu(fc(x))); llama: down(silu(gate(x)) * up(x)) (SwiGLU). Hidden size F."""
+
     def __init__(self, cfg: ModelConfig, **kwargs):
         super().__init__(**kwargs)
-        self.fc = keras.layers.Dense(4 * cfg.n_embd, use_bias=cfg.bias, kernel_initializer=_normal(0.02),
-                                     name="fc")
-        self.proj = keras.layers.Dense(cfg.n_embd, use_bias=cfg.bias, name="proj",
-                                       kernel_initializer=_normal(0.02 / math.sqrt(2 * cfg.n_layer)))
+        self.family, hidden = cfg.family, cfg.hidden()
+        if cfg.family == "gpt2":
+            self.fc = _dense(hidden, cfg, "fc")
+            self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True)
+        else:
+            self.gate, self.up = _dense(hidden, cfg, "gate"), _dense(hidden, cfg, "up")
+            self.down = _dense(cfg.n_embd, cfg, "down", residual=True)
         self.drop = keras.layers.Dropout(cfg.dropout)
 
     def call(self, x, training=False):
-        h = tf.nn.gelu(self.fc(x), approximate=True)  # (B, T, 4C)
-        return self.drop(self.proj(h), training=training)  # (B, T, C)
+        if self.family == "gpt2":
+            h = tf.nn.gelu(self.fc(x), approximate=True)  # (B, T, F)
+            return self.drop(self.proj(h), training=training)  # (B, T, C)
+        h = tf.nn.silu(self.gate(x)) * self.up(x)  # (B, T, F)
+        return self.drop(self.down(h), training=training)  # (B, T, C)
 
 
 class Block(keras.layers.Layer):
@@ -90,9 +173,9 @@ class Block(keras.layers.Layer):
 
     def __init__(self, cfg: ModelConfig, **kwargs):
         super().__init__(**kwargs)
-        self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5, center=cfg.bias, name="ln1")
+        self.ln1 = norm(cfg, "ln1")
         self.attn = CausalSelfAttention(cfg, name="attn")
-        self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5, center=cfg.bias, name="ln2")
+        self.ln2 = norm(cfg, "ln2")
         self.mlp = MLP(cfg, name="mlp")
 
     def call(self, x, training=False, cache=None, pos=0):
@@ -108,15 +191,21 @@ class GPT(keras.Model):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.wte = keras.layers.Embedding(vocab_size, cfg.n_embd, embeddings_initializer=_normal(0.02),
                                           name="wte")
-        self.wpe = keras.layers.Embedding(cfg.max_len, cfg.n_embd, embeddings_initializer=_normal(0.02),
-                                          name="wpe")
+        self.wpe = None  # llama: rotary positions inside attention instead
+        if cfg.family == "gpt2":
+            self.wpe = keras.layers.Embedding(cfg.max_len, cfg.n_embd, embeddings_initializer=_normal(0.02),
+                                              name="wpe")
         self.drop = keras.layers.Dropout(cfg.dropout)
         self.blocks = [Block(cfg, name=f"block_{i}") for i in range(cfg.n_layer)]
         for i, block in enumerate(self.blocks):
             # Keras 3 tracks a list of layers for `weights`, but TF checkpoints do not see into it
             # (tf.train.Checkpoint(model=...) would save only the embeddings and the final norm)
             self._track_trackable(block, name=f"block_{i}", overwrite=True)
-        self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, center=cfg.bias, name="ln_f")
+        self.ln_f = norm(cfg, "ln_f")
+        self.lm_head = None  # tied: the head is wte's table
+        if not cfg.tie_embeddings:
+            self.lm_head = keras.layers.Embedding(vocab_size, cfg.n_embd, embeddings_initializer=_normal(0.02),
+                                                  name="lm_head")
 
     def build_weights(self) -> "GPT":
         """Create every variable (call once, inside the strategy scope)."""
@@ -125,13 +214,23 @@ class GPT(keras.Model):
 
     def embed(self, idx, training=False, pos=0):
         T = tf.shape(idx)[1]
-        x = self.wte(idx) + self.wpe(pos + tf.range(T))[None]  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:  # gpt2: learned positions
+            x = x + self.wpe(pos + tf.range(T))[None]
         return self.drop(x, training=training)
+
+    def head_weights(self):
+        """The output head's (V, C) matrix: the embedding table (tied) or lm_head's own."""
+        if self.lm_head is None:
+            return self.wte.embeddings
+        if not self.lm_head.built:
+            self.lm_head.build()
+        return self.lm_head.embeddings
 
     def head(self, x):
         x = self.ln_f(x)
-        # tied output head; logits in float32 even under mixed precision
-        return tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.wte.embeddings, tf.float32))
+        # logits in float32 even under mixed precision
+        return tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.head_weights(), tf.float32))
 
     def call(self, idx, training=False):
         x = self.embed(idx, training=training)
@@ -149,7 +248,7 @@ class GPT(keras.Model):
         return self.head(x), new_cache
 
     def empty_cache(self, batch: int):
-        shape = [batch, self.cfg.n_head, self.cfg.max_len, self.cfg.n_embd // self.cfg.n_head]
+        shape = [batch, self.cfg.kv_heads(), self.cfg.max_len, self.cfg.n_embd // self.cfg.n_head]
         return [(tf.zeros(shape, self.compute_dtype), tf.zeros(shape, self.compute_dtype))
                 for _ in self.blocks]
 
@@ -157,12 +256,14 @@ class GPT(keras.Model):
 
     def num_params(self, include_positions: bool = True) -> int:
         n = sum(int(math.prod(v.shape)) for v in self.trainable_variables)
-        return n if include_positions else n - self.cfg.max_len * self.cfg.n_embd
+        return n if include_positions or self.wpe is None else n - self.cfg.max_len * self.cfg.n_embd
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N (forward + backward matmuls) + 12 L d T (attention)."""
+        """Training FLOPs per token: 6N (forward + backward matmuls; N without the positions and,
+        untied, without the input table: a lookup is no matmul) + 12 L d T (attention)."""
         c = self.cfg
-        return 6 * self.num_params(include_positions=False) + 12 * c.n_layer * c.n_embd * seq_len
+        n = self.num_params(include_positions=False) - (0 if self.lm_head is None else self.vocab_size * c.n_embd)
+        return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
 
 
 def loss_fn(logits, targets):

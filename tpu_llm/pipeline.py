@@ -54,16 +54,19 @@ class Stage:
     blocks: tuple[int, ...]  # block indices, contiguous
     flops_per_token: float  # training (forward + backward) FLOPs per token
     params: int
-    embed: bool = False  # holds the token and position embeddings
-    head: bool = False  # holds the final norm and the output head
+    embed: bool = False  # holds the token (and gpt2's position) embeddings
+    head: bool = False  # holds the final norm and the output head (untied: its own table)
 
 
 def block_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, int]:
     """(training FLOPs per token, parameters) of one transformer block: 6 x params for the matmuls,
     plus 12 x width x context for attention's scores and weighted sum (forward + backward)."""
-    c, bias = cfg.n_embd, int(cfg.bias)
-    params = 12 * c * c + bias * (3 * c + c + 4 * c + c) + (2 + 2 * bias) * c  # attn + mlp + 2 norms
-    return 6.0 * 12 * c * c + 12.0 * c * seq_len, params
+    c, bias, f = cfg.n_embd, int(cfg.bias), cfg.hidden()
+    if cfg.family == "llama":  # q, proj (C x C), k, v (C x Hkv hd), gate, up, down (C x F), 2 RMSNorms
+        matmul = 2 * c * c + 2 * c * (cfg.kv_heads() * (c // cfg.n_head)) + 3 * c * f
+        return 6.0 * matmul + 12.0 * c * seq_len, matmul + 2 * c
+    params = 4 * c * c + 2 * c * f + bias * (3 * c + c + f + c) + (2 + 2 * bias) * c  # attn + mlp + 2 norms
+    return 6.0 * (4 * c * c + 2 * c * f) + 12.0 * c * seq_len, params
 
 
 def partition(cfg: ModelConfig, vocab_size: int, seq_len: int, stages: int) -> list[Stage]:
@@ -74,8 +77,10 @@ def partition(cfg: ModelConfig, vocab_size: int, seq_len: int, stages: int) -> l
                         "(each stage holds at least one block)")
     flops, params = block_cost(cfg, seq_len)
     c = cfg.n_embd
-    embed_params = vocab_size * c + cfg.max_len * c
-    head_flops, head_params = 6.0 * vocab_size * c, (1 + int(cfg.bias)) * c  # tied head: no new weights
+    embed_params = vocab_size * c + (cfg.max_len * c if cfg.family == "gpt2" else 0)  # + learned positions
+    # the final norm, and an untied head's own table (tied: no new weights)
+    head_flops = 6.0 * vocab_size * c
+    head_params = (1 + int(cfg.bias)) * c + (0 if cfg.tie_embeddings else vocab_size * c)
 
     def cost(first: int, last: int, index: int) -> tuple[float, int]:
         k = last - first
@@ -184,11 +189,12 @@ class Pipeline:
         return self.placement.stages * self.placement.tensor > 1
 
     def stage_variables(self, i: int) -> list:
-        """The trainable variables stage i reads (the tied table twice: first and last stage)."""
+        """The trainable variables stage i reads (a tied table twice: first and last stage)."""
         stage, m = self.stages[i], self.model
-        layers = [m.wte, m.wpe] * stage.embed + [m.blocks[b] for b in stage.blocks]
+        layers = [m.wte] * stage.embed + [m.wpe] * (stage.embed and m.wpe is not None)
+        layers += [m.blocks[b] for b in stage.blocks]
         if stage.head:
-            layers += [m.ln_f] + [m.wte] * (not stage.embed)
+            layers += [m.ln_f] + ([m.lm_head] if m.lm_head is not None else [m.wte] * (not stage.embed))
         return [v for layer in layers for v in layer.trainable_variables]
 
     def loss_and_grads(self, inputs, targets, variables, seed=None, watch: bool = False):

@@ -167,7 +167,10 @@ def block_activation_bytes(cfg: Config, act_bytes: int) -> tuple[float, float]:
     m, t = cfg.model, cfg.parallel.tensor
     c, h, seq = m.n_embd, m.n_head, cfg.data.seq_len
     # replicated over the tensor ways: both norms' inputs and outputs; split: q, k, v, attention output, MLP
-    linear = 4 * c * act_bytes + (4 * c + 12 * c) * act_bytes / t
+    # (gpt2: GELU input, tanh, output; llama: gate and up outputs, their SwiGLU product), k and v
+    # Hkv heads wide (llama: the rotated q and k; rotation is linear, its backward needs no input)
+    kv = 2 * m.kv_heads() * (c // h)
+    linear = 4 * c * act_bytes + (2 * c + kv + 3 * m.hidden()) * act_bytes / t
     scores = h * seq * (4 + (act_bytes if act_bytes != 4 else 0)) / t
     if m.dropout > 0:  # 1-byte masks on both residual branches and the probabilities, and dropped probs
         linear, scores = linear + 2 * c, scores + h * seq * 5 / t
@@ -192,7 +195,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     if stage.head:
         per_token += c * act_bytes + 4 * c + 4 * vocab
         work += 3 * 4 * vocab * tokens_micro  # logits, their gradient, a transposed copy
-        if stages > 1:  # the head reads the tied table held by the first stage: a copy and its gradient
+        if stages > 1 and m.tie_embeddings:  # the head reads the tied table held by the first stage: a copy and its gradient
             work += vocab * c * (act_bytes + 4)
     grads = 4 * params * (2 if cfg.train.grad_accum > 1 else 1)
     return Memory(4 * params, 8 * params, grads, per_token * tokens, work)
@@ -419,16 +422,19 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
 
 
 def _flops_per_token(cfg: Config, vocab: int) -> float:
-    """model.GPT.flops_per_token without building the model: 6 N (no positions) + 12 L C T."""
+    """model.GPT.flops_per_token without building the model: 6 N (no positions, no untied input
+    table) + 12 L C T."""
     m = cfg.model
-    return 6 * (_params(cfg, vocab) - m.max_len * m.n_embd) + 12 * m.n_layer * m.n_embd * cfg.data.seq_len
+    lookups = (m.max_len if m.family == "gpt2" else 0) + (0 if m.tie_embeddings else vocab)
+    return 6 * (_params(cfg, vocab) - lookups * m.n_embd) + 12 * m.n_layer * m.n_embd * cfg.data.seq_len
 
 
 def _params(cfg: Config, vocab: int) -> int:
-    """GPT.num_params(): embeddings, blocks, final norm (the head is tied)."""
+    """GPT.num_params(): embeddings (gpt2: and positions), blocks, final norm, an untied head."""
     m = cfg.model
     _, block = pipeline.block_cost(m, cfg.data.seq_len)
-    return (vocab + m.max_len) * m.n_embd + m.n_layer * block + (1 + int(m.bias)) * m.n_embd
+    tables = vocab * (1 if m.tie_embeddings else 2) + (m.max_len if m.family == "gpt2" else 0)
+    return tables * m.n_embd + m.n_layer * block + (1 + int(m.bias)) * m.n_embd
 
 
 def _size(x: float) -> str:

@@ -1,8 +1,12 @@
 """Tensor parallelism (Megatron-LM style): each block's attention heads and MLP units split T ways.
 
-Group g of a block computes heads g*H/T .. (g+1)*H/T - 1 of the attention and units g*4C/T ..
-(g+1)*4C/T - 1 of the MLP's hidden layer, from column slices of the qkv and fc kernels, and
-multiplies its share by the matching row slice of each output projection. The block's output is
+Group g of a block computes heads g*H/T .. (g+1)*H/T - 1 of the attention and units g*F/T ..
+(g+1)*F/T - 1 of the MLP's hidden layer (F = 4C for gpt2), from column slices of the qkv and fc
+kernels (llama: q, k, v, gate and up), and multiplies its share by the matching row slice of each
+output projection. With grouped-query attention (llama, Hkv key/value heads) the split is by
+key/value head groups: group g takes kv heads g*Hkv/T .. (g+1)*Hkv/T - 1 and exactly the query
+heads that read them (query head h reads kv head h // (H/Hkv)), which are again heads g*H/T ..; so T
+must divide Hkv (config validation). The block's output is
 the sum of the T partial products plus the projection bias: exactly the unsplit block (up to
 float32 summation order), with nothing but that sum crossing between groups (Megatron's one
 all-reduce per half-block, here an add that TensorFlow or XLA turns into copies between devices).
@@ -34,13 +38,17 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tpu_llm.config import ModelConfig
-from tpu_llm.model import Block, attend
+from tpu_llm.model import Block, attend, heads, rope
 
 
 def split_shapes(cfg: ModelConfig, ways: int) -> dict[str, tuple[int, ...]]:
-    """The weight slice one group holds, per kernel (config validation ensures T divides n_head)."""
+    """The weight slice one group holds, per kernel (config validation ensures T divides n_head,
+    n_kv_head and the MLP's hidden size)."""
     c, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
-    heads, units = cfg.n_head // ways, 4 * c // ways
+    heads, kv, units = cfg.n_head // ways, cfg.kv_heads() // ways, cfg.hidden() // ways
+    if cfg.family == "llama":
+        return {"attn/q": (c, heads * hd), "attn/k": (c, kv * hd), "attn/v": (c, kv * hd),
+                "attn/proj": (heads * hd, c), "mlp/gate": (c, units), "mlp/up": (c, units), "mlp/down": (units, c)}
     return {"attn/qkv": (c, 3, heads, hd), "attn/proj": (heads * hd, c), "mlp/fc": (c, units), "mlp/proj": (units, c)}
 
 
@@ -55,6 +63,8 @@ class SplitBlock:
     def __call__(self, x):
         b, training = self.block, self.training
         x = x + b.attn.resid_drop(self._sum(self._attention, b.ln1(x), b.attn.proj.bias), training=training)
+        if b.mlp.family == "llama":
+            return x + b.mlp.drop(self._sum(self._swiglu, b.ln2(x), None), training=training)
         return x + b.mlp.drop(self._sum(self._mlp, b.ln2(x), b.mlp.proj.bias), training=training)
 
     def _sum(self, part, x, bias):
@@ -69,6 +79,8 @@ class SplitBlock:
 
     def _attention(self, x, g):
         attn = self.block.attn
+        if attn.family == "llama":
+            return self._gqa(x, g)
         h, hd = attn.n_head // self.ways, attn.head_dim
         heads = slice(g * h, (g + 1) * h)
         kernel = tf.reshape(tf.cast(attn.qkv.kernel, x.dtype), [-1, 3, attn.n_head, hd])[:, :, heads]  # (C, 3, h, hd)
@@ -90,3 +102,27 @@ class SplitBlock:
             hidden += tf.cast(mlp.fc.bias, x.dtype)[cols]
         hidden = tf.nn.gelu(hidden, approximate=True)
         return tf.einsum("btu,uc->btc", hidden, tf.cast(mlp.proj.kernel, x.dtype)[cols])  # (B, T, C)
+
+    def _gqa(self, x, g):
+        """llama attention of kv heads g*Hkv/T.. and their query heads g*H/T.. (rotary, no biases)."""
+        attn = self.block.attn
+        h, kv, hd = attn.n_head // self.ways, attn.n_kv_head // self.ways, attn.head_dim
+
+        def columns(dense, n):  # this group's n heads of a (C, heads * hd) kernel
+            return tf.cast(dense.kernel, x.dtype)[:, g * n * hd:(g + 1) * n * hd]
+
+        q = heads(tf.einsum("btc,ck->btk", x, columns(attn.q, h)), h)  # (B, h, T, hd)
+        k = heads(tf.einsum("btc,ck->btk", x, columns(attn.k, kv)), kv)  # (B, kv, T, hd)
+        v = heads(tf.einsum("btc,ck->btk", x, columns(attn.v, kv)), kv)
+        q, k = rope(q, 0, attn.rope_theta), rope(k, 0, attn.rope_theta)
+        y = attend(q, k, v, 0, attn.attn_drop, self.training)  # (B, T, h * hd)
+        proj = tf.cast(attn.proj.kernel, x.dtype)[g * h * hd:(g + 1) * h * hd]  # (h * hd, C): matching rows
+        return tf.einsum("btk,kc->btc", y, proj)
+
+    def _swiglu(self, x, g):
+        mlp = self.block.mlp
+        units = mlp.gate.kernel.shape[1] // self.ways
+        cols = slice(g * units, (g + 1) * units)
+        gate = tf.einsum("btc,cu->btu", x, tf.cast(mlp.gate.kernel, x.dtype)[:, cols])  # (B, T, F/T)
+        up = tf.einsum("btc,cu->btu", x, tf.cast(mlp.up.kernel, x.dtype)[:, cols])
+        return tf.einsum("btu,uc->btc", tf.nn.silu(gate) * up, tf.cast(mlp.down.kernel, x.dtype)[cols])  # (B, T, C)

@@ -1,0 +1,140 @@
+"""Model families (issue 18): the llama family against a NumPy reference of Hugging Face Llama's maths
+(RMSNorm, rotate_half rotary embeddings, repeat_kv grouped-query attention, SwiGLU, untied head), its
+size and cost as the planner counts them, and its config checks. Pipeline, tensor, KV-cache and local
+SGD equivalence are the gpt2 tests parametrized by family (test_pipeline, test_tensor, test_model,
+test_comm)."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tpu_llm import pipeline, plan
+from tpu_llm.config import ModelConfig, load_config
+from tpu_llm.errors import UserError
+from tpu_llm.model import GPT, loss_fn
+
+VOCAB = 61
+# GQA (2 query heads per kv head), untied head, non-default theta and eps, a hidden size of its own
+LLAMA = dict(family="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_len=16, bias=False,
+             mlp_hidden=48, rope_theta=500.0, norm_eps=1e-6, tie_embeddings=False)
+
+
+def llama(**kw) -> GPT:
+    keras.utils.set_random_seed(0)
+    model = GPT(ModelConfig(**{**LLAMA, **kw}), VOCAB).build_weights()
+    rng = np.random.default_rng(1)  # norm scales away from 1, so a missing scale would show
+    model.set_weights([w + rng.normal(0, 0.1, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+def reference_logits(model: GPT, ids: np.ndarray) -> np.ndarray:
+    """HF LlamaForCausalLM's forward pass in NumPy, from the model's weights by name."""
+    cfg = model.cfg
+    w = {v.path.split("/", 1)[1]: v.numpy().astype(np.float64) for v in model.weights}
+    H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.n_embd // cfg.n_head
+    T = ids.shape[1]
+
+    def rms(x, scale):
+        return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + cfg.norm_eps) * scale
+
+    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+    emb = np.concatenate([np.outer(np.arange(T), inv_freq)] * 2, axis=-1)  # (T, hd)
+
+    def rotate(x):  # x (B, heads, T, hd): x cos + rotate_half(x) sin
+        return x * np.cos(emb) + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * np.sin(emb)
+
+    def split(x, n):
+        return x.reshape(x.shape[0], T, n, hd).transpose(0, 2, 1, 3)
+
+    x = w["wte/embeddings"][ids]
+    for i in range(cfg.n_layer):
+        p = f"block_{i}/"
+        h = rms(x, w[p + "ln1/scale"])
+        q = rotate(split(h @ w[p + "attn/q/kernel"], H))
+        k = rotate(split(h @ w[p + "attn/k/kernel"], Hkv))
+        v = split(h @ w[p + "attn/v/kernel"], Hkv)
+        k, v = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)  # HF repeat_kv
+        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd) + np.triu(np.full((T, T), -np.inf), 1)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        y = (probs @ v).transpose(0, 2, 1, 3).reshape(x.shape)
+        x = x + y @ w[p + "attn/proj/kernel"]
+        h = rms(x, w[p + "ln2/scale"])
+        gate = h @ w[p + "mlp/gate/kernel"]
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w[p + "mlp/up/kernel"])) @ w[p + "mlp/down/kernel"]
+    return rms(x, w["ln_f/scale"]) @ w["lm_head/embeddings"].T
+
+
+@pytest.mark.parametrize("n_kv_head", [2, 1])  # grouped-query, multi-query
+def test_llama_logits_match_a_numpy_reference_of_hf_llama(n_kv_head):
+    model = llama(n_kv_head=n_kv_head)
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 11))
+    got = model(tf.constant(ids, tf.int32)).numpy()
+    np.testing.assert_allclose(got, reference_logits(model, ids), atol=1e-4, rtol=1e-4)
+    names = {v.path.split("/", 1)[1] for v in model.weights}  # the contract import/export rely on
+    assert {"block_1/attn/k/kernel", "block_1/mlp/down/kernel", "lm_head/embeddings", "ln_f/scale"} <= names
+    assert not any("wpe" in n or "bias" in n for n in names)
+
+
+def test_llama_size_and_cost_agree_with_the_planner_and_the_partition():
+    model = llama()
+    C, L, F, kv = 32, 2, 48, 2 * 8
+    per_block = 2 * C + 2 * C * C + 2 * C * kv + 3 * C * F  # 2 norms, q + proj, k + v, gate + up + down
+    expected = 2 * VOCAB * C + L * per_block + C  # wte, lm_head, blocks, ln_f
+    assert model.num_params() == model.num_params(include_positions=False) == expected
+    assert model.flops_per_token(16) == 6 * (expected - VOCAB * C) + 12 * L * C * 16  # the lookup is free
+    cfg = load_config(None, {**{f"model.{k}": v for k, v in LLAMA.items()}, "data.seq_len": 16,
+                             "model.vocab_size": VOCAB})
+    assert plan._params(cfg, VOCAB) == expected
+    assert plan._flops_per_token(cfg, VOCAB) == model.flops_per_token(16)
+    stages = pipeline.partition(cfg.model, VOCAB, 16, 2)
+    assert sum(s.params for s in stages) == expected
+    assert ModelConfig(family="llama", n_embd=4096).hidden() == 11008  # Meta's rule, Llama 2 7B's size
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_llama_under_mixed_precision_has_float32_weights_and_logits_near_float32(policy):
+    ids = tf.constant(np.random.default_rng(0).integers(0, VOCAB, (2, 12)), tf.int32)
+    want = llama()(ids)
+    try:
+        keras.mixed_precision.set_global_policy(policy)
+        low = llama()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert {v.dtype for v in low.weights} == {"float32"}
+    assert low.blocks[0].attn.q.compute_dtype == policy.split("_")[1]
+    got = low(ids)
+    assert got.dtype == tf.float32
+    assert abs(float(loss_fn(got, ids)) - float(loss_fn(want, ids))) < 0.02
+
+
+def test_llama_1b_plans_on_v5p_16_and_v6e_8():
+    cfg = load_config("configs/llama_1b.yaml")
+    assert plan._params(cfg, cfg.model.vocab_size) == 1_235_814_400  # Llama 3.2 1B's published count
+    for name in ("v5p-16", "v6e-8"):
+        result = plan.plan(cfg, name)
+        assert result.fits(plan.TIGHT), name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.family": "mistral"}, "model.family='mistral'; valid choices: gpt2, llama"),
+    ({"model.family": "llama"}, "model.bias=true: the llama family has no biases; set model.bias=false"),
+    ({"model.family": "llama", "model.bias": False, "model.n_kv_head": 3},
+     "model.n_kv_head=3 must divide model.n_head=4; valid values: 1, 2, 4"),
+    ({"model.n_kv_head": 2}, "grouped-query attention is for model.family=llama"),
+    ({"model.tie_embeddings": False}, "gpt2's output head is the embedding table"),
+    ({"model.family": "llama", "model.bias": False, "model.n_embd": 12, "model.n_head": 4},
+     "rotary embeddings rotate pairs"),
+    ({"model.family": "llama", "model.bias": False, "model.n_kv_head": 2, "parallel.tensor": 4},
+     "parallel.tensor=4 must divide model.n_kv_head=2 .*valid values: 1, 2"),
+    ({"model.mlp_hidden": 30, "parallel.tensor": 4}, "must divide the MLP's hidden size 30"),
+    ({"model.rope_theta": 0}, "model.rope_theta .* must be > 0"),
+])
+def test_family_settings_that_cannot_work_are_one_line_errors(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
