@@ -1,0 +1,184 @@
+"""Fine-tuning an imported checkpoint: `tpu-llm import`, `data prepare --tokenizer hf`, then `train
+--config <run_dir>/config.yaml` with train.freeze, as docs/hugging-face.md tells. No torch here: the
+tiny GPT-2 checkpoint is written with tpu_llm.safetensors_io in the layout save_pretrained writes (the
+reference tests in test_hf.py check that layout against transformers itself); `import` refusals too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import snapshot, write_corpus
+from tpu_llm import cli, safetensors_io
+
+pytest.importorskip("tokenizers", reason="the hf tokenizer kind needs tokenizers: pip install -e '.[hf]'")
+
+VOCAB = 300
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Héllo wörld: café, naïve, façade.",
+          "def add(a, b):\n\treturn a + b", "日本語のテキスト。", "Numbers 0123456789 {}[]()<>"] * 4
+
+
+def write_tokenizer(folder) -> None:
+    """A small byte-level BPE in the GPT-2 style, as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, f)
+
+
+GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 32,
+               "n_embd": 32, "n_layer": 2, "n_head": 2, "n_inner": None, "activation_function": "gelu_new",
+               "resid_pdrop": 0.0, "layer_norm_epsilon": 1e-5}
+
+
+def write_gpt2(folder, config: dict | None = None, drop: str = "") -> None:
+    """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head)."""
+    from tpu_llm.config import ModelConfig
+    from tpu_llm.hf import model_config, weights
+
+    os.makedirs(folder, exist_ok=True)
+    config = config or GPT2_CONFIG
+    m = ModelConfig(**model_config(config))
+    rng = np.random.default_rng(0)
+    shapes = {"wte": (VOCAB, 32), "wpe": (32, 32), "qkv/kernel": (32, 96), "qkv/bias": (96,), "fc/kernel": (32, 128),
+              "fc/bias": (128,), "mlp/proj/kernel": (128, 32), "attn/proj/kernel": (32, 32)}
+    tensors = {}
+    for name, path, _ in weights(m):
+        shape = next((s for key, s in shapes.items() if key in path), (32,))
+        tensors[name] = (rng.normal(0, 0.05, shape) + (1.0 if path.endswith("gamma") else 0.0)).astype(np.float32)
+    tensors.pop(drop, None)
+    safetensors_io.write_all(os.path.join(folder, "model.safetensors"), tensors.items())
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    write_tokenizer(folder)
+
+
+def run_cli(*argv) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli.main(list(argv))
+    return status, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    write_gpt2(root / "gpt2")
+    status, printed = run_cli("import", "--from", str(root / "gpt2"), "--run_dir", str(root / "run"))
+    assert status == 0, printed
+    return root
+
+
+def variables(model) -> dict:
+    from tpu_llm.hf import _variables
+
+    return {path: v.numpy() for path, v in _variables(model).items()}
+
+
+def test_fine_tuning_an_imported_checkpoint_lowers_the_loss_and_keeps_frozen_layers(imported, tmp_path):
+    from tpu_llm.generate import load_for_generation
+    from tpu_llm.model import loss_fn
+
+    run = str(imported / "run")
+    corpus = write_corpus(tmp_path / "corpus")
+    status, printed = run_cli("data", "prepare", "--input", ",".join(corpus), "--output", str(tmp_path / "shards"),
+                              "--tokenizer", "hf", "--tokenizer_model", run, "--shards", "2")
+    assert status == 0, printed
+    shards = sorted(tf.io.gfile.glob(f"{tmp_path}/shards/*.tfrecord"))
+    model, tokenizer, _ = load_for_generation(run)
+    ids = np.array(tokenizer.encode(open(corpus[0], encoding="utf-8").read())[:4 * 17]).reshape(4, 17)
+
+    def loss(model):
+        return float(loss_fn(model(tf.constant(ids[:, :-1])), tf.constant(ids[:, 1:])))
+
+    before, loss_before = variables(model), loss(model)
+    status, printed = run_cli("train", "--config", f"{run}/config.yaml", f"--data.train={shards[0]}", f"--data.validation={shards[1]}",
+                              "--data.seq_len=16", "--train.batch_size=4", "--train.steps=8", "--train.steps_per_loop=4",
+                              "--train.lr=3e-3", "--train.warmup_steps=1", "--train.eval_every=0",
+                              "--train.eval_steps=1", "--sample.num_samples=0", "--train.freeze=blocks:0",
+                              "--execution=eager")  # 8 tiny steps: compiling them would cost more than running them
+    assert status == 0, printed
+    model, _, _, checkpoint = load_for_generation(run, with_checkpoint=True)
+    assert checkpoint.endswith("ckpt-8")  # continued from the imported step 0
+    after = variables(model)
+    frozen = [p for p in before if p.startswith("block_0/")]
+    assert frozen and all(before[p].tobytes() == after[p].tobytes() for p in frozen)
+    assert all(not np.array_equal(before[p], after[p]) for p in before if p not in frozen)
+    assert loss(model) < loss_before - 0.1, (loss_before, loss(model))
+
+
+def test_plan_takes_the_imported_config(imported):
+    status, printed = run_cli("plan", "--config", f"{imported}/run/config.yaml", "--accelerator", "cpu")
+    assert status == 0, printed
+    assert "plan" in printed
+
+
+def test_freeze_is_validated():
+    from tpu_llm.config import load_config
+    from tpu_llm.errors import UserError
+
+    for value in ("blocks:4", "blocks:1-0", "block:0", "embeddings,blocks:x"):
+        with pytest.raises(UserError, match=r"train.freeze item .*blocks:A-B or blocks:N.* 0 to model.n_layer - 1 = 3"):
+            load_config(None, {"train.freeze": value})
+    load_config(None, {"train.freeze": "embeddings, blocks:0-3"})
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"architectures": ["BertForMaskedLM"]}, 'architectures=["BertForMaskedLM"] is not supported'),
+    ({"activation_function": "relu"}, 'activation_function="relu" is not supported'),
+    ({"n_inner": 64}, "n_inner=64 is not supported by tpu-llm (4 x n_embd = 128)"),
+    ({"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1,
+      "intermediate_size": 64, "max_position_embeddings": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     'rope_scaling.rope_type="yarn" is not supported'),
+    ({"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1,
+      "intermediate_size": 64, "max_position_embeddings": 32, "attention_bias": True}, "attention_bias=true is not supported"),
+])
+def test_unsupported_options_are_one_line_naming_the_field(tmp_path, capsys, change, expected):
+    write_gpt2(tmp_path / "src")
+    with open(tmp_path / "src" / "config.json", "w") as f:
+        json.dump({**GPT2_CONFIG, **change}, f)
+    assert cli.main(["import", "--from", str(tmp_path / "src"), "--run_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config.json: ") and expected in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_never_touches_an_existing_run_or_another_folder(imported, tmp_path, capsys):
+    run = imported / "run"
+    before = snapshot(run)
+    assert cli.main(["import", "--from", str(imported / "gpt2"), "--run_dir", str(run)]) == 2
+    assert "already holds a tpu-llm run; import into a new --run_dir" in capsys.readouterr().err
+    assert snapshot(run) == before
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert cli.main(["import", "--from", str(imported / "gpt2"), "--run_dir", str(tmp_path / "other")]) == 2
+    assert "is not empty and is not a tpu-llm run" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "other") == ["notes.txt"]
+
+
+def test_a_missing_tensor_or_shard_is_named(tmp_path, capsys):
+    write_gpt2(tmp_path / "src", drop="transformer.h.1.mlp.c_fc.bias")
+    assert cli.main(["import", "--from", str(tmp_path / "src"), "--run_dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == ("error: the checkpoint lacks tensor transformer.h.1.mlp.c_fc.bias (1 missing); "
+                                       "download every shard\n")
+    os.rename(tmp_path / "src" / "model.safetensors", tmp_path / "src" / "model-00001-of-00002.safetensors")
+    with open(tmp_path / "src" / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors",
+                                  "transformer.h.0.ln_1.weight": "model-00002-of-00002.safetensors"}}, f)
+    assert cli.main(["import", "--from", str(tmp_path / "src"), "--run_dir", str(tmp_path / "run")]) == 2
+    assert "names shard model-00002-of-00002.safetensors, which is not in" in capsys.readouterr().err
+    assert not tf.io.gfile.glob(f"{tmp_path}/run*")
