@@ -28,11 +28,12 @@ TOOLS_STAMP := $(TOOLS)/.installed
 .PHONY: train test faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
 
 # One TensorFlow wheel per environment, chosen by extra (pyproject.toml): here the CPU one, with
-# tensorflow-text for SentencePiece and the test tools.
+# tensorflow-text for SentencePiece, Hugging Face interop (hf), the test tools and the reference
+# implementation the import/export tests compare with (reference: torch CPU and transformers).
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[cpu,sentencepiece,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[cpu,sentencepiece,hf,dev,reference]'
 	@touch $(STAMP)
 
 $(TOOLS_STAMP):

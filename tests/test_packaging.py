@@ -74,3 +74,28 @@ def test_without_tensorflow_the_cli_names_the_extras(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == (
         "error: TensorFlow is not installed: pip install 'tpu-llm[cpu]' (CPU), 'tpu-llm[gpu]' (NVIDIA GPUs) or "
         "'tpu-llm[tpu]' (a Cloud TPU VM), one of them per environment")
+
+
+def test_hf_extra_and_the_reference_test_extra():
+    from packaging.markers import default_environment
+
+    hf = environment("hf")
+    assert {"safetensors", "tokenizers"} <= set(hf) and "tensorflow" not in hf  # fine beside tensorflow-tpu
+    assert not (set(environment("hf", "tpu")) & CPU_TENSORFLOW)
+    ref = environment("reference")
+    assert str(ref["torch"].specifier) == "==2.13.0"  # the CPU wheel; unpinned can pull a CUDA build
+    assert ref["transformers"].specifier == SpecifierSet(">=5,<6")
+    for name in ("torch", "transformers"):  # transformers 5 needs Python 3.11: skipped on 3.10, not failing
+        marker = ref[name].marker
+        assert marker is not None
+        assert not marker.evaluate({**default_environment(), "python_version": "3.10"})
+        assert marker.evaluate({**default_environment(), "python_version": "3.11"})
+    # the tokenizers range accepts what the pinned transformers needs (5.x: tokenizers>=0.22,<0.24)
+    assert Version("0.23.3") in hf["tokenizers"].specifier
+
+
+def test_make_test_installs_the_hf_and_reference_extras():
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    [line] = [line for line in makefile.splitlines() if "pip install --quiet -e" in line]
+    extras = set(line.split("[", 1)[1].split("]", 1)[0].split(","))
+    assert {"cpu", "dev", "hf", "reference"} <= extras

@@ -366,7 +366,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
         if path not in variables:  # gpt2 without biases (model.bias=false): zeros are the same function
             return np.zeros(shapes[name], np_dtype)
         value = variables[path].numpy()
-        return (value.T if transposed else value).astype(np_dtype)
+        return value.T if transposed else value  # float32: safetensors_io.write converts it to np_dtype
 
     table = {name: (path, transposed) for name, path, transposed in weights(m)}
     shapes = {}
