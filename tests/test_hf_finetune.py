@@ -45,8 +45,9 @@ GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "voca
                "resid_pdrop": 0.0, "layer_norm_epsilon": 1e-5}
 
 
-def write_gpt2(folder, config: dict | None = None, drop: str = "") -> None:
-    """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head)."""
+def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = False) -> None:
+    """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head);
+    `hub`: as the hub's gpt2 file, names without `transformer.` and the causal-mask buffers in it."""
     from tpu_llm.config import ModelConfig
     from tpu_llm.hf import model_config, weights
 
@@ -61,6 +62,9 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "") -> None:
         shape = next((s for key, s in shapes.items() if key in path), (32,))
         tensors[name] = (rng.normal(0, 0.05, shape) + (1.0 if path.endswith("gamma") else 0.0)).astype(np.float32)
     tensors.pop(drop, None)
+    if hub:
+        tensors = {name.removeprefix("transformer."): value for name, value in tensors.items()}
+        tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 32, 32), np.float32)) for i in range(2)})
     safetensors_io.write_all(os.path.join(folder, "model.safetensors"), tensors.items())
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
@@ -168,6 +172,26 @@ def test_import_never_touches_an_existing_run_or_another_folder(imported, tmp_pa
     assert cli.main(["import", "--from", str(imported / "gpt2"), "--run_dir", str(tmp_path / "other")]) == 2
     assert "is not empty and is not a tpu-llm run" in capsys.readouterr().err
     assert os.listdir(tmp_path / "other") == ["notes.txt"]
+
+
+def test_the_hubs_gpt2_names_import_to_the_same_weights(imported, tmp_path):
+    from tpu_llm.checkpoint import Checkpointer
+
+    write_gpt2(tmp_path / "hub", hub=True)
+    assert run_cli("import", "--from", str(tmp_path / "hub"), "--run_dir", str(tmp_path / "run"))[0] == 0
+    ours, theirs = (Checkpointer(str(d), keep=1).latest for d in (imported / "run", tmp_path / "run"))
+    read = {name: tf.train.load_checkpoint(path) for name, path in (("ours", ours), ("theirs", theirs))}
+    names = [n for n, _ in tf.train.list_variables(ours) if n.startswith("model/")]
+    assert len(names) >= 16 and names == [n for n, _ in tf.train.list_variables(theirs) if n.startswith("model/")]
+    for name in names:
+        assert read["ours"].get_tensor(name).tobytes() == read["theirs"].get_tensor(name).tobytes(), name
+
+
+def test_max_len_is_for_llama_only(imported, tmp_path, capsys):
+    assert cli.main(["import", "--from", str(imported / "gpt2"), "--run_dir", str(tmp_path / "run"), "--max_len", "16"]) == 2
+    assert capsys.readouterr().err == ("error: --max_len=16: give a context shorter than config.json's 32, for a llama "
+                                       "model (a gpt2 model's learned position table fixes its own)\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_tensor_or_shard_is_named(tmp_path, capsys):

@@ -188,11 +188,13 @@ config.json, model.safetensors or a sharded model.safetensors.index.json, and th
 The new run directory holds config.yaml (the model section mapped from config.json, fine-tuning
 defaults for the rest), the tokenizer and a checkpoint at step 0: `generate` and `export` use it as
 it is, `train --config <run_dir>/config.yaml --data.train=...` fine-tunes it (docs/hugging-face.md).""",
-         **{"from": "the Hugging Face model directory", "run_dir": "the new run directory (must not exist, or be empty)"})
-def import_(from_: str, run_dir: str):
+         **{"from": "the Hugging Face model directory", "run_dir": "the new run directory (must not exist, or be empty)",
+            "max_len": "llama: a shorter context than config.json's max_position_embeddings (it sizes generation's "
+                       "KV cache); 0 = config.json's"})
+def import_(from_: str, run_dir: str, max_len: int = 0):
     from tpu_llm import hf
 
-    result = hf.import_checkpoint(from_, run_dir)
+    result = hf.import_checkpoint(from_, run_dir, max_len=max_len)
     print(f"imported  {from_} ({result['family']}, {result['params']:,} parameters, {result['dtype']}) "
           f"into {result['run_dir']} at step 0")
     print(f"next      tpu-llm generate --run_dir {result['run_dir']} --prompt 'Hello'")

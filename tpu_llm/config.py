@@ -91,9 +91,8 @@ class TrainConfig:
     seed: int = 1337  # initial weights, data order and dropout
     max_bad_steps: int = 10  # steps with a non-finite loss/gradient skipped (not applied) before the run stops
     on_bad_step: str = "skip"  # skip (go on) | rollback (to the newest checkpoint, past the bad batches)
-    # fine-tuning: layers kept as they are, comma-separated: embeddings (token and position tables; gpt2's
-    # tied head with them), head (an untied lm_head), blocks:A-B (blocks A..B, from 0), blocks:N; "" = none
-    freeze: str = ""
+    # fine-tuning (docs/hugging-face.md): embeddings (gpt2: with its tied head), head (untied lm_head), blocks:A-B, blocks:N
+    freeze: str = ""  # layers kept as they are, comma-separated, e.g. embeddings,blocks:0-7; "" = train all
 
 
 @dataclasses.dataclass

@@ -244,8 +244,9 @@ def _write_tokenizer(tokenizer, output: str, max_len: int) -> list[str]:
 # Import
 
 
-def import_checkpoint(source: str, run_dir: str, overrides: dict | None = None) -> dict:
-    """Make the new run directory `run_dir` from the Hugging Face model directory `source`."""
+def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
+    """Make the new run directory `run_dir` from the Hugging Face model directory `source`; `max_len`
+    (llama only) shortens the context, which sizes generation's KV cache (config.json's is often 128k)."""
     import keras
 
     from tpu_llm.checkpoint import (CONFIG_FILE, MARKER_FILE, Checkpointer, _write_atomically,
@@ -262,6 +263,11 @@ def import_checkpoint(source: str, run_dir: str, overrides: dict | None = None) 
     with tf.io.gfile.GFile(config_path) as f:
         hf = json.load(f)
     model = _known_keys(model_config(hf))
+    if max_len and max_len != model["max_len"]:
+        if model.get("family") != "llama" or not 0 < max_len < model["max_len"]:
+            raise UserError(f"--max_len={max_len}: give a context shorter than config.json's {model['max_len']}, for a "
+                            "llama model (a gpt2 model's learned position table fixes its own)")
+        model["max_len"] = max_len
     check_run_dir_reachable(run_dir)
     check_run_dir_owner(run_dir)  # not another tool's directory ...
     if is_run_dir(run_dir):  # ... and never an existing run: import makes a new one
@@ -275,11 +281,6 @@ def import_checkpoint(source: str, run_dir: str, overrides: dict | None = None) 
                 "train": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 20, "steps": 200, "weight_decay": 0.0},
                 "checkpoint": {"every_steps": 100}}
     cfg = config_from_dict(settings, source=config_path)
-    for key, value in (overrides or {}).items():
-        from tpu_llm.config import _set_dotted, validate
-
-        _set_dotted(cfg, key, value, source="command line")
-        validate(cfg)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer in {source} has {tokenizer.vocab_size} ids, config.json's vocab_size is "
                         f"{cfg.model.vocab_size}; are they from the same model?")
