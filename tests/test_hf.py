@@ -65,7 +65,11 @@ def build(family: str, root):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     model.eval()
-    out = {"model": model, "bf16_model": copy.deepcopy(model).to(torch.bfloat16).float()}  # the values a bf16 file holds
+    rounded = copy.deepcopy(model)  # the parameter values a bfloat16 file holds (not .to(): it rounds buffers too,
+    with torch.no_grad():           # such as Llama's rotary inv_freq, which a loaded model recomputes)
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    out = {"model": model, "bf16_model": rounded}
     for dtype in ("float32", "bfloat16"):
         hf_dir, run_dir = str(root / f"{family}-{dtype}"), str(root / f"{family}-{dtype}-run")
         # (.to converts in place); bfloat16 in shards: model.safetensors.index.json, read shard by shard
