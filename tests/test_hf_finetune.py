@@ -88,23 +88,29 @@ def imported(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def shards(imported):
+    """The test corpus in two shards, tokenized with the imported run's tokenizer (train, validation)."""
+    corpus = write_corpus(imported / "corpus")
+    status, printed = run_cli("data", "prepare", "--input", ",".join(corpus), "--output", str(imported / "shards"),
+                              "--tokenizer", "hf", "--tokenizer_model", str(imported / "run"), "--shards", "2")
+    assert status == 0, printed
+    return sorted(tf.io.gfile.glob(f"{imported}/shards/*.tfrecord")), corpus
+
+
 def variables(model) -> dict:
     from tpu_llm.hf import _variables
 
     return {path: v.numpy() for path, v in _variables(model).items()}
 
 
-def test_fine_tuning_an_imported_checkpoint_lowers_the_loss_and_keeps_frozen_layers(imported, tmp_path):
+def test_fine_tuning_an_imported_checkpoint_lowers_the_loss_and_keeps_frozen_layers(imported, shards, tmp_path):
     from tpu_llm.generate import load_for_generation
     from tpu_llm.model import loss_fn
 
     run = str(tmp_path / "run")
     shutil.copytree(imported / "run", run)  # the module's import stays at step 0 for the other tests
-    corpus = write_corpus(tmp_path / "corpus")
-    status, printed = run_cli("data", "prepare", "--input", ",".join(corpus), "--output", str(tmp_path / "shards"),
-                              "--tokenizer", "hf", "--tokenizer_model", run, "--shards", "2")
-    assert status == 0, printed
-    shards = sorted(tf.io.gfile.glob(f"{tmp_path}/shards/*.tfrecord"))
+    shards, corpus = shards
     model, tokenizer, _ = load_for_generation(run)
     ids = np.array(tokenizer.encode(open(corpus[0], encoding="utf-8").read())[:4 * 17]).reshape(4, 17)
 
@@ -112,7 +118,8 @@ def test_fine_tuning_an_imported_checkpoint_lowers_the_loss_and_keeps_frozen_lay
         return float(loss_fn(model(tf.constant(ids[:, :-1])), tf.constant(ids[:, 1:])))
 
     before, loss_before = variables(model), loss(model)
-    status, printed = run_cli("train", "--config", f"{run}/config.yaml", f"--data.train={shards[0]}", f"--data.validation={shards[1]}",
+    status, printed = run_cli("train", "--config", f"{run}/config.yaml", f"--run_dir={run}",  # (the copy's)
+                              f"--data.train={shards[0]}", f"--data.validation={shards[1]}",
                               "--data.seq_len=16", "--train.batch_size=4", "--train.steps=8", "--train.steps_per_loop=4",
                               "--train.lr=3e-3", "--train.warmup_steps=1", "--train.eval_every=0",
                               "--train.eval_steps=1", "--sample.num_samples=0", "--train.freeze=blocks:0",
@@ -125,6 +132,31 @@ def test_fine_tuning_an_imported_checkpoint_lowers_the_loss_and_keeps_frozen_lay
     assert frozen and all(before[p].tobytes() == after[p].tobytes() for p in frozen)
     assert all(not np.array_equal(before[p], after[p]) for p in before if p not in frozen)
     assert loss(model) < loss_before - 0.1, (loss_before, loss(model))
+
+
+def test_init_from_starts_a_new_run_with_the_imported_weights(imported, shards, tmp_path):
+    from tpu_llm.checkpoint import restore_init_from
+    from tpu_llm.config import config_from_dict
+    from tpu_llm.controller import build_run
+    from tpu_llm.errors import UserError
+    from tpu_llm.generate import load_for_generation
+
+    run, shards = imported / "run", shards[0]
+    before = snapshot(run)
+    settings = {**__import__("yaml").safe_load(open(run / "config.yaml")), "run_dir": str(tmp_path / "tuned")}
+    settings["data"].update(train=shards[0], validation=shards[1], seq_len=16)
+    settings["train"].update(init_from=str(run), batch_size=4, freeze="embeddings")
+    built = build_run(config_from_dict(settings, source="test"))
+    assert built.resumed_from is None and built.initialised_from == f"{run}/checkpoints/ckpt-0"
+    assert int(built.optimizer.iterations.numpy()) == 0
+    ours, imported_weights = variables(built.model), variables(load_for_generation(str(run))[0])
+    assert ours.keys() == imported_weights.keys()
+    assert all(ours[p].tobytes() == imported_weights[p].tobytes() for p in ours)  # not a random initialisation
+    assert not any("wte" in v.path or "wpe" in v.path for v in built.model.trainable_variables)  # frozen
+    assert snapshot(run) == before  # the imported run is only read
+    other = config_from_dict({**settings, "model": {**settings["model"], "n_layer": 3}}, source="test")
+    with pytest.raises(UserError, match=r"train.init_from=.* holds a model made with model.n_layer=2 \(this config has 3\)"):
+        restore_init_from(str(run), other.model, built.model, built.tokenizer)  # (build_run: before writing anything)
 
 
 def test_plan_takes_the_imported_config(imported):

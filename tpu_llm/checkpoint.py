@@ -143,6 +143,29 @@ def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> None:
     record_run(cfg, tokenizer)
 
 
+def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
+    """train.init_from: load the weights (only) of the newest readable checkpoint of the run `source` into
+    `model`, made with the same model section and tokenizer; returns that checkpoint's path."""
+    saved = read_saved_config(source)
+    if saved is None:
+        raise UserError(f"train.init_from={source!r} is not a run directory (no {CONFIG_FILE}); give the --run_dir of "
+                        "a `tpu-llm import` or `train` run")
+    differences = _model_differences(saved.get("model", {}), current)
+    if differences:
+        raise UserError(f"train.init_from={source!r} holds a model made with {differences[0]}; start from its "
+                        f"config (--config {source}/{CONFIG_FILE} --run_dir NEW)")
+    theirs = load_tokenizer(source)
+    if theirs is not None and theirs.spec() != tokenizer.spec():
+        raise UserError(f"train.init_from={source!r} was trained with another tokenizer ({theirs.kind}) than this "
+                        f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
+                        f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
+    checkpointer = Checkpointer(source, keep=1, io_device=io_device, model=model)
+    path = checkpointer.restore_latest()  # the newest readable one; UserError if none can be read
+    if path is None:
+        raise UserError(f"train.init_from={source!r} has no checkpoint in {CHECKPOINT_DIR}/ yet")
+    return path
+
+
 def _model_differences(saved: dict, current: ModelConfig) -> list[str]:
     out = []
     for key, value in vars(current).items():

@@ -93,6 +93,7 @@ class TrainConfig:
     on_bad_step: str = "skip"  # skip (go on) | rollback (to the newest checkpoint, past the bad batches)
     # fine-tuning (docs/hugging-face.md): embeddings (gpt2: with its tied head), head (untied lm_head), blocks:A-B, blocks:N
     freeze: str = ""  # layers kept as they are, comma-separated, e.g. embeddings,blocks:0-7; "" = train all
+    init_from: str = ""  # a run directory (e.g. from `tpu-llm import`) whose newest weights start a new run; "" = random init
 
 
 @dataclasses.dataclass

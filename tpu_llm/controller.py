@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tpu_llm import comm, data, fault, perf, pipeline
 from tpu_llm.checkpoint import (Checkpointer, check_run_dir, check_run_dir_owner, check_run_dir_reachable, record_run,
-                                resolve_tokenizer)
+                                resolve_tokenizer, restore_init_from)
 from tpu_llm.config import Config
 from tpu_llm.distribute import Distribution, get_strategy, serve_if_cluster_server
 from tpu_llm.errors import UserError
@@ -44,6 +44,7 @@ class Run:
     resumed_from: str | None
     data_resume: str  # how the data position was restored on resume
     comm: comm.Comm | None = None  # gradient compression or local SGD (None: the plain all-reduce)
+    initialised_from: str | None = None  # train.init_from: the checkpoint whose weights a new run started from
 
 
 def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
@@ -158,6 +159,9 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
                                 model=model, optimizer=optimizer, rng=rng,
                                 **(communication.trackables() if communication else {}))
     resumed_from = checkpointer.restore_latest()  # a UserError if none of the checkpoints can be read
+    initialised_from = None
+    if resumed_from is None and cfg.train.init_from:  # a new run from another run's weights (fine-tuning)
+        initialised_from = restore_init_from(cfg.train.init_from, cfg.model, model, tokenizer, dist.io_device)
     if dist.is_chief:  # every check passed: only now is the run directory written
         record_run(cfg, tokenizer)
     if communication:  # each replica's own residuals / weights, which a plain restore cannot give
@@ -178,7 +182,7 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
         checkpointer.add(data_position=trainer.data_position)
     return Run(cfg, dist, tokenizer, model, optimizer, trainer, iter(train_dataset),
                dataset(val_src, training=False)[0], checkpointer, (train_src, val_src), resumed_from,
-               data_resume, communication)
+               data_resume, communication, initialised_from)
 
 
 def say_now(text: str) -> None:
@@ -348,6 +352,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
         say(f"warning   {note}")
     if run.resumed_from:
         say(f"resumed   from {run.resumed_from} at step {step} ({run.data_resume})")
+    elif run.initialised_from:
+        say(f"weights   from {run.initialised_from} (train.init_from); a fresh optimizer at step 0")
     if step >= t.steps:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
 
