@@ -215,7 +215,7 @@ MUTATIONS = [
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
     # ---- issue 18: Hugging Face tokenizers (data.tokenizer=hf) -------------------------------------
     M("hf-shards-without-bos", "tpu_llm/hf_tokenizer.py",
-      "self._tok.encode_batch(batch)]", "self._tok.encode_batch(batch, add_special_tokens=False)]",
+      "self._encode_batch(batch)]", "self._encode_batch(batch, add_special_tokens=False)]",
       "tests/test_hf_tokenizer.py::test_data_prepare_writes_the_ids_of_transformers"),
     M("hf-decode-keeps-special-tokens", "tpu_llm/hf_tokenizer.py",
       "skip_special_tokens=True)", "skip_special_tokens=False)",

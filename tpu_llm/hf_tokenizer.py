@@ -89,6 +89,8 @@ class HFTokenizer:
         at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
         self.add_bos = self.bos_id is not None and full[:at][:1] == [self.bos_id]
         self._drop_eos = full[at + len(plain):][-1:] == [self.eos_id]
+        # the same ids without character offsets: a third faster (tokenizers >= 0.21)
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
 
     def encode(self, text: str | bytes) -> list[int]:
         """HF's ids for `text` (special tokens added, so Llama's BOS leads), without a trailing EOS."""
@@ -106,7 +108,7 @@ class HFTokenizer:
 
         def run(array):  # numpy array of bytes -> (flat ids, row lengths)
             batch = [t.decode("utf-8", errors="replace") for t in np.reshape(array, [-1]).tolist()]
-            ids = [self._trim(e.ids) for e in self._tok.encode_batch(batch)]
+            ids = [self._trim(e.ids) for e in self._encode_batch(batch)]
             lengths = np.array([len(i) for i in ids], np.int64)
             return np.array([t for i in ids for t in i], np.int32), lengths
 
