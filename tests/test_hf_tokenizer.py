@@ -88,7 +88,8 @@ def llama(tmp_path_factory):
     legacy = tmp_path_factory.mktemp("llama2")
     tok.save(str(legacy / "tokenizer.json"))
     (legacy / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False}))  # as Llama-2's
     only_model = tmp_path_factory.mktemp("llama_sp")
     (only_model / "tokenizer.model").write_bytes(proto.getvalue())
     (only_model / "tokenizer_config.json").write_text(json.dumps(
@@ -130,6 +131,19 @@ def test_llama_ids_equal_transformers_and_sentencepiece(llama):
             assert ours.decode(ours.encode(text)) == text, text
     assert any(piece.startswith("<0x") for piece in
                (sp.id_to_piece(i) for i in ours.encode("🎉 שלום")))  # bytes the vocabulary lacks
+
+
+def test_an_eos_the_post_processor_appends_is_left_to_the_data_pipeline(tmp_path, llama):
+    from tokenizers import processors
+
+    tok = tokenizers.Tokenizer.from_file(os.path.join(llama["legacy"], "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(open(os.path.join(llama["legacy"], "tokenizer_config.json")).read())
+    ours, ref = load_hf_tokenizer(str(tmp_path)), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in MIXED:
+        assert ref(text)["input_ids"][-1] == ours.eos_id and ours.encode(text) == ref(text)["input_ids"][:-1], text
+    assert ours.encode_tf(tf.constant(MIXED)).to_list() == [ours.encode(t) for t in MIXED]
 
 
 def test_llama_as_transformers_5_converts_and_saves_it(llama):
