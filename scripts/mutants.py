@@ -213,6 +213,17 @@ MUTATIONS = [
     M("planner-logits-workspace-dropped", "tpu_llm/plan.py",
       "        work += 3 * 4 * vocab * tokens_micro  # logits", "        work += 0  # logits",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
+    # ---- issue 18: Hugging Face tokenizers (data.tokenizer=hf) -------------------------------------
+    M("hf-shards-without-bos", "tpu_llm/hf_tokenizer.py",
+      "self._encode_batch(batch)]", "self._encode_batch(batch, add_special_tokens=False)]",
+      "tests/test_hf_tokenizer.py::test_data_prepare_writes_the_ids_of_transformers"),
+    M("hf-decode-keeps-special-tokens", "tpu_llm/hf_tokenizer.py",
+      "skip_special_tokens=True)", "skip_special_tokens=False)",
+      "tests/test_hf_tokenizer.py::test_llama_ids_equal_transformers_and_sentencepiece"),
+    M("sample-decoded-without-its-prompt", "tpu_llm/generate.py",
+      "return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)",
+      "return tokenizer.decode(ids)",
+      "tests/test_hf_tokenizer.py::test_continuation_keeps_the_space_llama_decoding_drops"),
     # ---- Hugging Face import / export and fine-tuning (issue 18) -----------------------------------------
     M("hf-gpt2-conv1d-transposed", "tpu_llm/hf.py",
       'out += [(f"{h}{hf_name}.weight", f"{b}{ours}/{w}", False),',

@@ -314,8 +314,8 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
 @command("data prepare", "tokenize text once into TFRecord shards (what TPU pods read)",
          "tpu-llm data prepare --input 'corpus/*.txt' --output shards/ --tokenizer byte",
          input="text files or globs, comma-separated (default: the embedded corpus)",
-         output="directory for the shards (local or gs://)", tokenizer="byte | char | sentencepiece",
-         tokenizer_model="the SentencePiece .model file when --tokenizer=sentencepiece",
+         output="directory for the shards (local or gs://)", tokenizer="byte | char | sentencepiece | hf",
+         tokenizer_model="the SentencePiece .model file (sentencepiece); an HF model directory or its tokenizer.json (hf)",
          shards="number of shard files", overwrite="replace shards already in --output")
 def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tokenizer_model: str = "",
                  shards: int = 8, overwrite: bool = False):

@@ -21,7 +21,8 @@ from tpu_llm.checkpoint import (Checkpointer, check_run_dir, check_run_dir_owner
 from tpu_llm.config import Config
 from tpu_llm.distribute import Distribution, get_strategy, serve_if_cluster_server
 from tpu_llm.errors import UserError
-from tpu_llm.generate import Sampler
+from tpu_llm.generate import Sampler, continuation
+from tpu_llm.hf_tokenizer import check_pretokenized
 from tpu_llm.model import GPT
 from tpu_llm.tokenizer import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.train import Trainer, freeze, make_optimizer
@@ -100,6 +101,7 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = data.resolve_sources(cfg.data)
+    check_pretokenized(cfg.data.tokenizer, (train_src, val_src))  # hf: shards only, on any platform
     if dist.io_device:  # a remote TPU: its hosts tokenize, with core TF ops only
         from tpu_llm import tpu
 
@@ -467,11 +469,11 @@ def _quiet(*_) -> None:
 def print_samples(model: GPT, tokenizer, cfg: Config, say=None) -> list[str]:
     say, s = say or say_now, cfg.sample
     sampler = Sampler(model, tokenizer.eos_id, tokenizer.vocab_size)
-    prompt = tokenizer.encode(s.prompt) if s.prompt else []
+    prompt = tokenizer.encode(s.prompt)  # "" gives [] (or an hf tokenizer's BOS)
     texts = []
     for i in range(s.num_samples):
         ids = sampler.generate(prompt, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed + i)
-        texts.append(s.prompt + tokenizer.decode(ids))
+        texts.append(s.prompt + continuation(tokenizer, prompt, ids))
         say(f"--- sample {i + 1} (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
             f"seed {s.seed + i})")
         say(texts[-1])

@@ -79,6 +79,13 @@ class Sampler:
         return out
 
 
+def continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """The text that `ids` add after `prompt`: decoded together, so that a tokenizer whose decoding
+    depends on the position (Llama's drops the space its first word begins with) joins them right."""
+    head, whole = tokenizer.decode(prompt), tokenizer.decode(list(prompt) + list(ids))
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
+
+
 def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes: bool = False):
     """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
     checkpoint's path with `with_checkpoint`, plus with `with_notes` the warnings to show (an unreadable

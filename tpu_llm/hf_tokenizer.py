@@ -9,8 +9,8 @@ workers (`check_pretokenized`).
 
 Ids are those of `transformers.AutoTokenizer.from_pretrained(DIR)(text)["input_ids"]` (special tokens
 added, as transformers does by default): Llama's post-processor prepends BOS to every document and
-prompt, GPT-2's adds nothing. The one difference: an end-of-text token that a post-processor appends
-(`add_eos_token`) is dropped, because the data pipeline ends every document with exactly one EOS and a
+prompt, GPT-2's adds nothing. The one difference: an end-of-text token that the post-processor appends
+is dropped, because the data pipeline ends every document with exactly one EOS and a
 prompt must not end with one. A shard document is therefore `[BOS] text EOS` for Llama and
 `text <|endoftext|>` for GPT-2, which is how both were pre-trained. Decoding skips special tokens.
 
@@ -48,6 +48,17 @@ def import_tokenizers():
     return tokenizers
 
 
+def _parse(tokenizer_json: str, source: str):
+    """A `tokenizers.Tokenizer` from the text of a tokenizer.json, or a one-line UserError naming `source`."""
+    tokenizers = import_tokenizers()
+    try:
+        return tokenizers.Tokenizer.from_str(tokenizer_json)
+    except Exception as e:  # tokenizers raises a bare Exception with serde's message
+        raise UserError(f"{source or 'tokenizer.json'}: Hugging Face's tokenizers {tokenizers.__version__} cannot "
+                        f"read it ({str(e).splitlines()[0][:100]}); give the tokenizer.json that came with the "
+                        "checkpoint, or upgrade tokenizers") from None
+
+
 def _content(token) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(token, dict):
@@ -66,13 +77,7 @@ class HFTokenizer:
     kind = "hf"
 
     def __init__(self, tokenizer_json: str, eos_token: str, bos_token: str | None = None, source: str = ""):
-        tokenizers = import_tokenizers()
-        try:
-            self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
-        except Exception as e:  # tokenizers raises a bare Exception with serde's message
-            raise UserError(f"{source or 'tokenizer.json'}: Hugging Face's tokenizers {tokenizers.__version__} cannot "
-                            f"read it ({str(e).splitlines()[0][:100]}); give the tokenizer.json that came with the "
-                            "checkpoint, or upgrade tokenizers") from None
+        self._tok = _parse(tokenizer_json, source)
         self.json = self._tok.to_str()  # canonical: the same tokenizer gives the same text and checksum
         self.eos_token, self.bos_token = eos_token, bos_token
         self.eos_id = self._tok.token_to_id(eos_token)
@@ -83,12 +88,14 @@ class HFTokenizer:
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         model = json.loads(self.json).get("model", {})
         self.unk_id = self._tok.token_to_id(model["unk_token"]) if model.get("unk_token") else None
-        # What the post-processor adds around a text: BOS in front (Llama), EOS behind (add_eos_token)
+        # What the post-processor adds around a text: BOS in front (Llama), perhaps EOS behind
         plain = self._tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a").ids
         at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
         self.add_bos = self.bos_id is not None and full[:at][:1] == [self.bos_id]
         self._drop_eos = full[at + len(plain):][-1:] == [self.eos_id]
+        # the same ids without character offsets: a third faster (tokenizers >= 0.21)
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
 
     def encode(self, text: str | bytes) -> list[int]:
         """HF's ids for `text` (special tokens added, so Llama's BOS leads), without a trailing EOS."""
@@ -106,7 +113,7 @@ class HFTokenizer:
 
         def run(array):  # numpy array of bytes -> (flat ids, row lengths)
             batch = [t.decode("utf-8", errors="replace") for t in np.reshape(array, [-1]).tolist()]
-            ids = [self._trim(e.ids) for e in self._tok.encode_batch(batch)]
+            ids = [self._trim(e.ids) for e in self._encode_batch(batch)]
             lengths = np.array([len(i) for i in ids], np.int64)
             return np.array([t for i in ids for t in i], np.int32), lengths
 
@@ -175,14 +182,13 @@ def _gpt2_from_vocab_merges(folder: str) -> str:
     return tok.to_str()
 
 
-def _with_config_specials(tokenizer_json: str, config: dict) -> str:
-    """The tokenizer with what transformers adds on loading: the special tokens that tokenizer_config.json
-    names (as special added tokens, so that their text is one id), and, where it sets add_bos_token or
-    add_eos_token, the post-processor those make (`TokenizersBackend.update_post_processor`)."""
-    tokenizers = import_tokenizers()
-    from tokenizers import AddedToken, processors
+def _with_config_specials(tok, config: dict) -> str:
+    """Give `tok` what transformers adds on loading, and return its JSON: the special tokens that
+    tokenizer_config.json names, as special added tokens (so that their text is one id). What is added
+    around a text is tokenizer.json's post-processor: transformers 5 ignores the config's add_bos_token
+    and add_eos_token (4.x applied them for some classes; Llama-2's agree with its tokenizer.json)."""
+    from tokenizers import AddedToken
 
-    tok = tokenizers.Tokenizer.from_str(tokenizer_json)
     have = {t.content for t in tok.get_added_tokens_decoder().values()}
     wanted = [AddedToken(d["content"], special=bool(d.get("special", True)), lstrip=bool(d.get("lstrip", False)),
                          rstrip=bool(d.get("rstrip", False)), normalized=bool(d.get("normalized", False)),
@@ -190,21 +196,13 @@ def _with_config_specials(tokenizer_json: str, config: dict) -> str:
               for _, d in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0]))
               if isinstance(d, dict) and d.get("content")]
     named = [_content(config.get(n)) for n in SPECIAL_NAMES]
-    named += [_content(t) for key in SPECIAL_LISTS for t in (config.get(key) or []) if isinstance(config.get(key), list)]
+    named += [_content(t) for key in SPECIAL_LISTS if isinstance(config.get(key), list) for t in config[key]]
     wanted += [AddedToken(t, special=True, normalized=False) for t in named if t]
     added = set()
     for token in wanted:
         if token.content not in have and token.content not in added:
             added.add(token.content)
             (tok.add_special_tokens if token.special else tok.add_tokens)([token])
-    if "add_bos_token" in config or "add_eos_token" in config:
-        bos, eos = _content(config.get("bos_token")), _content(config.get("eos_token"))
-        add_bos, add_eos = bool(config.get("add_bos_token")) and bos, bool(config.get("add_eos_token")) and eos
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        specials = [(t, tok.token_to_id(t)) for t in dict.fromkeys([bos if add_bos else None, eos if add_eos else None])
-                    if t and tok.token_to_id(t) is not None]
-        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
     return tok.to_str()
 
 
@@ -212,7 +210,7 @@ def load_hf_tokenizer(path: str) -> HFTokenizer:
     """The tokenizer of a Hugging Face model directory (or of a tokenizer.json file in one).
 
     Reads, in this order: `tokenizer.json`; or GPT-2's `vocab.json` + `merges.txt`. Special tokens come
-    from `tokenizer_config.json` (else `special_tokens_map.json`), applied as transformers applies them
+    from `tokenizer_config.json` (else `special_tokens_map.json`), added as transformers adds them
     (`_with_config_specials`); the end-of-text token is the config's `eos_token`, else the first of
     `EOS_GUESSES` in the vocabulary; the beginning-of-text token is the config's `bos_token` (GPT-2's is
     its EOS, `<|endoftext|>`). The result's `eos_id`, `bos_id` (None without one) and `add_bos` (whether
@@ -228,7 +226,8 @@ def load_hf_tokenizer(path: str) -> HFTokenizer:
         raise UserError("data.tokenizer=hf needs data.tokenizer_model: an HF model directory or its tokenizer.json "
                         "(--tokenizer_model for `data prepare`)")
     if not tf.io.gfile.exists(path):
-        raise UserError(f"data.tokenizer_model={path!r} does not exist; give an HF model directory or its tokenizer.json")
+        raise UserError(f"data.tokenizer_model={path!r} does not exist; give an HF model directory or its "
+                        "tokenizer.json")
     folder, file = (path, "") if tf.io.gfile.isdir(path) else (os.path.dirname(path), path)
     if not file and tf.io.gfile.exists(os.path.join(folder, SPEC_FILE)):
         file = os.path.join(folder, SPEC_FILE)
@@ -242,13 +241,13 @@ def load_hf_tokenizer(path: str) -> HFTokenizer:
             if ours != "hf":
                 raise UserError(f"{file} is a tpu-llm tokenizer of kind {ours}, not hf; give an HF model directory")
             return load_tokenizer(folder)
-    elif tf.io.gfile.exists(os.path.join(folder, "vocab.json")) and tf.io.gfile.exists(os.path.join(folder, "merges.txt")):
+    elif all(tf.io.gfile.exists(os.path.join(folder, name)) for name in ("vocab.json", "merges.txt")):
         text = _gpt2_from_vocab_merges(folder)
         file = os.path.join(folder, "vocab.json")
     elif tf.io.gfile.exists(os.path.join(folder, "tokenizer.model")):
-        raise UserError(f"{folder} has only a SentencePiece tokenizer.model, no tokenizer.json; write one with `python -c "
-                        f"\"import transformers as t; t.AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')\"` "
-                        "(transformers converts it as it loads it) and retry")
+        convert = f"t.AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')"
+        raise UserError(f"{folder} has only a SentencePiece tokenizer.model, no tokenizer.json; write one with "
+                        f"`python -c \"import transformers as t; {convert}\"` (transformers converts it) and retry")
     else:
         raise UserError(f"{folder} has no tokenizer.json (nor GPT-2's vocab.json + merges.txt); give the directory the "
                         "checkpoint came in, with its tokenizer files")
@@ -256,13 +255,13 @@ def load_hf_tokenizer(path: str) -> HFTokenizer:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if tf.io.gfile.exists(os.path.join(folder, name)):
             config = {**_read_json(os.path.join(folder, name)), **config}  # tokenizer_config.json wins
+    tok = _parse(text, file)
     try:
-        text = _with_config_specials(text, config)
-        vocab = import_tokenizers().Tokenizer.from_str(text).get_vocab(with_added_tokens=True)
-    except UserError:
-        raise
-    except Exception:  # unreadable: HFTokenizer below names the file with the library's message
-        return HFTokenizer(text, "", source=file)
+        text = _with_config_specials(tok, config)
+    except Exception as e:  # e.g. a template naming a token the vocabulary lacks
+        raise UserError(f"{folder}: the special tokens of its tokenizer_config.json do not fit its tokenizer "
+                        f"({str(e).splitlines()[0][:100]}); restore the checkpoint's tokenizer files") from None
+    vocab = tok.get_vocab(with_added_tokens=True)
     eos = _content(config.get("eos_token")) or next((t for t in EOS_GUESSES if t in vocab), None)
     if eos is None:
         raise UserError(f"{folder}: no end-of-text token (no eos_token in tokenizer_config.json, none of "
@@ -276,9 +275,9 @@ def write_hf_tokenizer(tok: HFTokenizer, folder: str, model_max_length: int | No
     `tokenizer.json` is the whole tokenizer; `tokenizer_config.json` names the class
     `PreTrainedTokenizerFast`, which every transformers version loads from tokenizer.json as it is (a
     model class such as LlamaTokenizer would rebuild parts of it in transformers 5), and the special
-    tokens, without add_bos_token/add_eos_token (those would replace the post-processor, which already
-    adds what the model expects). So `AutoTokenizer.from_pretrained(folder)(text)["input_ids"]` equals
-    `tok.encode(text)` (with an add_eos_token tokenizer: plus its trailing EOS).
+    tokens, without add_bos_token/add_eos_token (in transformers 4.x those could replace the
+    post-processor, which already adds what the model expects). So `AutoTokenizer.from_pretrained(folder)(text)["input_ids"]` equals
+    `tok.encode(text)` (plus the trailing EOS, for a post-processor that appends one).
     """
     tf.io.gfile.makedirs(folder)
     specials = {"eos_token": tok.eos_token}
