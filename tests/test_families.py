@@ -178,3 +178,21 @@ def test_llama_run_exports_a_savedmodel_whose_logits_and_greedy_ids_match(tmp_pa
                                         top_k=tf.constant(0), top_p=tf.constant(1.0), seed=tf.constant(0, tf.int64))
     sampler = Sampler(model, tokenizer.eos_id, tokenizer.vocab_size)
     assert ids["ids"].numpy()[0].tolist() == sampler.generate(tokens.numpy()[0].tolist(), 20, 0.0)
+
+
+def test_families_benchmark_prints_both_tables(monkeypatch, capsys):
+    """`tpu-llm bench families` (training stubbed: its runs are the shakespeare_char benchmark's)."""
+    from tpu_llm import bench, cli
+
+    runs = []
+
+    def fake_run(name, prefix, config, steps, flags):
+        runs.append((name, load_config(bench.config_path(config), {}).model.family, steps))
+        return {"params": 800_000, "val_loss": 1.5, "tokens_per_sec": 10_000.0, "mfu": 0.01}
+
+    monkeypatch.setattr(bench, "_run_case", fake_run)
+    assert cli.main(["bench", "families", "--steps", "7"]) == 0
+    assert runs == [("gpt2", "gpt2", 7), ("llama", "llama", 7)]
+    out = capsys.readouterr().out
+    assert "| llama   | configs/shakespeare_char_llama.yaml" in out and "1,235,814,400 parameters" in out
+    assert "| v5p-16 " in out and "| v6e-8 " in out
