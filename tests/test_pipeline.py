@@ -111,6 +111,11 @@ def test_pipelined_loss_and_gradients_equal_the_plain_model(stages, microbatches
     graph_devices = {op.device.split("device:")[-1] for op in fn.get_concrete_function().graph.get_operations()
                      if op.device}
     assert {f"CPU:{i}" for i in range(stages)} <= graph_devices  # every stage ran on its own device
+    if family == "llama":  # and remat (gpt2's: the test below)
+        r_loss, r_grads, _ = loss_and_grads(model, remat=True)
+        np.testing.assert_allclose(float(r_loss), float(loss), rtol=1e-5)
+        for g, rg in zip(grads, r_grads):
+            np.testing.assert_allclose(rg.numpy(), g.numpy(), atol=1e-5)
 
 
 def test_remat_and_the_xla_compiled_pipeline_give_the_same_gradients():
