@@ -213,6 +213,20 @@ MUTATIONS = [
     M("planner-logits-workspace-dropped", "tpu_llm/plan.py",
       "        work += 3 * 4 * vocab * tokens_micro  # logits", "        work += 0  # logits",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
+    # ---- model families (issue 18) ----------------------------------------------------------------
+    M("rope-interleaved-pairs", "tpu_llm/model.py",  # GPT-J's layout: HF Llama q/k weights would be permuted
+      "x1, x2 = x[..., :hd // 2], x[..., hd // 2:]", "x1, x2 = x[..., 0::2], x[..., 1::2]",
+      "tests/test_families.py -k test_llama_logits_match_a_numpy_reference_of_hf_llama"),
+    M("rope-ignores-the-position-offset", "tpu_llm/model.py",
+      "angles = tf.cast(pos + tf.range(T), tf.float32)", "angles = tf.cast(tf.range(T), tf.float32)",
+      "tests/test_model.py -k 'test_kv_cache_decoding_matches_the_full_forward_pass and llama'"),
+    M("gqa-query-head-reads-kv-head-h-mod-hkv", "tpu_llm/model.py",
+      "q = tf.reshape(q, [B, Hkv, H // Hkv, T, hd])",
+      "q = tf.transpose(tf.reshape(q, [B, H // Hkv, Hkv, T, hd]), [0, 2, 1, 3, 4])",
+      "tests/test_families.py -k test_llama_logits_match_a_numpy_reference_of_hf_llama"),
+    M("rmsnorm-epsilon-outside-the-root", "tpu_llm/model.py",
+      "keepdims=True) + self.eps)", "keepdims=True)) + self.eps",
+      "tests/test_families.py::test_rmsnorm_keeps_its_epsilon_inside_the_root_for_small_inputs"),
     # ---- issue 18: Hugging Face tokenizers (data.tokenizer=hf) -------------------------------------
     M("hf-shards-without-bos", "tpu_llm/hf_tokenizer.py",
       "self._encode_batch(batch)]", "self._encode_batch(batch, add_special_tokens=False)]",

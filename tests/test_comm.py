@@ -164,12 +164,17 @@ class ReducedSGD(keras.optimizers.SGD):
         return list(grads_and_vars)
 
 
-def small_trainer(sync_every, sgd, outer="sgd"):
+LLAMA = load_config(None, {"model.family": "llama", "model.bias": False, "model.n_kv_head": 1, "model.mlp_hidden": 32,
+                           "data.seq_len": 16,
+                           **{f"model.{k}": getattr(MODEL.model, k) for k in ("n_layer", "n_head", "n_embd", "max_len")}})
+
+
+def small_trainer(sync_every, sgd, outer="sgd", model_cfg=MODEL.model):
     dist = mirrored(2)
     local = sync_every > 0
     keras.utils.set_random_seed(0)
     with dist.strategy.scope(), comm.variable_scope(local):
-        model = GPT(MODEL.model, 32).build_weights()
+        model = GPT(model_cfg, 32).build_weights()
         optimizer = ReducedSGD(0.5) if sgd else make_optimizer(MODEL.train, model)
         optimizer.build(model.trainable_variables)
         c = None
@@ -184,8 +189,10 @@ def small_trainer(sync_every, sgd, outer="sgd"):
     return trainer, iter(dist.distribute_dataset(lambda ctx: data))
 
 
-def test_local_sgd_with_one_local_step_equals_synchronous_data_parallel():
-    (sync, sync_data), (local, local_data) = small_trainer(0, sgd=True), small_trainer(1, sgd=True)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])  # the comm layer sees variables, whatever the family
+def test_local_sgd_with_one_local_step_equals_synchronous_data_parallel(family):
+    cfg = LLAMA.model if family == "llama" else MODEL.model
+    (sync, sync_data), (local, local_data) = (small_trainer(k, sgd=True, model_cfg=cfg) for k in (0, 1))
     for a, b in zip(sync.model.get_weights(), local.model.get_weights()):
         np.testing.assert_array_equal(a, b)
     losses = [t.run(data, 3, 3)["loss"] for t, data in ((sync, sync_data), (local, local_data))]

@@ -81,6 +81,17 @@ def test_llama_logits_match_a_numpy_reference_of_hf_llama(n_kv_head):
     assert not any("wpe" in n or "bias" in n for n in names)
 
 
+def test_rmsnorm_keeps_its_epsilon_inside_the_root_for_small_inputs():
+    from tpu_llm.model import RMSNorm
+
+    x = 1e-3 * np.random.default_rng(0).normal(size=(2, 3, 8)).astype(np.float32)  # mean(x^2) ~ eps
+    norm = RMSNorm(1e-6)
+    got = norm(tf.constant(x)).numpy()
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert [v.path for v in norm.weights] == ["rms_norm/scale"]
+
+
 def test_llama_size_and_cost_agree_with_the_planner_and_the_partition():
     model = llama()
     C, L, F, kv = 32, 2, 48, 2 * 8
@@ -138,3 +149,50 @@ def test_llama_1b_plans_on_v5p_16_and_v6e_8():
 def test_family_settings_that_cannot_work_are_one_line_errors(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(None, overrides)
+
+
+def test_llama_run_exports_a_savedmodel_whose_logits_and_greedy_ids_match(tmp_path):
+    """`export` for llama (tests/test_export.py does the gpt2 run in full): the SavedModel's logits and
+    its generate loop, which runs past max_len so the KV cache (Hkv heads) is refilled, match the model."""
+    from conftest import tiny_config
+    from tpu_llm.checkpoint import Checkpointer, open_run_dir
+    from tpu_llm.export import export
+    from tpu_llm.generate import Sampler, load_for_generation
+    from tpu_llm.tokenizer import ByteTokenizer
+
+    cfg = tiny_config(tmp_path, **{f"model.{k}": v for k, v in LLAMA.items()}, **{"data.seq_len": 8})
+    cfg.model.vocab_size = ByteTokenizer().vocab_size
+    open_run_dir(cfg, ByteTokenizer())
+    keras.utils.set_random_seed(0)
+    trained = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+    rng = np.random.default_rng(0)
+    trained.set_weights([w + rng.normal(0, 0.3, w.shape).astype(w.dtype) for w in trained.get_weights()])
+    Checkpointer(cfg.run_dir, keep=3, model=trained).save(1)
+    export(cfg.run_dir)
+    model, tokenizer, _ = load_for_generation(cfg.run_dir)
+    loaded = tf.saved_model.load(f"{cfg.run_dir}/export")
+    tokens = tf.constant([[72, 101, 108, 108, 111, 32, 119]], tf.int32)
+    got = loaded.signatures["logits"](tokens=tokens)["logits"].numpy()
+    np.testing.assert_allclose(got, model(tokens).numpy()[..., :tokenizer.vocab_size], atol=1e-5)
+    ids = loaded.signatures["generate"](tokens=tokens, max_new_tokens=tf.constant(20), temperature=tf.constant(0.0),
+                                        top_k=tf.constant(0), top_p=tf.constant(1.0), seed=tf.constant(0, tf.int64))
+    sampler = Sampler(model, tokenizer.eos_id, tokenizer.vocab_size)
+    assert ids["ids"].numpy()[0].tolist() == sampler.generate(tokens.numpy()[0].tolist(), 20, 0.0)
+
+
+def test_families_benchmark_prints_both_tables(monkeypatch, capsys):
+    """`tpu-llm bench families` (training stubbed: its runs are the shakespeare_char benchmark's)."""
+    from tpu_llm import bench, cli
+
+    runs = []
+
+    def fake_run(name, prefix, config, steps, flags):
+        runs.append((name, load_config(bench.config_path(config), {}).model.family, steps))
+        return {"params": 800_000, "val_loss": 1.5, "tokens_per_sec": 10_000.0, "mfu": 0.01}
+
+    monkeypatch.setattr(bench, "_run_case", fake_run)
+    assert cli.main(["bench", "families", "--steps", "7"]) == 0
+    assert runs == [("gpt2", "gpt2", 7), ("llama", "llama", 7)]
+    out = capsys.readouterr().out
+    assert "| llama   | configs/shakespeare_char_llama.yaml" in out and "1,235,814,400 parameters" in out
+    assert "| v5p-16 " in out and "| v6e-8 " in out

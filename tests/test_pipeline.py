@@ -27,6 +27,10 @@ def train_losses(run_dir):
     return [m["loss"] for m in map(json.loads, open(run_dir / "metrics.jsonl")) if m["split"] == "train"]
 
 
+# the llama family, multi-query (1 kv head for 2 query heads), with an untied head that the last stage holds
+LLAMA = {"family": "llama", "bias": False, "n_kv_head": 1, "mlp_hidden": 64, "tie_embeddings": False}
+
+
 def tiny_model(n_layer=4, **model):
     """A seeded GPT of width 32 over a 64-id vocabulary; `model` overrides other model.* keys."""
     cfg = load_config(None, {"model.n_layer": n_layer, "model.n_head": 2, "model.n_embd": 32, "model.max_len": 16,
@@ -94,9 +98,11 @@ def test_gpipe_bubble_formula():
 # ---- equivalence ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stages, microbatches", [(2, 1), (2, 4), (2, 8), (4, 1), (4, 4), (4, 8)])
-def test_pipelined_loss_and_gradients_equal_the_plain_model(stages, microbatches):
-    model = tiny_model()
+@pytest.mark.parametrize("stages, microbatches, family", [(2, 1, "gpt2"), (2, 4, "gpt2"), (2, 8, "gpt2"),
+                                                           (4, 1, "gpt2"), (4, 4, "gpt2"), (4, 8, "gpt2"),
+                                                           (4, 2, "llama")])  # llama on 2 stages: test_tensor
+def test_pipelined_loss_and_gradients_equal_the_plain_model(stages, microbatches, family):
+    model = tiny_model(**(LLAMA if family == "llama" else {}))
     loss, grads, _ = loss_and_grads(model)
     p_loss, p_grads, fn = loss_and_grads(model, stages, microbatches, CPUS[:stages])
     np.testing.assert_allclose(float(p_loss), float(loss), rtol=1e-5)
@@ -105,6 +111,11 @@ def test_pipelined_loss_and_gradients_equal_the_plain_model(stages, microbatches
     graph_devices = {op.device.split("device:")[-1] for op in fn.get_concrete_function().graph.get_operations()
                      if op.device}
     assert {f"CPU:{i}" for i in range(stages)} <= graph_devices  # every stage ran on its own device
+    if family == "llama":  # and remat (gpt2's: the test below)
+        r_loss, r_grads, _ = loss_and_grads(model, remat=True)
+        np.testing.assert_allclose(float(r_loss), float(loss), rtol=1e-5)
+        for g, rg in zip(grads, r_grads):
+            np.testing.assert_allclose(rg.numpy(), g.numpy(), atol=1e-5)
 
 
 def test_remat_and_the_xla_compiled_pipeline_give_the_same_gradients():

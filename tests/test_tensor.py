@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 from conftest import tiny_config
-from test_pipeline import CPUS, loss_and_grads, quiet, tiny_model, tpu_cores, train_losses
+from test_pipeline import CPUS, LLAMA, loss_and_grads, quiet, tiny_model, tpu_cores, train_losses
 
 from tpu_llm import tensor
 from tpu_llm.config import load_config
@@ -17,9 +17,13 @@ def assert_same(a, b):
         np.testing.assert_allclose(other.numpy(), g.numpy(), atol=1e-5)
 
 
-@pytest.mark.parametrize("stages, ways, microbatches", [(1, 4, 2), (2, 2, 2)])
-def test_split_blocks_give_the_plain_models_loss_and_gradients(stages, ways, microbatches):
-    model = tiny_model() if ways < 4 else tiny_model(2, n_head=4)
+@pytest.mark.parametrize("stages, ways, microbatches, family", [(1, 4, 2, "gpt2"), (2, 2, 2, "gpt2"),
+                                                                 (2, 2, 2, "llama")])
+def test_split_blocks_give_the_plain_models_loss_and_gradients(stages, ways, microbatches, family):
+    if family == "llama":  # 4 query heads over 2 kv heads: each group takes one kv head and its 2 query heads
+        model = tiny_model(**{**LLAMA, "n_head": 4, "n_kv_head": 2})
+    else:
+        model = tiny_model() if ways < 4 else tiny_model(2, n_head=4)
     plain = loss_and_grads(model)
     split = loss_and_grads(model, stages, microbatches, CPUS[:stages * ways], ways=ways)
     assert_same(plain, split)
@@ -55,6 +59,12 @@ def test_split_shapes_divide_every_kernel():
         assert shapes["attn/proj"][0] * ways == 768
     with pytest.raises(UserError, match=r"parallel.tensor=5 must divide model.n_head=12 .*valid values: 1, 2, 3, 4, 6, 12"):
         load_config("configs/gpt2_125m.yaml", {"parallel.tensor": 5})
+    llama = load_config("configs/llama_1b.yaml").model  # 32 query heads over 8 kv heads, hidden 8192
+    assert tensor.split_shapes(llama, 8) == {
+        "attn/q": (2048, 4 * 64), "attn/k": (2048, 64), "attn/v": (2048, 64), "attn/proj": (4 * 64, 2048),
+        "mlp/gate": (2048, 1024), "mlp/up": (2048, 1024), "mlp/down": (1024, 2048)}
+    with pytest.raises(UserError, match=r"parallel.tensor=16 must divide model.n_kv_head=8 .*valid values: 1, 2, 4, 8$"):
+        load_config("configs/llama_1b.yaml", {"parallel.tensor": 16})
 
 
 def test_training_with_tensor_and_data_parallelism_matches_one_device(tmp_path):

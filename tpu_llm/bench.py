@@ -16,6 +16,11 @@ steps/s, losses after N steps, and for the parameter server the staleness it obs
 comm: gradient compression (bf16, PowerSGD, top-k) and local SGD / DiLoCo on the same config and steps,
 next to synchronous and parameter-server training: losses, bytes sent per step, tokens/s
 (docs/communication.md).
+
+families: gpt2 against llama at matched parameter count on Shakespeare (char), configs/shakespeare_char.yaml
+and configs/shakespeare_char_llama.yaml (same data, batch, schedule and steps): validation loss,
+tokens/s and MFU on this machine; then `tpu-llm plan` of configs/llama_1b.yaml on v5p-16 and v6e-8
+(docs/model-families.md).
 """
 
 from __future__ import annotations
@@ -220,3 +225,34 @@ def comm(steps: int = 100, config: str = "configs/tiny.yaml", only: str = "") ->
         print(f"| {r['case']:<42} | {r['train_loss']:>10.4f} | {r['val_loss']:>8.4f} | {r['bytes']:>10,.0f} "
               f"| {r['ratio']:>6.1f}x | {r['tokens_per_sec']:>9,.0f} |")
     return rows
+
+
+FAMILY_CONFIGS = (("gpt2", "configs/shakespeare_char.yaml"), ("llama", "configs/shakespeare_char_llama.yaml"))
+PLAN_CONFIG, PLAN_ACCELERATORS = "configs/llama_1b.yaml", ("v5p-16", "v6e-8")
+
+
+def families(steps: int = 2000, configs=FAMILY_CONFIGS, plan_config: str = PLAN_CONFIG,
+             accelerators=PLAN_ACCELERATORS) -> dict:
+    """gpt2 vs llama on the same data and budget (fresh processes), then the planner on a 1B llama."""
+    from tpu_llm import plan
+
+    rows = [_run_case(name, [], config, steps, []) for name, config in configs]
+    print(f"\nmodel families on Shakespeare (char), {steps} steps each (tokens/s excludes the first, compiling, loop)")
+    print(f"| {'family':<7} | {'config':<38} | {'params':>9} | {'val loss':>8} | {'tokens/s':>9} | {'MFU':>6} |")
+    print(f"|{'-' * 9}|{'-' * 40}|{'-' * 11}|{'-' * 10}|{'-' * 11}|{'-' * 8}|")
+    for (name, config), r in zip(configs, rows):
+        print(f"| {name:<7} | {config:<38} | {r['params']:>9,} | {r['val_loss']:>8.4f} | {r['tokens_per_sec']:>9,.0f} "
+              f"| {100 * r['mfu']:>5.2f}% |")
+    cfg = load_config(config_path(plan_config), {})
+    plans = [plan.plan(cfg, name, check=False) for name in accelerators]
+    print(f"\n`tpu-llm plan --config {plan_config}` ({plan._params(cfg, plans[0].vocab):,} parameters; "
+          f"{cfg.parallel.pipeline_stages} stages x {cfg.parallel.microbatches} micro-batches, remat "
+          f"{'on' if cfg.parallel.remat else 'off'}, batch {cfg.train.batch_size} x {cfg.data.seq_len}; MFU {plans[0].mfu:.0%} "
+          "of peak while busy assumed)")
+    print(f"| {'accelerator':<11} | {'memory per chip':>15} | {'HBM':>7} | {'step':>9} | {'tokens/s':>9} |")
+    print(f"|{'-' * 13}|{'-' * 17}|{'-' * 9}|{'-' * 11}|{'-' * 11}|")
+    for p in plans:
+        need = p.memory_needed()
+        print(f"| {p.acc.name:<11} | {plan._size(need):>15} | {100 * need / p.acc.memory_bytes:>6.0f}% | "
+              f"{plan._seconds(p.step_seconds):>9} | {p.tokens_per_step / p.step_seconds:>9,.0f} |")
+    return {"runs": rows, "plans": plans}

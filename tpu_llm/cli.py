@@ -275,14 +275,15 @@ def config_(config: str = "", overrides: dict | None = None, reference: bool = F
         print(cfg.to_yaml(), end="")
 
 
-BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm")
+BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "families")
 
 
 @command("bench", "benchmarks: tokens/s, MFU and losses (docs/benchmarks.md)",
          "tpu-llm bench strategies --steps 100", config=True, positional="suite", details="""
 Suites: shakespeare_char (nanoGPT's CPU reference run), strategies (every strategy on
 configs/tiny.yaml), modes (eager / graph / xla, float32 / bfloat16), pipeline (GPipe P x M, measured
-vs simulated), comm (gradient compression and local SGD).""",
+vs simulated), comm (gradient compression and local SGD), families (gpt2 vs llama on Shakespeare at
+matched size, and the planner on a 1B llama).""",
          suite="which benchmark: " + ", ".join(BENCH_SUITES), data="shakespeare_char: the tinyshakespeare text",
          steps="steps per run (0 = the suite's default)", run_dir="shakespeare_char: keep the run here "
          "(default: a temporary directory)", only="strategies, comm: run only the rows whose name contains this")
@@ -306,6 +307,11 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
         bench.pipeline_stages(steps=steps or 60, config=config or "configs/tiny.yaml")
     elif suite == "comm":  # compression and local SGD against sync and async data parallel
         bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)
+    elif suite == "families":  # gpt2 vs llama; its configs are fixed (bench.FAMILY_CONFIGS)
+        if config:
+            raise UserError("bench families runs configs/shakespeare_char.yaml and configs/shakespeare_char_llama.yaml;"
+                            " drop --config")
+        bench.families(steps=steps or 2000)
     else:
         bench.shakespeare_char(data=data, steps=steps or 2000, config=config or "configs/shakespeare_char.yaml",
                                run_dir=run_dir, overrides=overrides)

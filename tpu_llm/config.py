@@ -32,7 +32,6 @@ FAMILIES = ("gpt2", "llama")
 
 @dataclasses.dataclass
 class ModelConfig:
-    family: str = "gpt2"  # gpt2 (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, GQA); docs/model-families.md
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads per block
     n_embd: int = 128  # model width
@@ -40,6 +39,7 @@ class ModelConfig:
     dropout: float = 0.0  # on attention probabilities and residual branches
     bias: bool = True  # biases in Dense and LayerNorm layers (gpt2 only: llama has none, set false)
     vocab_size: int = 0  # 0: the tokenizer's size; larger pads the table (e.g. to a multiple of 128)
+    family: str = "gpt2"  # gpt2 (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, GQA); docs/model-families.md
     n_kv_head: int = 0  # llama: key/value heads (grouped-query attention), dividing n_head; 0 = n_head, 1 = multi-query
     mlp_hidden: int = 0  # MLP hidden units; 0 = the family's: gpt2 4 x n_embd, llama 8/3 x n_embd rounded up to a multiple of 256
     rope_theta: float = 10000.0  # llama: rotary embedding base (Llama 3 uses 500000)

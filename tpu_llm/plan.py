@@ -28,6 +28,8 @@ Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in 
                Models") count C (34 + 5 H T / C) bytes in 16 bits: the same tensors with dropout,
                except that XLA keeps the GELU's tanh rather than recomputing it (a third 4C tensor,
                read in XLA:CPU's buffer assignment) and that our softmax is float32.
+               llama blocks (docs/model-families.md) keep q, the rotated k and v (n_kv_head heads
+               wide) and the SwiGLU's gate, up and product (model.mlp_hidden wide) in their place.
                remat (a recomputed block keeps only its input): n_s C a per token.
                First stage: the embedding output C a. Last stage: the final norm's input C a, the
                head's float32 input 4C, and the loss's softmax 4V per token (logits are float32).
@@ -38,7 +40,8 @@ Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in 
   Not modelled: XLA's padding to TPU tiles, HBM the runtime reserves, collective and transfer
   buffers, fragmentation. Treat more than ~90% of HBM as not fitting.
 
-Time. Model FLOPs per token are 6N + 12 L C T (model.flops_per_token: N without positions); a step
+Time. Model FLOPs per token are 6N + 12 L C T (model.flops_per_token: N without positions and an
+untied head's input table, lookups rather than matmuls); a step
 is B T tokens. remat executes one more forward of the blocks (x4/3 of their FLOPs). A stage's forward
 on one micro-batch takes its FLOPs (pipeline.partition, / 3 for the forward) over t x peak x `mfu`,
 the fraction of peak a chip sustains while busy (an assumption: 0.4 by default); the backward takes 2x
