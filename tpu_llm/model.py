@@ -44,6 +44,7 @@ from tpu_llm.config import ModelConfig
 def _normal(std: float) -> keras.initializers.Initializer:
     return keras.initializers.RandomNormal(mean=0.0, stddev=std)
 
+
 def _dense(units: int, cfg: ModelConfig, name: str, residual: bool = False) -> keras.layers.Dense:
     # GPT-2 init (both families): std 0.02, residual projections scaled by 1/sqrt(2 * n_layer)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
