@@ -27,6 +27,7 @@ EXECUTIONS = ("xla", "graph", "eager")
 SCHEDULES = ("gpipe",)
 COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
+ATTENTIONS = ("dense", "blockwise")
 
 
 @dataclasses.dataclass
@@ -38,6 +39,8 @@ class ModelConfig:
     dropout: float = 0.0  # on attention probabilities and residual branches
     bias: bool = True  # biases in Dense and LayerNorm layers
     vocab_size: int = 0  # 0: the tokenizer's size; larger pads the table (e.g. to a multiple of 128)
+    attention: str = "dense"  # dense (T x T scores) | blockwise (online softmax over key blocks: memory T x block; docs/memory.md)
+    attention_block: int = 128  # blockwise: queries and keys per block
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class TrainConfig:
     seed: int = 1337  # initial weights, data order and dropout
     max_bad_steps: int = 10  # steps with a non-finite loss/gradient skipped (not applied) before the run stops
     on_bad_step: str = "skip"  # skip (go on) | rollback (to the newest checkpoint, past the bad batches)
+    loss_chunk: int = 0  # tokens per chunk of the output head and loss (no full B x T x vocab logits); 0 = off (docs/memory.md)
 
 
 @dataclasses.dataclass
@@ -318,6 +322,11 @@ def validate(cfg: Config) -> None:
            f"valid n_head values: {', '.join(str(h) for h in _divisors(m.n_embd) if h <= 64)}")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (0 = the tokenizer's)")
+    _check(m.attention in ATTENTIONS, f"model.attention={m.attention!r}; valid choices: {', '.join(ATTENTIONS)}")
+    _check(m.attention_block >= 1, f"model.attention_block={m.attention_block} must be >= 1")
+    _check(m.attention == "dense" or m.dropout == 0, f"model.attention=blockwise has no attention dropout; set "
+           f"model.dropout=0 (now {m.dropout}) or model.attention=dense")
+    _check(t.loss_chunk >= 0, f"train.loss_chunk={t.loss_chunk} must be >= 0 (0 = off)")
     _check(d.tokenizer in TOKENIZERS,
            f"data.tokenizer={d.tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
     _check(d.format in DATA_FORMATS,

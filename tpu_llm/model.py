@@ -20,6 +20,7 @@ import math
 import keras
 import tensorflow as tf
 
+from tpu_llm import attention
 from tpu_llm.config import ModelConfig
 
 
@@ -38,6 +39,7 @@ class CausalSelfAttention(keras.layers.Layer):
                                        kernel_initializer=_normal(0.02 / math.sqrt(2 * cfg.n_layer)))
         self.attn_drop = keras.layers.Dropout(cfg.dropout)
         self.resid_drop = keras.layers.Dropout(cfg.dropout)
+        self.attend = attention.for_config(cfg)  # model.attention: attend below, or blockwise (attention.py)
 
     def call(self, x, training=False, cache=None, pos=0):
         B, T = tf.shape(x)[0], tf.shape(x)[1]
@@ -46,7 +48,7 @@ class CausalSelfAttention(keras.layers.Layer):
         if cache is not None:
             k, v = _cache_write(cache[0], k, pos), _cache_write(cache[1], v, pos)  # (B, H, L, hd)
             cache = (k, v)
-        y = attend(q, k, v, pos, self.attn_drop, training)  # (B, T, C)
+        y = self.attend(q, k, v, pos, self.attn_drop, training)  # (B, T, C)
         return self.resid_drop(self.proj(y), training=training), cache
 
 
@@ -128,10 +130,14 @@ class GPT(keras.Model):
         x = self.wte(idx) + self.wpe(pos + tf.range(T))[None]  # (B, T, C)
         return self.drop(x, training=training)
 
+    def head_weights(self):
+        """The output matrix (V, C) the head multiplies by: the tied token embedding table."""
+        return self.wte.embeddings
+
     def head(self, x):
         x = self.ln_f(x)
         # tied output head; logits in float32 even under mixed precision
-        return tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.wte.embeddings, tf.float32))
+        return tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.head_weights(), tf.float32))
 
     def call(self, idx, training=False):
         x = self.embed(idx, training=training)
