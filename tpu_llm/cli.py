@@ -258,6 +258,8 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
     elif suite == "pipeline":
         bench.pipeline_stages(steps=steps or 60, config=config or "configs/tiny.yaml")
     elif suite == "memory":  # chunked loss and blockwise attention (docs/memory.md)
+        if only not in ("", "xla", "speed", "context"):
+            raise UserError(f"--only={only!r}: bench memory runs xla, speed or context (or all three without --only)")
         bench.memory(steps=steps or 60, only=only)
     elif suite == "comm":  # compression and local SGD against sync and async data parallel
         bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)

@@ -39,7 +39,7 @@ class ModelConfig:
     dropout: float = 0.0  # on attention probabilities and residual branches
     bias: bool = True  # biases in Dense and LayerNorm layers
     vocab_size: int = 0  # 0: the tokenizer's size; larger pads the table (e.g. to a multiple of 128)
-    attention: str = "dense"  # dense (T x T scores) | blockwise (online softmax over key blocks: memory T x block; docs/memory.md)
+    attention: str = "dense"  # dense (T x T scores) | blockwise (online softmax over key blocks, T x block; docs/memory.md)
     attention_block: int = 128  # blockwise: queries and keys per block
 
 
@@ -75,7 +75,7 @@ class TrainConfig:
     seed: int = 1337  # initial weights, data order and dropout
     max_bad_steps: int = 10  # steps with a non-finite loss/gradient skipped (not applied) before the run stops
     on_bad_step: str = "skip"  # skip (go on) | rollback (to the newest checkpoint, past the bad batches)
-    loss_chunk: int = 0  # tokens per chunk of the output head and loss (no full B x T x vocab logits); 0 = off (docs/memory.md)
+    loss_chunk: int = 0  # tokens per chunk of the head and loss (no B x T x vocab logits); 0 = off (docs/memory.md)
 
 
 @dataclasses.dataclass
