@@ -295,25 +295,55 @@ def memory_table(only: str = "") -> list[dict]:
     return rows
 
 
-def memory_speed(steps: int = 60, rounds: int = 3) -> list[dict]:
-    """(b) tokens/s with each option on and off, shakespeare_char and tiny, runs interleaved (the ratios
-    to the baseline of the same round are what a loaded machine still measures)."""
-    cases = [("baseline", []), (f"loss_chunk={LOSS_CHUNK}", [f"--train.loss_chunk={LOSS_CHUNK}"]),
-             ("blockwise", ["--model.attention=blockwise"]),
-             ("both", [f"--train.loss_chunk={LOSS_CHUNK}", "--model.attention=blockwise"])]
-    # several host calls, so that the compiling first one is left out of tokens/s; one evaluation batch
-    timing = [f"--train.steps_per_loop={max(1, steps // 3)}", "--train.eval_steps=1"]
+def memory_speed(steps: int = 60, rounds: int = 5) -> list[dict]:
+    """(b) training-step tokens/s with each option on and off, for shakespeare_char and tiny.
+
+    One process per config compiles the XLA micro-step (the pipeline's loss and gradients, as
+    train.py runs it) for the four cases, then times them interleaved: `rounds` rounds of `steps`
+    steps per case, each case's ratio to the baseline taken within a round (median over rounds), so
+    that a machine shared with other jobs slows every case alike."""
+    import tensorflow as tf
+
+    from tpu_llm import pipeline
+    from tpu_llm.distribute import Placement
+    from tpu_llm.model import GPT
+
+    cases = [("baseline", {}), (f"loss_chunk={LOSS_CHUNK}", {"train.loss_chunk": LOSS_CHUNK}),
+             ("blockwise", {"model.attention": "blockwise"}),
+             ("both", {"train.loss_chunk": LOSS_CHUNK, "model.attention": "blockwise"})]
     rows = []
     for config in ("configs/shakespeare_char.yaml", "configs/tiny.yaml"):
-        runs = {name: [] for name, _ in cases}
+        fns = {}
+        for name, over in cases:
+            cfg = load_config(config_path(config), {**over, "model.vocab_size": 257 if "tiny" in config else 65})
+            model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+            stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, 1)
+            pipe = pipeline.Pipeline(model, stages, Placement(), 1, cfg.parallel.remat, cfg.train.loss_chunk)
+
+            def micro(x, y, pipe=pipe, model=model):
+                with tf.GradientTape() as tape:
+                    loss = pipe.loss(x, y, training=True)
+                return loss, tape.gradient(loss, model.trainable_variables)
+
+            x = tf.random.stateless_uniform([cfg.train.batch_size, cfg.data.seq_len], [1, 2], 0, 64, tf.int32)
+            fns[name] = (tf.function(micro, jit_compile=True), x, cfg.train.batch_size * cfg.data.seq_len)
+            fns[name][0](x, x)  # compile
+        seconds = {name: [] for name, _ in cases}
         for _ in range(rounds):
-            for name, flags in cases:
-                runs[name].append(_run_case(f"{config} {name}", [], config, steps, [*flags, *timing])["tokens_per_sec"])
+            for name, _ in cases:
+                fn, x, _ = fns[name]
+                start = time.perf_counter()
+                for _ in range(steps):
+                    out = fn(x, x)
+                float(out[0])
+                seconds[name].append(time.perf_counter() - start)
         for name, _ in cases:
-            ratios = [r / b for r, b in zip(runs[name], runs["baseline"])]
-            rows.append({"config": config, "case": name, "tokens_per_sec": sorted(runs[name])[rounds // 2],
-                         "ratio": sorted(ratios)[rounds // 2]})
-    print(f"\n(b) tokens/s on this machine, {steps} steps per run, {rounds} interleaved rounds (medians)")
+            ratios = sorted(b / t for t, b in zip(seconds[name], seconds["baseline"]))
+            tokens = fns[name][2] * steps / sorted(seconds[name])[rounds // 2]
+            rows.append({"config": config, "case": name, "tokens_per_sec": tokens, "ratio": ratios[rounds // 2]})
+            print(f"bench     {config} {name}: {tokens:,.0f} tokens/s, {ratios[rounds // 2]:.3f} x baseline", flush=True)
+    print(f"\n(b) training-step (loss and gradients) tokens/s on this machine, {rounds} interleaved rounds of "
+          f"{steps} steps (medians)")
     print("| config | option | tokens/s | vs baseline |")
     print("|---|---|---|---|")
     for r in rows:
