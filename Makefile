@@ -55,13 +55,14 @@ faults: $(STAMP)  ## fault injection into tiny real runs (signals, kills, torn f
 mutants: $(STAMP)  ## curated mutations of the core, each against the tests that must catch it (docs/development.md); not part of `make test`
 	$(BIN)/python scripts/mutants.py
 
-bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, families
+bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, families, memory
 	$(BIN)/tpu-llm bench
 	$(BIN)/tpu-llm bench strategies
 	$(BIN)/tpu-llm bench modes
 	$(BIN)/tpu-llm bench pipeline
 	$(BIN)/tpu-llm bench comm
 	$(BIN)/tpu-llm bench families
+	$(BIN)/tpu-llm bench memory
 
 clean:  ## remove the virtual environments (runs/ is kept)
 	rm -rf $(VENV)

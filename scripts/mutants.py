@@ -211,7 +211,20 @@ MUTATIONS = [
       "return Memory(4 * params, 8 * params, grads,", "return Memory(4 * params, 4 * params, grads,",
       "tests/test_plan.py::test_parameters_and_optimizer_bytes_are_exact"),
     M("planner-logits-workspace-dropped", "tpu_llm/plan.py",
-      "        work += 3 * 4 * vocab * tokens_micro  # logits", "        work += 0  # logits",
+      "    return 4 * vocab, 3 * 4 * vocab * tokens_micro  # logits", "    return 4 * vocab, 0 * tokens_micro  # logits",
+      "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
+    # ---- issue 19: chunked loss, blockwise attention, the planner's memory terms ----------------------
+    M("online-softmax-rescale-dropped", "tpu_llm/attention.py",
+      "acc * rescale[..., None] + pv", "acc + pv",
+      "tests/test_memory.py::test_blockwise_attention_equals_dense_with_fewer_kv_heads_and_while_decoding"),
+    M("blockwise-skips-a-visible-key-block", "tpu_llm/attention.py",
+      "(pos + (i + 1) * bq - 1) // bk + 1)", "(pos + (i + 1) * bq - 1) // bk)",
+      "tests/test_memory.py::test_blockwise_attention_equals_dense_with_fewer_kv_heads_and_while_decoding"),
+    M("loss-chunk-counts-a-padding-row", "tpu_llm/loss.py",
+      "tf.range(k * chunk) < n", "tf.range(k * chunk) <= n",
+      "tests/test_memory.py::test_chunked_loss_equals_the_dense_loss_and_gradients"),
+    M("planner-attention-backward-phase-dropped", "tpu_llm/plan.py",
+      "work += max(head_phase, block_phase, 0.0)", "work += head_phase",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
     # ---- model families (issue 18) ----------------------------------------------------------------
     M("rope-interleaved-pairs", "tpu_llm/model.py",  # GPT-J's layout: HF Llama q/k weights would be permuted

@@ -138,13 +138,13 @@ print(json.dumps(results))
 
 # conftest's tiny config (2 layers, width 32, batch 4 x 16); measured the same way while writing this,
 # tiny_config(train.batch_size=16, data.seq_len=32) was within 1% and configs/tiny.yaml within 1%
-# "attention": where the (B, H, T, T) scores are about half of the estimate (at GPT-2 scale, about
-# 70% of the activations), so that an estimate without them is far off. Measured when written:
-# 9,117,696 vs 10,200,064 bytes (-11%). XLA:CPU's peak moves with the shapes: 1 layer, 8 heads,
-# batch 1 x 256 measured -41% (7 of the 8 other C-wide terms are tiny there), 8 heads x 128 -16%.
-XLA_CONFIGS = {"tiny": {}, "attention": {"model.n_layer": 2, "model.n_head": 4, "model.max_len": 256,
-                                         "data.seq_len": 256, "train.batch_size": 2}}
-XLA_TOLERANCE = {"tiny": 0.2, "attention": 0.15}
+# "attention": where the (B, H, T, T) scores are nearly all of it (1 layer, 8 heads, batch 1 x 256):
+# the peak is one block's attention backward (its probabilities and their two gradients), which the
+# planner missed by 41% before it modelled that phase (issue 19). Measured when written: 6,586,368
+# planned vs 6,590,464 bytes of XLA temp (-0.1%).
+XLA_CONFIGS = {"tiny": {}, "attention": {"model.n_layer": 1, "model.n_head": 8, "model.max_len": 256,
+                                         "data.seq_len": 256, "train.batch_size": 1}}
+XLA_TOLERANCE = {"tiny": 0.2, "attention": 0.1}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -221,7 +221,7 @@ def test_refuses_a_batch_that_cannot_fit_naming_activations():
         key, value = setting.split("=")
         section, name = key.split(".")
         setattr(getattr(fixed, section), name, type(getattr(getattr(fixed, section), name))(
-            value == "true" if value in ("true", "false") else int(value)))
+            value == "true" if value in ("true", "false") else int(value) if value.isdigit() else value))
     assert plan.plan(fixed, "v5litepod-8").fits()
 
 

@@ -275,7 +275,7 @@ def config_(config: str = "", overrides: dict | None = None, reference: bool = F
         print(cfg.to_yaml(), end="")
 
 
-BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "families")
+BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "families", "memory")
 
 
 @command("bench", "benchmarks: tokens/s, MFU and losses (docs/benchmarks.md)",
@@ -283,10 +283,12 @@ BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "
 Suites: shakespeare_char (nanoGPT's CPU reference run), strategies (every strategy on
 configs/tiny.yaml), modes (eager / graph / xla, float32 / bfloat16), pipeline (GPipe P x M, measured
 vs simulated), comm (gradient compression and local SGD), families (gpt2 vs llama on Shakespeare at
-matched size, and the planner on a 1B llama).""",
+matched size, and the planner on a 1B llama), memory (chunked loss and blockwise attention: XLA's peak
+memory vs the planner, speed, longest context; --only xla|speed|context).""",
          suite="which benchmark: " + ", ".join(BENCH_SUITES), data="shakespeare_char: the tinyshakespeare text",
          steps="steps per run (0 = the suite's default)", run_dir="shakespeare_char: keep the run here "
-         "(default: a temporary directory)", only="strategies, comm: run only the rows whose name contains this")
+         "(default: a temporary directory)", only="strategies, comm: run only the rows whose name contains this; "
+         "memory: xla, speed or context")
 def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, config: str = "", run_dir: str = "",
           only: str = "", overrides: dict | None = None):
     from tpu_llm import bench
@@ -305,6 +307,10 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
         bench.modes(steps=steps or 100, config=config or "configs/tiny.yaml")
     elif suite == "pipeline":
         bench.pipeline_stages(steps=steps or 60, config=config or "configs/tiny.yaml")
+    elif suite == "memory":  # chunked loss and blockwise attention (docs/memory.md)
+        if only not in ("", "xla", "speed", "context"):
+            raise UserError(f"--only={only!r}: bench memory runs xla, speed or context (or all three without --only)")
+        bench.memory(steps=steps or 60, only=only)
     elif suite == "comm":  # compression and local SGD against sync and async data parallel
         bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)
     elif suite == "families":  # gpt2 vs llama; its configs are fixed (bench.FAMILY_CONFIGS)

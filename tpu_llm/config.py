@@ -28,6 +28,7 @@ SCHEDULES = ("gpipe",)
 COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
 FAMILIES = ("gpt2", "llama")
+ATTENTIONS = ("dense", "blockwise")
 
 
 @dataclasses.dataclass
@@ -57,6 +58,8 @@ class ModelConfig:
         if self.family == "llama":  # Meta's rule (int(2/3 of 4C), up to a multiple of 256): 11008 for 4096
             return -(-int(8 * self.n_embd / 3) // 256) * 256
         return 4 * self.n_embd
+    attention: str = "dense"  # dense (T x T scores) | blockwise (online softmax over key blocks, T x block; docs/memory.md)
+    attention_block: int = 128  # blockwise: queries and keys per block
 
 
 @dataclasses.dataclass
@@ -94,6 +97,7 @@ class TrainConfig:
     # fine-tuning (docs/hugging-face.md): embeddings (gpt2: with its tied head), head (untied lm_head), blocks:A-B, blocks:N
     freeze: str = ""  # layers kept as they are, comma-separated, e.g. embeddings,blocks:0-7; "" = train all
     init_from: str = ""  # a run directory (e.g. from `tpu-llm import`) whose newest weights start a new run; "" = random init
+    loss_chunk: int = 0  # tokens per chunk of the head and loss (no B x T x vocab logits); 0 = off (docs/memory.md)
 
 
 @dataclasses.dataclass
@@ -348,6 +352,11 @@ def validate(cfg: Config) -> None:
     _validate_family(m)
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (0 = the tokenizer's)")
+    _check(m.attention in ATTENTIONS, f"model.attention={m.attention!r}; valid choices: {', '.join(ATTENTIONS)}")
+    _check(m.attention_block >= 1, f"model.attention_block={m.attention_block} must be >= 1")
+    _check(m.attention == "dense" or m.dropout == 0, f"model.attention=blockwise has no attention dropout; set "
+           f"model.dropout=0 (now {m.dropout}) or model.attention=dense")
+    _check(t.loss_chunk >= 0, f"train.loss_chunk={t.loss_chunk} must be >= 0 (0 = off)")
     _check(d.tokenizer in TOKENIZERS,
            f"data.tokenizer={d.tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
     _check(d.format in DATA_FORMATS,

@@ -138,7 +138,8 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
             optimizer.build(model.trainable_variables)
     with dist.strategy.scope():
         communication = comm.build(cfg.comm, dist, model, optimizer)
-    pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat)
+    pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat,
+                             cfg.train.loss_chunk)
     trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication)
 
     def dataset(source, training, **resume):

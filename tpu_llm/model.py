@@ -38,6 +38,7 @@ import math
 import keras
 import tensorflow as tf
 
+from tpu_llm import attention
 from tpu_llm.config import ModelConfig
 
 
@@ -99,6 +100,7 @@ class CausalSelfAttention(keras.layers.Layer):
         self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True)
         self.attn_drop = keras.layers.Dropout(cfg.dropout)
         self.resid_drop = keras.layers.Dropout(cfg.dropout)
+        self.attend = attention.for_config(cfg)  # model.attention: attend below, or blockwise (attention.py)
 
     def call(self, x, training=False, cache=None, pos=0):
         B, T = tf.shape(x)[0], tf.shape(x)[1]
@@ -112,7 +114,7 @@ class CausalSelfAttention(keras.layers.Layer):
         if cache is not None:
             k, v = _cache_write(cache[0], k, pos), _cache_write(cache[1], v, pos)  # (B, Hkv, L, hd)
             cache = (k, v)
-        y = attend(q, k, v, pos, self.attn_drop, training)  # (B, T, H * hd)
+        y = self.attend(q, k, v, pos, self.attn_drop, training)  # (B, T, C)
         return self.resid_drop(self.proj(y), training=training), cache
 
 

@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from tpu_llm.config import ModelConfig
 from tpu_llm.errors import UserError
+from tpu_llm.loss import chunked_loss
 from tpu_llm.model import loss_fn
 from tpu_llm.tensor import SplitBlock
 
@@ -152,9 +153,11 @@ class Pipeline:
     """The training forward pass of `model` as P placed stages over M micro-batches (P = M = 1: the
     plain forward pass, with optional rematerialisation)."""
 
-    def __init__(self, model, stages: list[Stage], placement, microbatches: int = 1, remat: bool = False):
+    def __init__(self, model, stages: list[Stage], placement, microbatches: int = 1, remat: bool = False,
+                 loss_chunk: int = 0):
         self.model, self.stages, self.placement = model, stages, placement
         self.microbatches = microbatches
+        self.loss_chunk = loss_chunk  # train.loss_chunk: tokens per chunk of the head and loss (loss.py)
         # per stage: training -> its blocks' functions (split T ways with tensor parallelism)
         self.stage_fns = [self._stage_fn(stage, {training: [self._block_fn(b, stage.index, training, remat)
                                                              for b in stage.blocks] for training in (True, False)})
@@ -178,6 +181,8 @@ class Pipeline:
                 x = model.embed(x, training=training)  # (b, T) token ids -> (b, T, C)
             for block in blocks[training]:
                 x = block(x)
+            if stage.head and self.loss_chunk:  # no (b, T, V) logits: loss.py
+                return chunked_loss(model.ln_f(x), model.head_weights(), targets, self.loss_chunk)
             if stage.head:
                 return loss_fn(model.head(x), targets)  # the micro-batch's mean loss, float32
             return x  # (b, T, C), handed to the next stage's device

@@ -33,10 +33,21 @@ Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in 
                remat (a recomputed block keeps only its input): n_s C a per token.
                First stage: the embedding output C a. Last stage: the final norm's input C a, the
                head's float32 input 4C, and the loss's softmax 4V per token (logits are float32).
-  workspace    transients at the backward's peak: the last stage's logits, their gradient and a
-               transposed copy for one micro-batch (3 x 4V per token), and with P > 1 the tied
-               embedding table the head reads (a V C) and its gradient (4 V C); with remat one block
-               recomputed for one micro-batch; bf16 casts of the stage's weights (2 bytes each).
+  workspace    transients at the backward's peak, the larger of two phases (XLA:CPU's buffer
+               assignment shows both): the head's backward, with the last stage's logits, their
+               gradient and a transposed copy for one micro-batch (3 x 4V per token), and one block's
+               attention backward, with the gradients of its probabilities and scores (2 x 4 H T per
+               token), which runs after the loss's softmax and that block's MLP tensors are freed; with
+               remat that block recomputed for one micro-batch; with P > 1 the tied embedding table
+               the head reads (a V C) and its gradient (4 V C); bf16 casts of the stage's weights.
+  chunked loss (train.loss_chunk = k, tpu_llm/loss.py): no 4V per token is kept; the head keeps
+               the float32 tokens (4C per token, and their padded chunks 4C); its backward holds a
+               (k, V) float32 tile (XLA:CPU's peak comes as the loop ends: one tile's worth) and the
+               float32 gradient of the table being summed (4 V C).
+  blockwise attention (model.attention_block = b, tpu_llm/attention.py): instead of H T (4 + a)
+               per token, the float32 output (4C, unless a = 4) and log-sum-exp (4H); the backward
+               holds float32 copies of q, k, v, dO and dQ, dK, dV (7 x 4C per token; more in XLA:CPU:
+               8 counted) and five (b x b) float32 tiles per head and sequence.
   Not modelled: XLA's padding to TPU tiles, HBM the runtime reserves, collective and transfer
   buffers, fragmentation. Treat more than ~90% of HBM as not fitting.
 
@@ -66,6 +77,7 @@ GIB = 2.0**30
 # HBM per chip, GiB (Cloud TPU documentation; ARCHITECTURE.md), keyed by device kind as tpu._TYPES spells it
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5p": 95, "TPU v6 lite": 32}
 TIGHT = 0.9  # above this share of HBM a plan is flagged (and suggestions stay below it): padding, reserve
+SUGGESTED_LOSS_CHUNK = 1024  # train.loss_chunk a refusal suggests: a (1024, V) float32 tile, e.g. 0.2 GiB at V = 50k
 ASSUMED_SENTENCEPIECE_VOCAB = 50304  # configs/gpt2_125m.yaml's: GPT-2's 50,257 rounded up to a multiple of 64
 
 
@@ -174,10 +186,30 @@ def block_activation_bytes(cfg: Config, act_bytes: int) -> tuple[float, float]:
     # Hkv heads wide (llama: the rotated q and k; rotation is linear, its backward needs no input)
     kv = 2 * m.kv_heads() * (c // h)
     linear = 4 * c * act_bytes + (2 * c + kv + 3 * m.hidden()) * act_bytes / t
-    scores = h * seq * (4 + (act_bytes if act_bytes != 4 else 0)) / t
+    scores, _ = attention_bytes(cfg, act_bytes)
     if m.dropout > 0:  # 1-byte masks on both residual branches and the probabilities, and dropped probs
         linear, scores = linear + 2 * c, scores + h * seq * 5 / t
     return linear + scores, c * act_bytes
+
+
+def attention_bytes(cfg: Config, act_bytes: int) -> tuple[float, float]:
+    """(bytes per token one block's attention keeps for its backward beyond q, k, v and its output,
+    bytes per token its backward holds while it runs): dense or blockwise (the module docstring)."""
+    m, t = cfg.model, cfg.parallel.tensor
+    h, seq, c = m.n_head / t, cfg.data.seq_len, m.n_embd / t
+    if m.attention == "blockwise":
+        block = min(m.attention_block, seq)
+        return 4 * c * (act_bytes != 4) + 4 * h, 8 * 4 * c + 5 * 4 * h * block * block / seq
+    return h * seq * (4 + (act_bytes if act_bytes != 4 else 0)), 2 * 4 * h * seq
+
+
+def loss_bytes(cfg: Config, vocab: int, tokens_micro: float) -> tuple[float, float]:
+    """(bytes per token the loss keeps for its backward, bytes its backward holds for one micro-batch):
+    the float32 softmax and logits (4V per token), or the chunked loss's tiles (train.loss_chunk)."""
+    c, chunk = cfg.model.n_embd, cfg.train.loss_chunk
+    if chunk:
+        return 2 * 4 * c, 4 * min(chunk, tokens_micro) * vocab + 4 * vocab * c
+    return 4 * vocab, 3 * 4 * vocab * tokens_micro  # logits, their gradient, a transposed copy
 
 
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
@@ -191,13 +223,20 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     full, kept = block_activation_bytes(cfg, act_bytes)
     per_token = n_blocks * (kept if remat else full)
     work = 2 * params if act_bytes == 2 else 0.0  # compute-dtype casts of the weights
-    if remat:
-        work += full * tokens_micro  # one block recomputed for one micro-batch
+    # one block's backward: its attention's transients (and with remat the block recomputed), once the
+    # loss's softmax and the block's own MLP tensors are freed
+    _, attention_work = attention_bytes(cfg, act_bytes)
+    mlp = (2 * c + 3 * m.hidden()) * act_bytes / cfg.parallel.tensor  # the MLP tensors block_activation_bytes counts
+    block_phase = (attention_work + (full if remat else 0) - mlp) * tokens_micro
+    head_phase = 0.0
     if stage.embed:
         per_token += c * act_bytes + (c if m.dropout > 0 else 0)
     if stage.head:
-        per_token += c * act_bytes + 4 * c + 4 * vocab
-        work += 3 * 4 * vocab * tokens_micro  # logits, their gradient, a transposed copy
+        loss_kept, head_phase = loss_bytes(cfg, vocab, tokens_micro)
+        per_token += c * act_bytes + 4 * c + loss_kept
+        block_phase -= loss_kept * tokens_micro
+    work += max(head_phase, block_phase, 0.0)
+    if stage.head:
         if stages > 1 and m.tie_embeddings:  # the head reads the tied table held by the first stage: a copy and its gradient
             work += vocab * c * (act_bytes + 4)
     grads = 4 * params * (2 if cfg.train.grad_accum > 1 else 1)
@@ -276,36 +315,72 @@ class Plan:
                         f"the total is {total} > {_size(acc.memory_bytes)} {where}; {self._fix()}")
 
     def _fix(self) -> str:
-        """The smallest change that fits: more grad_accum, then remat, then more pipeline stages."""
+        """The smallest change that fits: more grad_accum, then remat, then more pipeline stages; at each,
+        first as it is, then with the chunked loss, then also with blockwise attention (docs/memory.md)."""
         p, t, chips = self.cfg.parallel, self.cfg.train, self.acc.chips
         stage_options = [p.pipeline_stages] + [s for s in range(p.pipeline_stages + 1, self.cfg.model.n_layer + 1)
                                                if self.acc.shared_memory or chips % (s * p.tensor) == 0]
+        chunk = t.loss_chunk or SUGGESTED_LOSS_CHUNK
+        attention = self.cfg.model.attention if self.cfg.model.dropout else "blockwise"  # blockwise: no dropout
+        memory_options = list(dict.fromkeys([(t.loss_chunk, self.cfg.model.attention),
+                                             (chunk, self.cfg.model.attention), (chunk, attention)]))
         for stages in stage_options:
             for remat in dict.fromkeys((p.remat, True)):
                 for accum in range(t.grad_accum, t.batch_size + 1):
                     if t.batch_size % (accum * p.microbatches):
                         continue  # cannot split the batch (the rest of the check is plan's)
-                    changes = {"train.grad_accum": accum, "parallel.remat": remat,
-                               "parallel.pipeline_stages": stages}
-                    cfg = copy.deepcopy(self.cfg)
-                    cfg.train.grad_accum, cfg.parallel.remat, cfg.parallel.pipeline_stages = accum, remat, stages
-                    if self.acc.shared_memory:
-                        cfg.cpu_devices = max(cfg.cpu_devices, stages) // stages * stages
-                        changes["cpu_devices"] = cfg.cpu_devices
-                    try:
-                        candidate = plan(cfg, self.acc, self.mfu, check=False)
-                    except UserError:  # the batch does not split this way
-                        continue
-                    state = candidate.memory[candidate.worst]
-                    if state.parameters + state.optimizer + state.gradients > self.acc.memory_bytes:
+                    found = self._fits_with(stages, remat, accum, memory_options)
+                    if found is None:
                         break  # more grad_accum cannot help (it adds a gradient buffer)
-                    if candidate.fits(TIGHT):
-                        now = {"train.grad_accum": t.grad_accum, "parallel.remat": p.remat,
-                               "parallel.pipeline_stages": p.pipeline_stages, "cpu_devices": self.cfg.cpu_devices}
-                        setting = " and ".join(f"{k}={str(v).lower()}" for k, v in changes.items() if v != now[k])
-                        return (f"it fits with {setting} ({_size(candidate.memory_needed())}, "
-                                f"{_seconds(candidate.step_seconds)} per step)")
-        return "no grad_accum, remat or pipeline_stages setting fits it here: use more chips or a smaller model"
+                    if found:
+                        return found
+        return ("no grad_accum, remat, pipeline_stages, loss_chunk or attention setting fits it here: use more chips "
+                "or a smaller model")
+
+    def _fits_with(self, stages: int, remat: bool, accum: int, memory_options: list) -> str | None:
+        """'it fits with ...' for the first of `memory_options` (loss_chunk, attention) that fits with
+        these settings, "" if none does, None if the model's state alone overflows."""
+        p, t = self.cfg.parallel, self.cfg.train
+        for loss_chunk, attention in memory_options:
+            changes = {"train.grad_accum": accum, "parallel.remat": remat, "parallel.pipeline_stages": stages,
+                       "train.loss_chunk": loss_chunk, "model.attention": attention}
+            cfg = copy.deepcopy(self.cfg)
+            cfg.train.grad_accum, cfg.parallel.remat, cfg.parallel.pipeline_stages = accum, remat, stages
+            cfg.train.loss_chunk, cfg.model.attention = loss_chunk, attention
+            if self.acc.shared_memory:
+                cfg.cpu_devices = max(cfg.cpu_devices, stages) // stages * stages
+                changes["cpu_devices"] = cfg.cpu_devices
+            try:
+                candidate = plan(cfg, self.acc, self.mfu, check=False)
+            except UserError:  # the batch does not split this way
+                return ""
+            state = candidate.memory[candidate.worst]
+            if state.parameters + state.optimizer + state.gradients > self.acc.memory_bytes:
+                return None
+            if candidate.fits(TIGHT):
+                now = {"train.grad_accum": t.grad_accum, "parallel.remat": p.remat,
+                       "parallel.pipeline_stages": p.pipeline_stages, "cpu_devices": self.cfg.cpu_devices,
+                       "train.loss_chunk": t.loss_chunk, "model.attention": self.cfg.model.attention}
+                setting = " and ".join(f"{k}={str(v).lower()}" for k, v in changes.items() if v != now[k])
+                return (f"{self._takes(changes)}it fits with {setting} ({_size(candidate.memory_needed())}, "
+                        f"{_seconds(candidate.step_seconds)} per step)")
+        return ""
+
+    def _takes(self, changes: dict) -> str:
+        """What the memory options of a fix remove, on the most loaded stage: "the loss's logits take
+        41.0 GiB, ..." (empty when the fix uses neither)."""
+        cfg, act = self.cfg, 2 if self.precision != "float32" else 4
+        tokens_micro = self.micro_batch * cfg.data.seq_len
+        tokens = tokens_micro * cfg.parallel.microbatches
+        stage = self.stages[self.worst]
+        said = []
+        if changes["train.loss_chunk"] != cfg.train.loss_chunk and stage.head:
+            kept, work = loss_bytes(cfg, self.vocab, tokens_micro)
+            said.append(f"the loss's logits take {_size(kept * tokens + work)}")
+        if changes["model.attention"] != cfg.model.attention:
+            kept, work = attention_bytes(cfg, act)
+            said.append(f"attention's scores take {_size(kept * tokens * len(stage.blocks) + work * tokens_micro)}")
+        return ", ".join(said) + (": " if said else "")
 
     def lines(self) -> list[str]:
         """The plan as `tpu-llm plan` prints it."""

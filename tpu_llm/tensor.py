@@ -38,7 +38,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tpu_llm.config import ModelConfig
-from tpu_llm.model import Block, attend, heads, rope
+from tpu_llm.model import Block, heads, rope
 
 
 def split_shapes(cfg: ModelConfig, ways: int) -> dict[str, tuple[int, ...]]:
@@ -89,7 +89,7 @@ class SplitBlock:
             bias = tf.reshape(tf.cast(attn.qkv.bias, x.dtype), [3, attn.n_head, hd])[:, heads]  # (3, h, hd)
             qkv += bias[:, None, :, None, :]
         q, k, v = tf.unstack(qkv)  # each (B, h, T, hd)
-        y = attend(q, k, v, 0, attn.attn_drop, self.training)  # (B, T, h * hd)
+        y = attn.attend(q, k, v, 0, attn.attn_drop, self.training)  # (B, T, h * hd)
         proj = tf.cast(attn.proj.kernel, x.dtype)[g * h * hd:(g + 1) * h * hd]  # (h * hd, C): matching rows
         return tf.einsum("btk,kc->btc", y, proj)  # (B, T, C), this group's share
 
@@ -115,7 +115,7 @@ class SplitBlock:
         k = heads(tf.einsum("btc,ck->btk", x, columns(attn.k, kv)), kv)  # (B, kv, T, hd)
         v = heads(tf.einsum("btc,ck->btk", x, columns(attn.v, kv)), kv)
         q, k = rope(q, 0, attn.rope_theta), rope(k, 0, attn.rope_theta)
-        y = attend(q, k, v, 0, attn.attn_drop, self.training)  # (B, T, h * hd)
+        y = attn.attend(q, k, v, 0, attn.attn_drop, self.training)  # (B, T, h * hd)
         proj = tf.cast(attn.proj.kernel, x.dtype)[g * h * hd:(g + 1) * h * hd]  # (h * hd, C): matching rows
         return tf.einsum("btk,kc->btc", y, proj)
 

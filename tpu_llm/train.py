@@ -163,7 +163,7 @@ class Trainer:
         jit = dist.jit_compile and execution == "xla"
         if pipeline is None:  # the whole model as one stage, on the replica's device
             stages = partition(model.cfg, model.vocab_size, 1, 1)
-            pipeline = Pipeline(model, stages, dist.placement)
+            pipeline = Pipeline(model, stages, dist.placement, loss_chunk=cfg.loss_chunk)
         self.pipeline = pipeline
         if self.num_replicas > 1:  # identical dropout masks on every replica otherwise
             per_replica_dropout(model)
