@@ -53,7 +53,8 @@ MUTATIONS = [
     # ---- model ------------------------------------------------------------------------------------
     M("attend-sees-only-itself", "tpu_llm/model.py",
       "<= (pos + tf.range(T))[:, None]", "== (pos + tf.range(T))[:, None]",
-      "tests/test_model.py::test_the_last_position_sees_the_first_token_and_attend_matches_a_numpy_masked_softmax"),
+      "tests/test_model.py::test_the_last_position_sees_the_first_token_and_attend_matches_a_numpy_masked_softmax "
+      "tests/test_model.py::test_a_copy_task_is_learned_only_by_attending_to_the_past"),
     M("attend-sees-the-future", "tpu_llm/model.py",
       "<= (pos + tf.range(T))[:, None]", "<= (pos + T + tf.range(T))[:, None]",
       "tests/test_model.py::test_changing_a_later_token_never_changes_earlier_logits"),
