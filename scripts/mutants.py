@@ -11,7 +11,7 @@ or strengthen a test), "error" when pytest collected nothing or could not run.
     python scripts/mutants.py                  # every mutation, one at a time (~25 min on 2 cores)
     python scripts/mutants.py -k attend -k scale   # mutations whose name contains one of the words
     python scripts/mutants.py --list           # the list, with each mutation's tests
-    python scripts/mutants.py --check          # only check that every old text is still there once
+    python scripts/mutants.py --check          # only check that every old text is there once, every test exists
     python scripts/mutants.py --baseline       # also run each mutation's tests unmutated first
 
 The scratch copy holds the files git tracks, as they are in the work tree (uncommitted edits
@@ -25,8 +25,11 @@ mutations of the feature's core lines here with the tests that pin them (docs/de
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -53,7 +56,8 @@ MUTATIONS = [
     # ---- model ------------------------------------------------------------------------------------
     M("attend-sees-only-itself", "tpu_llm/model.py",
       "<= (pos + tf.range(T))[:, None]", "== (pos + tf.range(T))[:, None]",
-      "tests/test_model.py::test_the_last_position_sees_the_first_token_and_attend_matches_a_numpy_masked_softmax"),
+      "tests/test_model.py::test_the_last_position_sees_the_first_token_and_attend_matches_a_numpy_masked_softmax "
+      "tests/test_model.py::test_a_copy_task_is_learned_only_by_attending_to_the_past"),
     M("attend-sees-the-future", "tpu_llm/model.py",
       "<= (pos + tf.range(T))[:, None]", "<= (pos + T + tf.range(T))[:, None]",
       "tests/test_model.py::test_changing_a_later_token_never_changes_earlier_logits"),
@@ -107,7 +111,7 @@ MUTATIONS = [
       "tests/test_fault.py::test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_checkpoint"),
     M("staleness-forced-to-0", "tpu_llm/train.py",
       "tf.cast(after - version - 1, tf.float32)", "tf.constant(0.0)",
-      "tests/test_distribute.py::test_staleness_counts_the_updates_other_workers_applied_between_read_and_write"),
+      "tests/test_distribute.py::test_parameter_server_cluster_trains_asynchronously_and_the_loss_falls"),
     M("bf16-gradients-zeroed", "tpu_llm/train.py",
       "return loss, [tf.convert_to_tensor(g) for g in tape.gradient(scaled, variables)]",
       "return loss, [tf.convert_to_tensor(g) * (0.0 if self.model.compute_dtype == 'bfloat16' else 1.0) "
@@ -270,7 +274,7 @@ MUTATIONS = [
 
 
 def check(mutations) -> list[str]:
-    """Every stale mutation (old text missing or not unique), in words."""
+    """Every stale mutation (old text missing or not unique, a test it names missing), in words."""
     problems = []
     for m in mutations:
         text = (REPO / m.file).read_text()
@@ -279,6 +283,52 @@ def check(mutations) -> list[str]:
             problems.append(f"{m.name}: its old text occurs {n} times in {m.file} (must be once): {m.old[:60]!r}")
     names = [m.name for m in mutations]
     problems += [f"{n}: name used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    return problems + missing_tests(mutations)
+
+
+@functools.lru_cache(maxsize=None)
+def collected_tests(path: Path) -> frozenset[str]:
+    """The tests pytest would collect from a file, as node-id tails (`test_x`, `TestY::test_z`), read
+    from its source without importing it."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            names |= {node.name} | {f"{node.name}::{f.name}" for f in node.body
+                                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                    and f.name.startswith("test")}
+    return frozenset(names)
+
+
+def missing_tests(mutations) -> list[str]:
+    """Every test a mutation names that does not exist (a file, a node id, a `-k` word matching no test
+    of its files), in words. pytest would only say so when the mutation runs (as an error); a test
+    renamed or removed is found here, before anything runs, and by tests/test_mutants.py in CI."""
+    problems = []
+    for m in mutations:
+        files, words, args = [], [], iter(shlex.split(m.tests))
+        for arg in args:
+            if arg == "-k":
+                words.append(next(args, ""))
+            elif arg.startswith("-k"):
+                words.append(arg[2:])
+            elif not arg.startswith("-") and (".py" in arg or "/" in arg):  # (not an option's value: -m slow)
+                file, _, node = arg.partition("::")
+                if not (REPO / file).exists():
+                    problems.append(f"{m.name}: names {file}, which does not exist")
+                    continue
+                if (REPO / file).is_dir():
+                    continue
+                files.append(file)
+                node = re.sub(r"\[.*\]$", "", node)  # a parametrized test's id: the function must exist
+                if node and node not in collected_tests(REPO / file):
+                    problems.append(f"{m.name}: names {arg}, which is not a test in {file}")
+        names = {n for f in files for n in collected_tests(REPO / f)}
+        for word in words:  # a plain word (what the list uses) matches names as pytest -k does
+            if re.fullmatch(r"\w+", word) and not any(word.lower() in n.lower() for n in names):
+                where = ", ".join(dict.fromkeys(files)) or "(no file)"
+                problems.append(f"{m.name}: -k {word} matches no test in {where}")
     return problems
 
 
@@ -321,14 +371,14 @@ def main(argv=None) -> int:
     chosen = [m for m in MUTATIONS if not args.k or any(k in m.name for k in args.k)]
     problems = check(MUTATIONS)
     if problems:
-        print("error: stale mutations in scripts/mutants.py (the code changed: update or remove them):",
+        print("error: stale mutations in scripts/mutants.py (the code or the tests changed: update or remove them):",
               *problems, sep="\n  ", file=sys.stderr)
         return 2
     if args.list or args.check:
         if args.list:
             for m in chosen:
                 print(f"{m.name:45} {m.file:22} {m.tests}")
-        print(f"{len(MUTATIONS)} mutations, each old text found once")
+        print(f"{len(MUTATIONS)} mutations, each old text found once, each test named found")
         return 0
     if not chosen:
         print(f"error: no mutation name contains {' or '.join(args.k)} (see --list)", file=sys.stderr)
