@@ -54,12 +54,13 @@ faults: $(STAMP)  ## fault injection into tiny real runs (signals, kills, torn f
 mutants: $(STAMP)  ## curated mutations of the core, each against the tests that must catch it (docs/development.md); not part of `make test`
 	$(BIN)/python scripts/mutants.py
 
-bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm
+bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, data
 	$(BIN)/tpu-llm bench
 	$(BIN)/tpu-llm bench strategies
 	$(BIN)/tpu-llm bench modes
 	$(BIN)/tpu-llm bench pipeline
 	$(BIN)/tpu-llm bench comm
+	$(BIN)/tpu-llm bench data
 
 clean:  ## remove the virtual environments (runs/ is kept)
 	rm -rf $(VENV)

@@ -226,14 +226,15 @@ def config_(config: str = "", overrides: dict | None = None, reference: bool = F
         print(cfg.to_yaml(), end="")
 
 
-BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm")
+BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "data")
 
 
 @command("bench", "benchmarks: tokens/s, MFU and losses (docs/benchmarks.md)",
          "tpu-llm bench strategies --steps 100", config=True, positional="suite", details="""
 Suites: shakespeare_char (nanoGPT's CPU reference run), strategies (every strategy on
 configs/tiny.yaml), modes (eager / graph / xla, float32 / bfloat16), pipeline (GPipe P x M, measured
-vs simulated), comm (gradient compression and local SGD).""",
+vs simulated), comm (gradient compression and local SGD), data (the input pipeline against a
+v5p-16's demand on configs/gpt2_125m.yaml: throughput, resume time, memory, batch diversity).""",
          suite="which benchmark: " + ", ".join(BENCH_SUITES), data="shakespeare_char: the tinyshakespeare text",
          steps="steps per run (0 = the suite's default)", run_dir="shakespeare_char: keep the run here "
          "(default: a temporary directory)", only="strategies, comm: run only the rows whose name contains this")
@@ -257,6 +258,8 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
         bench.pipeline_stages(steps=steps or 60, config=config or "configs/tiny.yaml")
     elif suite == "comm":  # compression and local SGD against sync and async data parallel
         bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)
+    elif suite == "data":  # the input pipeline alone, against a slice's demand
+        bench.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
     else:
         bench.shakespeare_char(data=data, steps=steps or 2000, config=config or "configs/shakespeare_char.yaml",
                                run_dir=run_dir, overrides=overrides)
