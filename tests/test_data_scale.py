@@ -1,5 +1,6 @@
 """Input pipeline at pod scale (issue 16): balanced shards, no hang on empty data, 64-bit offsets,
-decorrelated batches, exact resume on the same and on another number of input pipelines."""
+decorrelated batches, resume on another number of input pipelines (exact resume on the same number:
+test_data.py)."""
 
 import glob
 import json
@@ -154,37 +155,21 @@ def global_batches(fn, pipelines, steps, replicas_per_pipeline=1):
 
 def test_resume_on_another_number_of_pipelines_neither_repeats_nor_skips(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "UNIT_TOKENS", 64)
-    files = write_token_shards(tmp_path, [[list(range(s * 2000 + d * 250, s * 2000 + d * 250 + 250))
-                                           for d in range(8)] for s in range(4)])  # every token unique
+    files = write_token_shards(tmp_path, [[list(range(s * 1000 + d * 250, s * 1000 + d * 250 + 250))
+                                           for d in range(4)] for s in range(4)])  # every token unique
     source = data.Source(files, "tfrecord")
 
     def make(start=None):
         return data.make_dataset_fn(source, ByteTokenizer(), 7, 16, training=True, seed=5, shuffle_buffer=32,
                                     with_position=True, start=start)
 
-    epoch = 8000 // 8 // 16 // 2  # steps in about half an epoch of windows
+    epoch = 4000 // 8 // 16 // 2  # steps in about half an epoch of windows
     reference, _ = global_batches(make(), 1, 2 * epoch)
     before, table = global_batches(make(), 2, epoch, replicas_per_pipeline=2)
     resumed_fn = make(start=table)
     after, _ = global_batches(resumed_fn, 4, epoch)
-    assert resumed_fn.resumed == "position" and resumed_fn.rows == 16
+    assert resumed_fn.resumed == "position" and resumed_fn.rows == 16  # 16 parts of 250 tokens: 16 lanes
     for got, want in zip(before + after, reference):  # the same global batches as one pipeline reads
         np.testing.assert_array_equal(got, want)
     starts = [w[0] for b in before + after for w in b]
     assert len(starts) == len(set(starts))  # no window twice
-
-
-def test_exact_resume_with_the_same_number_of_pipelines(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "UNIT_TOKENS", 64)
-    files = doc_shards(tmp_path, shards=4, docs=8, length=100)
-    source = data.Source(files, "tfrecord")
-
-    def make(start=None):
-        return data.make_dataset_fn(source, ByteTokenizer(), 7, 8, training=True, seed=2, shuffle_buffer=16,
-                                    with_position=True, start=start)
-
-    straight, _ = global_batches(make(), 2, 12)
-    first, table = global_batches(make(), 2, 5)
-    rest, _ = global_batches(make(start=table), 2, 7)
-    for got, want in zip(first + rest, straight):
-        np.testing.assert_array_equal(got, want)

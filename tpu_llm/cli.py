@@ -270,7 +270,8 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
          input="text files or globs, comma-separated (default: the embedded corpus)",
          output="directory for the shards (local or gs://)", tokenizer="byte | char | sentencepiece",
          tokenizer_model="the SentencePiece .model file when --tokenizer=sentencepiece",
-         shards="number of shard files", overwrite="replace shards already in --output")
+         shards="number of shard files, balanced by tokens (never empty; docs/data.md: how many)",
+         overwrite="replace shards already in --output")
 def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tokenizer_model: str = "",
                  shards: int = 8, overwrite: bool = False):
     from tpu_llm.config import TOKENIZERS

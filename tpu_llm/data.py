@@ -3,8 +3,10 @@
 Everything here runs in tf.data on the host CPU. The step only ever sees int32 batches of a fixed
 shape `(per_replica_batch, seq_len)`, so it compiles once (TPU rule: static shapes, drop_remainder).
 
-Sources are text files (each file is one document) or pre-tokenized TFRecord shards written by
-`tpu-llm data prepare` (`write_shards`). With no `data.train`, the embedded corpus is used: the
+Sources are text files (each file is one document, streamed in pieces of lines) or pre-tokenized
+TFRecord shards written by `tpu-llm data prepare` (`write_shards`, balanced by tokens). Training
+reads parts of them in lanes, in one global order whatever the number of hosts (`make_dataset_fn`;
+docs/data.md). With no `data.train`, the embedded corpus is used: the
 running interpreter's own standard-library `.py` sources, split into train/validation by a stable
 hash of each file's path, so `make train` needs no download. `builtin:NAME` names a corpus shipped in
 the package (tpu_llm/corpora.py: the benchmark's tinyshakespeare).
@@ -30,6 +32,7 @@ from tpu_llm.errors import UserError
 
 FILES_PER_PIPELINE = 4  # validation: fewer files per input pipeline: split by window, not by file
 AUTOTUNE = tf.data.AUTOTUNE
+NO_AUTOGRAPH = tf.autograph.experimental.do_not_convert  # plain graph code: converting it costs seconds per pipeline
 SNIFF_BYTES = 4096  # bytes read from each file to tell text from binary
 SNIFF_MAX_FILES = 256  # files sniffed up front (each costs a request on gs://)
 TFRECORD_FEATURE = "tokens"
@@ -278,6 +281,7 @@ def lines_in_range(lines: tf.data.Dataset, lo, hi, base=0) -> tf.data.Dataset:
     """The lines (newline stripped) that start at a byte offset in [lo, hi): a file split at line
     boundaries. A line starts at `base` plus the lengths of the lines before it plus one newline each
     (a file with CRLF line ends counts one byte fewer per line). int64 throughout."""
+    @NO_AUTOGRAPH
     def step(start, line):
         return start + tf.cast(tf.strings.length(line), tf.int64) + 1, (start, line)
 
@@ -304,12 +308,14 @@ def read_documents(source: Source) -> Callable:
     if source.format == "tfrecord":
         spec = {TFRECORD_FEATURE: tf.io.RaggedFeature(tf.int64)}
 
+        @NO_AUTOGRAPH
         def read(path, lo, hi, ends):
             records = tf.data.TFRecordDataset(path).skip(lo).take(tf.where(hi < 0, tf.constant(-1, tf.int64), hi - lo))
             return records.map(lambda r: (tf.cast(tf.io.parse_single_example(r, spec)[TFRECORD_FEATURE],
                                                   tf.int32), False))
         return read
 
+    @NO_AUTOGRAPH
     def read(path, lo, hi, ends):
         end = tf.data.Dataset.from_tensors((tf.constant(""), True)).take(tf.cast(ends, tf.int64))
         return text_pieces(path, lo, hi).map(lambda p: (p, False)).concatenate(end)
@@ -373,6 +379,7 @@ def _shard_meta(files: list[str]) -> dict[str, tuple[int, int]]:
 
 def tokens_of(source: Source, tokenizer, eos) -> Callable:
     """(document part, last) -> int32 tokens; the end-of-text token after a text file's last piece."""
+    @NO_AUTOGRAPH
     def tokens(part, last):
         if source.format != "text":
             return part
@@ -564,6 +571,7 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
                               first, count, source.format == "tfrecord")
         rows = 0 if own else index * take  # its slice of the global batch (all lanes read)
 
+        @NO_AUTOGRAPH
         def per_replica_batches(w, where):  # w (count, per_lane, window), where (count, fields)
             w = tf.reshape(w, [count * per_lane, window])[rows:rows + take]
             mine = tf.pad(where, [[first, lanes - first - count], [0, 0]])  # (lanes, fields)
@@ -597,9 +605,11 @@ def _lane_steps(files: list[str], units: list[tuple[int, int, int, int]], read, 
     rows = tf.constant([list(r) for r in table], tf.int64)  # (lanes, 5)
     head = tf.constant(header, tf.int64)
 
+    @NO_AUTOGRAPH
     def lane_windows(lane):
         chunk, taken, slot, doc0, token0 = (rows[lane][i] for i in range(5))
 
+        @NO_AUTOGRAPH
         def documents(s):
             i = tf.random.experimental.index_shuffle(s % n, _seed(order, FILE_ORDER, s // n), n - 1)
             skip = tf.where(tf.equal(s, slot), doc0, 0)
@@ -609,6 +619,7 @@ def _lane_steps(files: list[str], units: list[tuple[int, int, int, int]], read, 
             return parts_.map(lambda d, part: (d, tokens(*part), part[1])).concatenate(end).map(
                 lambda d, doc, last: (s, d, doc, last))
 
+        @NO_AUTOGRAPH
         def located(s, d, doc, last):
             if shards:  # every record a fresh start: records are documents (or parts of one)
                 doc = _random_start(doc, window, _seed(order, START_OFFSET, s, d))
@@ -619,6 +630,7 @@ def _lane_steps(files: list[str], units: list[tuple[int, int, int, int]], read, 
             cut = tf.where(here, token0, 0)  # the resumed document: from its token
             return doc[cut:], tf.stack([s, d, cut])
 
+        @NO_AUTOGRAPH
         def guard(empty, element):  # files read in a row without a token: a full pass is an error
             s, d, doc, last = element
             empty = tf.where(tf.equal(d, -1), empty + 1, tf.where(tf.size(doc) > 0, tf.constant(0, tf.int64), empty))
@@ -627,11 +639,12 @@ def _lane_steps(files: list[str], units: list[tuple[int, int, int, int]], read, 
             with tf.control_dependencies([check]):
                 return tf.identity(empty), element
 
-        docs = tf.data.Dataset.range(slot, tf.int64.max, lanes).interleave(
-            documents, cycle_length=1, num_parallel_calls=AUTOTUNE, deterministic=True)  # one file at a time
+        # no threads of its own: the lanes run in parallel (hundreds of thread pools would cost seconds to start)
+        docs = tf.data.Dataset.range(slot, tf.int64.max, lanes).flat_map(documents)  # one part at a time
         docs = docs.scan(tf.constant(0, tf.int64), guard).filter(lambda s, d, doc, last: d >= 0)
-        packed = pack_located(docs.map(located, num_parallel_calls=AUTOTUNE, deterministic=True), window)
+        packed = pack_located(docs.map(located), window)
 
+        @NO_AUTOGRAPH
         def permute(c, chunk_):
             w, starts = chunk_  # the chunk's first window (before the permutation) is where it starts
             k = tf.range(size, dtype=tf.int64)
