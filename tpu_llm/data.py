@@ -456,10 +456,10 @@ POSITION_FIELDS = ("lanes", "chunk_size", "units", "files_fingerprint", "chunk",
 FIXED = 4  # the fields that say how the stream was cut
 
 
-def lanes_for(batch: int, files: int) -> int:
-    """Lanes of a training stream: the most, up to MAX_LANES and one per file, that divide the global
-    batch (each lane gives batch // lanes windows to every step)."""
-    return max(n for n in range(1, min(MAX_LANES, files, batch) + 1) if batch % n == 0)
+def lanes_for(batch: int, parts: int) -> int:
+    """Lanes of a training stream: the most, up to MAX_LANES and one per part of the data, that divide
+    the global batch (each lane gives batch // lanes windows to every step)."""
+    return max(n for n in range(1, min(MAX_LANES, parts, batch) + 1) if batch % n == 0)
 
 
 def files_fingerprint(files: list[str]) -> int:
@@ -481,14 +481,14 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     (`POSITION_FIELDS`), the same whatever the number of input pipelines, so a resumed run continues
     it exactly without replaying it, on this slice or another:
 
-      files        epoch e reads the files in a permutation drawn from (seed, e) (`index_shuffle`,
-                   computed per file, so starting at epoch e, file i costs nothing)
-      lanes        `lanes_for(batch, files)` streams of files (lane l reads the file slots l,
-                   l + lanes, ...), each packed into windows tagged with where their first token
-                   is (`pack_located`; no token lost); every pass over a document starts at a random
-                   offset (`_random_start`)
+      parts        the files cut into parts (`training_units`: ~UNIT_BYTES of text, ~UNIT_TOKENS of
+                   a shard); epoch e reads them in a permutation drawn from (seed, e)
+                   (`index_shuffle`, computed per slot: starting at epoch e, part i costs nothing)
+      lanes        `lanes_for(batch, parts)` streams (lane l reads the slots l, l + lanes, ...), each
+                   packed into windows tagged with where their first token is (`pack_located`; no
+                   token lost); every pass over a part starts at a random offset (`_random_start`)
       chunks       each lane permutes its windows in chunks of `chunk_size` (shuffle_buffer / lanes,
-                   at least 8 steps' worth), by (seed, lane, chunk): a shuffle whose state is one number
+                   at least one step's worth), by (seed, lane, chunk): a shuffle whose state is one number
       steps        global step s takes the next batch // lanes windows of every lane, lane 0 first
 
     With more input pipelines (one per host), pipeline p reads only lanes p * lanes / pipelines ..
@@ -508,7 +508,7 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     After it was called, `dataset_fn.resumed` says which happened ("position", "files", "replay" or
     "") and `dataset_fn.rows` is the position table's rows (lanes).
 
-    Empty files are left out; with none left, or a lane that reads as many files as there are
+    Empty files have no parts; with no part at all, or a lane that reads as many parts as there are
     without a token, a one-line error rather than a stream that waits forever. `seed=None` draws the
     order from each pipeline's clock instead: parameter-server workers build the same dataset graph,
     and a fixed seed would give them all the same batches.
@@ -594,11 +594,12 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     return dataset_fn
 
 
-def _lane_steps(files: list[str], units: list[tuple[int, int, int, int]], read, tokens, window: int, order, lanes: int, per_lane: int, size: int,
-                header: tuple, table, first: int, count: int, shards: bool) -> tf.data.Dataset:
+def _lane_steps(files: list[str], units: list[tuple[int, int, int, int]], read, tokens, window: int, order,
+                lanes: int, per_lane: int, size: int, header: tuple, table, first: int, count: int,
+                shards: bool) -> tf.data.Dataset:
     """Lanes first .. first + count - 1, interleaved: for each step, each lane's `per_lane` windows
-    (per_lane, window) and its position row after them. Lane l reads the file slots l, l + lanes, ...
-    (slot s is file s % len(files) of epoch s // len(files), in that epoch's permutation), starting
+    (per_lane, window) and its position row after them. Lane l reads the slots l, l + lanes, ...
+    (slot s is part s % len(units) of epoch s // len(units), in that epoch's permutation), starting
     from its row of `table` (chunk, taken, slot, document, token). One lane function serves all
     lanes (built once: tf.data traces it once)."""
     n, paths, parts = len(units), tf.constant(files), tf.constant(units, tf.int64)  # parts: (units, 4)
