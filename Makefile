@@ -14,7 +14,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 #   RUN=NAME         TPU run directory gs://BUCKET/runs/NAME (default: the config's name); RUN_DIR=gs://...
 #   DATA=GLOB        TPU training data (a pod slice defaults to gs://BUCKET/shards/*.tfrecord)
 #   TOKENIZER=KIND   data.tokenizer of the shards (data-upload default: byte); TOKENIZER_MODEL=FILE
-#   INPUT=GLOB SHARDS=N OVERWRITE=1   data-upload: text to tokenize, shard count, replace old shards
+#   INPUT=GLOB SHARDS=N OVERWRITE=1   data-upload: text to tokenize, shard count (default 32, balanced by tokens), replace old shards
 #   TRAIN_ON=auto|tpu|local   where `make train` runs (auto: the TPU if `make tpu-up` made one)
 #   WORKER=N LOGS=train|gcs|setup LOG_LINES=N PORT=6006 DESTROY_BUCKET=1 YES=1 TPU_SSH=iap|internal TPU_WAIT_MINUTES=30
 CONFIG ?= configs/tiny.yaml
@@ -55,7 +55,7 @@ faults: $(STAMP)  ## fault injection into tiny real runs (signals, kills, torn f
 mutants: $(STAMP)  ## curated mutations of the core, each against the tests that must catch it (docs/development.md); not part of `make test`
 	$(BIN)/python scripts/mutants.py
 
-bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, families, memory
+bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, families, memory, data
 	$(BIN)/tpu-llm bench
 	$(BIN)/tpu-llm bench strategies
 	$(BIN)/tpu-llm bench modes
@@ -63,6 +63,7 @@ bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategie
 	$(BIN)/tpu-llm bench comm
 	$(BIN)/tpu-llm bench families
 	$(BIN)/tpu-llm bench memory
+	$(BIN)/tpu-llm bench data
 
 clean:  ## remove the virtual environments (runs/ is kept)
 	rm -rf $(VENV)

@@ -270,6 +270,21 @@ MUTATIONS = [
     M("freeze-ignored", "tpu_llm/train.py",
       "        layer.trainable = False\n", "        layer.trainable = True\n",
       "tests/test_hf_finetune.py -k test_fine_tuning_an_imported_checkpoint"),
+    # ---- data at pod scale (issue 16) ---------------------------------------------------------------
+    M("shards-balanced-by-nothing", "tpu_llm/data.py",
+      "bounds = [(i + 1) * total // num_shards for i in range(num_shards)]",
+      "bounds = [total for i in range(num_shards)]",
+      "tests/test_data_scale.py::test_one_file_into_8_shards_is_balanced_and_none_is_empty"),
+    M("empty-data-guard-never-fires", "tpu_llm/data.py",
+      "tf.debugging.assert_less(empty, tf.cast(n + 1, tf.int64)",
+      "tf.debugging.assert_less(tf.constant(0, tf.int64), tf.cast(n + 1, tf.int64)",
+      "tests/test_data_scale.py::test_empty_inputs_give_a_one_line_error_not_a_hang"),
+    M("pipelines-read-strided-lanes", "tpu_llm/data.py",
+      "first = index * lanes // pipelines if own else 0", "first = index if own else 0",
+      "tests/test_data_scale.py::test_resume_on_another_number_of_pipelines_neither_repeats_nor_skips"),
+    M("few-lanes", "tpu_llm/data.py",
+      "MAX_LANES = 512", "MAX_LANES = 4",
+      "tests/test_data_scale.py::test_batches_of_512_over_64_shards_hold_mostly_distinct_documents"),
 ]
 
 

@@ -100,7 +100,7 @@ def test_training_batches_static_shapes_and_shifted_targets(corpus_files):
 
 def test_each_training_pass_over_a_document_starts_at_a_new_random_offset(tmp_path):
     path = tmp_path / "one.txt"
-    doc = bytes(range(32, 127)) * 5  # 475 tokens: offsets up to min(SEQ, 475 // 8) = 16
+    doc = bytes(range(32, 127)) * 5 + b"\n"  # 476 tokens: offsets up to min(SEQ, 476 // 8) = 16
     path.write_bytes(doc)
     fn = data.make_dataset_fn(data.Source([str(path)], "text"), ByteTokenizer(), SEQ, 1, training=True,
                               seed=3, shuffle_buffer=1)  # buffer 1: windows in stream order
@@ -160,12 +160,14 @@ def test_few_files_split_by_byte_range(tmp_path):
     assert (train.byte_range, val.byte_range) == ((0.0, 0.8), (0.8, 1.0))
 
     def read(source):
-        return next(iter(data.read_documents(source)(tf.constant(str(path))))).numpy()
+        [(lo, hi)] = data.file_bounds(source)
+        parts = data.read_documents(source)(tf.constant(str(path)), tf.constant(lo, tf.int64), hi, False)
+        return b"".join(part for part, _ in parts.as_numpy_iterator())
 
     raw = text.encode("utf-8")
     head, tail = read(train), read(val)
-    assert head + tail == raw  # head and tail: disjoint and complete
-    assert len(head) == int(len(raw) * 0.8)
+    assert head + tail == raw  # head and tail: disjoint and complete, cut at a line boundary
+    assert head.endswith(b"\n") and int(len(raw) * 0.8) <= len(head) < int(len(raw) * 0.8) + 30
 
 
 def test_explicit_validation_files(tmp_path, corpus_files):
@@ -286,7 +288,8 @@ def test_write_shards_refuses_to_overwrite(tmp_path, corpus_files):
 # --- resuming the training stream from a position --------------------------------------------------
 
 
-@pytest.mark.parametrize("files, pipelines", [(3, 1), (3, 2), (9, 2)])  # (9, 2): each pipeline its own files
+# (1, 2): one lane, both pipelines read it and keep their rows; (8, 2): each pipeline reads its own 4 lanes
+@pytest.mark.parametrize("files, pipelines", [(3, 1), (1, 2), (8, 2)])
 def test_the_training_stream_resumes_exactly_from_a_saved_position(tmp_path, files, pipelines):
     source = data.Source(write_corpus(tmp_path, files=files), "text")
     replicas = 2 * pipelines  # two replicas per pipeline: the position rides on the first one's batch
@@ -297,14 +300,14 @@ def test_the_training_stream_resumes_exactly_from_a_saved_position(tmp_path, fil
         contexts = [tf.distribute.InputContext(pipelines, i, replicas) for i in range(pipelines)]
         return fn, [iter(fn(c)) for c in contexts]
 
-    _, straight = pipeline_fns()
+    fn, straight = pipeline_fns()
     batches = [[next(it) for _ in range(2 * 30)] for it in straight]  # 30 global steps
-    stop = 2 * 17  # after 17 steps: the first replica's element of step 17 carries each pipeline's row
+    stop = 2 * 17  # after 17 steps: the first replica's element of step 17 carries each pipeline's rows
     table = sum(b[stop - 2][2].numpy() for b in batches)  # what the SUM-on-read variable would hold
-    assert table.shape == (pipelines, len(data.POSITION_FIELDS))
+    assert table.shape == (fn.rows, len(data.POSITION_FIELDS)) and fn.rows == data.lanes_for(8, files)
     assert all(b[stop - 1][2].numpy().sum() == 0 for b in batches)  # the other replica carries zeros
     fn, resumed = pipeline_fns(start=table)
-    assert fn.resumed == "position" and fn.pipelines == pipelines
+    assert fn.resumed == "position"
     for p, it in enumerate(resumed):  # the next 13 steps, exactly, without replaying the 17 before
         for j in range(stop, 2 * 30):
             x, y, _ = next(it)
@@ -314,8 +317,10 @@ def test_the_training_stream_resumes_exactly_from_a_saved_position(tmp_path, fil
 
 def test_a_position_that_does_not_fit_falls_back_to_replaying(tmp_path):
     source = data.Source(write_corpus(tmp_path, files=9), "text")
-    table = np.zeros([2, len(data.POSITION_FIELDS)], np.int64)
-    table[:, 2:6] = (2, 4, 8, data.files_fingerprint(source.files))  # 2 pipelines split the files; here one
+    fn = data.make_dataset_fn(source, ByteTokenizer(), SEQ, 8, training=True, seed=3, shuffle_buffer=7,
+                              with_position=True)
+    table = next(iter(fn()))[2].numpy()
+    table[:, 1] += 1  # another chunk size (data.shuffle_buffer changed): the stream was cut differently
     fn = data.make_dataset_fn(source, ByteTokenizer(), SEQ, 8, training=True, seed=3, shuffle_buffer=7,
                               start=table, skip_steps=5)
     [(first, _)] = fn().take(1)

@@ -44,7 +44,7 @@ def test_loss_falls_on_the_embedded_corpus(tmp_path):
     lines = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     losses = [l["loss"] for l in lines if l["split"] == "train"]
     assert losses[0] > 4.5  # about ln(257) = 5.55 at the start
-    # each batch mixes windows of several files (data.LANES), so the training loss is not the loss
+    # each batch mixes windows of several files (lanes, data.make_dataset_fn), so the training loss is not the loss
     # on one file the model has just seen a thousand windows of: validation shows the learning too
     assert losses[-1] < losses[0] - 1.2
     assert result["val_loss"] is not None and result["val_loss"] < 5.55 - 1.5 and result["step"] == 40

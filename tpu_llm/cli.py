@@ -275,7 +275,7 @@ def config_(config: str = "", overrides: dict | None = None, reference: bool = F
         print(cfg.to_yaml(), end="")
 
 
-BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "families", "memory")
+BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "families", "memory", "data")
 
 
 @command("bench", "benchmarks: tokens/s, MFU and losses (docs/benchmarks.md)",
@@ -284,7 +284,8 @@ Suites: shakespeare_char (nanoGPT's CPU reference run), strategies (every strate
 configs/tiny.yaml), modes (eager / graph / xla, float32 / bfloat16), pipeline (GPipe P x M, measured
 vs simulated), comm (gradient compression and local SGD), families (gpt2 vs llama on Shakespeare at
 matched size, and the planner on a 1B llama), memory (chunked loss and blockwise attention: XLA's peak
-memory vs the planner, speed, longest context; --only xla|speed|context).""",
+memory vs the planner, speed, longest context; --only xla|speed|context), data (the input pipeline
+against a v5p-16's demand on configs/gpt2_125m.yaml: throughput, resume time, memory, batch diversity).""",
          suite="which benchmark: " + ", ".join(BENCH_SUITES), data="shakespeare_char: the tinyshakespeare text",
          steps="steps per run (0 = the suite's default)", run_dir="shakespeare_char: keep the run here "
          "(default: a temporary directory)", only="strategies, comm: run only the rows whose name contains this; "
@@ -318,6 +319,8 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
             raise UserError("bench families runs configs/shakespeare_char.yaml and configs/shakespeare_char_llama.yaml;"
                             " drop --config")
         bench.families(steps=steps or 2000)
+    elif suite == "data":  # the input pipeline alone, against a slice's demand
+        bench.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
     else:
         bench.shakespeare_char(data=data, steps=steps or 2000, config=config or "configs/shakespeare_char.yaml",
                                run_dir=run_dir, overrides=overrides)
@@ -328,7 +331,8 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
          input="text files or globs, comma-separated (default: the embedded corpus)",
          output="directory for the shards (local or gs://)", tokenizer="byte | char | sentencepiece | hf",
          tokenizer_model="the SentencePiece .model file (sentencepiece); an HF model directory or its tokenizer.json (hf)",
-         shards="number of shard files", overwrite="replace shards already in --output")
+         shards="number of shard files, balanced by tokens (never empty; docs/data.md: how many)",
+         overwrite="replace shards already in --output")
 def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tokenizer_model: str = "",
                  shards: int = 8, overwrite: bool = False):
     from tpu_llm.config import TOKENIZERS

@@ -180,7 +180,7 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     else:  # each replica writes its pipeline's row; reading (and saving) sums them
         with dist.strategy.scope():
             trainer.data_position = tf.Variable(
-                tf.zeros([fn.pipelines, len(data.POSITION_FIELDS)], tf.int64), trainable=False, name="data_position",
+                tf.zeros([fn.rows, len(data.POSITION_FIELDS)], tf.int64), trainable=False, name="data_position",
                 synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
         checkpointer.add(data_position=trainer.data_position)
     return Run(cfg, dist, tokenizer, model, optimizer, trainer, iter(train_dataset),

@@ -3,8 +3,10 @@
 Everything here runs in tf.data on the host CPU. The step only ever sees int32 batches of a fixed
 shape `(per_replica_batch, seq_len)`, so it compiles once (TPU rule: static shapes, drop_remainder).
 
-Sources are text files (each file is one document) or pre-tokenized TFRecord shards written by
-`tpu-llm data prepare` (`write_shards`). With no `data.train`, the embedded corpus is used: the
+Sources are text files (each file is one document, streamed in pieces of lines) or pre-tokenized
+TFRecord shards written by `tpu-llm data prepare` (`write_shards`, balanced by tokens). Training
+reads parts of them in lanes, in one global order whatever the number of hosts (`make_dataset_fn`;
+docs/data.md). With no `data.train`, the embedded corpus is used: the
 running interpreter's own standard-library `.py` sources, split into train/validation by a stable
 hash of each file's path, so `make train` needs no download. `builtin:NAME` names a corpus shipped in
 the package (tpu_llm/corpora.py: the benchmark's tinyshakespeare).
@@ -28,8 +30,9 @@ from tpu_llm import corpora
 from tpu_llm.config import DataConfig
 from tpu_llm.errors import UserError
 
-FILES_PER_PIPELINE = 4  # fewer files per input pipeline: split by window, not by file
+FILES_PER_PIPELINE = 4  # validation: fewer files per input pipeline: split by window, not by file
 AUTOTUNE = tf.data.AUTOTUNE
+NO_AUTOGRAPH = tf.autograph.experimental.do_not_convert  # plain graph code: converting it costs seconds per pipeline
 SNIFF_BYTES = 4096  # bytes read from each file to tell text from binary
 SNIFF_MAX_FILES = 256  # files sniffed up front (each costs a request on gs://)
 TFRECORD_FEATURE = "tokens"
@@ -257,28 +260,132 @@ def text_characters(files: list[str], limit: int = CHARACTERS_READ_LIMIT) -> set
 # --------------------------------------------------------------------------------------------------
 # Building the pipeline
 
+LINES_PER_PIECE = 256  # text is read this many lines at a time: memory holds a piece, never a whole file
 
-def read_documents(source: Source) -> Callable[[tf.Tensor], tf.data.Dataset]:
-    """file path -> dataset of documents (strings for text, int32 token vectors for tfrecord)."""
+
+def byte_bounds(size: int, byte_range: tuple[float, float]) -> tuple[int, int]:
+    """[lo, hi) byte offsets of `byte_range` in a file of `size` bytes, as Python integers (64-bit in
+    the graph): 90% of a 3 GB file is 2.7e9, past int32."""
+    start, end = byte_range
+    return int(size * start), int(size * end)
+
+
+def file_sizes(files: list[str]) -> list[int]:
+    """Each file's size in bytes (stat in parallel threads: on gs:// each one is a request)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(min(32, max(1, len(files)))) as pool:
+        return list(pool.map(lambda f: int(tf.io.gfile.stat(f).length), files))
+
+
+def lines_in_range(lines: tf.data.Dataset, lo, hi, base=0) -> tf.data.Dataset:
+    """The lines (newline stripped) that start at a byte offset in [lo, hi): a file split at line
+    boundaries. A line starts at `base` plus the lengths of the lines before it plus one newline each
+    (a file with CRLF line ends counts one byte fewer per line). int64 throughout."""
+    @NO_AUTOGRAPH
+    def step(start, line):
+        return start + tf.cast(tf.strings.length(line), tf.int64) + 1, (start, line)
+
+    located = lines.scan(tf.constant(base, tf.int64), step)
+    located = located.take_while(lambda start, line: start < hi)
+    return located.filter(lambda start, line: start >= lo).map(lambda start, line: line)
+
+
+def text_pieces(path, lo=None, hi=None) -> tf.data.Dataset:
+    """A text file (or its bytes [lo, hi), cut at line boundaries), streamed as strings of at most
+    LINES_PER_PIECE lines, each line ending in a newline: memory holds one piece (and one line,
+    however long), never the file. A last line without a newline gets one."""
+    lines = tf.data.TextLineDataset(path)
+    if lo is not None:
+        lines = lines_in_range(lines, lo, hi)
+    return lines.batch(LINES_PER_PIECE).map(lambda b: tf.strings.reduce_join(b + "\n"))
+
+
+def read_documents(source: Source) -> Callable:
+    """(file path, lo, hi, ends) -> dataset of (document part, last). Text files stream as pieces of
+    lines starting at bytes lo .. hi - 1 (int64), then, when `ends` (the part reaches the file's end),
+    an empty string with `last` True: the end of text. TFRecord shards give int32 token vectors, one
+    per record lo .. hi - 1 (hi < 0: to the end; end-of-text already inside)."""
     if source.format == "tfrecord":
         spec = {TFRECORD_FEATURE: tf.io.RaggedFeature(tf.int64)}
 
-        def read(path):
-            records = tf.data.TFRecordDataset(path)
-            return records.map(lambda r: tf.cast(tf.io.parse_single_example(r, spec)[TFRECORD_FEATURE],
-                                                 tf.int32))
+        @NO_AUTOGRAPH
+        def read(path, lo, hi, ends):
+            records = tf.data.TFRecordDataset(path).skip(lo).take(tf.where(hi < 0, tf.constant(-1, tf.int64), hi - lo))
+            return records.map(lambda r: (tf.cast(tf.io.parse_single_example(r, spec)[TFRECORD_FEATURE],
+                                                  tf.int32), False))
         return read
 
-    start, end = source.byte_range
-
-    def read(path):
-        text = tf.io.read_file(path)
-        if (start, end) != (0.0, 1.0):
-            n = tf.cast(tf.strings.length(text), tf.float64)
-            lo, hi = tf.cast(n * start, tf.int32), tf.cast(n * end, tf.int32)
-            text = tf.strings.substr(text, lo, hi - lo)
-        return tf.data.Dataset.from_tensors(text)
+    @NO_AUTOGRAPH
+    def read(path, lo, hi, ends):
+        end = tf.data.Dataset.from_tensors((tf.constant(""), True)).take(tf.cast(ends, tf.int64))
+        return text_pieces(path, lo, hi).map(lambda p: (p, False)).concatenate(end)
     return read
+
+
+def file_bounds(source: Source) -> list[tuple[int, int]]:
+    """Each file's [lo, hi) read by `source`: bytes for text (a stat each), all records for shards."""
+    if source.format == "tfrecord":
+        return [(0, -1)] * len(source.files)
+    return [byte_bounds(s, source.byte_range) for s in file_sizes(source.files)]
+
+
+UNIT_BYTES = 8 << 20  # text files are read in parts of about this many bytes (lanes read parts side by side)
+UNIT_TOKENS = 4 << 20  # shards, in parts of about this many tokens (from their meta.json; else whole)
+
+
+def training_units(source: Source) -> list[tuple[int, int, int, int]]:
+    """The parts of the training files that lanes read, in order: (file, lo, hi, ends) as
+    `read_documents` takes them. A text file's [lo, hi) bytes are cut into parts of about UNIT_BYTES
+    (each starts at a line boundary: its first line starting at or after lo); a shard's records into
+    parts of about UNIT_TOKENS, when its meta.json records how many it holds. Empty files have none."""
+    units = []
+    if source.format == "tfrecord":
+        recorded = _shard_meta(source.files)
+        for i, path in enumerate(source.files):
+            records, tokens = recorded.get(path, (0, 0))
+            if records == 0 and tokens == 0 and path in recorded:
+                continue  # written empty by an earlier `data prepare`
+            parts = max(1, min(records, tokens // UNIT_TOKENS)) if records else 1
+            units += [(i, k * records // parts, (k + 1) * records // parts if records else -1, 1)
+                      for k in range(parts)]
+        nonempty = {u[0] for u in units}
+        sizes = file_sizes([f for i, f in enumerate(source.files) if i in nonempty])
+        empty = {i for i, size in zip(sorted(nonempty), sizes) if size == 0}
+        return [u for u in units if u[0] not in empty]
+    for i, size in enumerate(file_sizes(source.files)):
+        lo, hi = byte_bounds(size, source.byte_range)
+        parts = max(1, (hi - lo) // UNIT_BYTES)
+        units += [(i, lo + k * (hi - lo) // parts, lo + (k + 1) * (hi - lo) // parts, int(k == parts - 1))
+                  for k in range(parts) if hi > lo]
+    return units
+
+
+def _shard_meta(files: list[str]) -> dict[str, tuple[int, int]]:
+    """path -> (records, tokens) of the shards whose folder's meta.json records them."""
+    out: dict[str, tuple[int, int]] = {}
+    for folder in sorted({os.path.dirname(f) for f in files}):
+        try:
+            with tf.io.gfile.GFile(os.path.join(folder, "meta.json")) as f:
+                meta = json.loads(f.read())
+        except (tf.errors.NotFoundError, ValueError):
+            continue
+        if not isinstance(meta, dict):
+            continue
+        records, tokens = meta.get("shard_records", {}), meta.get("shard_tokens", {})
+        for name, n in records.items():
+            out[os.path.join(folder, name)] = (int(n), int(tokens.get(name, 0)))
+    return {f: out[f] for f in files if f in out}
+
+
+def tokens_of(source: Source, tokenizer, eos) -> Callable:
+    """(document part, last) -> int32 tokens; the end-of-text token after a text file's last piece."""
+    @NO_AUTOGRAPH
+    def tokens(part, last):
+        if source.format != "text":
+            return part
+        ids = tf.cast(tokenizer.encode_tf(part[None])[0], tf.int32)
+        return tf.cond(last, lambda: eos, lambda: ids)
+    return tokens
 
 
 def pack(tokens: tf.data.Dataset, window: int) -> tf.data.Dataset:
@@ -339,15 +446,20 @@ def pack_located(docs: tf.data.Dataset, window: int) -> tf.data.Dataset:
     return docs.scan((tf.zeros([0], tf.int32), tf.zeros([3], tf.int64)), step).unbatch()
 
 
-LANES = 4  # files read side by side (at most one lane per file), their windows interleaved in each chunk
-# A training pipeline's position, one int64 row per pipeline: `taken` windows of chunk number `chunk`
-# were consumed; the chunk starts, in lane l, at token `token_l` of document `document_l` of the
-# `slot_l`-th file read (epoch slot // files, in that epoch's order). The rest say how the stream was
-# cut: over how many pipelines the files were split (1: all read everything), lanes, chunk size, and
-# which files it indexes (`files_fingerprint`).
-POSITION_FIELDS = ("chunk", "taken", "file_shards", "lanes", "chunk_size", "files_fingerprint") + tuple(
-    f"{name}_{lane}" for lane in range(LANES) for name in ("slot", "document", "token"))
-FIXED = 6  # the fields before the lanes'
+MAX_LANES = 512  # streams of the data read side by side (see make_dataset_fn): at most one window each per step
+# The training stream's position: one int64 row per lane. How the stream was cut (lanes, windows per
+# lane chunk, and which files it indexes: `files_fingerprint`), then the lane's place: `taken` windows
+# of its chunk number `chunk` were consumed; the chunk starts at token `token` of document (piece or
+# record) `document` of the lane's `slot`-th file read (epoch slot // files, in that epoch's order).
+POSITION_FIELDS = ("lanes", "chunk_size", "units", "files_fingerprint", "chunk", "taken", "slot", "document",
+                   "token")
+FIXED = 4  # the fields that say how the stream was cut
+
+
+def lanes_for(batch: int, parts: int) -> int:
+    """Lanes of a training stream: the most, up to MAX_LANES and one per part of the data, that divide
+    the global batch (each lane gives batch // lanes windows to every step)."""
+    return max(n for n in range(1, min(MAX_LANES, parts, batch) + 1) if batch % n == 0)
 
 
 def files_fingerprint(files: list[str]) -> int:
@@ -366,57 +478,56 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     Each element is `(inputs, targets)`, both int32 `(per_replica_batch, seq_len)`; targets are the
     inputs shifted by one token. Validation is read in order, so every evaluation sees the same
     batches. Training data repeats forever and is a pure function of the seed and a position
-    (`POSITION_FIELDS`), so a resumed run continues it exactly without replaying it:
+    (`POSITION_FIELDS`), the same whatever the number of input pipelines, so a resumed run continues
+    it exactly without replaying it, on this slice or another:
 
-      files        epoch e reads the files in a permutation drawn from (seed, e) (`index_shuffle`,
-                   computed per file, so starting at epoch e, file i costs nothing)
-      lanes        LANES streams of files side by side (lane l reads the file slots l, l + LANES,
-                   ...), their windows interleaved, so that one long file never fills a chunk
-      documents    each pass over a document starts at a random offset (`_random_start`)
-      windows      packed across documents and epochs within a lane (no token lost), each tagged
-                   with where its first token is (`pack_located`)
-      chunks       `shuffle_buffer` consecutive windows, permuted by (seed, chunk number): a shuffle
-                   whose state is one number, unlike a shuffle buffer's
+      parts        the files cut into parts (`training_units`: ~UNIT_BYTES of text, ~UNIT_TOKENS of
+                   a shard); epoch e reads them in a permutation drawn from (seed, e)
+                   (`index_shuffle`, computed per slot: starting at epoch e, part i costs nothing)
+      lanes        `lanes_for(batch, parts)` streams (lane l reads the slots l, l + lanes, ...), each
+                   packed into windows tagged with where their first token is (`pack_located`; no
+                   token lost); every pass over a part starts at a random offset (`_random_start`)
+      chunks       each lane permutes its windows in chunks of `chunk_size` (shuffle_buffer / lanes,
+                   at least one step's worth), by (seed, lane, chunk): a shuffle whose state is one number
+      steps        global step s takes the next batch // lanes windows of every lane, lane 0 first
+
+    With more input pipelines (one per host), pipeline p reads only lanes p * lanes / pipelines ..
+    when the pipelines divide the lanes (otherwise it reads all and keeps its rows), and its rows of
+    every global batch are the same as a single process's. Only lanes divide the data: a run resumed
+    on another slice continues the same global order from the saved table, neither repeating nor
+    skipping a window.
 
     `with_position` adds a third element, the position after the batch, as an int64
-    `(pipelines, len(POSITION_FIELDS))` update: this pipeline's row in the first of its replicas'
+    `(lanes, len(POSITION_FIELDS))` update: this pipeline's lanes' rows in the first of its replicas'
     batches of a step, zeros elsewhere, so that summing over replicas (a SUM-on-read variable, see
-    `controller.build_run`) gives every pipeline's position. `start` is such a table from a
-    checkpoint: the stream resumes from it, reading at most one file and one chunk again. Without a
-    usable `start`, `skip_steps` replays that many global steps (checkpoints that hold no position).
+    `controller.build_run`) gives every lane's position. `start` is such a table from a checkpoint:
+    the stream resumes from it, reading at most one file's part and one chunk per lane again. Without
+    a usable `start`, `skip_steps` replays that many global steps (checkpoints that hold no position).
     A position made over another list of training files (files added, removed or renamed: it would
     land elsewhere) is not used, nor is the stream replayed: it starts over on the new list ("files").
     After it was called, `dataset_fn.resumed` says which happened ("position", "files", "replay" or
-    "") and `dataset_fn.pipelines` is the number of input pipelines (the position table's rows).
+    "") and `dataset_fn.rows` is the position table's rows (lanes).
 
-    Several input pipelines (one per worker) split the data by file when every pipeline gets at
-    least `FILES_PER_PIPELINE` files; otherwise each reads the whole stream the same way and takes
-    its slice of every global batch, so that together they feed exactly the global batches a single
-    process would. `seed=None` draws the order from each pipeline's clock instead: parameter-server
-    workers build the same dataset graph, and a fixed seed would give them all the same batches.
+    Empty files have no parts; with no part at all, or a lane that reads as many parts as there are
+    without a token, a one-line error rather than a stream that waits forever. `seed=None` draws the
+    order from each pipeline's clock instead: parameter-server workers build the same dataset graph,
+    and a fixed seed would give them all the same batches.
     """
     window = seq_len + 1
     eos = tf.constant([tokenizer.eos_id], tf.int32)
-    fingerprint = files_fingerprint(source.files) if training else 0
-
-    def tokenized(docs):
-        if source.format != "text":  # shards hold token ids, end-of-text included
-            return docs
-        docs = docs.batch(16).map(tokenizer.encode_tf, num_parallel_calls=AUTOTUNE).unbatch()
-        return docs.map(lambda d: tf.concat([tf.cast(d, tf.int32), eos], axis=0))
-
-    # a long document spans several records of one shard: tfrecord shards are read one at a time so
-    # its records stay contiguous; text files are whole documents and can interleave
-    cycle = 1 if source.format == "tfrecord" else 4
+    tokens = tokens_of(source, tokenizer, eos)
 
     def validation(ctx):
         pipelines, index = ctx.num_input_pipelines, ctx.input_pipeline_id
-        files = tf.data.Dataset.from_tensor_slices(source.files)
+        bounds = file_bounds(source)
+        files = tf.data.Dataset.from_tensor_slices((source.files, tf.constant([b[0] for b in bounds], tf.int64),
+                                                    tf.constant([b[1] for b in bounds], tf.int64)))
         shard_files = pipelines > 1 and len(source.files) >= FILES_PER_PIPELINE * pipelines
         if shard_files:
             files = files.shard(pipelines, index)
-        docs = tokenized(files.interleave(read_documents(source), cycle_length=cycle,
-                                          num_parallel_calls=AUTOTUNE, deterministic=True))
+        read = read_documents(source)
+        docs = files.flat_map(lambda f, lo, hi: read(f, lo, hi, True))
+        docs = docs.map(tokens, num_parallel_calls=AUTOTUNE)
         windows = pack(docs, window)
         if pipelines > 1 and not shard_files:
             windows = windows.shard(pipelines, index)
@@ -424,52 +535,54 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
         # an eval pass may ask for more batches than one epoch holds
         return batches.map(lambda w: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE).repeat()
 
+    if not training:
+        def dataset_fn(ctx: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+            return validation(ctx or tf.distribute.InputContext()).prefetch(AUTOTUNE)
+        dataset_fn.resumed, dataset_fn.rows = "", 1
+        return dataset_fn
+
+    units = training_units(source)
+    if not units:
+        raise UserError(f"the training data ({source.description or ', '.join(source.files[:3])}) is empty: "
+                        f"its {len(source.files)} files hold nothing to read; point data.train at your data")
+    fingerprint = files_fingerprint(source.files)
+    lanes = lanes_for(global_batch, len(units))
+    per_lane = global_batch // lanes  # windows each lane gives to every global step
+    size = max(-(-shuffle_buffer // lanes), per_lane)  # windows per lane chunk: the buffer, over the lanes
+    header = (lanes, size, len(units), fingerprint)
+    table = _start_table(start, header)
+    files_changed = table is None and _other_files(start, fingerprint)
+    resumed = "position" if table is not None else "files" if files_changed else "replay" if skip_steps else ""
+    if table is None:
+        table = [(0, 0, lane, 0, 0) for lane in range(lanes)]
+    read = read_documents(source)
+
     def dataset_fn(ctx: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         ctx = ctx or tf.distribute.InputContext()
-        if not training:
-            return validation(ctx).prefetch(AUTOTUNE)
         pipelines, index = ctx.num_input_pipelines, ctx.input_pipeline_id
         per_replica = ctx.get_per_replica_batch_size(global_batch)
         replicas = ctx.num_replicas_in_sync // pipelines  # fed by this pipeline
-        order = seed if seed is not None else tf.cast(tf.timestamp() * 1e6, tf.int64) % (2 ** 31)
-        shard_files = pipelines > 1 and len(source.files) >= FILES_PER_PIPELINE * pipelines
-        files = source.files[index::pipelines] if shard_files else source.files
-        # more lanes than files would read the same files side by side from their beginnings: a
-        # one-file corpus in 4 lanes trains 4 times on its first quarter before seeing the rest
-        lanes = min(LANES, shuffle_buffer, len(files))
-        size = -(-shuffle_buffer // lanes) * lanes  # windows per chunk: whole rounds of the lanes
-        shape = (pipelines if shard_files else 1, lanes, size, fingerprint)
-        row = _start_row(start, shape, index)
-        files_changed = row is None and _other_files(start, fingerprint)
-        dataset_fn.resumed = "position" if row is not None else "files" if files_changed else \
-            "replay" if skip_steps else ""
-        dataset_fn.pipelines = pipelines
-        chunk, taken, at = (row[0], row[1], row[FIXED:]) if row is not None else (0, 0, [0] * (3 * LANES))
-        windows = _lanes(source, files, tokenizer, eos, window, order, lanes, at)
-
-        def permute(c, chunk_):
-            w, starts = chunk_  # the chunk's first `lanes` windows are lanes 0.. in order: their starts
-            k = tf.range(size, dtype=tf.int64)
-            head = tf.stack([c, 0, shape[0], lanes, size, fingerprint])
-            lane_starts = tf.pad(tf.reshape(starts[:lanes], [-1]), [[0, 3 * (LANES - lanes)]])
-            where = tf.tile(tf.concat([head, lane_starts], 0)[None], [size, 1])
-            where = tf.concat([where[:, :1], (k + 1)[:, None], where[:, 2:]], 1)  # taken: k + 1
-            return tf.gather(w, tf.random.experimental.index_shuffle(k, _seed(order, CHUNK_ORDER, c), size - 1)), where
-
-        stream = windows.batch(size, drop_remainder=True).enumerate(start=chunk).map(permute)
-        stream = stream.prefetch(1).unbatch().skip(taken)  # the next chunk is packed while one is consumed
         take = per_replica * replicas  # this pipeline's windows per step
-        lo = 0 if shard_files else index * take  # its slice of the global batch
-        steps = stream.batch(take if shard_files else global_batch, drop_remainder=True)
-        steps = steps.map(lambda w, where: (w[lo:lo + take], where[-1]))
-        if skip_steps and row is None and not files_changed:
-            steps = steps.skip(skip_steps)
+        order = seed if seed is not None else tf.cast(tf.timestamp() * 1e6, tf.int64) % (2 ** 31)
+        own = lanes % pipelines == 0  # each pipeline reads its own lanes; else all, keeping its rows
+        first = index * lanes // pipelines if own else 0
+        count = lanes // pipelines if own else lanes
+        windows = _lane_steps(source.files, units, read, tokens, window, order, lanes, per_lane, size, header, table,
+                              first, count, source.format == "tfrecord")
+        rows = 0 if own else index * take  # its slice of the global batch (all lanes read)
 
-        def per_replica_batches(w, where):
-            mine = tf.one_hot(index, pipelines, dtype=tf.int64)[:, None] * where[None, :]
-            updates = tf.concat([mine[None], tf.zeros([replicas - 1, pipelines, len(POSITION_FIELDS)], tf.int64)], 0)
+        @NO_AUTOGRAPH
+        def per_replica_batches(w, where):  # w (count, per_lane, window), where (count, fields)
+            w = tf.reshape(w, [count * per_lane, window])[rows:rows + take]
+            mine = tf.pad(where, [[first, lanes - first - count], [0, 0]])  # (lanes, fields)
+            if not own:
+                mine = mine * tf.cast(tf.equal(index, 0), tf.int64)  # one pipeline writes the table
+            updates = tf.concat([mine[None], tf.zeros([replicas - 1, lanes, len(POSITION_FIELDS)], tf.int64)], 0)
             return tf.reshape(w, [replicas, per_replica, window]), updates
 
+        steps = windows.batch(count, drop_remainder=True)
+        if skip_steps and resumed == "replay":
+            steps = steps.skip(skip_steps)
         batches = steps.map(per_replica_batches, num_parallel_calls=AUTOTUNE).unbatch()
         if with_position:
             batches = batches.map(lambda w, u: (w[:, :-1], w[:, 1:], u), num_parallel_calls=AUTOTUNE)
@@ -477,58 +590,89 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
             batches = batches.map(lambda w, u: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE)
         return batches.prefetch(AUTOTUNE)
 
-    dataset_fn.resumed, dataset_fn.pipelines = "", 1
+    dataset_fn.resumed, dataset_fn.rows = resumed, lanes
     return dataset_fn
 
 
-def _lanes(source: Source, files: list[str], tokenizer, eos, window: int, order, lanes: int, at) -> tf.data.Dataset:
-    """The windows of `lanes` lanes, interleaved one by one. Lane l reads the file slots l, l + lanes, ...
-    (slot s is file s % len(files) of epoch s // len(files), in that epoch's permutation) and packs
-    them into windows tagged with their start (slot, document, token); it starts at `at[l]` (all 0s:
-    the beginning). One lane function serves all lanes (built once: tf.data traces it once)."""
-    fresh = not any(at)
-    first = tf.constant([[l, 0, 0] if fresh else at[3 * l: 3 * l + 3] for l in range(lanes)], tf.int64)
-    n, paths = len(files), tf.constant(files)
-    read = read_documents(source)
+def _lane_steps(files: list[str], units: list[tuple[int, int, int, int]], read, tokens, window: int, order,
+                lanes: int, per_lane: int, size: int, header: tuple, table, first: int, count: int,
+                shards: bool) -> tf.data.Dataset:
+    """Lanes first .. first + count - 1, interleaved: for each step, each lane's `per_lane` windows
+    (per_lane, window) and its position row after them. Lane l reads the slots l, l + lanes, ...
+    (slot s is part s % len(units) of epoch s // len(units), in that epoch's permutation), starting
+    from its row of `table` (chunk, taken, slot, document, token). One lane function serves all
+    lanes (built once: tf.data traces it once)."""
+    n, paths, parts = len(units), tf.constant(files), tf.constant(units, tf.int64)  # parts: (units, 4)
+    rows = tf.constant([list(r) for r in table], tf.int64)  # (lanes, 5)
+    head = tf.constant(header, tf.int64)
 
+    @NO_AUTOGRAPH
     def lane_windows(lane):
-        first_slot, first_doc, first_token = first[lane][0], first[lane][1], first[lane][2]
+        chunk, taken, slot, doc0, token0 = (rows[lane][i] for i in range(5))
 
+        @NO_AUTOGRAPH
         def documents(s):
-            path = tf.gather(paths, tf.random.experimental.index_shuffle(s % n, _seed(order, FILE_ORDER, s // n), n - 1))
-            skip = tf.where(tf.equal(s, first_slot), first_doc, 0)
-            return read(path).enumerate().skip(skip).map(lambda d, doc: (s, d, doc))
+            i = tf.random.experimental.index_shuffle(s % n, _seed(order, FILE_ORDER, s // n), n - 1)
+            skip = tf.where(tf.equal(s, slot), doc0, 0)
+            unit = parts[i]
+            parts_ = read(tf.gather(paths, unit[0]), unit[1], unit[2], unit[3] > 0).enumerate().skip(skip)
+            end = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), tf.zeros([0], tf.int32), True))
+            return parts_.map(lambda d, part: (d, tokens(*part), part[1])).concatenate(end).map(
+                lambda d, doc, last: (s, d, doc, last))
 
-        def located(s, d, doc):
-            if source.format == "text":  # shards hold token ids, end-of-text included
-                doc = tf.concat([tf.cast(tokenizer.encode_tf(doc[None])[0], tf.int32), eos], axis=0)
-            doc = _random_start(doc, window, _seed(order, START_OFFSET, s, d))
-            here = tf.logical_and(tf.equal(s, first_slot), tf.equal(d, first_doc))
-            cut = tf.where(here, first_token, 0)  # the resumed document: from its token
+        @NO_AUTOGRAPH
+        def located(s, d, doc, last):
+            if shards:  # every record a fresh start: records are documents (or parts of one)
+                doc = _random_start(doc, window, _seed(order, START_OFFSET, s, d))
+            else:  # a text file's first piece; its later pieces and its end-of-text follow on
+                doc = tf.cond(tf.equal(d, 0), lambda: _random_start(doc, window, _seed(order, START_OFFSET, s, d)),
+                              lambda: doc)
+            here = tf.logical_and(tf.equal(s, slot), tf.equal(d, doc0))
+            cut = tf.where(here, token0, 0)  # the resumed document: from its token
             return doc[cut:], tf.stack([s, d, cut])
 
-        docs = tf.data.Dataset.range(first_slot, tf.int64.max, lanes).interleave(
-            documents, cycle_length=1, num_parallel_calls=AUTOTUNE, deterministic=True)  # one file at a time
-        return pack_located(docs.map(located, num_parallel_calls=AUTOTUNE, deterministic=True), window)
+        @NO_AUTOGRAPH
+        def guard(empty, element):  # files read in a row without a token: a full pass is an error
+            s, d, doc, last = element
+            empty = tf.where(tf.equal(d, -1), empty + 1, tf.where(tf.size(doc) > 0, tf.constant(0, tf.int64), empty))
+            check = tf.debugging.assert_less(empty, tf.cast(n + 1, tf.int64), message=(
+                f"error: a training input lane read all {n} parts of the data without a token; the data is empty"))
+            with tf.control_dependencies([check]):
+                return tf.identity(empty), element
 
-    return tf.data.Dataset.range(lanes).interleave(lane_windows, cycle_length=lanes, block_length=1,
-                                                   num_parallel_calls=lanes, deterministic=True)
+        # no threads of its own: the lanes run in parallel (hundreds of thread pools would cost seconds to start)
+        docs = tf.data.Dataset.range(slot, tf.int64.max, lanes).flat_map(documents)  # one part at a time
+        docs = docs.scan(tf.constant(0, tf.int64), guard).filter(lambda s, d, doc, last: d >= 0)
+        packed = pack_located(docs.map(located), window)
+
+        @NO_AUTOGRAPH
+        def permute(c, chunk_):
+            w, starts = chunk_  # the chunk's first window (before the permutation) is where it starts
+            k = tf.range(size, dtype=tf.int64)
+            where = tf.tile(tf.concat([head, tf.stack([c, tf.constant(0, tf.int64)]), starts[0]], 0)[None], [size, 1])
+            where = tf.concat([where[:, :FIXED + 1], (k + 1)[:, None], where[:, FIXED + 2:]], 1)  # taken: k + 1
+            shuffled = tf.random.experimental.index_shuffle(k, _seed(order, CHUNK_ORDER, lane, c), size - 1)
+            return tf.gather(w, shuffled), where
+
+        stream = packed.batch(size, drop_remainder=True).enumerate(start=chunk).map(permute)
+        stream = stream.prefetch(1).unbatch().skip(taken)  # the next chunk is packed while one is consumed
+        return stream.batch(per_lane, drop_remainder=True).map(lambda w, where: (w, where[-1]))
+
+    return tf.data.Dataset.range(first, first + count).interleave(
+        lane_windows, cycle_length=count, block_length=1, num_parallel_calls=min(count, 16), deterministic=True)
 
 
-def _start_row(start, shape: tuple, index: int):
-    """This pipeline's row of a saved position table, or None when the table does not fit this run
-    (files split over another number of pipelines, other lanes or chunk size: the stream was cut
-    differently)."""
+def _start_table(start, header: tuple):
+    """The lanes' (chunk, taken, slot, document, token) rows of a saved position table, or None when
+    the table does not fit this run (other lanes, chunk size or files: the stream was cut differently)."""
     if start is None or len(start) == 0:
         return None
     rows = [tuple(int(v) for v in r) for r in start]
     if not any(any(r) for r in rows):  # saved before any step ran (still the variable's zeros): the start
-        return (0, 0, *shape) + (0,) * (3 * LANES)
-    if any(len(r) != len(POSITION_FIELDS) or r[2:FIXED] != shape for r in rows):
+        return [(0, 0, lane, 0, 0) for lane in range(header[0])]
+    if len(rows) != header[0] or any(len(r) != len(POSITION_FIELDS) or r[:FIXED] != header for r in rows):
         return None
-    if shape[0] > 1:
-        return rows[index] if len(rows) == shape[0] else None
-    return rows[0]
+    return [r[FIXED:] for r in rows]
 
 
 def _other_files(start, fingerprint: int) -> bool:
@@ -544,49 +688,83 @@ def _other_files(start, fingerprint: int) -> bool:
 
 def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwrite: bool = False,
                  progress: Callable[[int, int, int], None] | None = None) -> dict:
-    """Tokenize `source` once and write `num_shards` TFRecord files plus `meta.json` to `output`.
+    """Tokenize `source` and write `num_shards` TFRecord files plus `meta.json` to `output`.
 
-    Shard i holds the i-th contiguous run of documents, so reading the shards in order gives the
-    input order; a long document is split across consecutive records of one shard. Each shard is
-    written under a temporary name and renamed when complete, so an interrupted run never leaves a
-    truncated shard behind.
+    Shards are balanced by tokens: shard i holds tokens [i * T // n, (i + 1) * T // n) of the stream
+    (each document's tokens, then end-of-text), so a large document or a single large file is split
+    across shards, none is empty, and reading them in order gives the input order. Text streams in
+    pieces of lines (`text_pieces`: memory holds a piece, never a file), read twice: once to count
+    the tokens, once to write them. A record holds at most RECORD_MAX_TOKENS tokens of one document.
+    Each shard is written under a temporary name and renamed when complete, so an interrupted run
+    never leaves a truncated shard behind. Too few tokens for `num_shards`: a UserError naming the
+    count that fits, before anything is written.
     """
     from tpu_llm.tokenizer import save_tokenizer
 
-    tf.io.gfile.makedirs(output)
     existing = tf.io.gfile.glob(os.path.join(output, "*.tfrecord"))
     if existing and not overwrite:
         raise UserError(f"{output} already holds {len(existing)} shards; pass --overwrite to "
                         "replace them or choose another --output")
-    names = [os.path.join(output, f"data-{i:05d}-of-{num_shards:05d}.tfrecord") for i in range(num_shards)]
-    writers = [tf.io.TFRecordWriter(n + ".tmp") for n in names]
-    docs = tf.data.Dataset.from_tensor_slices(source.files).map(tf.io.read_file)
-    docs = docs.batch(8).map(tokenizer.encode_tf, num_parallel_calls=AUTOTUNE).unbatch()
-    docs = docs.prefetch(AUTOTUNE)
-    tokens = records = 0
     start = time.time()
-    for i, doc in enumerate(docs):
-        shard = i * num_shards // len(source.files)  # contiguous runs of documents, in input order
-        ids = doc.numpy().tolist() + [tokenizer.eos_id]
-        for lo in range(0, len(ids), RECORD_MAX_TOKENS):
-            feature = tf.train.Feature(int64_list=tf.train.Int64List(value=ids[lo:lo + RECORD_MAX_TOKENS]))
-            example = tf.train.Example(features=tf.train.Features(feature={TFRECORD_FEATURE: feature}))
-            writers[shard].write(example.SerializeToString())
-            records += 1
-        tokens += len(ids)
-        if progress:
-            progress(i + 1, len(source.files), tokens)
-    for w in writers:
-        w.close()
+    total = sum(len(ids) for _, ids in _documents(source, tokenizer))
+    if total < num_shards:
+        raise UserError(f"the input holds {total:,} tokens, too few for --shards={num_shards} (each shard must "
+                        f"hold at least one); pass --shards={max(1, total)} or fewer, or add data")
+    tf.io.gfile.makedirs(output)
+    names = [os.path.join(output, f"data-{i:05d}-of-{num_shards:05d}.tfrecord") for i in range(num_shards)]
+    bounds = [(i + 1) * total // num_shards for i in range(num_shards)]  # shard i ends before token bounds[i]
+    shard, written, records = 0, 0, [0] * num_shards
+    writer = tf.io.TFRecordWriter(names[0] + ".tmp")
+
+    def write(ids: list[int]) -> None:
+        feature = tf.train.Feature(int64_list=tf.train.Int64List(value=ids))
+        writer.write(tf.train.Example(features=tf.train.Features(feature={TFRECORD_FEATURE: feature}))
+                     .SerializeToString())
+        records[shard] += 1
+
+    files_done = 0
+    for file_end, ids in _documents(source, tokenizer):
+        at = 0
+        while at < len(ids):
+            piece = ids[at:at + min(RECORD_MAX_TOKENS, bounds[shard] - written)]
+            write(piece)
+            at, written = at + len(piece), written + len(piece)
+            if written == bounds[shard] and shard + 1 < num_shards:
+                writer.close()
+                shard += 1
+                writer = tf.io.TFRecordWriter(names[shard] + ".tmp")
+        if file_end:
+            files_done += 1
+            if progress:
+                progress(files_done, len(source.files), written)
+    writer.close()
     for n in names:
         tf.io.gfile.rename(n + ".tmp", n, overwrite=True)
     for path in set(existing) - set(names):  # overwritten: no stale shard (other --shards) may remain
         tf.io.gfile.remove(path)
     save_tokenizer(tokenizer, output)
-    meta = {"files": len(source.files), "tokens": tokens, "records": records, "shards": num_shards,
+    shard_tokens = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+    meta = {"files": len(source.files), "tokens": total, "records": sum(records), "shards": num_shards,
             "tokenizer": tokenizer.spec(), "seconds": round(time.time() - start, 1),
-            # what check_shard_sizes compares each shard with before training
-            "shard_bytes": {os.path.basename(n): tf.io.gfile.stat(n).length for n in names}}
+            # what check_shard_sizes compares each shard with before training, and what
+            # training_units cuts shards into parts with
+            "shard_bytes": {os.path.basename(n): tf.io.gfile.stat(n).length for n in names},
+            "shard_records": {os.path.basename(n): r for n, r in zip(names, records)},
+            "shard_tokens": {os.path.basename(n): t for n, t in zip(names, shard_tokens)}}
     with tf.io.gfile.GFile(os.path.join(output, "meta.json"), "w") as f:
         f.write(json.dumps(meta, indent=1))
     return meta
+
+
+def _documents(source: Source, tokenizer):
+    """(file ends, token ids) for each piece of each text file of `source`, in order: a file's pieces,
+    then [end-of-text] with `file ends` True. Streams: memory holds one piece."""
+    read = read_documents(Source(source.files, "text", source.byte_range))
+    bounds = file_bounds(Source(source.files, "text", source.byte_range))
+    files = tf.data.Dataset.from_tensor_slices((source.files, tf.constant([b[0] for b in bounds], tf.int64),
+                                                tf.constant([b[1] for b in bounds], tf.int64)))
+    parts = files.flat_map(lambda f, lo, hi: read(f, lo, hi, True))
+    parts = parts.map(lambda p, last: (last, tf.cast(tokenizer.encode_tf(p[None])[0], tf.int32)),
+                      num_parallel_calls=AUTOTUNE, deterministic=True).prefetch(AUTOTUNE)
+    for last, ids in parts.as_numpy_iterator():
+        yield (True, [tokenizer.eos_id]) if last else (False, ids.tolist())
