@@ -758,9 +758,20 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
 
 def _documents(source: Source, tokenizer):
     """(file ends, token ids) for each piece of each text file of `source`, in order: a file's pieces,
-    then [end-of-text] with `file ends` True. Streams: memory holds one piece."""
-    read = read_documents(Source(source.files, "text", source.byte_range))
+    then [end-of-text] with `file ends` True. Streams: memory holds one piece (data.tokenizer=hf: one
+    file, tokenized whole)."""
     bounds = file_bounds(Source(source.files, "text", source.byte_range))
+    if getattr(tokenizer, "kind", "") == "hf":
+        # whole documents: an HF tokenizer's normalizer and template act on a text's start (Llama's BOS
+        # and its "▁" prefix) and its merges may cross a line break, so pieces would not give the ids
+        # of the document; memory holds one file (docs/tokenizers.md)
+        for path, (lo, hi) in zip(source.files, bounds):
+            with tf.io.gfile.GFile(path, "rb") as f:
+                f.seek(lo)
+                yield False, tokenizer.encode(f.read(hi - lo))
+            yield True, [tokenizer.eos_id]
+        return
+    read = read_documents(Source(source.files, "text", source.byte_range))
     files = tf.data.Dataset.from_tensor_slices((source.files, tf.constant([b[0] for b in bounds], tf.int64),
                                                 tf.constant([b[1] for b in bounds], tf.int64)))
     parts = files.flat_map(lambda f, lo, hi: read(f, lo, hi, True))
