@@ -392,7 +392,8 @@ LLAMA_1B_STANDIN = {"model.n_layer": 16, "model.n_head": 32, "model.n_embd": 204
 
 
 def longest_context(limit: int = 1 << 20) -> list[dict]:
-    """(c) the longest sequence the planner fits (90% of HBM, one sequence per replica, remat on), before
+    """(c) the longest sequence the planner fits (90% of HBM, one sequence per micro-batch of each replica,
+    remat on, the config's pipeline and tensor layout), before
     (dense loss and attention) and after (train.loss_chunk and blockwise attention)."""
     from tpu_llm import plan
     from tpu_llm.errors import UserError
@@ -411,9 +412,13 @@ def longest_context(limit: int = 1 << 20) -> list[dict]:
             acc = plan.accelerator(target)
             found = {}
             for label, extra in (("before", {}), ("after", after)):
-                def fits(seq):
+                base = load_config(path, over).parallel
+                # one sequence per micro-batch of each replica (a replica spans stages x tensor chips)
+                batch = max(1, acc.chips // (base.pipeline_stages * base.tensor)) * base.microbatches
+
+                def fits(seq, batch=batch):
                     cfg = load_config(path, {**over, **extra, "model.max_len": seq, "data.seq_len": seq,
-                                             "train.batch_size": acc.chips, "train.grad_accum": 1,
+                                             "train.batch_size": batch, "train.grad_accum": 1,
                                              "parallel.remat": True, "model.dropout": 0.0})
                     return plan.plan(cfg, acc, check=False).fits(plan.TIGHT)
                 low, high = 0, 128
@@ -424,7 +429,8 @@ def longest_context(limit: int = 1 << 20) -> list[dict]:
                     low, high = (mid, high) if fits(mid) else (low, mid)
                 found[label] = low
             rows.append({"model": name, "target": target, **found})
-    print(f"\n(c) longest sequence that fits (planner, 90% of HBM, 1 sequence per chip, remat on); after = "
+    print(f"\n(c) longest sequence that fits (planner, 90% of HBM, one sequence per micro-batch of each replica, "
+          f"remat on, the config's parallel layout); after = "
           f"train.loss_chunk={SUGGESTED_CHUNK} and model.attention=blockwise")
     print("| model | accelerator | before | after |")
     print("|---|---|---|---|")
