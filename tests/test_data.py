@@ -251,11 +251,16 @@ def test_shards_give_the_same_stream_as_text(tmp_path, corpus_files, monkeypatch
         np.testing.assert_array_equal(y1, y2)
 
 
-def test_too_few_shards_to_hold_out_validation(tmp_path, corpus_files):
+def test_few_shards_hold_out_the_last_and_one_shard_is_refused(tmp_path, corpus_files):
     out = tmp_path / "shards"
-    data.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=2)
-    message = resolve_error(train=str(out / "*.tfrecord"))
-    assert "data.validation" in message
+    data.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=8)
+    names = sorted(str(p) for p in out.glob("*.tfrecord"))
+    train, val = data.resolve_sources(DataConfig(train=str(out / "*.tfrecord")))
+    assert (train.files, val.files) == (names[:7], names[7:])  # data prepare's default 8: the tail held out
+    one = tmp_path / "one"
+    data.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(one), num_shards=1)
+    message = resolve_error(train=str(one / "*.tfrecord"))
+    assert "none can be held out" in message and "--shards N" in message and "data.validation" in message
 
 
 def test_a_shard_cut_short_is_refused_before_training(tmp_path, corpus_files):

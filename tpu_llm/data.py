@@ -99,9 +99,14 @@ def resolve_sources(cfg: DataConfig) -> tuple[Source, Source]:
         if val and train:
             return (Source(train, fmt, description=f"{cfg.train}: {len(train)} files"),
                     Source(val, fmt, description=f"{cfg.train}: {len(val)} held-out files"))
-    if fmt == "tfrecord":
-        raise UserError(f"data.train={cfg.train!r} has too few shards to hold some out for "
-                        "validation; set data.validation to separate shards")
+    if fmt == "tfrecord":  # few shards (data prepare's default is 8): the last ones, the stream's tail
+        if len(train_files) < 2:
+            raise UserError(f"data.train={cfg.train!r} is one shard: none can be held out for validation; write "
+                            "2 or more with `tpu-llm data prepare --shards N`, or set data.validation")
+        ordered = sorted(train_files)
+        held = max(1, round(frac * len(ordered)))
+        return (Source(ordered[:-held], fmt, description=f"{cfg.train}: {len(ordered) - held} files"),
+                Source(ordered[-held:], fmt, description=f"{cfg.train}: the last {held} shard(s), held out"))
     cut = 1.0 - frac  # few files: the tail of each file is validation (as nanoGPT does)
     return (Source(train_files, fmt, (0.0, cut), f"{cfg.train}: first {cut:.0%} of {len(train_files)} files"),
             Source(train_files, fmt, (cut, 1.0), f"{cfg.train}: last {frac:.0%} of {len(train_files)} files"))
