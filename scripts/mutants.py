@@ -246,7 +246,7 @@ MUTATIONS = [
       "tests/test_families.py::test_rmsnorm_keeps_its_epsilon_inside_the_root_for_small_inputs"),
     # ---- issue 18: Hugging Face tokenizers (data.tokenizer=hf) -------------------------------------
     M("hf-shards-without-bos", "tpu_llm/hf_tokenizer.py",
-      "self._encode_batch(batch)]", "self._encode_batch(batch, add_special_tokens=False)]",
+      "return self._trim(self._tok.encode(text).ids)", "return self._trim(self._tok.encode(text, add_special_tokens=False).ids)",
       "tests/test_hf_tokenizer.py::test_data_prepare_writes_the_ids_of_transformers"),
     M("hf-decode-keeps-special-tokens", "tpu_llm/hf_tokenizer.py",
       "skip_special_tokens=True)", "skip_special_tokens=False)",
