@@ -25,6 +25,7 @@ export never leaves a half-written one, and an existing export is replaced only 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -146,8 +147,8 @@ def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
     tail = checkpoint.rsplit("ckpt-", 1)[-1]
     step = int(tail) if tail.isdigit() else None
 
-    tmp = f"{output}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    # --overwrite: an existing export is replaced only once the new one is complete
+    with staged_directory(output, f"the export to {output!r}", EXPORT_FIX) as tmp:
         module = ServingModule(model, tokenizer.vocab_size, tokenizer.eos_id)
         logger = tf.get_logger()  # TF logs "Assets written to: <the temporary directory>" at INFO
         level = logger.level
@@ -168,17 +169,6 @@ def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
                 "weights": WEIGHTS_FILE}
         with tf.io.gfile.GFile(os.path.join(tmp, META_FILE), "w") as f:
             f.write(json.dumps(meta, indent=1) + "\n")
-        if tf.io.gfile.exists(output):  # --overwrite: only now that the new export is complete
-            tf.io.gfile.rmtree(output)
-        tf.io.gfile.rename(tmp, output)
-    except (tf.errors.OpError, OSError) as e:
-        _remove_quietly(tmp)
-        reason = (getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)).splitlines()[0][:200]
-        raise UserError(f"writing the export to {output!r} failed ({reason}); fix the path's permissions or "
-                        "space, or pass another --output") from None
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
     return {**meta, "output": output, "notes": notes}  # notes: e.g. the newest checkpoint was unreadable
 
 
@@ -193,6 +183,30 @@ def _save_weights(model, path: str) -> None:
         tf.io.gfile.copy(os.path.join(local, WEIGHTS_FILE), path, overwrite=True)
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+EXPORT_FIX = "fix the path's permissions or space, or pass another --output"
+
+
+@contextlib.contextmanager
+def staged_directory(target: str, what: str, fix: str):
+    """Write a directory in full before it appears: yields a temporary directory beside `target`, which
+    replaces `target` (an existing one only then) when the block completes. A failed write never
+    touches `target` and leaves no temporary directory: an OS or TensorFlow file error becomes one
+    line, "writing {what} failed (reason); {fix}", and anything else propagates as it is."""
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        if tf.io.gfile.exists(target):
+            tf.io.gfile.rmtree(target)
+        tf.io.gfile.rename(tmp, target)
+    except (tf.errors.OpError, OSError) as e:
+        _remove_quietly(tmp)
+        reason = (getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)).splitlines()[0][:200]
+        raise UserError(f"writing {what} failed ({reason}); {fix}") from None
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
 
 
 def _remove_quietly(path: str) -> None:

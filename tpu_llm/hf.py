@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 
 import numpy as np
 import tensorflow as tf
@@ -252,6 +251,7 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
     from tpu_llm.checkpoint import (CONFIG_FILE, MARKER_FILE, Checkpointer, _write_atomically,
                                     check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable, is_run_dir)
     from tpu_llm.config import config_from_dict
+    from tpu_llm.export import staged_directory
     from tpu_llm.model import GPT
     from tpu_llm.tokenizer import save_tokenizer
 
@@ -286,30 +286,20 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
                         f"{cfg.model.vocab_size}; are they from the same model?")
 
     check_run_dir_usable(os.path.dirname(run_dir) or ".")
-    tmp = f"{run_dir}.tmp-{uuid.uuid4().hex[:8]}"
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
-    try:
-        net = GPT(cfg.model, cfg.model.vocab_size).build_weights()
-        dtype = load_weights(net, reader, cfg.model)
-        tf.io.gfile.makedirs(tmp)
-        _write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/checkpoint.py)\n")
-        _write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
-        save_tokenizer(tokenizer, tmp)
-        meta = {"source": source, "architecture": hf["architectures"][0], "dtype": dtype, "config": hf}
-        _write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
-        Checkpointer(tmp, keep=cfg.checkpoint.keep, model=net).save(0)  # the model only: train adds the optimizer
-        if tf.io.gfile.exists(run_dir):  # an empty directory (check_run_dir_owner): replaced
-            tf.io.gfile.rmtree(run_dir)
-        tf.io.gfile.rename(tmp, run_dir)
-    except (tf.errors.OpError, OSError) as e:
-        _remove_quietly(tmp)
-        reason = (getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)).splitlines()[0][:200]
-        raise UserError(f"writing the run directory {run_dir!r} failed ({reason}); fix its permissions or "
-                        "space, or pass another --run_dir") from None
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
+    try:  # an existing (empty: check_run_dir_owner) run_dir is replaced once the import is complete
+        with staged_directory(run_dir, f"the run directory {run_dir!r}",
+                              "fix its permissions or space, or pass another --run_dir") as tmp:
+            net = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+            dtype = load_weights(net, reader, cfg.model)
+            tf.io.gfile.makedirs(tmp)
+            _write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/checkpoint.py)\n")
+            _write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
+            save_tokenizer(tokenizer, tmp)
+            meta = {"source": source, "architecture": hf["architectures"][0], "dtype": dtype, "config": hf}
+            _write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
+            Checkpointer(tmp, keep=cfg.checkpoint.keep, model=net).save(0)  # the model only: train adds the optimizer
     finally:
         keras.mixed_precision.set_global_policy(policy)
     return {"run_dir": run_dir, "family": model.get("family", "gpt2"), "dtype": dtype, "eos_id": eos,
@@ -325,7 +315,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
     import keras
 
     from tpu_llm.checkpoint import check_run_dir_reachable
-    from tpu_llm.export import META_FILE, _remove_quietly as remove
+    from tpu_llm.export import EXPORT_FIX, META_FILE, staged_directory
     from tpu_llm.generate import load_for_generation
 
     if dtype not in EXPORT_DTYPES:
@@ -380,8 +370,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
             shapes[name] = (variables[kernel].shape[-1],)
     eos = tokenizer.eos_id
     bos = eos if getattr(tokenizer, "bos_id", None) is None else tokenizer.bos_id
-    tmp = f"{output}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    with staged_directory(output, f"the export to {output!r}", EXPORT_FIX) as tmp:
         tf.io.gfile.makedirs(tmp)
         safetensors_io.write(os.path.join(tmp, safetensors_io.SINGLE_FILE),
                              [(n, shapes[n], np_dtype) for n in table], produce)
@@ -392,17 +381,6 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
         meta = {"run_dir": run_dir, "checkpoint": checkpoint, "step": step, "format": "hf", "dtype": dtype,
                 "family": m.family, "vocab_size": m.vocab_size, "eos_id": eos, "tokenizer_files": written}
         _write_json(os.path.join(tmp, META_FILE), meta)
-        if tf.io.gfile.exists(output):
-            tf.io.gfile.rmtree(output)
-        tf.io.gfile.rename(tmp, output)
-    except (tf.errors.OpError, OSError) as e:
-        remove(tmp)
-        reason = (getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)).splitlines()[0][:200]
-        raise UserError(f"writing the export to {output!r} failed ({reason}); fix the path's permissions or "
-                        "space, or pass another --output") from None
-    except BaseException:
-        remove(tmp)
-        raise
     return {**meta, "output": output, "notes": notes}
 
 
@@ -410,10 +388,3 @@ def _write_json(path: str, data: dict) -> None:
     with tf.io.gfile.GFile(path, "w") as f:
         f.write(json.dumps(data, indent=2) + "\n")
 
-
-def _remove_quietly(path: str) -> None:
-    try:
-        if tf.io.gfile.exists(path):
-            tf.io.gfile.rmtree(path)
-    except (tf.errors.OpError, OSError):
-        pass
