@@ -142,3 +142,25 @@ def snapshot(root) -> dict[str, str] | None:
             with open(os.path.join(dirpath, name), "rb") as f:
                 out[os.path.relpath(os.path.join(dirpath, name), root)] = hashlib.sha256(f.read()).hexdigest()
     return out
+
+
+BPE_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Héllo wörld: café, naïve, façade.",
+              "def add(a, b):\n\treturn a + b", "日本語のテキスト。", "Numbers 0123456789 {}[]()<>"] * 4
+
+
+def write_bpe_tokenizer(folder, vocab: int = 300) -> None:
+    """A small byte-level BPE in the GPT-2 style, as tokenizer.json + tokenizer_config.json (the HF
+    import tests' checkpoints carry it)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(BPE_CORPUS, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                            show_progress=False))
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, f)

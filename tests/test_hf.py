@@ -27,25 +27,10 @@ transformers = pytest.importorskip("transformers", reason="the reference tests n
 
 from tpu_llm import cli, safetensors_io  # noqa: E402
 
+from conftest import write_bpe_tokenizer  # noqa: E402
+
 VOCAB = 300
 LENGTHS = (1, 7, 20)  # padding-free batches, one per length
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "Héllo wörld: café, naïve, façade.",
-          "def add(a, b):\n\treturn a + b", "日本語のテキスト。", "Numbers 0123456789 {}[]()<>"] * 4
-
-
-def write_tokenizer(folder: str) -> None:
-    """A small byte-level BPE in the GPT-2 style, as tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, f)
 
 
 def build(family: str, root):
@@ -74,7 +59,7 @@ def build(family: str, root):
         hf_dir, run_dir = str(root / f"{family}-{dtype}"), str(root / f"{family}-{dtype}-run")
         # (.to converts in place); bfloat16 in shards: model.safetensors.index.json, read shard by shard
         copy.deepcopy(model).to(getattr(torch, dtype)).save_pretrained(hf_dir, **({"max_shard_size": "20KB"} if dtype == "bfloat16" else {}))
-        write_tokenizer(hf_dir)
+        write_bpe_tokenizer(hf_dir)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             # llama in bfloat16: also a context shorter than config.json's (--max_len: the KV cache's size)

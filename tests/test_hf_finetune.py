@@ -16,31 +16,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import snapshot, write_corpus
+from conftest import snapshot, write_bpe_tokenizer, write_corpus
 from tpu_llm import cli, safetensors_io
 
 pytest.importorskip("tokenizers", reason="the hf tokenizer kind needs tokenizers: pip install -e '.[hf]'")
 
 VOCAB = 300
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "Héllo wörld: café, naïve, façade.",
-          "def add(a, b):\n\treturn a + b", "日本語のテキスト。", "Numbers 0123456789 {}[]()<>"] * 4
-
-
-def write_tokenizer(folder) -> None:
-    """A small byte-level BPE in the GPT-2 style, as tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, f)
-
-
 GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 32,
                "n_embd": 32, "n_layer": 2, "n_head": 2, "n_inner": None, "activation_function": "gelu_new",
                "resid_pdrop": 0.0, "layer_norm_epsilon": 1e-5}
@@ -69,7 +50,7 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = F
     safetensors_io.write_all(os.path.join(folder, "model.safetensors"), tensors.items())
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
-    write_tokenizer(folder)
+    write_bpe_tokenizer(folder)
 
 
 def run_cli(*argv) -> tuple[int, str]:
