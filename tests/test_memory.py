@@ -28,8 +28,9 @@ def with_grads(f, *inputs):
     with tf.GradientTape() as tape:
         tape.watch(inputs)
         out = f(*inputs)
-        weight = tf.reshape(tf.range(tf.size(out), dtype=out.dtype), out.shape) / tf.cast(tf.size(out), out.dtype)
-        scalar = tf.reduce_sum(out * weight)  # every output position weighs differently
+        # every output position weighs differently, and none by 0 (a scalar loss's gradient would vanish)
+        weight = tf.reshape(tf.range(1, tf.size(out) + 1, dtype=out.dtype), out.shape) / tf.cast(tf.size(out), out.dtype)
+        scalar = tf.reduce_sum(out * weight)
     return out, tape.gradient(scalar, inputs)
 
 
@@ -59,14 +60,18 @@ def test_blockwise_attention_equals_dense_with_fewer_kv_heads_and_while_decoding
     close(dense(*bf), blockwise_attend(*bf, 0, NO_DROPOUT, False, 4), atol=3e-2)
 
 
-def test_chunked_loss_equals_the_dense_loss_and_gradients():
+def test_the_loss_and_the_chunked_loss_equal_tfs_fused_op_with_their_gradients():
     g = tf.random.Generator.from_seed(2)
-    x, w = g.normal([3, 7, 16]), g.normal([50, 16])
-    y = tf.random.stateless_uniform([3, 7], [1, 2], 0, 50, tf.int32)
+    x, w = g.normal([3, 7, 16]), g.normal([300, 16])  # the backward's vocabulary slices: 0-127, 128-255, 172-299
+    y = tf.random.stateless_uniform([3, 7], [1, 2], 0, 300, tf.int32)
+
+    def reference(logits, y):  # TF's fused op
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
 
     @tf.function
     def compare():
-        out = [with_grads(lambda x, w: loss_fn(tf.einsum("btc,vc->btv", x, w), y), x, w)]
+        out = [with_grads(lambda x, w: reference(tf.einsum("btc,vc->btv", x, w), y), x, w),
+               with_grads(lambda x, w: loss_fn(tf.einsum("btc,vc->btv", x, w), y), x, w)]  # model.py's
         for chunk in (4, 21, 64):  # 21 tokens: a padded last chunk, exactly one chunk, one padded chunk
             out.append(with_grads(lambda x, w: chunked_loss(x, w, y, chunk), x, w))
         return out
@@ -75,7 +80,7 @@ def test_chunked_loss_equals_the_dense_loss_and_gradients():
     for other in chunked:
         close(ref, other)
     bf = tf.cast(x, tf.bfloat16)  # the final norm's output under mixed_bfloat16; the head is float32
-    close(loss_fn(tf.einsum("btc,vc->btv", tf.cast(bf, tf.float32), w), y), chunked_loss(bf, w, y, 4), atol=1e-5)
+    close(reference(tf.einsum("btc,vc->btv", tf.cast(bf, tf.float32), w), y), chunked_loss(bf, w, y, 4), atol=1e-5)
 
 
 def step(model, stages=1, microbatches=1, devices=(), remat=False, jit=False, ways=1, loss_chunk=0):

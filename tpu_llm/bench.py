@@ -259,20 +259,23 @@ def families(steps: int = 2000, configs=FAMILY_CONFIGS, plan_config: str = PLAN_
 # ---- memory (docs/memory.md): chunked loss and blockwise attention ---------------------------------
 
 # name, config overrides: GPT-2 small's shape with 2 of its 12 layers and one sequence per step (XLA:CPU
-# compiles the full model slowly; the other layers add the same per-block bytes), and a Llama-3.2-1B-like
-# width with its 128k vocabulary in the gpt2 family (2 layers)
+# compiles the full model slowly; the other layers add the same per-block bytes), and Llama-3.2-1B's
+# block shape and 128k vocabulary (configs/llama_1b.yaml) with 2 of its 16 layers
 GPT2_SHAPE = {"model.n_layer": 2, "model.n_head": 12, "model.n_embd": 768, "model.vocab_size": 50304,
               "train.batch_size": 1, "precision": "float32"}
-LLAMA_SHAPE = {"model.n_layer": 2, "model.n_head": 32, "model.n_embd": 2048, "model.vocab_size": 128256,
-               "model.bias": False, "train.batch_size": 1, "precision": "float32"}
+LLAMA_SHAPE = {"model.family": "llama", "model.n_layer": 2, "model.n_head": 32, "model.n_kv_head": 8,
+               "model.n_embd": 2048, "model.mlp_hidden": 8192, "model.vocab_size": 128256, "model.bias": False,
+               "model.rope_theta": 500000.0, "model.tie_embeddings": True, "train.batch_size": 1,
+               "precision": "float32"}
 MEMORY_SHAPES = [(f"gpt2_125m T={t}", {**GPT2_SHAPE, "model.max_len": t, "data.seq_len": t}) for t in (1024, 4096, 8192)] \
-    + [("llama-style 128k vocab T=2048", {**LLAMA_SHAPE, "model.max_len": 2048, "data.seq_len": 2048})]
-LOSS_CHUNK = 256  # tokens per chunk in the table (train.loss_chunk)
+    + [("llama_1b T=2048", {**LLAMA_SHAPE, "model.max_len": 2048, "data.seq_len": 2048})]
+LOSS_CHUNK = 256  # tokens per chunk in the speed table (train.loss_chunk)
+TABLE_LOSS_CHUNK = 128  # in the memory table: 8-16 chunks of its 1-2k tokens per step
 SUGGESTED_CHUNK = 1024  # plan.SUGGESTED_LOSS_CHUNK: what the planner suggests
 ATTENTION_BLOCK = 128  # model.attention_block in the table (its default)
-SETTINGS = [("dense", "dense", {}), ("chunked", "dense", {"train.loss_chunk": LOSS_CHUNK}),
+SETTINGS = [("dense", "dense", {}), ("chunked", "dense", {"train.loss_chunk": TABLE_LOSS_CHUNK}),
             ("dense", "blockwise", {"model.attention": "blockwise", "model.attention_block": ATTENTION_BLOCK}),
-            ("chunked", "blockwise", {"train.loss_chunk": LOSS_CHUNK, "model.attention": "blockwise",
+            ("chunked", "blockwise", {"train.loss_chunk": TABLE_LOSS_CHUNK, "model.attention": "blockwise",
                                       "model.attention_block": ATTENTION_BLOCK})]
 
 
@@ -304,7 +307,7 @@ def memory_table(only: str = "") -> list[dict]:
         print(f"bench     {shape}, {loss} loss, {attn} attention: XLA temp {row['xla_temp']:,}, planner "
               f"{transient:,.0f} ({transient / row['xla_temp']:.3f})", flush=True)
     gib = plan.GIB
-    print(f"\n(a) XLA:CPU buffer assignment vs `tpu-llm plan`, float32, batch 1, 2 layers (loss_chunk={LOSS_CHUNK}, "
+    print(f"\n(a) XLA:CPU buffer assignment vs `tpu-llm plan`, float32, batch 1, 2 layers (loss_chunk={TABLE_LOSS_CHUNK}, "
           f"attention_block={ATTENTION_BLOCK})")
     print("| shape | loss | attention | XLA temp GiB | planner GiB | ratio | XLA total GiB | planner GiB | ratio "
           "| loss's share GiB |")

@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from tpu_llm import attention
 from tpu_llm.config import ModelConfig
+from tpu_llm.loss import cross_entropy
 
 
 def _normal(std: float) -> keras.initializers.Initializer:
@@ -275,9 +276,8 @@ class GPT(keras.Model):
 
 
 def loss_fn(logits, targets):
-    """Mean next-token cross entropy, float32."""
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=targets, logits=tf.cast(logits, tf.float32)))
+    """Mean next-token cross entropy, float32 (tpu_llm/loss.py: the gradient's memory)."""
+    return cross_entropy(logits, targets)
 
 
 def decay_mask(model: GPT) -> list:

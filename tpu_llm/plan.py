@@ -32,18 +32,23 @@ Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in 
                wide) and the SwiGLU's gate, up and product (model.mlp_hidden wide) in their place.
                remat (a recomputed block keeps only its input): n_s C a per token.
                First stage: the embedding output C a. Last stage: the final norm's input C a, the
-               head's float32 input 4C, and the loss's softmax 4V per token (logits are float32).
-  workspace    transients at the backward's peak, the larger of two phases (XLA:CPU's buffer
-               assignment shows both): the head's backward, with the last stage's logits, their
-               gradient and a transposed copy for one micro-batch (3 x 4V per token), and one block's
-               attention backward, with the gradients of its probabilities and scores (2 x 4 H T per
-               token), which runs after the loss's softmax and that block's MLP tensors are freed; with
-               remat that block recomputed for one micro-batch; with P > 1 the tied embedding table
-               the head reads (a V C) and its gradient (4 V C); bf16 casts of the stage's weights.
+               head's float32 input 4C, and the loss's logits 4V per token (float32; loss.py).
+  workspace    transients at the step's peak, the largest of three phases (XLA:CPU's buffer
+               assignment shows each): the loss's forward, its float32 exp of the logits (4V per
+               token of one micro-batch); the head's backward, whose gradient takes the logits'
+               place; one block's attention backward, with the gradients of its probabilities and
+               scores (2 x 4 H T per token; 3 with fewer kv heads than query heads), which runs after
+               the logits and that block's MLP tensors are freed, with remat that block recomputed
+               for one micro-batch. With P > 1 the tied embedding table the head reads (a V C) and its
+               gradient (4 V C); bf16 casts of the stage's weights. The head's gradient of a tied
+               table is the table's gradient itself (the embedding's is added in place at the end),
+               and until the head's backward writes it XLA lends its (V, C) room to the forward's exp
+               when that fits (tokens <= C), which the planner counts.
   chunked loss (train.loss_chunk = k, tpu_llm/loss.py): no 4V per token is kept; the head keeps
-               the float32 tokens (4C per token, and their padded chunks 4C); its backward holds a
-               (k, V) float32 tile (XLA:CPU's peak comes as the loop ends: one tile's worth) and the
-               float32 gradient of the table being summed (4 V C).
+               the float32 tokens (4C per token, and their padded chunks 4C) and the log-sum-exp;
+               forward and backward hold (k, V) float32 tiles (about three at XLA:CPU's peak) and
+               the backward the running dX (2 x 4C per token); the table's gradient is written in
+               place by vocabulary slices.
   blockwise attention (model.attention_block = b, tpu_llm/attention.py): instead of H T (4 + a)
                per token, the float32 output (4C, unless a = 4) and log-sum-exp (4H); the backward
                holds float32 copies of q, k, v, dO and dQ, dK, dV (7 x 4C per token; more in XLA:CPU:
@@ -200,16 +205,22 @@ def attention_bytes(cfg: Config, act_bytes: int) -> tuple[float, float]:
     if m.attention == "blockwise":
         block = min(m.attention_block, seq)
         return 4 * c * (act_bytes != 4) + 4 * h, 8 * 4 * c + 5 * 4 * h * block * block / seq
-    return h * seq * (4 + (act_bytes if act_bytes != 4 else 0)), 2 * 4 * h * seq
+    # the backward's gradients of the probabilities and the scores; with fewer kv heads (the 5-D einsum
+    # of model.attend) XLA:CPU holds a third scores-sized buffer there
+    copies = 2 if m.kv_heads() == m.n_head else 3
+    return h * seq * (4 + (act_bytes if act_bytes != 4 else 0)), copies * 4 * h * seq
 
 
-def loss_bytes(cfg: Config, vocab: int, tokens_micro: float) -> tuple[float, float]:
-    """(bytes per token the loss keeps for its backward, bytes its backward holds for one micro-batch):
-    the float32 softmax and logits (4V per token), or the chunked loss's tiles (train.loss_chunk)."""
+def loss_bytes(cfg: Config, vocab: int, tokens_micro: float) -> tuple[float, float, float]:
+    """(bytes per token the loss keeps for its backward, bytes its forward holds beyond them for one
+    micro-batch, bytes its backward holds), tpu_llm/loss.py: the float32 logits and the forward's exp
+    of them (the backward's gradient takes the logits' place); or the chunked loss's float32 input and
+    log-sum-exp, (chunk, V) float32 tiles forward and backward (XLA:CPU's peak: about three), and the backward's running dX."""
     c, chunk = cfg.model.n_embd, cfg.train.loss_chunk
     if chunk:
-        return 2 * 4 * c, 4 * min(chunk, tokens_micro) * vocab + 4 * vocab * c
-    return 4 * vocab, 3 * 4 * vocab * tokens_micro  # logits, their gradient, a transposed copy
+        tiles = 3 * 4 * min(chunk, tokens_micro) * vocab  # logits, their exp; the heap's gaps around them
+        return 2 * 4 * c + 4, tiles, tiles + 2 * 4 * c * tokens_micro
+    return 4 * vocab, 4 * vocab * tokens_micro, 0.0
 
 
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
@@ -223,19 +234,27 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     full, kept = block_activation_bytes(cfg, act_bytes)
     per_token = n_blocks * (kept if remat else full)
     work = 2 * params if act_bytes == 2 else 0.0  # compute-dtype casts of the weights
+    # Phases of the step, each with what is alive beyond the activations: the loss's forward, its
+    # backward, one block's backward. The head's gradient of a tied table is added in place to the
+    # embedding's: it is the table's gradient itself, written from the head's backward on (the chunked
+    # loss starts it as zeros before its forward). Until then XLA puts the dense loss's exp of the
+    # logits in that (V, C) room when it fits: no more tokens than C.
+    phases = [0.0]
     # one block's backward: its attention's transients (and with remat the block recomputed), once the
-    # loss's softmax and the block's own MLP tensors are freed
+    # loss's logits and the block's own MLP tensors are freed
     _, attention_work = attention_bytes(cfg, act_bytes)
     mlp = (2 * c + 3 * m.hidden()) * act_bytes / cfg.parallel.tensor  # the MLP tensors block_activation_bytes counts
     block_phase = (attention_work + (full if remat else 0) - mlp) * tokens_micro
-    head_phase = 0.0
     if stage.embed:
         per_token += c * act_bytes + (c if m.dropout > 0 else 0)
     if stage.head:
-        loss_kept, head_phase = loss_bytes(cfg, vocab, tokens_micro)
+        loss_kept, forward, backward = loss_bytes(cfg, vocab, tokens_micro)
         per_token += c * act_bytes + 4 * c + loss_kept
         block_phase -= loss_kept * tokens_micro
-    work += max(head_phase, block_phase, 0.0)
+        if not cfg.train.loss_chunk and stage.embed and m.tie_embeddings and forward <= 4 * vocab * c:
+            forward = 0.0
+        phases += [forward, backward]
+    work += max(phases + [block_phase])
     if stage.head:
         if stages > 1 and m.tie_embeddings:  # the head reads the tied table held by the first stage: a copy and its gradient
             work += vocab * c * (act_bytes + 4)
@@ -375,8 +394,8 @@ class Plan:
         stage = self.stages[self.worst]
         said = []
         if changes["train.loss_chunk"] != cfg.train.loss_chunk and stage.head:
-            kept, work = loss_bytes(cfg, self.vocab, tokens_micro)
-            said.append(f"the loss's logits take {_size(kept * tokens + work)}")
+            kept, forward, backward = loss_bytes(cfg, self.vocab, tokens_micro)
+            said.append(f"the loss's logits take {_size(kept * tokens + max(forward, backward))}")
         if changes["model.attention"] != cfg.model.attention:
             kept, work = attention_bytes(cfg, act)
             said.append(f"attention's scores take {_size(kept * tokens * len(stage.blocks) + work * tokens_micro)}")
