@@ -133,7 +133,8 @@ def test_mirrored_over_logical_cpus_trains_like_one_device(tmp_path, devices):
 
 
 def test_checkpoints_move_between_mirrored_and_one_device(tmp_path):
-    base = {"train.steps": 4, "checkpoint.every_steps": 2, "train.batch_size": 8}
+    # the checkpoints are the subject, not XLA (its mirrored step: the test above)
+    base = {"train.steps": 4, "checkpoint.every_steps": 2, "train.batch_size": 8, "execution": "graph"}
     train(tiny_config(tmp_path, **base, cpu_devices=2), say=quiet)
     run = build_run(tiny_config(tmp_path, **{**base, "train.steps": 6}))  # resumed on one device
     assert run.dist.num_replicas == 1 and run.resumed_from.endswith("ckpt-4")
