@@ -278,7 +278,7 @@ MUTATIONS = [
       "        layer.trainable = False\n", "        layer.trainable = True\n",
       "tests/test_hf_finetune.py -k test_fine_tuning_an_imported_checkpoint"),
     # ---- data at pod scale (issue 16) ---------------------------------------------------------------
-    M("shards-balanced-by-nothing", "tpu_llm/data.py",
+    M("shards-balanced-by-nothing", "tpu_llm/prepare.py",
       "bounds = [(i + 1) * total // num_shards for i in range(num_shards)]",
       "bounds = [total for i in range(num_shards)]",
       "tests/test_data_scale.py::test_one_file_into_8_shards_is_balanced_and_none_is_empty"),

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import write_corpus
-from tpu_llm import data
+from tpu_llm import data, prepare
 from tpu_llm.config import DataConfig
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizer import ByteTokenizer, load_tokenizer
@@ -229,10 +229,10 @@ def test_character_cut_by_the_sniffed_head_is_not_an_error(tmp_path):
 
 
 def test_shards_give_the_same_stream_as_text(tmp_path, corpus_files, monkeypatch):
-    monkeypatch.setattr(data, "RECORD_MAX_TOKENS", 1000)  # split each document across several records
+    monkeypatch.setattr(prepare, "RECORD_MAX_TOKENS", 1000)  # split each document across several records
     tok = ByteTokenizer()
     out = str(tmp_path / "shards")
-    meta = data.write_shards(data.Source(corpus_files, "text"), tok, out, num_shards=2)
+    meta = prepare.write_shards(data.Source(corpus_files, "text"), tok, out, num_shards=2)
     shards = sorted(glob.glob(os.path.join(out, "*.tfrecord")))
     assert [os.path.basename(s) for s in shards] == ["data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
     assert not glob.glob(os.path.join(out, "*.tmp"))
@@ -253,12 +253,12 @@ def test_shards_give_the_same_stream_as_text(tmp_path, corpus_files, monkeypatch
 
 def test_few_shards_hold_out_the_last_and_one_shard_is_refused(tmp_path, corpus_files):
     out = tmp_path / "shards"
-    data.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=8)
+    prepare.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=8)
     names = sorted(str(p) for p in out.glob("*.tfrecord"))
     train, val = data.resolve_sources(DataConfig(train=str(out / "*.tfrecord")))
     assert (train.files, val.files) == (names[:7], names[7:])  # data prepare's default 8: the tail held out
     one = tmp_path / "one"
-    data.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(one), num_shards=1)
+    prepare.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(one), num_shards=1)
     message = resolve_error(train=str(one / "*.tfrecord"))
     assert "none can be held out" in message and "--shards N" in message and "data.validation" in message
 
@@ -266,7 +266,7 @@ def test_few_shards_hold_out_the_last_and_one_shard_is_refused(tmp_path, corpus_
 def test_a_shard_cut_short_is_refused_before_training(tmp_path, corpus_files):
     # TensorFlow reads a truncated TFRecord file as if it ended there: the recorded size catches it
     out = tmp_path / "shards"
-    data.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=2)
+    prepare.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=2)
     first, second = sorted(out.glob("*.tfrecord"))
     assert data.detect_format([str(first), str(second)], "auto", "data.train") == "tfrecord"
     first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])
@@ -279,13 +279,13 @@ def test_a_shard_cut_short_is_refused_before_training(tmp_path, corpus_files):
 def test_write_shards_refuses_to_overwrite(tmp_path, corpus_files):
     tok, out = ByteTokenizer(), str(tmp_path / "shards")
     source = data.Source(corpus_files, "text")
-    data.write_shards(source, tok, out, num_shards=3)
+    prepare.write_shards(source, tok, out, num_shards=3)
     before = {p: open(p, "rb").read() for p in glob.glob(os.path.join(out, "*"))}
     with pytest.raises(UserError, match="already holds 3 shards; pass --overwrite"):
-        data.write_shards(source, tok, out, num_shards=2)
+        prepare.write_shards(source, tok, out, num_shards=2)
     assert {p: open(p, "rb").read() for p in glob.glob(os.path.join(out, "*"))} == before
     # With overwrite, the new set replaces the old one entirely: no stale shard of the 3-shard set.
-    data.write_shards(data.Source(corpus_files[:1], "text"), tok, out, num_shards=2, overwrite=True)
+    prepare.write_shards(data.Source(corpus_files[:1], "text"), tok, out, num_shards=2, overwrite=True)
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "*.tfrecord"))) == [
         "data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
 

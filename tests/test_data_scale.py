@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import write_corpus
-from tpu_llm import data
+from tpu_llm import data, prepare
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizer import ByteTokenizer
 
@@ -48,7 +48,7 @@ def read_shard(path) -> list[int]:
 def test_one_file_into_8_shards_is_balanced_and_none_is_empty(tmp_path):
     [path] = write_corpus(tmp_path / "in", files=1, lines=300)
     tok = ByteTokenizer()
-    meta = data.write_shards(data.Source([path], "text"), tok, str(tmp_path / "out"), num_shards=8)
+    meta = prepare.write_shards(data.Source([path], "text"), tok, str(tmp_path / "out"), num_shards=8)
     shards = sorted(glob.glob(str(tmp_path / "out" / "*.tfrecord")))
     counts = [len(read_shard(s)) for s in shards]
     assert len(shards) == 8 and min(counts) > 0
@@ -62,7 +62,7 @@ def test_too_little_data_for_the_shard_count_names_the_count_that_fits(tmp_path)
     path = tmp_path / "tiny.txt"
     path.write_text("abc\n")  # 4 bytes + end-of-text: 5 tokens
     with pytest.raises(UserError) as e:
-        data.write_shards(data.Source([str(path)], "text"), ByteTokenizer(), str(tmp_path / "out"), num_shards=8)
+        prepare.write_shards(data.Source([str(path)], "text"), ByteTokenizer(), str(tmp_path / "out"), num_shards=8)
     assert "\n" not in str(e.value) and "--shards=5 or fewer" in str(e.value)
     assert not (tmp_path / "out").exists()  # nothing written
 

@@ -133,7 +133,8 @@ def test_mirrored_over_logical_cpus_trains_like_one_device(tmp_path, devices):
 
 
 def test_checkpoints_move_between_mirrored_and_one_device(tmp_path):
-    base = {"train.steps": 4, "checkpoint.every_steps": 2, "train.batch_size": 8}
+    # the checkpoints are the subject, not XLA (its mirrored step: the test above)
+    base = {"train.steps": 4, "checkpoint.every_steps": 2, "train.batch_size": 8, "execution": "graph"}
     train(tiny_config(tmp_path, **base, cpu_devices=2), say=quiet)
     run = build_run(tiny_config(tmp_path, **{**base, "train.steps": 6}))  # resumed on one device
     assert run.dist.num_replicas == 1 and run.resumed_from.endswith("ckpt-4")
@@ -146,7 +147,8 @@ def test_checkpoints_move_between_mirrored_and_one_device(tmp_path):
 def test_mirrored_resume_replays_the_stream_to_the_exact_position(tmp_path):
     def cfg(run, steps):
         return tiny_config(tmp_path / run, **{"train.steps": steps, "train.decay_steps": 8,
-                                              "checkpoint.every_steps": 4, "train.batch_size": 8}, cpu_devices=2)
+                                              "checkpoint.every_steps": 4, "train.batch_size": 8}, cpu_devices=2,
+                           execution="graph")  # the stream's position is the subject (the XLA step: the test above)
 
     train(cfg("straight", 8), say=quiet)
     train(cfg("resumed", 4), say=quiet)

@@ -28,10 +28,13 @@ def quiet(*_):
 
 
 def cfg_for(root, run="run", **overrides):
-    """The tiny run of these tests (dropout on: its RNG state must survive a resume too), in root/run."""
+    """The tiny run of these tests (dropout on: its RNG state must survive a resume too), in root/run. Its
+    step runs as a TF graph: what these tests check (checkpoints, signals, saves) does not depend on XLA,
+    whose compile cost seconds per run; the divergence guard's tests, whose skip happens inside the
+    step, keep XLA."""
     return tiny_config(root, **{"run_dir": str(root / run), "model.dropout": 0.1, "train.steps": 8,
                                 "train.steps_per_loop": 2, "train.decay_steps": 8, "checkpoint.every_steps": 4,
-                                **overrides})
+                                "execution": "graph", **overrides})
 
 
 def metrics(run_dir, split="train"):
@@ -106,8 +109,8 @@ def test_non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_good_che
     poison(3, 4, 5)  # steps 4, 5 and 6
     lines = []
     with pytest.raises(RunStopped) as stopped:  # a host call and a checkpoint after every step
-        train(cfg_for(tmp_path, **{"train.max_bad_steps": 2, "train.steps_per_loop": 1, "checkpoint.every_steps": 1}),
-              say=lines.append)
+        train(cfg_for(tmp_path, **{"train.max_bad_steps": 2, "train.steps_per_loop": 1, "checkpoint.every_steps": 1,
+                                   "execution": "xla"}), say=lines.append)
     ckpts = tmp_path / "run" / "checkpoints"
     assert any("1 step(s) up to step 4 had a non-finite loss or gradient (first: step 4) and were not applied; "
                "1 of train.max_bad_steps=2 so far" in line for line in lines), lines
@@ -137,8 +140,8 @@ def test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches(tmp_p
 
     monkeypatch.setattr(fault.Guard, "after_call", keep_state_after_rollback)
     lines = []
-    summary = train(cfg_for(tmp_path, **{"train.on_bad_step": "rollback", "checkpoint.every_steps": 2}),
-                    say=lines.append)
+    summary = train(cfg_for(tmp_path, **{"train.on_bad_step": "rollback", "checkpoint.every_steps": 2,
+                                         "execution": "xla"}), say=lines.append)
     ckpt = tmp_path / "run" / "checkpoints" / "ckpt-4"
     assert any(f"rolled back to {ckpt}, continuing with the batches after the bad ones" in line for line in lines)
     assert summary["step"] == 8 and np.isfinite(summary["train_loss"])

@@ -28,7 +28,8 @@ HANG = 300  # seconds: a process still running after this failed the test
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.max_len=32", "--model.dropout=0.1",
         "--data.seq_len=16",
         "--data.shuffle_buffer=64", "--train.warmup_steps=1", "--train.eval_every=0", "--train.eval_steps=2",
-        "--sample.num_samples=0"]
+        "--sample.num_samples=0",
+        "--execution=graph"]  # what is tested is the processes' fate, not XLA: its compile cost ~6 s a process
 
 # Dies the moment it records checkpoint STEP in the state file: the checkpoint's files are written,
 # the run does not name it yet (TF writes the state file last; tpu_llm.checkpoint.Checkpointer).

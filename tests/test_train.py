@@ -23,6 +23,11 @@ def quiet(*_):
     pass
 
 
+# the step as a TF graph, for the tests of what a run directory holds, refuses and logs: none depends on
+# XLA, whose compile costs seconds per run (learning, restore and exact resume keep it)
+GRAPH = {"execution": "graph"}
+
+
 def weights(model):
     return [v.numpy() for v in model.weights]
 
@@ -82,7 +87,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
 
 
 def test_a_run_directory_of_another_model_is_refused_and_left_untouched(tmp_path):
-    train(cfg_for(tmp_path / "run", **{"train.steps": 4}), say=quiet)
+    train(cfg_for(tmp_path / "run", **{"train.steps": 4}, **GRAPH), say=quiet)
     before = snapshot(tmp_path / "run")
     with pytest.raises(UserError, match=r"model.n_layer=2 \(this config has 3\)"):
         train(cfg_for(tmp_path / "run", **{"model.n_layer": 3}), say=quiet)
@@ -92,7 +97,7 @@ def test_a_run_directory_of_another_model_is_refused_and_left_untouched(tmp_path
 
 
 def test_a_checkpoint_without_its_config_is_refused_when_it_does_not_fit(tmp_path):
-    train(cfg_for(tmp_path / "run", **{"train.steps": 4}), say=quiet)
+    train(cfg_for(tmp_path / "run", **{"train.steps": 4}, **GRAPH), say=quiet)
     os.remove(tmp_path / "run" / "config.yaml")
     before = {k: v for k, v in snapshot(tmp_path / "run").items() if k.startswith("checkpoints")}
     with pytest.raises(UserError, match="does not fit this model"):
@@ -133,7 +138,7 @@ def test_a_different_sentencepiece_model_is_refused_on_resume(tmp_path):
     files = sorted(str(p) for p in (tmp_path / "corpus").glob("*.txt"))
     train_sentencepiece(files, 400, str(tmp_path / "a.model"))
     train_sentencepiece(files, 420, str(tmp_path / "b.model"))
-    sp = {"data.tokenizer": "sentencepiece", "train.steps": 2, "train.steps_per_loop": 2}
+    sp = {"data.tokenizer": "sentencepiece", "train.steps": 2, "train.steps_per_loop": 2, **GRAPH}
     train(cfg_for(tmp_path / "run", **sp, **{"data.tokenizer_model": str(tmp_path / "a.model")}), say=quiet)
     before = snapshot(tmp_path / "run")
     with pytest.raises(UserError, match="different SentencePiece model"):
@@ -145,7 +150,7 @@ def test_a_resume_logs_every_step_once_in_metrics_and_tensorboard(tmp_path):
     """Resumed from step 2 after ckpt-4 was lost: the entries of steps 3-4 the first run logged are
     dropped (metrics.jsonl and the TensorBoard event files), so each step is logged once."""
     cfg = cfg_for(tmp_path / "run", **{"train.steps": 4, "train.steps_per_loop": 2, "checkpoint.every_steps": 2,
-                                       "train.eval_every": 2})
+                                       "train.eval_every": 2, **GRAPH})
     train(cfg, say=quiet)
     for path in (tmp_path / "run" / "checkpoints").glob("ckpt-4.*"):
         path.unlink()  # the newest checkpoint is lost: the next run resumes from ckpt-2

@@ -343,7 +343,7 @@ def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tok
         raise UserError(f"--shards={shards} must be a positive integer")
     if tokenizer not in TOKENIZERS:
         raise UserError(f"--tokenizer={tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
-    from tpu_llm import data, perf
+    from tpu_llm import data, perf, prepare
     from tpu_llm.tokenizer import build_tokenizer
 
     if input:
@@ -356,9 +356,9 @@ def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tok
     tok = build_tokenizer(tokenizer, tokenizer_model, files)
     print(f"tokenizing {source.description} with the {tok.kind} tokenizer into {shards} shards")
     bar = perf.Progress(len(files), label="files ")
-    meta = data.write_shards(source, tok, output, shards, overwrite=overwrite,
-                             progress=lambda i, n, tokens: (i % 50 == 0 or i == n) and bar.update(
-                                 i, f"{perf.format_count(tokens)} tokens"))
+    meta = prepare.write_shards(source, tok, output, shards, overwrite=overwrite,
+                                progress=lambda i, n, tokens: (i % 50 == 0 or i == n) and bar.update(
+                                    i, f"{perf.format_count(tokens)} tokens"))
     bar.close()
     print(f"wrote {meta['tokens']:,} tokens in {meta['records']:,} records to {output} "
           f"({meta['shards']} shards, {meta['seconds']} s); train with "
