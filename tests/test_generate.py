@@ -77,7 +77,8 @@ def test_generation_loads_every_trained_weight(tmp_path):
     from tpu_llm.controller import train, weights_fingerprint
     from tpu_llm.generate import load_for_generation
 
-    summary = train(tiny_config(tmp_path, **{"train.steps": 2}), say=lambda *_: None, samples=False)
+    summary = train(tiny_config(tmp_path, **{"train.steps": 2}, execution="graph"),  # the checkpoint is the subject
+                    say=lambda *_: None, samples=False)
     model, _, _ = load_for_generation(str(tmp_path / "run"))
     assert weights_fingerprint(model) == summary["fingerprint"]
     assert len(tf.train.list_variables(str(tmp_path / "run" / "checkpoints" / "ckpt-2"))) > len(model.weights)
