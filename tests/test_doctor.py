@@ -22,7 +22,7 @@ def test_doctor_passes_on_logical_cpus_and_a_failed_line_exits_2_with_its_fix(tm
     out, err = capsys.readouterr()
     assert code == 2 and err.strip().startswith("error: doctor: bfloat16 failed") and len(err.strip().splitlines()) == 1
     lines = {line.split()[1]: line for line in out.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")}
-    assert list(lines) == ["devices", "placement", "replicas", "bfloat16", "checkpoint", "input", "plan"], out
+    assert list(lines) == ["devices", "placement", "replicas", "bfloat16", "checkpoint", "input", "plan", "memory"], out
     assert [n for n, line in lines.items() if not line.startswith("PASS")] == ["bfloat16"], out
     assert f"      fix: {doctor.FIX['bfloat16']}" in out
     assert "2 replica(s) x 2 device(s)" in lines["devices"] and "bit-identical on 2 replicas" in lines["replicas"]
@@ -35,6 +35,17 @@ def test_doctor_passes_on_logical_cpus_and_a_failed_line_exits_2_with_its_fix(tm
     assert checks["checkpoint"]["values"]["exact"] and checks["input"]["values"]["ratio"] >= 1
     assert doctor.PLAN_RATIO[0] <= checks["plan"]["values"]["ratio"] <= doctor.PLAN_RATIO[1]
     assert abs(checks["bfloat16"]["values"]["relative"]) < 0.02  # the real tolerance holds
+    memory = checks["memory"]["values"]  # float32 on a CPU: the same sums in another order
+    assert memory["loss_diff"] < 1e-5 and memory["grad_diff"] < 1e-5
+    if memory["dense_peak"] is not None:  # this TF reports CPU allocations: the options must save memory
+        assert memory["options_peak"] < memory["dense_peak"]
+
+
+def test_the_memory_check_fails_when_the_chunked_loss_is_wrong(monkeypatch):
+    real = pipeline.chunked_loss
+    monkeypatch.setattr(pipeline, "chunked_loss", lambda x, w, y, chunk: 1.05 * real(x, w, y, chunk))
+    check = doctor.check_memory("/job:localhost/replica:0/task:0/device:CPU:0")
+    assert check.status == "FAIL" and 0.04 < check.values["loss_diff"] < 0.06, check.line()
 
 
 def test_each_check_fails_on_a_broken_input(tmp_path):

@@ -15,11 +15,16 @@ failed:
   checkpoint  a checkpoint written to and read back from the run directory, bit-exact
   input       the input pipeline's windows/s against what the measured step consumes
   plan        the measured step time against `tpu-llm plan`'s prediction for the same config
+  memory      the chunked loss and blockwise attention (docs/memory.md) on this device: loss and
+              gradients equal to the dense ones, and where TF reports device memory (TPU, GPU) the
+              step's peak with and without them against `tpu-llm plan`'s
 
 Two minutes on a v5e-8 by design: one TPU connection and one strategy for everything, a 2-block
 width-64 model (one block per stage), two training programs (float32 and bfloat16; each compiles once: the timed second
 call of the float32 run reuses its program), no evaluation, no samples. The float32 run's first call
 includes the compilation and is not timed.
+The memory line then compiles a one-block model's step twice (dense, and with both options) on the
+first device: seconds.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ FIX = {
            "`tpu-llm train --config configs/tiny.yaml` to see the full traceback",
     "plan": "the step time is far from the planner's: check the devices line (a step on the host CPU?) and "
             "compare `tpu-llm plan --accelerator ...` with this machine's type",
+    "memory": "train with train.loss_chunk=0 model.attention=dense if the results differ, and plan with a margin if "
+              "the memory differs from the planner's; report it with doctor.json",
 }
 
 
@@ -276,6 +283,80 @@ def check_plan(cfg: Config, dist, step_seconds: float) -> Check:
                   "ratio": ratio})
 
 
+# the memory check's model: one llama block (grouped-query attention) whose logits and scores are
+# most of its step's memory, small enough to compile in seconds anywhere
+MEMORY_PROBE = {"model.family": "llama", "model.n_layer": 1, "model.n_head": 4, "model.n_kv_head": 2,
+                "model.n_embd": 128, "model.max_len": 512, "data.seq_len": 512, "model.vocab_size": 8192,
+                "model.bias": False, "model.dropout": 0.0, "train.batch_size": 1, "precision": "float32"}
+MEMORY_OPTIONS = {"train.loss_chunk": 128, "model.attention": "blockwise", "model.attention_block": 128}
+MEMORY_TOLERANCE = 0.02  # relative difference of the loss and the gradients: a TPU's float32 matmuls run
+# bfloat16 passes by default, so the two orders of summation differ by more than float32's rounding
+MEMORY_PLAN_RATIO = (0.5, 2.0)  # measured / planned peak: outside, the planner is wrong for this chip
+
+
+def _probe_step(cfg: Config, model):
+    """The XLA-compiled loss and gradients of `model` under cfg (train.py's micro-step, one device)."""
+    stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, 1)
+    pipe = pipeline.Pipeline(model, stages, distribute.Placement(), 1, False, cfg.train.loss_chunk)
+
+    def micro(x, y):
+        with tf.GradientTape() as tape:
+            loss = pipe.loss(x, y, training=True)
+        return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+    return tf.function(micro, jit_compile=True)
+
+
+def _peak_bytes(device: str, step, x) -> float | None:
+    """Device memory the step takes beyond what was resident before it, or None where TF does not report it."""
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+        before = tf.config.experimental.get_memory_info(device)["current"]
+    except (ValueError, NotImplementedError, tf.errors.OpError):  # a CPU: no allocator stats
+        return None
+    out = step(x, x)
+    float(out[0])
+    return tf.config.experimental.get_memory_info(device)["peak"] - before
+
+
+def check_memory(device: str) -> Check:
+    """Dense against chunked loss + blockwise attention on `device`: the same weights and batch give the
+    same loss and gradients; peak memory of each step where the device reports it, against the plan."""
+    from tpu_llm.model import GPT
+
+    cfgs = {"dense": load_config(None, MEMORY_PROBE), "options": load_config(None, {**MEMORY_PROBE, **MEMORY_OPTIONS})}
+    cpu = plan.Accelerator("cpu", "CPU", 1, 1e11, 0.0, "the planner's memory only")
+    values: dict = {}
+    with tf.device(device):
+        x = tf.random.stateless_uniform([1, MEMORY_PROBE["data.seq_len"]], [7, 7], 0, MEMORY_PROBE["model.vocab_size"],
+                                        tf.int32)
+        dense = GPT(cfgs["dense"].model, MEMORY_PROBE["model.vocab_size"]).build_weights()
+        options = GPT(cfgs["options"].model, MEMORY_PROBE["model.vocab_size"]).build_weights()
+        options.set_weights(dense.get_weights())
+        results = {}
+        for name, model in (("dense", dense), ("options", options)):
+            step = _probe_step(cfgs[name], model)
+            results[name] = step(x, x)  # compiles
+            values[f"{name}_peak"] = _peak_bytes(device, step, x)
+            mem = plan.plan(cfgs[name], cpu).memory[0]
+            values[f"{name}_planned"] = mem.gradients + mem.activations + mem.workspace
+    (loss, grads), (loss2, grads2) = results["dense"], results["options"]
+    flat, flat2 = (tf.concat([tf.reshape(g, [-1]) for g in gs], 0) for gs in (grads, grads2))
+    values["loss_diff"] = abs(float(loss2) - float(loss)) / abs(float(loss))
+    values["grad_diff"] = float(tf.norm(flat2 - flat) / tf.norm(flat))
+    ok = values["loss_diff"] <= MEMORY_TOLERANCE and values["grad_diff"] <= MEMORY_TOLERANCE
+    numbers = (f"chunked loss + blockwise attention vs dense: loss {values['loss_diff']:.1e}, gradients "
+               f"{values['grad_diff']:.1e} apart (tolerance {MEMORY_TOLERANCE:g})")
+    if values["dense_peak"] is None:
+        return Check("memory", _status(ok), numbers + "; device memory not reported here", values)
+    ratios = {n: values[f"{n}_peak"] / values[f"{n}_planned"] for n in ("dense", "options")}
+    values.update(ratio_dense=ratios["dense"], ratio_options=ratios["options"])
+    ok = ok and values["options_peak"] < values["dense_peak"] and \
+        all(MEMORY_PLAN_RATIO[0] <= r <= MEMORY_PLAN_RATIO[1] for r in ratios.values())
+    return Check("memory", _status(ok), numbers + f"; peak {values['dense_peak'] / 2**20:.1f} -> "
+                 f"{values['options_peak'] / 2**20:.1f} MiB, {ratios['dense']:.2f}x and {ratios['options']:.2f}x "
+                 f"the plan (PASS within {MEMORY_PLAN_RATIO[0]:g}-{MEMORY_PLAN_RATIO[1]:g}x)", values)
+
+
 def layout(found: distribute.Found, cpu_devices: int, stages: int, tensor: int) -> tuple[int, int]:
     """(stages, tensor groups): what was asked, else 2 x 2 where 8 devices give two replicas of it,
     2 x 1 from 2 devices, 1 x 1 on one device."""
@@ -340,6 +421,7 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
         checks.append(check_checkpoint(f32))
         checks.append(check_input(input_windows_per_second(f32), step_seconds, batch))
         checks.append(check_plan(cfg, dist, step_seconds))
+        checks.append(check_memory(getattr(dist.strategy.extended, "worker_devices", ("/device:CPU:0",))[0]))
     except Exception as e:  # noqa: BLE001 - what broke on this machine is the doctor's finding
         first = (str(e).strip().splitlines() or [""])[0][:300]
         checks.append(Check("run", "FAIL", f"the tiny run stopped: {type(e).__name__}: {first}"))
