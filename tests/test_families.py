@@ -145,6 +145,7 @@ def test_llama_1b_plans_on_v5p_16_and_v6e_8():
      "parallel.tensor=4 must divide model.n_kv_head=2 .*valid values: 1, 2"),
     ({"model.mlp_hidden": 30, "parallel.tensor": 4}, "must divide the MLP's hidden size 30"),
     ({"model.rope_theta": 0}, "model.rope_theta .* must be > 0"),
+    ({"model.rope_theta": 500000.0}, r"model.rope_theta=500000.0: gpt2 learns its positions \(no rotary embeddings\)"),
 ])
 def test_family_settings_that_cannot_work_are_one_line_errors(overrides, message):
     with pytest.raises(UserError, match=message):

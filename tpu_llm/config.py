@@ -407,6 +407,8 @@ def _validate_family(m: ModelConfig) -> None:
                                               "model.family=llama; set model.n_kv_head=0 for gpt2")
         _check(m.tie_embeddings, "model.tie_embeddings=false: gpt2's output head is the embedding table; "
                                  "use model.family=llama for an untied head")
+        _check(m.rope_theta == ModelConfig.rope_theta, f"model.rope_theta={m.rope_theta}: gpt2 learns its positions "
+                                                       "(no rotary embeddings); remove it or use model.family=llama")
         return
     _check(not m.bias, "model.bias=true: the llama family has no biases; set model.bias=false")
     _check(m.n_head % m.kv_heads() == 0,

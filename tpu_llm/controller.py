@@ -347,7 +347,7 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
         say(f"comm      {run.comm.describe()}")
     elif comm.active(cfg.comm):
         say("comm      off: one replica, nothing to exchange")
-    say(f"model     {run.model.num_params():,} parameters ({cfg.model.n_layer} layers, {cfg.model.n_head} "
+    say(f"model     {run.model.num_params():,} parameters ({cfg.model.family}: {cfg.model.n_layer} layers, {cfg.model.n_head} "
         f"heads, width {cfg.model.n_embd}); {perf.format_count(flops_per_token)}FLOP/token")
     say(f"batch     {t.batch_size} x {d.seq_len} tokens = {tokens_per_step:,} per step; "
         f"{t.steps_per_loop} steps per host call; MFU peak: {perf.format_count(peak)}FLOP/s ({peak_how})")
