@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tpu_llm import bench, corpora, data
+from tpu_llm import bench, corpora, data, sources
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
 
@@ -53,7 +53,7 @@ def test_benchmark_config_reads_the_shipped_copy_from_any_directory(tmp_path, mo
     monkeypatch.chdir(tmp_path)  # a user's own directory: no configs/, no ../shared
     cfg = load_config(bench.config_path("configs/shakespeare_char.yaml"), {})
     assert cfg.data.train == "builtin:tinyshakespeare"
-    train, validation = data.resolve_sources(cfg.data)
+    train, validation = sources.resolve_sources(cfg.data)
     shipped = os.path.join(os.path.dirname(corpora.__file__), "shipped", "tinyshakespeare.txt")
     assert train.files == validation.files == [shipped]
     assert (train.byte_range, validation.byte_range) == ((0.0, 0.9), (0.9, 1.0))  # nanoGPT's split: the last 10%
@@ -80,7 +80,7 @@ def test_an_altered_missing_or_unknown_corpus_is_one_error_line(tmp_path, monkey
     monkeypatch.setattr(corpora, "DIRECTORY", str(tmp_path))
     with pytest.raises(UserError, match=r"^data.train: the shipped corpus builtin:tinyshakespeare cannot be read "
                                         r"\(.*tinyshakespeare.txt: No such file or directory\); reinstall tpu-llm"):
-        data.expand_globs("builtin:tinyshakespeare", "data.train")
+        sources.expand_globs("builtin:tinyshakespeare", "data.train")
 
     altered = tmp_path / "tinyshakespeare.txt"
     shutil.copy(os.path.join(os.path.dirname(corpora.__file__), "shipped", "tinyshakespeare.txt"), altered)
@@ -88,7 +88,7 @@ def test_an_altered_missing_or_unknown_corpus_is_one_error_line(tmp_path, monkey
         f.seek(1000)
         f.write(b"#")
     with pytest.raises(UserError) as e:
-        data.expand_globs("corpus/*.txt, builtin:tinyshakespeare", "data.train")  # checked before any glob
+        sources.expand_globs("corpus/*.txt, builtin:tinyshakespeare", "data.train")  # checked before any glob
     message = str(e.value)
     assert message.startswith(f"data.train: {altered} is not the shipped builtin:tinyshakespeare (SHA-256 ")
     assert message.endswith("restore it (git checkout -- tpu_llm/shipped/tinyshakespeare.txt) or reinstall tpu-llm")
@@ -96,4 +96,4 @@ def test_an_altered_missing_or_unknown_corpus_is_one_error_line(tmp_path, monkey
 
     with pytest.raises(UserError, match=r"^data.validation: there is no shipped corpus builtin:shakespeare; "
                                         r"shipped: builtin:tinyshakespeare$"):
-        data.expand_globs("builtin:shakespeare", "data.validation")
+        sources.expand_globs("builtin:shakespeare", "data.validation")

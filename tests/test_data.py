@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import write_corpus
-from tpu_llm import data, prepare
+from tpu_llm import data, prepare, sources
 from tpu_llm.config import DataConfig
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizer import ByteTokenizer, load_tokenizer
@@ -35,7 +35,7 @@ def first_batches(dataset, n):
 
 
 def text_dataset(files, training=False, seed=0, tok=None):
-    fn = data.make_dataset_fn(data.Source(list(files), "text"), tok or ByteTokenizer(), SEQ, BATCH,
+    fn = data.make_dataset_fn(sources.Source(list(files), "text"), tok or ByteTokenizer(), SEQ, BATCH,
                               training=training, seed=seed, shuffle_buffer=32)
     return fn()
 
@@ -102,7 +102,7 @@ def test_each_training_pass_over_a_document_starts_at_a_new_random_offset(tmp_pa
     path = tmp_path / "one.txt"
     doc = bytes(range(32, 127)) * 5 + b"\n"  # 476 tokens: offsets up to min(SEQ, 476 // 8) = 16
     path.write_bytes(doc)
-    fn = data.make_dataset_fn(data.Source([str(path)], "text"), ByteTokenizer(), SEQ, 1, training=True,
+    fn = data.make_dataset_fn(sources.Source([str(path)], "text"), ByteTokenizer(), SEQ, 1, training=True,
                               seed=3, shuffle_buffer=1)  # buffer 1: windows in stream order
     stream = [t for x, y in first_batches(fn(), 200) for t in x[0].tolist() + [int(y[0, -1])]]
     passes = bytes(t if t != 256 else 0 for t in stream).split(b"\0")[1:-1]  # whole passes only
@@ -119,7 +119,7 @@ def test_one_epoch_of_a_one_file_corpus_covers_the_whole_file(tmp_path):
     # times over (tinyshakespeare trained on its first 40% only)
     path = tmp_path / "one.txt"
     path.write_text("".join(f"{i:04d}\n" for i in range(400)))  # 2,000 bytes
-    fn = data.make_dataset_fn(data.Source([str(path)], "text"), ByteTokenizer(), SEQ, BATCH, training=True,
+    fn = data.make_dataset_fn(sources.Source([str(path)], "text"), ByteTokenizer(), SEQ, BATCH, training=True,
                               seed=0, shuffle_buffer=8)
     doc, covered = path.read_bytes(), set()
     for x, y in first_batches(fn(), 2000 // (SEQ + 1) // BATCH):  # one pass's worth of batches
@@ -142,12 +142,12 @@ def test_validation_is_deterministic(corpus_files):
 
 
 def test_embedded_corpus_split_is_disjoint_and_stable():
-    train, val = data.resolve_sources(DataConfig())
+    train, val = sources.resolve_sources(DataConfig())
     assert train.files and val.files and train.format == val.format == "text"
     assert not set(train.files) & set(val.files)
     assert len(val.files) < len(train.files)
     assert all(f.endswith(".py") for f in train.files + val.files)
-    again = data.resolve_sources(DataConfig())
+    again = sources.resolve_sources(DataConfig())
     assert (again[0].files, again[1].files) == (train.files, val.files)
 
 
@@ -155,7 +155,7 @@ def test_few_files_split_by_byte_range(tmp_path):
     path = tmp_path / "one.txt"
     text = "".join(f"line {i}: héllo ✓\n" for i in range(200))
     path.write_text(text, encoding="utf-8")
-    train, val = data.resolve_sources(DataConfig(train=str(path), validation_fraction=0.2))
+    train, val = sources.resolve_sources(DataConfig(train=str(path), validation_fraction=0.2))
     assert train.files == val.files == [str(path)]
     assert (train.byte_range, val.byte_range) == ((0.0, 0.8), (0.8, 1.0))
 
@@ -172,7 +172,7 @@ def test_few_files_split_by_byte_range(tmp_path):
 
 def test_explicit_validation_files(tmp_path, corpus_files):
     other = write_corpus(tmp_path / "val", files=1)
-    train, val = data.resolve_sources(DataConfig(train=",".join(corpus_files), validation=other[0]))
+    train, val = sources.resolve_sources(DataConfig(train=",".join(corpus_files), validation=other[0]))
     assert train.files == corpus_files and val.files == other
     assert train.byte_range == val.byte_range == (0.0, 1.0)
 
@@ -182,7 +182,7 @@ def test_explicit_validation_files(tmp_path, corpus_files):
 
 def resolve_error(**kwargs) -> str:
     with pytest.raises(UserError) as e:
-        data.resolve_sources(DataConfig(**kwargs))
+        sources.resolve_sources(DataConfig(**kwargs))
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -220,8 +220,8 @@ def test_latin1_file(tmp_path, text):
 
 def test_character_cut_by_the_sniffed_head_is_not_an_error(tmp_path):
     path = tmp_path / "cut.txt"
-    path.write_bytes(b"x" * (data.SNIFF_BYTES - 1) + "é and more text\n".encode("utf-8"))
-    train, _ = data.resolve_sources(DataConfig(train=str(path)))
+    path.write_bytes(b"x" * (sources.SNIFF_BYTES - 1) + "é and more text\n".encode("utf-8"))
+    train, _ = sources.resolve_sources(DataConfig(train=str(path)))
     assert train.files == [str(path)]
 
 
@@ -232,7 +232,7 @@ def test_shards_give_the_same_stream_as_text(tmp_path, corpus_files, monkeypatch
     monkeypatch.setattr(prepare, "RECORD_MAX_TOKENS", 1000)  # split each document across several records
     tok = ByteTokenizer()
     out = str(tmp_path / "shards")
-    meta = prepare.write_shards(data.Source(corpus_files, "text"), tok, out, num_shards=2)
+    meta = prepare.write_shards(sources.Source(corpus_files, "text"), tok, out, num_shards=2)
     shards = sorted(glob.glob(os.path.join(out, "*.tfrecord")))
     assert [os.path.basename(s) for s in shards] == ["data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
     assert not glob.glob(os.path.join(out, "*.tmp"))
@@ -240,8 +240,8 @@ def test_shards_give_the_same_stream_as_text(tmp_path, corpus_files, monkeypatch
     assert meta["tokens"] == len(stream) and meta["files"] == len(corpus_files) and meta["records"] > len(corpus_files)
     assert load_tokenizer(out).spec() == tok.spec()
 
-    assert data.detect_format(shards, "auto", "data.train") == "tfrecord"
-    fn = data.make_dataset_fn(data.Source(shards, "tfrecord"), tok, SEQ, BATCH, training=False, seed=0,
+    assert sources.detect_format(shards, "auto", "data.train") == "tfrecord"
+    fn = data.make_dataset_fn(sources.Source(shards, "tfrecord"), tok, SEQ, BATCH, training=False, seed=0,
                               shuffle_buffer=32)
     dataset = fn()
     assert [s.shape.as_list() for s in dataset.element_spec] == [[BATCH, SEQ], [BATCH, SEQ]]
@@ -253,12 +253,12 @@ def test_shards_give_the_same_stream_as_text(tmp_path, corpus_files, monkeypatch
 
 def test_few_shards_hold_out_the_last_and_one_shard_is_refused(tmp_path, corpus_files):
     out = tmp_path / "shards"
-    prepare.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=8)
+    prepare.write_shards(sources.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=8)
     names = sorted(str(p) for p in out.glob("*.tfrecord"))
-    train, val = data.resolve_sources(DataConfig(train=str(out / "*.tfrecord")))
+    train, val = sources.resolve_sources(DataConfig(train=str(out / "*.tfrecord")))
     assert (train.files, val.files) == (names[:7], names[7:])  # data prepare's default 8: the tail held out
     one = tmp_path / "one"
-    prepare.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(one), num_shards=1)
+    prepare.write_shards(sources.Source(corpus_files, "text"), ByteTokenizer(), str(one), num_shards=1)
     message = resolve_error(train=str(one / "*.tfrecord"))
     assert "none can be held out" in message and "--shards N" in message and "data.validation" in message
 
@@ -266,26 +266,26 @@ def test_few_shards_hold_out_the_last_and_one_shard_is_refused(tmp_path, corpus_
 def test_a_shard_cut_short_is_refused_before_training(tmp_path, corpus_files):
     # TensorFlow reads a truncated TFRecord file as if it ended there: the recorded size catches it
     out = tmp_path / "shards"
-    prepare.write_shards(data.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=2)
+    prepare.write_shards(sources.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=2)
     first, second = sorted(out.glob("*.tfrecord"))
-    assert data.detect_format([str(first), str(second)], "auto", "data.train") == "tfrecord"
+    assert sources.detect_format([str(first), str(second)], "auto", "data.train") == "tfrecord"
     first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])
     with pytest.raises(UserError, match=rf"data.train: shard {first} is [\d,]+ bytes, but its meta.json records "
                                         r"[\d,]+: it was cut short or changed"):
-        data.detect_format([str(first), str(second)], "auto", "data.train")
-    assert data.detect_format([str(second)], "auto", "data.train") == "tfrecord"
+        sources.detect_format([str(first), str(second)], "auto", "data.train")
+    assert sources.detect_format([str(second)], "auto", "data.train") == "tfrecord"
 
 
 def test_write_shards_refuses_to_overwrite(tmp_path, corpus_files):
     tok, out = ByteTokenizer(), str(tmp_path / "shards")
-    source = data.Source(corpus_files, "text")
+    source = sources.Source(corpus_files, "text")
     prepare.write_shards(source, tok, out, num_shards=3)
     before = {p: open(p, "rb").read() for p in glob.glob(os.path.join(out, "*"))}
     with pytest.raises(UserError, match="already holds 3 shards; pass --overwrite"):
         prepare.write_shards(source, tok, out, num_shards=2)
     assert {p: open(p, "rb").read() for p in glob.glob(os.path.join(out, "*"))} == before
     # With overwrite, the new set replaces the old one entirely: no stale shard of the 3-shard set.
-    prepare.write_shards(data.Source(corpus_files[:1], "text"), tok, out, num_shards=2, overwrite=True)
+    prepare.write_shards(sources.Source(corpus_files[:1], "text"), tok, out, num_shards=2, overwrite=True)
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "*.tfrecord"))) == [
         "data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
 
@@ -296,7 +296,7 @@ def test_write_shards_refuses_to_overwrite(tmp_path, corpus_files):
 # (1, 2): one lane, both pipelines read it and keep their rows; (8, 2): each pipeline reads its own 4 lanes
 @pytest.mark.parametrize("files, pipelines", [(3, 1), (1, 2), (8, 2)])
 def test_the_training_stream_resumes_exactly_from_a_saved_position(tmp_path, files, pipelines):
-    source = data.Source(write_corpus(tmp_path, files=files), "text")
+    source = sources.Source(write_corpus(tmp_path, files=files), "text")
     replicas = 2 * pipelines  # two replicas per pipeline: the position rides on the first one's batch
 
     def pipeline_fns(start=None):
@@ -321,7 +321,7 @@ def test_the_training_stream_resumes_exactly_from_a_saved_position(tmp_path, fil
 
 
 def test_a_position_that_does_not_fit_falls_back_to_replaying(tmp_path):
-    source = data.Source(write_corpus(tmp_path, files=9), "text")
+    source = sources.Source(write_corpus(tmp_path, files=9), "text")
     fn = data.make_dataset_fn(source, ByteTokenizer(), SEQ, 8, training=True, seed=3, shuffle_buffer=7,
                               with_position=True)
     table = next(iter(fn()))[2].numpy()
@@ -346,14 +346,14 @@ def test_a_position_made_over_other_training_files_starts_the_new_list_over(tmp_
                                   with_position=True, **resume)
         return fn, iter(fn())
 
-    old = data.Source(files[:3], "text")
+    old = sources.Source(files[:3], "text")
     _, it = stream(old)
     table = [next(it) for _ in range(5)][-1][2].numpy()  # the position after 5 steps (one replica)
     fn, _ = stream(old, start=table, skip_steps=5)
     assert fn.resumed == "position"  # the same files: resumed exactly (test above)
-    moved = data.Source([str(tmp_path / "elsewhere" / os.path.basename(f)) for f in files[:3]], "text")
+    moved = sources.Source([str(tmp_path / "elsewhere" / os.path.basename(f)) for f in files[:3]], "text")
     assert data.files_fingerprint(moved.files) == data.files_fingerprint(old.files)  # the folder moved
-    new = data.Source(files, "text")
+    new = sources.Source(files, "text")
     fn, resumed = stream(new, start=table, skip_steps=5)
     assert fn.resumed == "files"
     _, fresh = stream(new)

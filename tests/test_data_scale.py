@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import write_corpus
-from tpu_llm import data, prepare
+from tpu_llm import data, prepare, sources
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizer import ByteTokenizer
 
@@ -27,7 +27,7 @@ def write_token_shards(directory, docs_per_shard: list[list[list[int]]]) -> list
             for doc in docs:
                 feature = tf.train.Feature(int64_list=tf.train.Int64List(value=doc))
                 writer.write(tf.train.Example(features=tf.train.Features(
-                    feature={data.TFRECORD_FEATURE: feature})).SerializeToString())
+                    feature={sources.TFRECORD_FEATURE: feature})).SerializeToString())
         meta["shard_records"][name] = len(docs)
         meta["shard_tokens"][name] = sum(len(d) for d in docs)
         names.append(os.path.join(directory, name))
@@ -37,9 +37,9 @@ def write_token_shards(directory, docs_per_shard: list[list[list[int]]]) -> list
 
 
 def read_shard(path) -> list[int]:
-    spec = {data.TFRECORD_FEATURE: tf.io.RaggedFeature(tf.int64)}
+    spec = {sources.TFRECORD_FEATURE: tf.io.RaggedFeature(tf.int64)}
     return [t for r in tf.data.TFRecordDataset(path).as_numpy_iterator()
-            for t in tf.io.parse_single_example(r, spec)[data.TFRECORD_FEATURE].numpy().tolist()]
+            for t in tf.io.parse_single_example(r, spec)[sources.TFRECORD_FEATURE].numpy().tolist()]
 
 
 # --- balanced shards ----------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def read_shard(path) -> list[int]:
 def test_one_file_into_8_shards_is_balanced_and_none_is_empty(tmp_path):
     [path] = write_corpus(tmp_path / "in", files=1, lines=300)
     tok = ByteTokenizer()
-    meta = prepare.write_shards(data.Source([path], "text"), tok, str(tmp_path / "out"), num_shards=8)
+    meta = prepare.write_shards(sources.Source([path], "text"), tok, str(tmp_path / "out"), num_shards=8)
     shards = sorted(glob.glob(str(tmp_path / "out" / "*.tfrecord")))
     counts = [len(read_shard(s)) for s in shards]
     assert len(shards) == 8 and min(counts) > 0
@@ -62,7 +62,7 @@ def test_too_little_data_for_the_shard_count_names_the_count_that_fits(tmp_path)
     path = tmp_path / "tiny.txt"
     path.write_text("abc\n")  # 4 bytes + end-of-text: 5 tokens
     with pytest.raises(UserError) as e:
-        prepare.write_shards(data.Source([str(path)], "text"), ByteTokenizer(), str(tmp_path / "out"), num_shards=8)
+        prepare.write_shards(sources.Source([str(path)], "text"), ByteTokenizer(), str(tmp_path / "out"), num_shards=8)
     assert "\n" not in str(e.value) and "--shards=5 or fewer" in str(e.value)
     assert not (tmp_path / "out").exists()  # nothing written
 
@@ -88,12 +88,12 @@ def test_empty_inputs_give_a_one_line_error_not_a_hang(tmp_path):
     # 0-byte shards (what the old `data prepare` wrote for 1 file into 8 shards): refused up front
     empty = write_token_shards(tmp_path / "empty", [[] for _ in range(4)])
     with pytest.raises(UserError) as e:
-        data.make_dataset_fn(data.Source(empty, "tfrecord", description="shards"), ByteTokenizer(), 8, 4,
+        data.make_dataset_fn(sources.Source(empty, "tfrecord", description="shards"), ByteTokenizer(), 8, 4,
                              training=True, seed=0, shuffle_buffer=4)
     assert "\n" not in str(e.value) and "is empty" in str(e.value)
     # shards whose records hold no token: a lane that reads every part without one stops, with the message
     hollow = write_token_shards(tmp_path / "hollow", [[[]] for _ in range(2)])
-    fn = data.make_dataset_fn(data.Source(hollow, "tfrecord"), ByteTokenizer(), 8, 4, training=True, seed=0,
+    fn = data.make_dataset_fn(sources.Source(hollow, "tfrecord"), ByteTokenizer(), 8, 4, training=True, seed=0,
                               shuffle_buffer=4)
     error = iterate_with_timeout(fn).get("error")
     assert isinstance(error, tf.errors.InvalidArgumentError)
@@ -109,7 +109,7 @@ def test_offsets_past_2_gib_are_exact(monkeypatch):
     assert (lo, hi) == (int(size * 0.9), size) and lo > 2**32
     # its parts (lanes read them side by side) tile [0, 0.9 * size) exactly, past int32 and int32 * 2
     monkeypatch.setattr(data, "file_sizes", lambda files: [size])
-    units = data.training_units(data.Source(["big.txt"], "text", (0.0, 0.9)))
+    units = data.training_units(sources.Source(["big.txt"], "text", (0.0, 0.9)))
     assert units[0][1] == 0 and units[-1][2] == int(size * 0.9) and units[-1][3] == 1
     assert all(a[2] == b[1] for a, b in zip(units, units[1:])) and len(units) == int(size * 0.9) // data.UNIT_BYTES
     # the line offsets the reader computes in the graph: lines starting in [lo, hi), at offsets > 2^31
@@ -130,7 +130,7 @@ def doc_shards(tmp_path, shards, docs, length):
 def test_batches_of_512_over_64_shards_hold_mostly_distinct_documents(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "UNIT_TOKENS", 512, raising=False)  # parts of 8 documents (scaled down with the data)
     files = doc_shards(tmp_path, shards=64, docs=64, length=64)  # 262,144 tokens: documents of 16 windows
-    fn = data.make_dataset_fn(data.Source(files, "tfrecord"), ByteTokenizer(), 3, 512, training=True, seed=0,
+    fn = data.make_dataset_fn(sources.Source(files, "tfrecord"), ByteTokenizer(), 3, 512, training=True, seed=0,
                               shuffle_buffer=1024)
     distinct = [len(set(x[:, 0].tolist())) for x, _ in fn().take(4).as_numpy_iterator()]
     assert min(distinct) >= 256, distinct  # >= 50% of the batch: windows from distinct documents
@@ -157,7 +157,7 @@ def test_resume_on_another_number_of_pipelines_neither_repeats_nor_skips(tmp_pat
     monkeypatch.setattr(data, "UNIT_TOKENS", 64, raising=False)
     # 16 shards: enough that the old code split the files by pipeline (and could not resume on 4)
     files = write_token_shards(tmp_path, [[list(range(s * 250, s * 250 + 250))] for s in range(16)])  # unique
-    source = data.Source(files, "tfrecord")
+    source = sources.Source(files, "tfrecord")
 
     def make(start=None):
         return data.make_dataset_fn(source, ByteTokenizer(), 7, 16, training=True, seed=5, shuffle_buffer=32,

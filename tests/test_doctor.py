@@ -131,11 +131,11 @@ def test_layout_fits_the_devices_found(tmp_path):
 def test_a_remote_tpu_gets_the_data_staged_beside_the_run(tmp_path):
     # a pod's hosts cannot read this machine's files: doctor copies a few embedded-corpus files into
     # the run directory (gs:// there) and trains on them
-    from tpu_llm import data
+    from tpu_llm import sources
 
     pattern = doctor.stage_data(str(tmp_path / "data"))
     staged = sorted(tf.io.gfile.glob(pattern))
-    originals = data.embedded_corpus_files()[:doctor.STAGED_FILES]
+    originals = sources.embedded_corpus_files()[:doctor.STAGED_FILES]
     assert len(staged) == len(originals) == doctor.STAGED_FILES
     for copy, original in zip(staged, originals):
         with open(copy, "rb") as a, open(original, "rb") as b:

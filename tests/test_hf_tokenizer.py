@@ -269,7 +269,7 @@ def test_a_run_takes_the_hf_tokenizer_from_its_shards_and_samples_with_it(tmp_pa
     """What `train` on hf shards and `generate` do with the tokenizer (a whole run costs ~25 s of compiling:
     `tpu-llm data prepare`, `train` and `generate` on the command line are in docs/tokenizers.md)."""
     from conftest import tiny_config, write_corpus
-    from tpu_llm import data
+    from tpu_llm import sources
     from tpu_llm.controller import print_samples, setup_tokenizer
     from tpu_llm.model import GPT
 
@@ -280,11 +280,11 @@ def test_a_run_takes_the_hf_tokenizer_from_its_shards_and_samples_with_it(tmp_pa
     cfg = tiny_config(tmp_path, **{"data.train": f"{tmp_path / 'llama'}/*.tfrecord", "data.tokenizer": "hf",
                                    "data.validation": f"{tmp_path / 'llama'}/*.tfrecord", "sample.prompt": "The quick",
                                    "sample.num_samples": 1, "sample.max_new_tokens": 1, "sample.temperature": 0})
-    sources = data.resolve_sources(cfg.data)
-    tok = setup_tokenizer(cfg, *sources)
+    splits = sources.resolve_sources(cfg.data)
+    tok = setup_tokenizer(cfg, *splits)
     assert tok.spec() == load_hf_tokenizer(llama["legacy"]).spec()
     save_tokenizer(tok, cfg.run_dir)
-    other = data.resolve_sources(tiny_config(tmp_path, **{"data.train": f"{tmp_path / 'gpt2'}/*.tfrecord",
+    other = sources.resolve_sources(tiny_config(tmp_path, **{"data.train": f"{tmp_path / 'gpt2'}/*.tfrecord",
                                                           "data.validation": f"{tmp_path / 'gpt2'}/*.tfrecord",
                                                           "data.tokenizer": "hf"}).data)
     with pytest.raises(UserError, match="does not match the one saved in"):  # another checkpoint's tokenizer

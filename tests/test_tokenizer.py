@@ -83,11 +83,11 @@ NO_TF_TEXT = textwrap.dedent("""
     import json, sys
     sys.modules["tensorflow_text"] = None  # `import tensorflow_text` raises ImportError
     import tensorflow as tf
-    from tpu_llm import data
+    from tpu_llm import data, sources
     from tpu_llm.errors import UserError
     from tpu_llm.tokenizer import SentencePieceTokenizer, build_tokenizer
     sp_model, files = sys.argv[1], sys.argv[2:]
-    source = data.Source(files, "text")
+    source = sources.Source(files, "text")
     out = {}
     for kind in ("byte", "char"):
         tok = build_tokenizer(kind, text_files=files)
@@ -104,7 +104,7 @@ NO_TF_TEXT = textwrap.dedent("""
 
 
 def test_byte_and_char_pipelines_run_without_tensorflow_text(tmp_path, corpus_files, sp):
-    from tpu_llm import data
+    from tpu_llm import data, sources
 
     script = tmp_path / "no_tf_text.py"
     script.write_text(NO_TF_TEXT)
@@ -113,7 +113,7 @@ def test_byte_and_char_pipelines_run_without_tensorflow_text(tmp_path, corpus_fi
                           timeout=120, cwd=repo, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": repo})
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    source = data.Source(corpus_files, "text")
+    source = sources.Source(corpus_files, "text")
     for kind in ("byte", "char"):  # the same batches as this process, which has tensorflow-text
         tok = build_tokenizer(kind, text_files=corpus_files)
         for training in (True, False):

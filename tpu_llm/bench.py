@@ -471,7 +471,7 @@ def data_pipeline(accelerator: str = "v5p-16", config: str = "configs/gpt2_125m.
     reader and tokenizer in a fresh process; distinct documents per batch of 512."""
     import numpy as np
 
-    from tpu_llm import data, plan
+    from tpu_llm import data, plan, sources
 
     cfg = load_config(config_path(config))
     cfg.model.vocab_size = cfg.model.vocab_size or plan.ASSUMED_SENTENCEPIECE_VOCAB
@@ -485,7 +485,7 @@ def data_pipeline(accelerator: str = "v5p-16", config: str = "configs/gpt2_125m.
         # data, so that the lanes are those of a real corpus: 256 of them for batch 256)
         files = _synthetic_shards(os.path.join(work, "shards"), shards=32, tokens=1 << 19, vocab=50_000)
         data.UNIT_TOKENS = 1 << 16
-        source = data.Source(files, "tfrecord")
+        source = sources.Source(files, "tfrecord")
 
         def make(start=None):
             return data.make_dataset_fn(source, _NoTokenizer(), seq, batch, training=True, seed=0,
@@ -563,7 +563,7 @@ def _synthetic_shards(directory: str, shards: int, tokens: int, vocab: int, doc_
     import numpy as np
     import tensorflow as tf
 
-    from tpu_llm import data
+    from tpu_llm import sources
 
     os.makedirs(directory)
     rng, doc, names, meta = np.random.default_rng(seed), 0, [], {"shard_records": {}, "shard_tokens": {}}
@@ -576,7 +576,7 @@ def _synthetic_shards(directory: str, shards: int, tokens: int, vocab: int, doc_
                 doc += 1
                 feature = tf.train.Feature(int64_list=tf.train.Int64List(value=[doc % vocab + 1] * n))
                 writer.write(tf.train.Example(features=tf.train.Features(
-                    feature={data.TFRECORD_FEATURE: feature})).SerializeToString())
+                    feature={sources.TFRECORD_FEATURE: feature})).SerializeToString())
                 left, records = left - n, records + 1
         meta["shard_records"][name], meta["shard_tokens"][name] = records, tokens
         names.append(os.path.join(directory, name))
@@ -601,14 +601,14 @@ def _table_at_step(table, step: int, per_lane: int):
 def _diversity(work: str) -> list[int]:
     """Distinct documents among each of 4 batches of 512 windows over 64 shards (every document of
     16 windows: contiguous text cannot fill a batch)."""
-    from tpu_llm import data
+    from tpu_llm import data, sources
 
     length, window = 256, 16
     files = _synthetic_shards(os.path.join(work, "diversity"), shards=64, tokens=64 * length, vocab=1 << 30,
                               doc_tokens=(length, length + 1))
     saved, data.UNIT_TOKENS = data.UNIT_TOKENS, 8 * length
     try:
-        fn = data.make_dataset_fn(data.Source(files, "tfrecord"), _NoTokenizer(), window - 1, 512, training=True,
+        fn = data.make_dataset_fn(sources.Source(files, "tfrecord"), _NoTokenizer(), window - 1, 512, training=True,
                                   seed=0, shuffle_buffer=1024)
         return [len(set(x[:, 0].tolist())) for x, _ in fn().take(4).as_numpy_iterator()]
     finally:

@@ -343,16 +343,16 @@ def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tok
         raise UserError(f"--shards={shards} must be a positive integer")
     if tokenizer not in TOKENIZERS:
         raise UserError(f"--tokenizer={tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
-    from tpu_llm import data, perf, prepare
+    from tpu_llm import data, perf, prepare, sources
     from tpu_llm.tokenizer import build_tokenizer
 
     if input:
-        files = data.expand_globs(input, "--input")
-        data.detect_format(files, "text", "--input")
-        source = data.Source(files, "text", description=f"{input}: {len(files)} files")
+        files = sources.expand_globs(input, "--input")
+        sources.detect_format(files, "text", "--input")
+        source = sources.Source(files, "text", description=f"{input}: {len(files)} files")
     else:
-        files = data.embedded_corpus_files()
-        source = data.Source(files, "text", description=f"embedded corpus: {len(files)} files")
+        files = sources.embedded_corpus_files()
+        source = sources.Source(files, "text", description=f"embedded corpus: {len(files)} files")
     tok = build_tokenizer(tokenizer, tokenizer_model, files)
     print(f"tokenizing {source.description} with the {tok.kind} tokenizer into {shards} shards")
     bar = perf.Progress(len(files), label="files ")
@@ -373,11 +373,11 @@ def tokenizer_train(input: str = "", vocab_size: int = 8000, output: str = "toke
     if vocab_size < 260:
         raise UserError(f"--vocab_size={vocab_size} must be an integer >= 260 (256 byte-fallback pieces plus "
                         "specials)")
-    from tpu_llm import data
+    from tpu_llm import sources
     from tpu_llm.tokenizer import train_sentencepiece
 
-    files = data.expand_globs(input, "--input") if input else data.embedded_corpus_files()
-    data.detect_format(files, "text", "--input")
+    files = sources.expand_globs(input, "--input") if input else sources.embedded_corpus_files()
+    sources.detect_format(files, "text", "--input")
     tok = train_sentencepiece(files, vocab_size, output)
     print(f"wrote {output}: {tok.vocab_size} pieces from {len(files)} files; use it with "
           f"--data.tokenizer=sentencepiece --data.tokenizer_model={output}")

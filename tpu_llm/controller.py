@@ -15,7 +15,7 @@ import time
 import keras
 import tensorflow as tf
 
-from tpu_llm import comm, data, fault, perf, pipeline
+from tpu_llm import comm, data, fault, perf, pipeline, sources
 from tpu_llm.checkpoint import (Checkpointer, check_run_dir, check_run_dir_owner, check_run_dir_reachable, record_run,
                                 resolve_tokenizer, restore_init_from)
 from tpu_llm.config import Config
@@ -48,7 +48,7 @@ class Run:
     initialised_from: str | None = None  # train.init_from: the checkpoint whose weights a new run started from
 
 
-def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
+def setup_tokenizer(cfg: Config, train_src: sources.Source, val_src: sources.Source):
     """The run's saved tokenizer (checked against the data's) or a new one from the config."""
     saved = load_tokenizer(cfg.run_dir)
     if train_src.format == "tfrecord":
@@ -63,7 +63,7 @@ def setup_tokenizer(cfg: Config, train_src: data.Source, val_src: data.Source):
     elif saved is not None and cfg.data.tokenizer != "sentencepiece":
         fresh = None  # resuming: the run's own tokenizer is used (a char vocabulary is not rebuilt) ...
         if saved.kind == "char":  # ... if it covers this data: other characters would all become "unknown"
-            missing = sorted(data.text_characters(sorted(set(train_src.files) | set(val_src.files))) - set(saved.chars))
+            missing = sorted(sources.text_characters(sorted(set(train_src.files) | set(val_src.files))) - set(saved.chars))
             if missing:
                 shown = ", ".join(repr(c) for c in missing[:20]) + (", ..." if len(missing) > 20 else "")
                 raise UserError(f"the char vocabulary saved in {cfg.run_dir!r} ({len(saved.chars)} characters) lacks "
@@ -100,7 +100,7 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     dist = dist or get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
-    train_src, val_src = data.resolve_sources(cfg.data)
+    train_src, val_src = sources.resolve_sources(cfg.data)
     check_pretokenized(cfg.data.tokenizer, (train_src, val_src))  # hf: shards only, on any platform
     if dist.io_device:  # a remote TPU: its hosts tokenize, with core TF ops only
         from tpu_llm import tpu
@@ -118,7 +118,7 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     # Every check that can fail runs before anything in the run directory is written (record_run below)
     # and before the first step: the data holds a batch, the end-of-run prompt can be encoded.
     for source, split in zip((train_src, val_src), ("training", "validation")):
-        data.check_holds_a_batch(source, tokenizer, cfg.train.batch_size, cfg.data.seq_len, split)
+        sources.check_holds_a_batch(source, tokenizer, cfg.train.batch_size, cfg.data.seq_len, split)
     if cfg.sample.num_samples and cfg.sample.max_new_tokens:
         check_covers(tokenizer, cfg.sample.prompt, "sample.prompt")
     if dist.is_chief:

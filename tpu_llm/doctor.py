@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm import data, distribute, pipeline, plan
+from tpu_llm import data, distribute, pipeline, plan, sources
 from tpu_llm.config import Config, load_config
 from tpu_llm.errors import UserError
 
@@ -115,7 +115,7 @@ def stage_data(directory: str) -> str:
     a remote TPU, whose hosts run the input pipeline and cannot read this machine's files); returns
     their glob for data.train. Byte tokenization runs on the hosts with core TF ops only."""
     tf.io.gfile.makedirs(directory)
-    for i, path in enumerate(data.embedded_corpus_files()[:STAGED_FILES]):
+    for i, path in enumerate(sources.embedded_corpus_files()[:STAGED_FILES]):
         with open(path, "rb") as f:
             text = f.read()
         with tf.io.gfile.GFile(os.path.join(directory, f"corpus-{i:02d}.txt"), "wb") as f:

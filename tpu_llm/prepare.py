@@ -13,7 +13,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tpu_llm.data import AUTOTUNE, TFRECORD_FEATURE, Source, file_bounds, read_documents
+from tpu_llm.data import AUTOTUNE, file_bounds, read_documents
+from tpu_llm.sources import TFRECORD_FEATURE, Source
 from tpu_llm.errors import UserError
 
 RECORD_MAX_TOKENS = 1 << 16  # long documents are split across records of at most this many tokens
