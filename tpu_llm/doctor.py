@@ -318,6 +318,18 @@ def _peak_bytes(device: str, step, x) -> float | None:
     return tf.config.experimental.get_memory_info(device)["peak"] - before
 
 
+def first_device(strategy) -> str:
+    """The device of the strategy's first replica; the default strategy (one device) has no list of them."""
+    try:
+        return strategy.extended.worker_devices[0]
+    except (RuntimeError, AttributeError, NotImplementedError):  # tf.distribute's default strategy raises
+        for kind in ("TPU", "GPU", "CPU"):
+            found = tf.config.list_logical_devices(kind)
+            if found:
+                return found[0].name
+    return "/device:CPU:0"
+
+
 def check_memory(device: str) -> Check:
     """Dense against chunked loss + blockwise attention on `device`: the same weights and batch give the
     same loss and gradients; peak memory of each step where the device reports it, against the plan."""
@@ -421,7 +433,7 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
         checks.append(check_checkpoint(f32))
         checks.append(check_input(input_windows_per_second(f32), step_seconds, batch))
         checks.append(check_plan(cfg, dist, step_seconds))
-        checks.append(check_memory(getattr(dist.strategy.extended, "worker_devices", ("/device:CPU:0",))[0]))
+        checks.append(check_memory(first_device(dist.strategy)))
     except Exception as e:  # noqa: BLE001 - what broke on this machine is the doctor's finding
         first = (str(e).strip().splitlines() or [""])[0][:300]
         checks.append(Check("run", "FAIL", f"the tiny run stopped: {type(e).__name__}: {first}"))
