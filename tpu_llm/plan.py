@@ -215,7 +215,8 @@ def loss_bytes(cfg: Config, vocab: int, tokens_micro: float) -> tuple[float, flo
     """(bytes per token the loss keeps for its backward, bytes its forward holds beyond them for one
     micro-batch, bytes its backward holds), tpu_llm/loss.py: the float32 logits and the forward's exp
     of them (the backward's gradient takes the logits' place); or the chunked loss's float32 input and
-    log-sum-exp, (chunk, V) float32 tiles forward and backward (XLA:CPU's peak: about three), and the backward's running dX."""
+    log-sum-exp, (chunk, V) float32 tiles forward and backward (XLA:CPU's peak: about three), and the
+    backward's running dX."""
     c, chunk = cfg.model.n_embd, cfg.train.loss_chunk
     if chunk:
         tiles = 3 * 4 * min(chunk, tokens_micro) * vocab  # logits, their exp; the heap's gaps around them
