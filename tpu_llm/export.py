@@ -116,34 +116,49 @@ class ServingModule(tf.Module):
         return tf.transpose(tf.reshape(ids, [max_new_tokens, batch]))
 
 
-def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
-    """Export `run_dir`'s newest checkpoint to `output` (default <run_dir>/export); returns export.json."""
+def export_target(run_dir: str, output: str, default: str, overwrite: bool) -> tuple[str, str]:
+    """(run_dir, output) of an export, output defaulting to <run_dir>/<default>; refused in one line: an
+    unreachable run, an output holding the run, and an existing output without --overwrite or that
+    is not an earlier export (--overwrite deletes it)."""
     from tpu_llm.checkpoint import check_run_dir_reachable
-    from tpu_llm.generate import load_for_generation
-    from tpu_llm.tokenizer import save_tokenizer
 
     run_dir = str(run_dir).rstrip("/")
-    output = str(output or os.path.join(run_dir, "export")).rstrip("/")
+    output = str(output or os.path.join(run_dir, default)).rstrip("/")
     check_run_dir_reachable(run_dir)
     if f"{run_dir}/".startswith(f"{output}/"):
         raise UserError(f"--output {output!r} is the run directory or holds it; give a directory of its own, "
-                        "e.g. the default <run_dir>/export")
+                        f"e.g. the default <run_dir>/{default}")
     if tf.io.gfile.exists(output):
         if not overwrite:
             raise UserError(f"{output!r} already exists; pass --overwrite to replace it, or --output another "
                             "directory")
-        if not tf.io.gfile.exists(os.path.join(output, META_FILE)):  # --overwrite deletes it: only an export
+        if not tf.io.gfile.exists(os.path.join(output, META_FILE)):
             raise UserError(f"{output!r} exists and is not a tpu-llm export (no {META_FILE}); --overwrite replaces "
                             "only an earlier export, so give another --output")
-    # float32 whatever this process trained with (a notebook exports in the process that trained under
-    # mixed_bfloat16 on a TPU): the variables are float32, and so is the exported computation
+    return run_dir, output
+
+
+def load_float32(run_dir: str):
+    """load_for_generation(run_dir) with its checkpoint and notes, built in float32 whatever this process
+    trained with (a notebook exports in the process that trained under mixed_bfloat16 on a TPU): the
+    variables are float32, and so is what an export writes. UserError for a directory that is not a
+    run, or a run without a checkpoint yet."""
+    from tpu_llm.generate import load_for_generation
+
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
     try:
-        # UserError for a directory that is not a run, or a run without a checkpoint yet
-        model, tokenizer, cfg, checkpoint, notes = load_for_generation(run_dir, with_checkpoint=True, with_notes=True)
+        return load_for_generation(run_dir, with_checkpoint=True, with_notes=True)
     finally:
         keras.mixed_precision.set_global_policy(policy)
+
+
+def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
+    """Export `run_dir`'s newest checkpoint to `output` (default <run_dir>/export); returns export.json."""
+    from tpu_llm.tokenizer import save_tokenizer
+
+    run_dir, output = export_target(run_dir, output, "export", overwrite)
+    model, tokenizer, cfg, checkpoint, notes = load_float32(run_dir)
     tail = checkpoint.rsplit("ckpt-", 1)[-1]
     step = int(tail) if tail.isdigit() else None
 

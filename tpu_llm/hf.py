@@ -312,32 +312,12 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
 
 def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str = "auto") -> dict:
     """Write `run_dir`'s newest checkpoint in the Hugging Face layout to `output` (default <run_dir>/hf)."""
-    import keras
-
-    from tpu_llm.checkpoint import check_run_dir_reachable
-    from tpu_llm.export import EXPORT_FIX, META_FILE, staged_directory
-    from tpu_llm.generate import load_for_generation
+    from tpu_llm.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
 
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"--dtype={dtype!r}; valid choices: {', '.join(EXPORT_DTYPES)}")
-    run_dir = str(run_dir).rstrip("/")
-    output = str(output or os.path.join(run_dir, "hf")).rstrip("/")
-    check_run_dir_reachable(run_dir)
-    if f"{run_dir}/".startswith(f"{output}/"):
-        raise UserError(f"--output {output!r} is the run directory or holds it; give a directory of its own, "
-                        "e.g. the default <run_dir>/hf")
-    if tf.io.gfile.exists(output):
-        if not overwrite:
-            raise UserError(f"{output!r} already exists; pass --overwrite to replace it, or --output another directory")
-        if not tf.io.gfile.exists(os.path.join(output, META_FILE)):
-            raise UserError(f"{output!r} exists and is not a tpu-llm export (no {META_FILE}); --overwrite replaces "
-                            "only an earlier export, so give another --output")
-    policy = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy("float32")
-    try:
-        model, tokenizer, cfg, checkpoint, notes = load_for_generation(run_dir, with_checkpoint=True, with_notes=True)
-    finally:
-        keras.mixed_precision.set_global_policy(policy)
+    run_dir, output = export_target(run_dir, output, "hf", overwrite)
+    model, tokenizer, cfg, checkpoint, notes = load_float32(run_dir)
     if dtype == "auto":  # an imported run goes back in the dtype it came in
         dtype = "float32"
         meta_path = os.path.join(run_dir, IMPORT_FILE)
