@@ -342,8 +342,7 @@ def memory_speed(steps: int = 60, rounds: int = 5) -> list[dict]:
     that a machine shared with other jobs slows every case alike."""
     import tensorflow as tf
 
-    from tpu_llm import pipeline
-    from tpu_llm.distribute import Placement
+    from tpu_llm import xla_memory
     from tpu_llm.model import GPT
 
     cases = [("baseline", {}), (f"loss_chunk={LOSS_CHUNK}", {"train.loss_chunk": LOSS_CHUNK}),
@@ -354,17 +353,9 @@ def memory_speed(steps: int = 60, rounds: int = 5) -> list[dict]:
         fns = {}
         for name, over in cases:
             cfg = load_config(config_path(config), {**over, "model.vocab_size": 257 if "tiny" in config else 65})
-            model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
-            stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, 1)
-            pipe = pipeline.Pipeline(model, stages, Placement(), 1, cfg.parallel.remat, cfg.train.loss_chunk)
-
-            def micro(x, y, pipe=pipe, model=model):
-                with tf.GradientTape() as tape:
-                    loss = pipe.loss(x, y, training=True)
-                return loss, tape.gradient(loss, model.trainable_variables)
-
+            step = xla_memory.micro_step(cfg, GPT(cfg.model, cfg.model.vocab_size).build_weights())
             x = tf.random.stateless_uniform([cfg.train.batch_size, cfg.data.seq_len], [1, 2], 0, 64, tf.int32)
-            fns[name] = (tf.function(micro, jit_compile=True), x, cfg.train.batch_size * cfg.data.seq_len)
+            fns[name] = (step, x, cfg.train.batch_size * cfg.data.seq_len)
             fns[name][0](x, x)  # compile
         seconds = {name: [] for name, _ in cases}
         for _ in range(rounds):

@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm import data, distribute, pipeline, plan, sources
+from tpu_llm import data, distribute, plan, sources, xla_memory
 from tpu_llm.config import Config, load_config
 from tpu_llm.errors import UserError
 
@@ -294,18 +294,6 @@ MEMORY_TOLERANCE = 0.02  # relative difference of the loss and the gradients: a 
 MEMORY_PLAN_RATIO = (0.5, 2.0)  # measured / planned peak: outside, the planner is wrong for this chip
 
 
-def _probe_step(cfg: Config, model):
-    """The XLA-compiled loss and gradients of `model` under cfg (train.py's micro-step, one device)."""
-    stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, 1)
-    pipe = pipeline.Pipeline(model, stages, distribute.Placement(), 1, False, cfg.train.loss_chunk)
-
-    def micro(x, y):
-        with tf.GradientTape() as tape:
-            loss = pipe.loss(x, y, training=True)
-        return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
-    return tf.function(micro, jit_compile=True)
-
-
 def _peak_bytes(device: str, step, x) -> float | None:
     """Device memory the step takes beyond what was resident before it, or None where TF does not report it."""
     try:
@@ -346,7 +334,7 @@ def check_memory(device: str) -> Check:
         options.set_weights(dense.get_weights())
         results = {}
         for name, model in (("dense", dense), ("options", options)):
-            step = _probe_step(cfgs[name], model)
+            step = xla_memory.micro_step(cfgs[name], model)
             results[name] = step(x, x)  # compiles
             values[f"{name}_peak"] = _peak_bytes(device, step, x)
             mem = plan.plan(cfgs[name], cpu).memory[0]

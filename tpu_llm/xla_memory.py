@@ -35,24 +35,31 @@ def measure(cfgs: list[Config], vocab: int, timeout: float = 1800) -> list[dict]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _compile_and_read(cfg: Config, vocab: int, dump: str) -> dict:
+def micro_step(cfg: Config, model):
+    """train.py's micro-step for one device, one replica and no grad_accum, XLA-compiled: the pipeline's
+    mean loss of (x, y) and its gradients as dense tensors (model.trainable_variables' order)."""
     import tensorflow as tf
 
     from tpu_llm import pipeline
     from tpu_llm.distribute import Placement
-    from tpu_llm.model import GPT
 
-    model = GPT(cfg.model, vocab).build_weights()
-    stages = pipeline.partition(cfg.model, vocab, cfg.data.seq_len, 1)
+    stages = pipeline.partition(cfg.model, model.vocab_size, cfg.data.seq_len, 1)
     pipe = pipeline.Pipeline(model, stages, Placement(), 1, cfg.parallel.remat, cfg.train.loss_chunk)
 
-    def micro(x, y):  # train.py's micro-step with one replica and no grad_accum
+    def micro(x, y):
         with tf.GradientTape() as tape:
             loss = pipe.loss(x, y, training=True)
         return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+    return tf.function(micro, jit_compile=True)
+
+
+def _compile_and_read(cfg: Config, vocab: int, dump: str) -> dict:
+    import tensorflow as tf
+
+    from tpu_llm.model import GPT
 
     x = tf.zeros([cfg.train.batch_size, cfg.data.seq_len], tf.int32)
-    tf.function(micro, jit_compile=True).experimental_get_compiler_ir(x, x)(stage="optimized_hlo")
+    micro_step(cfg, GPT(cfg.model, vocab).build_weights()).experimental_get_compiler_ir(x, x)(stage="optimized_hlo")
     newest = max(glob.glob(os.path.join(dump, "*buffer-assignment.txt")), key=os.path.getmtime)
     text = open(newest).read()
     for f in glob.glob(os.path.join(dump, "*")):
