@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Fingerprints of a fixed set of short training runs: each run's logged losses and final weights, hashed.
+
+A refactor that should change no numbers (moving modules, rewriting the training step) is checked by
+running this before and after, on the same machine, and comparing the two outputs line for line:
+
+    .venv/bin/python scripts/fingerprints.py > before.txt
+    ... change ...
+    .venv/bin/python scripts/fingerprints.py > after.txt && diff before.txt after.txt
+
+Every run goes through the `tpu-llm` command (so the script works whatever the package's layout) into
+a temporary run directory. The weights' hash covers every variable of the final checkpoint (model,
+optimizer slots, compression and local-SGD state), by name, in name order. XLA's CPU code can differ
+between processor types, so fingerprints are compared on one machine, never against a stored value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+BIN = os.path.join(os.path.dirname(sys.executable), "tpu-llm")
+QUIET = ["--train.eval_every=0", "--sample.num_samples=0", "--checkpoint.every_steps=0"]
+TINY = ["train", "--config", "configs/tiny.yaml", *QUIET]
+
+# name -> the tpu-llm command line (the run directory is appended)
+RUNS = {
+    "tiny 50 steps (xla)": [*TINY, "--train.steps=50"],
+    "2 stages x 2 tensor groups, 4 logical CPUs": [*TINY, "--train.steps=8", "--cpu_devices=4",
+                                                   "--parallel.pipeline_stages=2", "--parallel.tensor=2",
+                                                   "--parallel.microbatches=2"],
+    "2 mirrored replicas, powersgd": [*TINY, "--train.steps=8", "--cpu_devices=2", "--comm.compression=powersgd"],
+    "2 mirrored replicas, local sgd (H=3, nesterov)": [*TINY, "--train.steps=8", "--cpu_devices=2",
+                                                       "--comm.sync_every=3", "--comm.outer_optimizer=nesterov",
+                                                       "--comm.outer_lr=0.7"],
+    "mixed_float16, grad_accum 2, dropout": [*TINY, "--train.steps=8", "--precision=mixed_float16",
+                                             "--train.grad_accum=2", "--model.dropout=0.1"],
+    "2 mirrored replicas, dropout, topk": [*TINY, "--train.steps=8", "--cpu_devices=2", "--model.dropout=0.1",
+                                           "--comm.compression=topk", "--comm.topk_ratio=0.1"],
+    "parameter server, 1 worker": ["launch", "--workers", "1", "--ps", "1", "--", *TINY, "--train.steps=6",
+                                   "--train.steps_per_loop=3", "--execution=graph"],
+}
+
+
+def weights_hash(run_dir: str) -> str:
+    import tensorflow as tf
+
+    prefix = tf.train.latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+    if prefix is None:
+        return "no checkpoint"
+    reader = tf.train.load_checkpoint(prefix)
+    digest = hashlib.sha256()
+    for name in sorted(reader.get_variable_to_shape_map()):
+        if "save_counter" in name or name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH"):
+            continue
+        value = reader.get_tensor(name)
+        digest.update(name.encode())
+        digest.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
+    return digest.hexdigest()[:16]
+
+
+def losses(run_dir: str) -> list[str]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    for line in open(path, encoding="utf-8"):
+        record = json.loads(line)
+        if record.get("split") == "train" and "loss" in record:
+            out.append(f"{record['step']}:{record['loss']!r}")
+    return out
+
+
+def main() -> int:
+    only = sys.argv[1:]
+    for name, args in RUNS.items():
+        if only and not any(o in name for o in only):
+            continue
+        scratch = tempfile.mkdtemp(prefix="fingerprint-")
+        run_dir = os.path.join(scratch, "run")
+        cmd = [BIN, *args, f"--run_dir={run_dir}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        if done.returncode != 0:
+            print(f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}", file=sys.stderr)
+            print(f"{name}: FAILED exit {done.returncode}", flush=True)
+        else:
+            print(f"{name}: losses {' '.join(losses(run_dir))}; weights {weights_hash(run_dir)}", flush=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
