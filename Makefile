@@ -6,8 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-# Cloud TPU (infra/ and scripts/tpu.py; see infra/README.md). Settings, all optional, given on the
-# command line or in the environment (make passes both to scripts/tpu.py):
+# Cloud TPU (infra/ and tpu_llm/cloud/driver.py, run as `python -m tpu_llm.cloud`; see infra/README.md).
+# Settings, all optional, given on the command line or in the environment (make passes both to the driver):
 #   DRY_RUN=1        print every terraform/gcloud command instead of running it
 #   CONFIG=FILE      config to train (default configs/tiny.yaml, also for the local run)
 #   ARGS='--k=v ..'  extra `tpu-llm train` overrides (local and TPU)
@@ -18,7 +18,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 #   TRAIN_ON=auto|tpu|local   where `make train` runs (auto: the TPU if `make tpu-up` made one)
 #   WORKER=N LOGS=train|gcs|setup LOG_LINES=N PORT=6006 DESTROY_BUCKET=1 YES=1 TPU_SSH=iap|internal TPU_WAIT_MINUTES=30
 CONFIG ?= configs/tiny.yaml
-TPU := $(PYTHON) scripts/tpu.py
+TPU := $(PYTHON) -m tpu_llm.cloud
 
 # Offline checks of infra/ (terraform fmt, checkov, shellcheck) use a separate tools venv: checkov's
 # pins clash with the training environment.
@@ -44,7 +44,7 @@ $(TOOLS_STAMP):
 
 train: export CONFIG := $(CONFIG)
 train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/tiny.yaml on this machine
-	@$(BIN)/python scripts/tpu.py train --local-command '$(BIN)/tpu-llm train --config $(CONFIG)'
+	@$(BIN)/python -m tpu_llm.cloud train --local-command '$(BIN)/tpu-llm train --config $(CONFIG)'
 
 test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks), two pytest-xdist workers
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
@@ -84,10 +84,10 @@ tpu-logs:  ## follow the training log on worker 0, or its copy on Cloud Storage 
 	@$(TPU) logs
 
 tensorboard: $(STAMP)  ## TensorBoard on the bucket's run directories, at http://localhost:6006
-	@$(BIN)/python scripts/tpu.py tensorboard
+	@$(BIN)/python -m tpu_llm.cloud tensorboard
 
 data-upload: $(STAMP)  ## tokenize INPUT into TFRecord shards and upload them to the bucket
-	@$(BIN)/python scripts/tpu.py data-upload
+	@$(BIN)/python -m tpu_llm.cloud data-upload
 
 infra-check: $(STAMP) $(TOOLS_STAMP)  ## offline checks of infra/: terraform fmt, HCL structure, checkov, shellcheck
 	$(BIN)/python -m pytest -q tests/test_infra.py

@@ -12,7 +12,7 @@ locals {
   multi_host         = local.worker_count > 1
 
   # What the workers install: worker-requirements.txt, generated from pyproject.toml (its
-  # dependencies and `tpu` extra) by `python scripts/tpu_lock.py`, exact versions with hashes. Its
+  # dependencies and `tpu` extra) by `python -m tpu_llm.cloud lock`, exact versions with hashes. Its
   # tensorflow-tpu pin is the TensorFlow of the runtime image below too: on a pod the image's
   # TensorFlow servers and the client on worker 0 must be the same version.
   worker_requirements = file("${path.module}/worker-requirements.txt")

@@ -1,5 +1,5 @@
 # What `make train`, `make tpu-ssh`, `make tpu-logs`, `make tensorboard` and `make data-upload`
-# read (scripts/tpu.py, through `terraform output -json`).
+# read (tpu_llm/cloud/driver.py, through `terraform output -json`).
 
 output "project_id" {
   description = "Project of the TPU."

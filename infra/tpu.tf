@@ -1,6 +1,6 @@
 # The TPU. Terraform validates the zone, accelerator type and runtime image against the TPU API
 # at plan time, and makes a google_tpu_v2_vm. With use_queued_resource = true, `make tpu-up`
-# (scripts/tpu.py) creates a queued resource with gcloud instead, on the network, service account
+# (tpu_llm/cloud/driver.py) creates a queued resource with gcloud instead, on the network, service account
 # and start-up script made here: the provider's google_tpu_v2_queued_resource node spec takes no
 # service account, metadata or spot flag (its schema: tpu.node_spec.node.{accelerator_type,
 # description, network_config, runtime_version} only), and its delete has no `force`, so an

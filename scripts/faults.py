@@ -71,7 +71,7 @@ sys.exit(main(sys.argv[1:]))
 NAN = """
 import os, sys
 import tensorflow as tf
-from tpu_llm.train import Trainer
+from tpu_llm.training.trainer import Trainer
 original = Trainer._loss_and_grads_fn
 at = int(os.environ["FAULT_NAN_STEP"])
 def poisoned(self, inputs, targets):

@@ -11,7 +11,7 @@ warmup 100 then cosine to 1e-4, clipping at 1.0. After 2000 steps it prints nano
 
 Needs PyTorch, which this project does not install (use a separate environment):
     python scripts/nanogpt_reference.py [SEED] [PATH/tinyshakespeare.txt]
-(the text defaults to the copy shipped in tpu_llm/shipped/, which `tpu-llm bench` trains on)
+(the text defaults to the copy shipped in tpu_llm/data/shipped/, which `tpu-llm bench` trains on)
 """
 
 import math

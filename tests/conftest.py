@@ -129,7 +129,7 @@ def poison(monkeypatch):
     (a rolled-back run passes the same step number again). Under MirroredStrategy the replicas share
     the flag: at least the first replica's batch is poisoned."""
     armed = tf.Variable(tf.zeros([64], tf.int32), trainable=False)
-    from tpu_llm.train import Trainer
+    from tpu_llm.training.trainer import Trainer
 
     original = Trainer._loss_and_grads_fn
 

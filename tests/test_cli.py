@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import snapshot, write_corpus
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from tpu_llm import cloud
+from tpu_llm.cloud import storage as cloud
 from tpu_llm.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent

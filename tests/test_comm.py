@@ -1,4 +1,4 @@
-"""Communication-efficient training (tpu_llm/comm.py): the reduction maths on MirroredStrategy over
+"""Communication-efficient training (tpu_llm/parallel/comm.py): the reduction maths on MirroredStrategy over
 logical CPUs, local SGD's synchronisation, exact resume, and short runs against the synchronous
 baseline. Budget: the whole file runs in about two minutes on 2 cores (shared training runs)."""
 
@@ -11,13 +11,15 @@ import pytest
 import tensorflow as tf
 from conftest import tiny_config
 
-from tpu_llm import comm, perf
+from tpu_llm import perf
 from tpu_llm.config import load_config
-from tpu_llm.controller import build_run, train
-from tpu_llm.distribute import get_strategy
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
-from tpu_llm.train import Trainer, make_optimizer
+from tpu_llm.parallel import comm
+from tpu_llm.parallel.distribute import get_strategy
+from tpu_llm.training.controller import build_run, train
+from tpu_llm.training.optimizer import make_optimizer
+from tpu_llm.training.trainer import Trainer
 
 
 def quiet(*_):

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from tpu_llm import config_reference
 from tpu_llm.config import Config
+from tpu_llm.tools import config_reference
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

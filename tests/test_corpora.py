@@ -1,4 +1,4 @@
-"""Shipped corpora (`builtin:NAME`, tpu_llm/corpora.py): the benchmark's tinyshakespeare is in the package,
+"""Shipped corpora (`builtin:NAME`, tpu_llm/data/corpora.py): the benchmark's tinyshakespeare is in the package,
 checked by its SHA-256, and the benchmark config reads it from any working directory. No training here."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tpu_llm import bench, corpora, data, sources
 from tpu_llm.config import load_config
+from tpu_llm.data import corpora, sources
 from tpu_llm.errors import UserError
+from tpu_llm.tools import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 # char-rnn's data/tinyshakespeare/input.txt (what nanoGPT's shakespeare_char downloads)
@@ -61,7 +62,7 @@ def test_benchmark_config_reads_the_shipped_copy_from_any_directory(tmp_path, mo
 
 def test_bench_runs_from_any_directory(tmp_path, monkeypatch, fresh_checks):
     """`tpu-llm bench` from elsewhere finds its config and data and starts training (stubbed here)."""
-    import tpu_llm.controller
+    import tpu_llm.training.controller
 
     seen = {}
 

@@ -7,12 +7,13 @@ import random
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import write_corpus
-from tpu_llm import data, prepare, sources
+
 from tpu_llm.config import DataConfig
+from tpu_llm.data import dataset as data
+from tpu_llm.data import prepare, sources
 from tpu_llm.errors import UserError
-from tpu_llm.tokenizer import ByteTokenizer, load_tokenizer
+from tpu_llm.tokenizers import ByteTokenizer, load_tokenizer
 
 SEQ, BATCH = 16, 4
 

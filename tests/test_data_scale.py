@@ -10,11 +10,12 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import write_corpus
-from tpu_llm import data, prepare, sources
+
+from tpu_llm.data import dataset as data
+from tpu_llm.data import prepare, sources
 from tpu_llm.errors import UserError
-from tpu_llm.tokenizer import ByteTokenizer
+from tpu_llm.tokenizers import ByteTokenizer
 
 
 def write_token_shards(directory, docs_per_shard: list[list[list[int]]]) -> list[str]:

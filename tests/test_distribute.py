@@ -13,13 +13,13 @@ import pytest
 import tensorflow as tf
 from conftest import tiny_config
 
-from tpu_llm import cli, launch
-from tpu_llm.checkpoint import scratch_directory
+from tpu_llm import cli
 from tpu_llm.config import load_config
-from tpu_llm.controller import build_run, train
-from tpu_llm.distribute import Found, choose, get_strategy
 from tpu_llm.errors import UserError
-from tpu_llm.generate import load_for_generation
+from tpu_llm.parallel import launch
+from tpu_llm.parallel.distribute import Found, choose, get_strategy
+from tpu_llm.training.checkpoint import load_for_generation, scratch_directory
+from tpu_llm.training.controller import build_run, train
 
 
 def quiet(*_):
@@ -217,9 +217,10 @@ def test_staleness_counts_the_updates_other_workers_applied_between_read_and_wri
     """The cheap half of the test above (whose 2 workers may or may not overlap on a busy machine):
     the step's measurement, with 2 updates by other workers landing during its forward/backward."""
     from tpu_llm.config import ModelConfig, TrainConfig
-    from tpu_llm.distribute import Distribution
     from tpu_llm.model import GPT
-    from tpu_llm.train import Trainer, make_optimizer
+    from tpu_llm.parallel.distribute import Distribution
+    from tpu_llm.training.optimizer import make_optimizer
+    from tpu_llm.training.trainer import Trainer
 
     model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, max_len=8), 32).build_weights()
     dist = Distribution(tf.distribute.get_strategy(), "parameter_server", "test", "CPU", jit_compile=False,
@@ -371,7 +372,7 @@ def test_launch_usage_errors(capsys):
 
 
 def test_strategies_benchmark_prints_its_table(tmp_path, capsys):
-    from tpu_llm import bench
+    from tpu_llm.tools import bench
 
     cfg = tiny_config(tmp_path)
     path = tmp_path / "bench.yaml"

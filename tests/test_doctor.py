@@ -8,9 +8,11 @@ import pytest
 import tensorflow as tf
 from test_pipeline import tiny_model
 
-from tpu_llm import cli, doctor, pipeline
-from tpu_llm.distribute import Placement
+from tpu_llm import cli
 from tpu_llm.errors import UserError
+from tpu_llm.parallel import pipeline
+from tpu_llm.parallel.distribute import Placement
+from tpu_llm.tools import doctor
 
 
 def test_doctor_passes_on_logical_cpus_and_a_failed_line_exits_2_with_its_fix(tmp_path, monkeypatch, capsys):
@@ -116,7 +118,7 @@ def test_plan_accelerator_names():
 
 
 def test_layout_fits_the_devices_found(tmp_path):
-    from tpu_llm.distribute import Found
+    from tpu_llm.parallel.distribute import Found
     assert doctor.layout(Found(), 8, 0, 0) == (2, 2) and doctor.layout(Found(), 4, 0, 0) == (2, 1)
     assert doctor.layout(Found(gpus=1), 8, 0, 0) == (1, 1)  # one GPU: no stages to place
     assert doctor.layout(Found(tpu="tpu='local' set"), 8, 2, 1) == (2, 1)
@@ -131,7 +133,7 @@ def test_layout_fits_the_devices_found(tmp_path):
 def test_a_remote_tpu_gets_the_data_staged_beside_the_run(tmp_path):
     # a pod's hosts cannot read this machine's files: doctor copies a few embedded-corpus files into
     # the run directory (gs:// there) and trains on them
-    from tpu_llm import sources
+    from tpu_llm.data import sources
 
     pattern = doctor.stage_data(str(tmp_path / "data"))
     staged = sorted(tf.io.gfile.glob(pattern))

@@ -4,8 +4,8 @@ import numpy as np
 import tensorflow as tf
 from conftest import tiny_config
 
-from tpu_llm.controller import build_run
-from tpu_llm.train import ReplicaSeedGenerator
+from tpu_llm.training.controller import build_run
+from tpu_llm.training.trainer import ReplicaSeedGenerator
 
 
 def test_replicas_draw_different_dropout_masks_that_a_restore_reproduces(tmp_path):

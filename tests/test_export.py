@@ -19,20 +19,19 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import yaml
-
 from conftest import tiny_config
-from tpu_llm.generate import Sampler
+
+from tpu_llm.model.sampling import Sampler
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from tpu_llm.checkpoint import Checkpointer, open_run_dir
-    from tpu_llm.controller import weights_fingerprint
     from tpu_llm import cli
-    from tpu_llm.generate import load_for_generation
     from tpu_llm.model import GPT
-    from tpu_llm.tokenizer import ByteTokenizer
-    from tpu_llm.train import make_optimizer
+    from tpu_llm.tokenizers import ByteTokenizer
+    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation, open_run_dir
+    from tpu_llm.training.controller import weights_fingerprint
+    from tpu_llm.training.optimizer import make_optimizer
 
     tmp = tmp_path_factory.mktemp("export")
     # max_len 16, so that samples soon run past the context and the cache refill is compared too
@@ -82,8 +81,8 @@ def test_savedmodel_logits_match_the_restored_model(exported):
 
 
 def test_keras_weights_file_reloads_into_a_fresh_model(exported):
-    from tpu_llm.controller import weights_fingerprint
     from tpu_llm.model import GPT
+    from tpu_llm.training.controller import weights_fingerprint
 
     cfg = exported["cfg"]
     fresh = GPT(cfg.model, cfg.model.vocab_size).build_weights()
@@ -121,7 +120,7 @@ def test_generate_signature_edge_cases(exported):
 
 
 def test_export_is_self_contained(exported):
-    from tpu_llm.tokenizer import load_tokenizer
+    from tpu_llm.tokenizers import load_tokenizer
 
     out = exported["output"]
     assert out == f"{exported['run_dir']}/export"
@@ -171,8 +170,8 @@ def test_overwrite_never_deletes_what_is_not_an_export(exported, tmp_path, capsy
 
 def test_run_without_checkpoints_is_one_line(tmp_path, capsys):
     from tpu_llm import cli
-    from tpu_llm.checkpoint import open_run_dir
-    from tpu_llm.tokenizer import ByteTokenizer
+    from tpu_llm.tokenizers import ByteTokenizer
+    from tpu_llm.training.checkpoint import open_run_dir
 
     cfg = tiny_config(tmp_path)
     cfg.model.vocab_size = 257

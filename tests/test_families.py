@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_llm import pipeline, plan
 from tpu_llm.config import ModelConfig, load_config
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, loss_fn
+from tpu_llm.parallel import pipeline
+from tpu_llm.tools import plan
 
 VOCAB = 61
 # GQA (2 query heads per kv head), untied head, non-default theta and eps, a hidden size of its own
@@ -156,10 +157,11 @@ def test_llama_run_exports_a_savedmodel_whose_logits_and_greedy_ids_match(tmp_pa
     """`export` for llama (tests/test_export.py does the gpt2 run in full): the SavedModel's logits and
     its generate loop, which runs past max_len so the KV cache (Hkv heads) is refilled, match the model."""
     from conftest import tiny_config
-    from tpu_llm.checkpoint import Checkpointer, open_run_dir
-    from tpu_llm.export import export
-    from tpu_llm.generate import Sampler, load_for_generation
-    from tpu_llm.tokenizer import ByteTokenizer
+
+    from tpu_llm.interop.export import export
+    from tpu_llm.model.sampling import Sampler
+    from tpu_llm.tokenizers import ByteTokenizer
+    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation, open_run_dir
 
     cfg = tiny_config(tmp_path, **{f"model.{k}": v for k, v in LLAMA.items()}, **{"data.seq_len": 8})
     cfg.model.vocab_size = ByteTokenizer().vocab_size
@@ -183,7 +185,8 @@ def test_llama_run_exports_a_savedmodel_whose_logits_and_greedy_ids_match(tmp_pa
 
 def test_families_benchmark_prints_both_tables(monkeypatch, capsys):
     """`tpu-llm bench families` (training stubbed: its runs are the shakespeare_char benchmark's)."""
-    from tpu_llm import bench, cli
+    from tpu_llm import cli
+    from tpu_llm.tools import bench
 
     runs = []
 

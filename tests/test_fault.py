@@ -16,11 +16,12 @@ import pytest
 import tensorflow as tf
 from conftest import snapshot, tiny_config
 
-from tpu_llm import cli, fault
-from tpu_llm.checkpoint import Checkpointer
-from tpu_llm.controller import train
+from tpu_llm import cli
 from tpu_llm.errors import RunStopped, UserError
-from tpu_llm.train import Trainer
+from tpu_llm.training import fault
+from tpu_llm.training.checkpoint import Checkpointer
+from tpu_llm.training.controller import train
+from tpu_llm.training.trainer import Trainer
 
 
 def quiet(*_):
@@ -366,7 +367,7 @@ def test_an_empty_checkpoint_state_file_resumes_from_the_checkpoint_files(base, 
 
 SIGNALLED = """
 import sys, time
-from tpu_llm import fault
+from tpu_llm.training import fault
 with fault.StopSignals(flag=None) as signals:
     print("ready", flush=True)
     while signals.received is None:

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 from conftest import write_corpus
 
-from tpu_llm import launch
+from tpu_llm.parallel import launch
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}

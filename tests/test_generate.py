@@ -4,8 +4,8 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm.config import ModelConfig
-from tpu_llm.generate import Sampler, sample_logits
 from tpu_llm.model import GPT
+from tpu_llm.model.sampling import Sampler, sample_logits
 
 SEED = tf.constant([7, 0], tf.int64)
 
@@ -74,8 +74,8 @@ def test_generation_loads_every_trained_weight(tmp_path):
     # restored only the embeddings and sampled from untrained blocks
     from conftest import tiny_config
 
-    from tpu_llm.controller import train, weights_fingerprint
-    from tpu_llm.generate import load_for_generation
+    from tpu_llm.training.checkpoint import load_for_generation
+    from tpu_llm.training.controller import train, weights_fingerprint
 
     summary = train(tiny_config(tmp_path, **{"train.steps": 2}, execution="graph"),  # the checkpoint is the subject
                     say=lambda *_: None, samples=False)

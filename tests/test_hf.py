@@ -25,9 +25,10 @@ torch = pytest.importorskip("torch", reason="the reference tests need torch: pip
 transformers = pytest.importorskip("transformers", reason="the reference tests need transformers 5: pip install "
                                    "-e '.[reference]' (Python >= 3.11)")
 
-from tpu_llm import cli, safetensors_io  # noqa: E402
-
 from conftest import write_bpe_tokenizer  # noqa: E402
+
+from tpu_llm import cli  # noqa: E402
+from tpu_llm.interop import safetensors_io
 
 VOCAB = 300
 LENGTHS = (1, 7, 20)  # padding-free batches, one per length
@@ -105,7 +106,7 @@ _RESTORED: dict = {}
 
 def restored(run_dir: str):
     """(model, tokenizer, config) as `tpu-llm generate` restores them, once per run directory."""
-    from tpu_llm.generate import load_for_generation
+    from tpu_llm.training.checkpoint import load_for_generation
 
     if run_dir not in _RESTORED:
         _RESTORED[run_dir] = load_for_generation(run_dir)
@@ -131,7 +132,7 @@ def test_bfloat16_checkpoint_imports_to_the_same_values(ref):
 
 
 def test_greedy_generation_gives_the_ids_of_transformers(ref):
-    from tpu_llm.generate import Sampler
+    from tpu_llm.model.sampling import Sampler
 
     model, tokenizer, _ = restored(ref["float32"]["run_dir"])
     prompt = tokens(8, batch=1)

@@ -15,9 +15,10 @@ import shutil
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import snapshot, write_bpe_tokenizer, write_corpus
-from tpu_llm import cli, safetensors_io
+
+from tpu_llm import cli
+from tpu_llm.interop import safetensors_io
 
 pytest.importorskip("tokenizers", reason="the hf tokenizer kind needs tokenizers: pip install -e '.[hf]'")
 
@@ -31,7 +32,7 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = F
     """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head);
     `hub`: as the hub's gpt2 file, names without `transformer.` and the causal-mask buffers in it."""
     from tpu_llm.config import ModelConfig
-    from tpu_llm.hf import model_config, weights
+    from tpu_llm.interop.hf import model_config, weights
 
     os.makedirs(folder, exist_ok=True)
     config = config or GPT2_CONFIG
@@ -80,14 +81,14 @@ def shards(imported):
 
 
 def variables(model) -> dict:
-    from tpu_llm.hf import _variables
+    from tpu_llm.interop.hf import _variables
 
     return {path: v.numpy() for path, v in _variables(model).items()}
 
 
 def test_fine_tuning_an_imported_checkpoint_lowers_the_loss_and_keeps_frozen_layers(imported, shards, tmp_path):
-    from tpu_llm.generate import load_for_generation
     from tpu_llm.model import loss_fn
+    from tpu_llm.training.checkpoint import load_for_generation
 
     run = str(tmp_path / "run")
     shutil.copytree(imported / "run", run)  # the module's import stays at step 0 for the other tests
@@ -116,11 +117,10 @@ def test_fine_tuning_an_imported_checkpoint_lowers_the_loss_and_keeps_frozen_lay
 
 
 def test_init_from_starts_a_new_run_with_the_imported_weights(imported, shards, tmp_path):
-    from tpu_llm.checkpoint import restore_init_from
     from tpu_llm.config import config_from_dict
-    from tpu_llm.controller import build_run
     from tpu_llm.errors import UserError
-    from tpu_llm.generate import load_for_generation
+    from tpu_llm.training.checkpoint import load_for_generation, restore_init_from
+    from tpu_llm.training.controller import build_run
 
     run, shards = imported / "run", shards[0]
     before = snapshot(run)
@@ -190,7 +190,7 @@ def test_import_never_touches_an_existing_run_or_another_folder(imported, tmp_pa
 
 
 def test_the_hubs_gpt2_names_import_to_the_same_weights(imported, tmp_path):
-    from tpu_llm.checkpoint import Checkpointer
+    from tpu_llm.training.checkpoint import Checkpointer
 
     write_gpt2(tmp_path / "hub", hub=True)
     assert run_cli("import", "--from", str(tmp_path / "hub"), "--run_dir", str(tmp_path / "run"))[0] == 0

@@ -13,11 +13,12 @@ tokenizers = pytest.importorskip("tokenizers", reason="data.tokenizer=hf needs t
 transformers = pytest.importorskip("transformers", reason="the reference tokenizer is transformers' AutoTokenizer")
 
 from conftest import CORPUS_LINES, snapshot  # noqa: E402
+
 from tpu_llm import cli  # noqa: E402
 from tpu_llm.errors import UserError  # noqa: E402
-from tpu_llm.generate import continuation  # noqa: E402
-from tpu_llm.hf_tokenizer import HF_FILE, HFTokenizer, load_hf_tokenizer, write_hf_tokenizer  # noqa: E402
-from tpu_llm.tokenizer import SPEC_FILE, build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
+from tpu_llm.model.sampling import continuation  # noqa: E402
+from tpu_llm.tokenizers import SPEC_FILE, build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
+from tpu_llm.tokenizers.hf import HF_FILE, HFTokenizer, load_hf_tokenizer, write_hf_tokenizer  # noqa: E402
 
 # Mixed scripts, whitespace at the edges, control characters, combining marks, emoji sequences, RTL,
 # characters outside the BMP, text that spells a special token: most of it never seen in training, so
@@ -269,9 +270,10 @@ def test_a_run_takes_the_hf_tokenizer_from_its_shards_and_samples_with_it(tmp_pa
     """What `train` on hf shards and `generate` do with the tokenizer (a whole run costs ~25 s of compiling:
     `tpu-llm data prepare`, `train` and `generate` on the command line are in docs/tokenizers.md)."""
     from conftest import tiny_config, write_corpus
-    from tpu_llm import sources
-    from tpu_llm.controller import print_samples, setup_tokenizer
+
+    from tpu_llm.data import sources
     from tpu_llm.model import GPT
+    from tpu_llm.training.controller import print_samples, setup_tokenizer
 
     write_corpus(tmp_path / "corpus")
     for name, model in (("llama", llama["legacy"]), ("gpt2", gpt2_dirs["tokenizer.json"])):

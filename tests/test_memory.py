@@ -8,13 +8,14 @@ import pytest
 import tensorflow as tf
 from test_pipeline import CPUS, tiny_model
 
-from tpu_llm import pipeline, plan, xla_memory
-from tpu_llm.attention import blockwise_attend
 from tpu_llm.config import load_config
-from tpu_llm.distribute import Placement
 from tpu_llm.errors import UserError
-from tpu_llm.loss import chunked_loss
-from tpu_llm.model import attend, loss_fn
+from tpu_llm.model import loss_fn
+from tpu_llm.model.attention import attend, blockwise_attend
+from tpu_llm.model.loss import chunked_loss
+from tpu_llm.parallel import pipeline
+from tpu_llm.parallel.distribute import Placement
+from tpu_llm.tools import plan, xla_memory
 
 NO_DROPOUT = keras.layers.Dropout(0.0)
 
@@ -147,7 +148,7 @@ def test_blockwise_with_dropout_is_refused_in_one_line():
 def test_planner_counts_the_chunked_loss_and_blockwise_attention_within_15_percent_of_xla():
     """XLA:CPU's buffer assignment for the compiled training step (float32, one layer, 8 heads x 256
     tokens, a 4096-id vocabulary) against the planner, where the loss's tiles and blockwise attention's
-    terms are most of the memory. Measured after the loss's rewrite (tpu_llm/loss.py): chunked + blockwise
+    terms are most of the memory. Measured after the loss's rewrite (tpu_llm/model/loss.py): chunked + blockwise
     6,693,888 planned vs 7,093,856 bytes of XLA temp (-5.6%); dense loss + blockwise 11,411,456 vs
     11,680,224 (-2.3%; TF's fused op had taken 19,938,784)."""
     cpu = plan.Accelerator("cpu", "CPU", 1, 100e9, 0.0, "fixed for the test")

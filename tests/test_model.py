@@ -7,9 +7,10 @@ import pytest
 import tensorflow as tf
 
 from tpu_llm.config import ModelConfig, TrainConfig
-from tpu_llm.distribute import Distribution
 from tpu_llm.model import GPT, decay_mask, loss_fn
-from tpu_llm.train import Trainer, WarmupCosine, make_optimizer
+from tpu_llm.parallel.distribute import Distribution
+from tpu_llm.training.optimizer import WarmupCosine, make_optimizer
+from tpu_llm.training.trainer import Trainer
 
 VOCAB = 61
 
@@ -50,7 +51,7 @@ def test_the_last_position_sees_the_first_token_and_attend_matches_a_numpy_maske
     base, out = model(x).numpy(), model(y).numpy()
     assert all(not np.allclose(out[:, t], base[:, t], atol=1e-4) for t in range(12))
 
-    from tpu_llm.model import attend
+    from tpu_llm.model.attention import attend
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(2, 3, 5, 4)).astype(np.float32) for _ in range(3))

@@ -21,7 +21,7 @@ def test_every_test_a_mutation_names_exists():
     assert len(mutants.MUTATIONS) >= 40
     assert mutants.missing_tests(mutants.MUTATIONS) == []
     # and the check notices each kind of name that resolves to nothing
-    stale = mutants.M("stale", "tpu_llm/model.py", "x", "y",
+    stale = mutants.M("stale", "tpu_llm/model/transformer.py", "x", "y",
                       "tests/test_model.py::test_no_such_test tests/test_no_such_file.py "
                       "tests/test_model.py::test_warmup_then_cosine_schedule[1] -k no_such_word")
     assert mutants.missing_tests([stale]) == [

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import snapshot, write_corpus
+
 from tpu_llm import cli
 
 REPO = Path(__file__).resolve().parent.parent

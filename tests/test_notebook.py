@@ -77,7 +77,7 @@ def test_notebook_runs_end_to_end_on_the_cpu(tmp_path):
     import numpy as np
     import tensorflow as tf
 
-    from tpu_llm.generate import load_for_generation
+    from tpu_llm.training.checkpoint import load_for_generation
 
     model, tokenizer, _ = load_for_generation(str(run_dir))
     tokens = tf.constant([tokenizer.encode("def main():")], tf.int32)

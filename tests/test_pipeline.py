@@ -9,12 +9,12 @@ import pytest
 import tensorflow as tf
 from conftest import tiny_config
 
-from tpu_llm import pipeline
 from tpu_llm.config import load_config
-from tpu_llm.controller import build_run, train
-from tpu_llm.distribute import Placement
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
+from tpu_llm.parallel import pipeline
+from tpu_llm.parallel.distribute import Placement
+from tpu_llm.training.controller import build_run, train
 
 CPUS = [f"/device:CPU:{i}" for i in range(4)]  # conftest splits the CPU into 4 logical devices
 

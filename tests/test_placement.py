@@ -19,11 +19,12 @@ from tensorflow.python.distribute import tpu_strategy as tf_tpu_strategy
 from tensorflow.python.eager import context
 from test_tpu import make_topology
 
-from tpu_llm import pipeline, plan, tpu
-from tpu_llm.controller import build_run
-from tpu_llm.distribute import Placement
 from tpu_llm.model import GPT
-from tpu_llm.train import make_optimizer
+from tpu_llm.parallel import pipeline, tpu
+from tpu_llm.parallel.distribute import Placement
+from tpu_llm.tools import plan
+from tpu_llm.training.controller import build_run
+from tpu_llm.training.optimizer import make_optimizer
 
 
 class _Device:

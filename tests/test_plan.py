@@ -1,4 +1,4 @@
-"""The planner (`tpu_llm/plan.py`, `tpu-llm plan`): the GPipe simulator, the memory model against what
+"""The planner (`tpu_llm/tools/plan.py`, `tpu-llm plan`): the GPipe simulator, the memory model against what
 XLA actually allocates for the tiny config on this CPU, refusals, and the command's output.
 
 What "the memory the CPU run uses" means here: parameters and AdamW slots are summed exactly from a
@@ -23,11 +23,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_config
-from tpu_llm import cli, plan
+
+from tpu_llm import cli
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
+from tpu_llm.tools import plan
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2 = str(REPO / "configs" / "gpt2_125m.yaml")
@@ -90,7 +91,7 @@ def test_parameters_and_optimizer_bytes_are_exact(tmp_path):
     import tensorflow as tf
 
     from tpu_llm.model import GPT
-    from tpu_llm.train import make_optimizer
+    from tpu_llm.training.optimizer import make_optimizer
 
     cfg = tiny_config(tmp_path)
     model = GPT(cfg.model, 257).build_weights()
@@ -293,7 +294,7 @@ def test_memory_estimate_within_20_percent_of_xla_on_cpu(xla_measurement):
     """Float32, no remat, P=1: the planner's activations + workspace against XLA's temp buffer, and
     parameters + gradients + those against all bytes of the compiled step (the optimizer's slots are
     not part of that program; they are checked exactly above). Measured after the loss's rewrite
-    (tpu_llm/loss.py): 500,224 vs 454,720 bytes (+10%), and 777,984 vs 733,936 bytes (+6%) for the
+    (tpu_llm/model/loss.py): 500,224 vs 454,720 bytes (+10%), and 777,984 vs 733,936 bytes (+6%) for the
     whole program (631,808 vs 578,112 and 909,568 vs 857,328 with TF's fused op)."""
     configs, result = xla_measurement
     for (name, cfg), xla in zip(configs.items(), result()):

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_llm import fault
-from tpu_llm.checkpoint import Checkpointer
 from tpu_llm.config import load_config
 from tpu_llm.errors import RunStopped, UserError
-from tpu_llm.distribute import get_strategy
 from tpu_llm.model import GPT
-from tpu_llm.train import Trainer, make_optimizer
+from tpu_llm.parallel.distribute import get_strategy
+from tpu_llm.training import fault
+from tpu_llm.training.checkpoint import Checkpointer
+from tpu_llm.training.optimizer import make_optimizer
+from tpu_llm.training.trainer import Trainer
 
 SMALL = load_config(None, {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.max_len": 16,
                            "data.seq_len": 16, "train.warmup_steps": 0, "train.weight_decay": 0.1})

@@ -38,9 +38,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import write_corpus
-from tpu_llm import cli, tpu
+
+from tpu_llm import cli
+from tpu_llm.parallel import tpu
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 240  # seconds per client command
@@ -60,8 +61,9 @@ server.join()
 # The client: `tpu-llm` itself, plus two observations, and (KILL=N) a SIGKILL when a call starts at step N.
 CLIENT = """
 import os, signal, sys
-from tpu_llm import cli, controller
-from tpu_llm.train import Trainer
+from tpu_llm import cli
+from tpu_llm.training import controller
+from tpu_llm.training.trainer import Trainer
 build_run, run = controller.build_run, Trainer.run
 
 def observed_build_run(cfg):
@@ -260,7 +262,7 @@ def test_local_run_dir_and_data_are_refused_in_one_line_before_connecting(tmp_pa
 
 def test_sentencepiece_text_is_refused_for_a_remote_tpu(tmp_path):
     from tpu_llm.config import load_config
-    from tpu_llm.data import Source
+    from tpu_llm.data.sources import Source
     from tpu_llm.errors import UserError
 
     cfg = load_config(None, {"tpu": "grpc://10.0.0.2:8470", "data.tokenizer": "sentencepiece",

@@ -5,10 +5,10 @@ import pytest
 from conftest import tiny_config
 from test_pipeline import CPUS, LLAMA, loss_and_grads, quiet, tiny_model, tpu_cores, train_losses
 
-from tpu_llm import tensor
 from tpu_llm.config import load_config
-from tpu_llm.controller import train
 from tpu_llm.errors import UserError
+from tpu_llm.parallel import tensor
+from tpu_llm.training.controller import train
 
 
 def assert_same(a, b):
@@ -83,5 +83,5 @@ def test_training_with_tensor_and_data_parallelism_matches_one_device(tmp_path):
 def test_too_few_devices_for_the_groups_is_one_line():
     with pytest.raises(UserError, match=r"cpu_devices=3 must be a multiple of parallel.pipeline_stages x "
                                         r"parallel.tensor=4"):
-        from tpu_llm.distribute import get_strategy
+        from tpu_llm.parallel.distribute import get_strategy
         get_strategy(load_config(None, {"cpu_devices": 3, "parallel.tensor": 2, "parallel.pipeline_stages": 2}))

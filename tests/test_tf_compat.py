@@ -41,7 +41,7 @@ def test_worker_index_is_tensorflows_id_in_cluster(task):
 
 
 def test_parameter_server_worker_count_comes_from_tf_config_not_a_private_attribute():
-    from tpu_llm.distribute import Distribution, Found
+    from tpu_llm.parallel.distribute import Distribution, Found
 
     found = Found(cluster=CLUSTER, task=("chief", 0))
     dist = Distribution(tf.distribute.get_strategy(), "parameter_server", "", "CPU", coordinator=object(),

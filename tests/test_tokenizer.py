@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 import tensorflow as tf
-
 from conftest import CORPUS_LINES, write_corpus
+
 from tpu_llm.errors import UserError
-from tpu_llm.checkpoint import MARKER_FILE
-from tpu_llm.tokenizer import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
-                               build_tokenizer, load_tokenizer, save_tokenizer, train_sentencepiece)
+from tpu_llm.tokenizers import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
+                                build_tokenizer, load_tokenizer, save_tokenizer, train_sentencepiece)
+from tpu_llm.training.checkpoint import MARKER_FILE
 
 SP_VOCAB = 400  # 256 byte pieces + specials + the corpus's ~110 distinct characters + a few merges
 TEXTS = ["héllo wörld ✓ 日本語", "", "a", "def f(x):\n\treturn x  # two  spaces\n\n", "  lead and trail  ",
@@ -83,9 +83,10 @@ NO_TF_TEXT = textwrap.dedent("""
     import json, sys
     sys.modules["tensorflow_text"] = None  # `import tensorflow_text` raises ImportError
     import tensorflow as tf
-    from tpu_llm import data, sources
+    from tpu_llm.data import dataset as data
+    from tpu_llm.data import sources
     from tpu_llm.errors import UserError
-    from tpu_llm.tokenizer import SentencePieceTokenizer, build_tokenizer
+    from tpu_llm.tokenizers import SentencePieceTokenizer, build_tokenizer
     sp_model, files = sys.argv[1], sys.argv[2:]
     source = sources.Source(files, "text")
     out = {}
@@ -104,7 +105,8 @@ NO_TF_TEXT = textwrap.dedent("""
 
 
 def test_byte_and_char_pipelines_run_without_tensorflow_text(tmp_path, corpus_files, sp):
-    from tpu_llm import data, sources
+    from tpu_llm.data import dataset as data
+    from tpu_llm.data import sources
 
     script = tmp_path / "no_tf_text.py"
     script.write_text(NO_TF_TEXT)

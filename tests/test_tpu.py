@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_llm import perf, tpu
+from tpu_llm import perf
 from tpu_llm.errors import UserError
+from tpu_llm.parallel import tpu
 
 
 def make_topology(mesh, host, shuffle=False):

@@ -1,4 +1,4 @@
-"""`make tpu-up / train / tpu-down` (scripts/tpu.py) against a fake `terraform output -json` file.
+"""`make tpu-up / train / tpu-down` (tpu_llm/cloud/driver.py) against a fake `terraform output -json` file.
 
 With DRY_RUN=1 every terraform and gcloud command is printed (`DRY_RUN: CMD`) instead of run; the
 tests parse those lines back into argv lists and assert them exactly, for a single-host (v4-8) and
@@ -381,7 +381,7 @@ esac
 
 
 def tpu_py(command: str, bin_dir: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "tpu.py"), command], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tpu_llm.cloud", command], capture_output=True,
                           text=True, timeout=60, env=clean_env(PATH=bin_dir, **env))
 
 
@@ -440,8 +440,7 @@ def test_no_project_set_is_one_line(tmp_path):
 
 
 def test_failure_explanations():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from tpu_shell import explain_failure
+    from tpu_llm.cloud.shell import explain_failure
 
     context = {"project": PROJECT, "zone": ZONE, "accelerator": "v4-32", "family": "v4", "tpu_name": NAME,
                "prefix": "tpu-llm"}
@@ -507,7 +506,7 @@ def test_destroy_bucket_shows_what_and_asks(tmp_path, single, tfvars):
                                                  ("storage ls*", 1, "ERROR: (gcloud.storage.ls) One or more URLs "
                                                   "matched no objects.")],
                               terraform=[("*output -json*", 0, outputs_json(single))])
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "tpu.py"), "down"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "down"], capture_output=True, text=True,
                           timeout=60, stdin=subprocess.DEVNULL,
                           env=clean_env(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "o.json", DESTROY_BUCKET=1))
     assert f"  {BUCKET}: 3 object(s)" in done.stdout and f"  {BUCKET}-logs: 0 object(s)" in done.stdout
@@ -580,8 +579,7 @@ RUNTIME_404 = ("│ Error: Error creating Vm: googleapi: Error 404: Runtime vers
 
 
 def test_failure_explanations_for_wrong_inputs():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from tpu_shell import explain_failure
+    from tpu_llm.cloud.shell import explain_failure
 
     context = {"project": PROJECT, "zone": "us-centrl1-a", "accelerator": "v5litepod-8", "family": "v5litepod",
                "tpu_name": NAME, "prefix": "tpu-llm"}

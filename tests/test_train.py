@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 from conftest import tiny_config
 
-from tpu_llm.controller import build_run, train
 from tpu_llm.errors import UserError
-from tpu_llm.tokenizer import train_sentencepiece
+from tpu_llm.tokenizers import train_sentencepiece
+from tpu_llm.training.controller import build_run, train
 
 
 def cfg_for(run_dir, **overrides):

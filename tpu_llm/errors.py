@@ -3,7 +3,7 @@
 Anything a user can fix (a bad config key, a missing file, a run directory made by another model) is
 raised as `UserError` with a one-line message naming the culprit and the fix. The CLI prints it on one
 line and exits with `EXIT_USER_ERROR`; it never shows a traceback for these. A run that stops early
-for another reason (a signal, divergence, a lost cluster task: see tpu_llm/fault.py) raises
+for another reason (a signal, divergence, a lost cluster task: see tpu_llm/training/fault.py) raises
 `RunStopped`, printed the same way with its own exit status.
 """
 
@@ -16,7 +16,7 @@ class UserError(Exception):
 
 class RunStopped(Exception):
     """The run stopped before train.steps, not by a user mistake. The CLI prints `{label}: {message}`
-    on one line and exits with `exit_code` (the codes are listed in tpu_llm/fault.py)."""
+    on one line and exits with `exit_code` (the codes are listed in tpu_llm/training/fault.py)."""
 
     def __init__(self, message: str, exit_code: int, label: str = "error"):
         super().__init__(message)

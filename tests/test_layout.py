@@ -1,0 +1,121 @@
+"""The package's layout (docs/development.md, "Module map"): sub-packages by concern, each importing only
+the ones below it, no import cycle, function-level imports only where they keep TensorFlow out of
+start-up, and tests that import the package as users do (no sys.path edits)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tpu_llm"
+
+# Sub-packages and top-level modules by layer: a module may import its own sub-package and lower layers.
+LAYERS = [
+    {"__init__", "config", "errors", "tf_compat", "perf"},  # leaves anyone may import
+    {"cloud", "tokenizers", "model"},
+    {"data"},
+    {"parallel"},
+    {"training"},
+    {"interop", "tools"},
+    {"api"},
+    {"cli", "__main__"},
+]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def modules() -> dict[str, Path]:
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def unit(module: str) -> str:
+    """The sub-package (or top-level module) a dotted module name belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: Path, module_level_only: bool = False):
+    """(line, imported module, inside a function) for every `tpu_llm` import of the file."""
+    tree = ast.parse(path.read_text())
+    inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tpu_llm":
+            known = modules()  # `from tpu_llm.pkg import module` names a module; `import name` its package's
+            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
+                       or f"{node.module}.{a.name}.__init__" in known else node.module for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names if a.name.split(".")[0] == "tpu_llm"]
+        else:
+            continue
+        if module_level_only and id(node) in inner:
+            continue
+        for target in targets:
+            yield node.lineno, target, id(node) in inner
+
+
+def test_every_sub_package_imports_only_lower_layers():
+    wrong = []
+    for module, path in modules().items():
+        for line, target, _ in imports(path):
+            mine, theirs = unit(module), unit(target)
+            if theirs == "__version__" or mine == theirs:
+                continue
+            assert mine in RANK and theirs in RANK, f"{module} or {target}: not in the layer table of {__file__}"
+            siblings_may = RANK[mine] in (0, len(LAYERS) - 1)  # leaves among themselves; __main__ runs the CLI
+            if RANK[theirs] > RANK[mine] or RANK[theirs] == RANK[mine] and not siblings_may:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} (layer {RANK[theirs]} >= {RANK[mine]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle_between_modules():
+    known = modules()
+    graph = {m: set() for m in known}
+    for module, path in known.items():
+        for _, target, _ in imports(path, module_level_only=True):
+            for name in (target, f"{target}.__init__"):
+                if name in known and name != module:
+                    graph[module].add(name)
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m, path):
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_function_level_imports_only_keep_tensorflow_out_of_start_up():
+    """A module that imports TensorFlow anyway has no reason to import tpu_llm inside a function (that was
+    how cycles were dodged); modules without it at the top (the CLI, plan, bench) keep theirs lazy."""
+    wrong = []
+    for module, path in modules().items():
+        top = ast.parse(path.read_text()).body
+        heavy = any(isinstance(n, (ast.Import, ast.ImportFrom)) and "tensorflow" in ast.dump(n) for n in top)
+        wrong += [f"{path.relative_to(ROOT)}:{line} imports {target} inside a function"
+                  for line, target, inner in imports(path) if inner and heavy]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = [m.removesuffix(".__init__") for m in modules() if not m.endswith("__main__")]
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ok')"
+    done = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_tests_import_the_package_without_sys_path_edits():
+    edits = [f"{p.name}:{i}" for p in sorted(Path(__file__).parent.glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "sys.path." + "insert" in line
+             or "sys.path." + "append" in line]
+    assert not edits, edits

@@ -1,0 +1,62 @@
+"""Command line: `tpu-llm <command>` or `python -m tpu_llm <command>`; `tpu-llm --help` lists the commands.
+
+Three parts: the commands (commands.py, one function each), the parser and help (parser.py) and the
+filter that keeps TensorFlow's own log lines off the terminal (quiet.py).
+
+Arguments are parsed and checked here, in full, before a command runs and before TensorFlow is
+imported: an unknown flag or command is one `error:` line naming the nearest valid one (exit 2).
+Commands registered with `config=True` also take `--config FILE.yaml`, any config key as
+`--section.key=value` (or `--section.key value`) and `--set section.key=value` (repeatable); their
+names are checked against the config schema (tpu_llm/config.py) here, their values by `load_config`.
+
+TensorFlow's own start-up output (C++ log lines such as CUDA's `failed call to cuInit`, absl and
+Python warnings) is kept off the terminal unless `--verbose` (or TPU_LLM_VERBOSE=1) is given.
+A user mistake prints one line starting with "error:" and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tpu_llm.cli import commands  # noqa: F401  (registers every command)
+from tpu_llm.cli.parser import COMMANDS, Command, Flag, help_text, overview, parse
+from tpu_llm.cli.quiet import VERBOSE_ENV, NativeLogFilter, quiet_tensorflow
+from tpu_llm.errors import EXIT_USER_ERROR, RunStopped, UserError
+
+__all__ = ["COMMANDS", "Command", "Flag", "help_text", "main", "overview", "parse"]
+
+
+def tensorflow_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorflow") is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    verbose = "--verbose" in own or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    quiet_tensorflow(verbose)
+    native = None if verbose else NativeLogFilter()
+    try:
+        cmd, kwargs = parse(argv)
+        if cmd is None:  # --help was printed
+            return 0
+        if not tensorflow_installed():  # TensorFlow comes with an extra: one wheel per environment
+            raise UserError("TensorFlow is not installed: pip install 'tpu-llm[cpu]' (CPU), 'tpu-llm[gpu]' (NVIDIA "
+                            "GPUs) or 'tpu-llm[tpu]' (a Cloud TPU VM), one of them per environment")
+        result = cmd.run(**kwargs)
+        return result if isinstance(result, int) else 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except RunStopped as e:  # a signal, divergence or a lost cluster task (tpu_llm/training/fault.py)
+        print(f"{e.label}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if native:
+            native.close()

@@ -1,0 +1,319 @@
+"""The commands of `tpu-llm`: one function each, registered with `@command(...)` (cli/parser.py): its name,
+a one-line summary, an example, and a help text for each of its parameters, which are the command's
+flags (their defaults give their types: bool flags are switches). Adding a command is adding one
+function. Each imports what it needs inside its body, so that TensorFlow loads only once the arguments
+have been checked.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tpu_llm.cli.parser import command, nearest
+from tpu_llm.errors import UserError
+
+
+@command("train", "train a GPT, or resume the run in --run_dir",
+         "tpu-llm train --config configs/tiny.yaml --model.n_layer=6 --run_dir runs/six", config=True,
+         details="""
+Trains to train.steps, evaluating and checkpointing on the way, then prints samples. Re-using a
+--run_dir resumes that run from its newest readable checkpoint. Everything that can be checked (the
+config, the data, the tokenizer against the data, the run directory, the checkpoints) is checked
+before the first step and before anything in the run directory is written.""")
+def train(config: str = "", overrides: dict | None = None):
+    from tpu_llm.config import load_config
+
+    cfg = load_config(config or None, overrides)
+    from tpu_llm.training.controller import train as run  # TensorFlow loads only once the config is valid
+
+    run(cfg)
+
+
+@command("generate", "sample text from the newest checkpoint of a run",
+         "tpu-llm generate --run_dir runs/tiny --prompt 'def ' --max_new_tokens 100 --temperature 0.7",
+         details="""
+A prompt character that the run's tokenizer cannot represent (a char vocabulary built from other
+text) is an error: the model never saw the unknown id it would become.""",
+         run_dir="the run directory of a `tpu-llm train` run", prompt="text to continue (default: start "
+         "after an end-of-text token)", max_new_tokens="tokens generated per sample",
+         temperature="sampling temperature; 0 = greedy", top_k="sample from the k most likely tokens; 0 = off",
+         top_p="sample from the smallest set of tokens holding this probability; 1.0 = off",
+         seed="sample i draws with seed + i: the same seed gives the same text", num_samples="samples printed")
+def generate(run_dir: str, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1):
+    from tpu_llm.config import config_from_dict
+    from tpu_llm.tokenizers import check_covers
+    from tpu_llm.training.checkpoint import load_for_generation
+    from tpu_llm.training.controller import print_samples
+
+    model, tokenizer, cfg, notes = load_for_generation(run_dir, with_notes=True)
+    sample = {"num_samples": num_samples, "max_new_tokens": max_new_tokens, "prompt": prompt,
+              "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    cfg = config_from_dict({**cfg.to_dict(), "sample": sample}, source="command line")  # checks the values
+    check_covers(tokenizer, prompt, "--prompt")
+    for note in notes:  # e.g. an unreadable newest checkpoint skipped for the previous one
+        print(f"warning   {note}", file=sys.stderr, flush=True)
+    print_samples(model, tokenizer, cfg)
+
+
+@command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights, or in the HF layout",
+         "tpu-llm export --run_dir runs/tiny --output exports/tiny",
+         details="""
+--format savedmodel: the SavedModel has two signatures: logits (tokens int32 [batch, time] -> logits)
+and generate (tokens, max_new_tokens, temperature, top_k, top_p, seed -> ids); model.weights.h5,
+config.yaml and the tokenizer are written beside it. See tpu_llm/interop/export.py.
+--format hf: config.json, model.safetensors, generation_config.json and the tokenizer files, which
+transformers' AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or LlamaForCausalLM). See
+tpu_llm/interop/hf.py and docs/hugging-face.md.""",
+         run_dir="the run directory of a `tpu-llm train` run", output="where to write (default <run_dir>/export, "
+         "<run_dir>/hf with --format hf)", overwrite="replace an earlier export at --output",
+         format="savedmodel | hf (Hugging Face: safetensors and config.json)",
+         dtype="--format hf: weights as auto (an imported run's own dtype, else float32) | float32 | bfloat16 | float16")
+def export(run_dir: str, output: str = "", overwrite: bool = False, format: str = "savedmodel", dtype: str = "auto"):
+    from tpu_llm.interop import export
+
+    if format not in ("savedmodel", "hf"):
+        near = nearest(format, ("savedmodel", "hf"))
+        raise UserError(f"--format={format!r}; " + (f"did you mean {near!r}? " if near else "") + "choose savedmodel or hf")
+    if format == "hf":
+        from tpu_llm.interop import hf
+
+        meta = hf.export(run_dir, output, overwrite=overwrite, dtype=dtype)
+        for note in meta.get("notes", []):
+            print(f"warning   {note}", file=sys.stderr, flush=True)
+        out = meta["output"]
+        print(f"exported  {meta['run_dir']} at step {meta['step']} to {out}")
+        print(f"saved     Hugging Face {meta['family']} model in {meta['dtype']}: config.json, model.safetensors, "
+              f"generation_config.json" + "".join(f", {name}" for name in meta["tokenizer_files"]))
+        print(f"use       transformers.AutoModelForCausalLM.from_pretrained({out!r})")
+        return
+    if dtype != "auto":
+        raise UserError("--dtype is for --format hf (the SavedModel is float32)")
+    meta = export.export(run_dir, output, overwrite=overwrite)
+    for note in meta.get("notes", []):
+        print(f"warning   {note}", file=sys.stderr, flush=True)
+    out, vocab = meta["output"], meta["vocab_size"]
+    print(f"exported  {meta['run_dir']} at step {meta['step']} to {out}")
+    print(f"saved     SavedModel: signature logits (tokens int32 [batch, time] -> logits float32 "
+          f"[batch, time, {vocab}]), generate (tokens, max_new_tokens, temperature, top_k, top_p, seed -> "
+          "ids int32 [batch, max_new_tokens])")
+    print(f"weights   {out}/model.weights.h5 (Keras), with config.yaml and the tokenizer beside it")
+    print(f"use       tf.saved_model.load({out!r}).signatures['generate'](tokens=..., max_new_tokens=...)")
+
+
+@command("import", "make a run directory from a Hugging Face checkpoint (GPT-2 or Llama layout)",
+         "tpu-llm import --from gpt2 --run_dir runs/gpt2", details="""
+--from is a Hugging Face model directory (e.g. `huggingface-cli download gpt2 --local-dir gpt2`):
+config.json, model.safetensors or a sharded model.safetensors.index.json, and the tokenizer files.
+The new run directory holds config.yaml (the model section mapped from config.json, fine-tuning
+defaults for the rest), the tokenizer and a checkpoint at step 0: `generate` and `export` use it as
+it is, `train --config <run_dir>/config.yaml --data.train=...` fine-tunes it (docs/hugging-face.md).""",
+         **{"from": "the Hugging Face model directory", "run_dir": "the new run directory (must not exist, or be empty)",
+            "max_len": "llama: a shorter context than config.json's max_position_embeddings (it sizes generation's "
+                       "KV cache); 0 = config.json's"})
+def import_(from_: str, run_dir: str, max_len: int = 0):
+    from tpu_llm.interop import hf
+
+    result = hf.import_checkpoint(from_, run_dir, max_len=max_len)
+    print(f"imported  {from_} ({result['family']}, {result['params']:,} parameters, {result['dtype']}) "
+          f"into {result['run_dir']} at step 0")
+    print(f"next      tpu-llm generate --run_dir {result['run_dir']} --prompt 'Hello'")
+    print(f"          tpu-llm train --config {result['run_dir']}/config.yaml --data.train=FILES  (fine-tune)")
+
+
+@command("plan", "memory per chip and step time of a config on a TPU type, without training",
+         "tpu-llm plan --config configs/gpt2_125m.yaml --accelerator v5p-16 --set parallel.pipeline_stages=4",
+         config=True, details="Refuses (exit 2, after the table) a config that cannot fit.",
+         accelerator="a TPU type (v5p-16, v4-8, v5litepod-8, v6e-8) or cpu",
+         mfu="the model FLOPs utilisation assumed for the step time")
+def plan(config: str = "", overrides: dict | None = None, accelerator: str = "", mfu: float = 0.4):
+    from tpu_llm.config import load_config
+
+    cfg = load_config(config or None, overrides)
+    if not accelerator:
+        raise UserError("plan needs --accelerator: a TPU type such as v5p-16, v4-8, v5litepod-8, v6e-8, or cpu")
+    from tpu_llm.tools import plan
+
+    result = plan.plan(cfg, accelerator, mfu=mfu, check=False)
+    print(f"plan      {config or 'defaults'}")
+    for line in result.lines():
+        print(line)
+    result.check()  # after the table, so the terms are on screen above the error line
+
+
+@command("doctor", "first-contact check of this machine: PASS/FAIL per check, with numbers",
+         "tpu-llm doctor --run_dir gs://my-bucket/doctor --tpu local", details="""
+Run it first on any new machine (TPU VM, pod worker 0, Colab/Kaggle TPU, GPU box, laptop); about two
+minutes on a v5e-8. Checks: devices and topology; a tiny run whose pipeline stages and tensor groups
+each keep their variables on their own device or TPU core; replicas' weights bit-identical; bfloat16
+loss close to float32; a checkpoint round trip in --run_dir (gs:// on a TPU); input pipeline faster
+than the step; measured step time against `tpu-llm plan`. Writes <run_dir>/doctor.json; exits 2 when
+a check fails, with what to do under each FAIL line (docs/doctor.md).""",
+         run_dir="where doctor.json and the round-trip checkpoint go (gs:// on a TPU)",
+         tpu="as train's tpu= ('' finds a Colab/Kaggle TPU or TPU_NAME, local on a TPU VM, a name or grpc://)",
+         strategy="as train's strategy=", cpu_devices="logical CPU devices when there is no accelerator",
+         stages="pipeline stages of the tiny run (0 = chosen from the devices)",
+         tensor="tensor groups of the tiny run (0 = chosen from the devices)", steps="steps of each tiny run")
+def doctor(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu_devices: int = 8,
+           stages: int = 0, tensor: int = 0, steps: int = 4):
+    from tpu_llm.tools import doctor
+
+    doctor.main(run_dir=run_dir, tpu=tpu, strategy=strategy, cpu_devices=cpu_devices, stages=stages,
+                tensor=tensor, steps=steps)
+
+
+@command("info", "what this machine offers (GPUs, TPU, TF_CONFIG) and which strategy a run would use",
+         "tpu-llm info --config configs/tiny.yaml", config=True)
+def info(config: str = "", overrides: dict | None = None):
+    from tpu_llm.config import load_config
+
+    cfg = load_config(config or None, overrides)
+    import tensorflow as tf
+
+    from tpu_llm.parallel import distribute
+
+    found = distribute.look_around(cfg)
+    print(f"tensorflow {tf.__version__}, keras {__import__('keras').__version__}")
+    for line in found.describe():
+        print(line)
+    name, reason = distribute.choose(cfg, found)
+    print(f"strategy  {name} ({reason})")
+
+
+@command("config", "print the effective config (defaults <- --config <- overrides) as YAML",
+         "tpu-llm config --config configs/tiny.yaml --model.n_layer=6", config=True,
+         reference="print every config key with its default and meaning instead")
+def config_(config: str = "", overrides: dict | None = None, reference: bool = False):
+    from tpu_llm.config import load_config
+
+    cfg = load_config(config or None, overrides)
+    if reference:
+        from tpu_llm.tools.config_reference import reference as make_reference
+
+        print(make_reference(), end="")
+    else:
+        print(cfg.to_yaml(), end="")
+
+
+BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "families", "memory", "data")
+
+
+@command("bench", "benchmarks: tokens/s, MFU and losses (docs/benchmarks.md)",
+         "tpu-llm bench strategies --steps 100", config=True, positional="suite", details="""
+Suites: shakespeare_char (nanoGPT's CPU reference run), strategies (every strategy on
+configs/tiny.yaml), modes (eager / graph / xla, float32 / bfloat16), pipeline (GPipe P x M, measured
+vs simulated), comm (gradient compression and local SGD), families (gpt2 vs llama on Shakespeare at
+matched size, and the planner on a 1B llama), memory (chunked loss and blockwise attention: XLA's peak
+memory vs the planner, speed, longest context; --only xla|speed|context), data (the input pipeline
+against a v5p-16's demand on configs/gpt2_125m.yaml: throughput, resume time, memory, batch diversity).""",
+         suite="which benchmark: " + ", ".join(BENCH_SUITES), data="shakespeare_char: the tinyshakespeare text",
+         steps="steps per run (0 = the suite's default)", run_dir="shakespeare_char: keep the run here "
+         "(default: a temporary directory)", only="strategies, comm: run only the rows whose name contains this; "
+         "memory: xla, speed or context")
+def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, config: str = "", run_dir: str = "",
+          only: str = "", overrides: dict | None = None):
+    from tpu_llm.tools import bench
+
+    if suite not in BENCH_SUITES:
+        near = nearest(suite, BENCH_SUITES)
+        raise UserError(f"unknown benchmark {suite!r}; " + (f"did you mean {near!r}? " if near else "")
+                        + f"choose {', '.join(BENCH_SUITES)}")
+    if suite != "shakespeare_char" and (overrides or data or run_dir):
+        given = [f"--{k}" for k in overrides or {}] + ["--data"] * bool(data) + ["--run_dir"] * bool(run_dir)
+        raise UserError(f"bench {suite} runs fixed cases from --config (default configs/tiny.yaml) and takes no "
+                        f"{', '.join(given)}; only shakespeare_char does")
+    if suite == "strategies":
+        bench.strategies(steps=steps or 200, config=config or "configs/tiny.yaml", only=only)
+    elif suite == "modes":
+        bench.modes(steps=steps or 100, config=config or "configs/tiny.yaml")
+    elif suite == "pipeline":
+        bench.pipeline_stages(steps=steps or 60, config=config or "configs/tiny.yaml")
+    elif suite == "memory":  # chunked loss and blockwise attention (docs/memory.md)
+        if only not in ("", "xla", "speed", "context"):
+            raise UserError(f"--only={only!r}: bench memory runs xla, speed or context (or all three without --only)")
+        bench.memory(steps=steps or 60, only=only)
+    elif suite == "comm":  # compression and local SGD against sync and async data parallel
+        bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)
+    elif suite == "families":  # gpt2 vs llama; its configs are fixed (bench.FAMILY_CONFIGS)
+        if config:
+            raise UserError("bench families runs configs/shakespeare_char.yaml and configs/shakespeare_char_llama.yaml;"
+                            " drop --config")
+        bench.families(steps=steps or 2000)
+    elif suite == "data":  # the input pipeline alone, against a slice's demand
+        bench.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
+    else:
+        bench.shakespeare_char(data=data, steps=steps or 2000, config=config or "configs/shakespeare_char.yaml",
+                               run_dir=run_dir, overrides=overrides)
+
+
+@command("data prepare", "tokenize text once into TFRecord shards (what TPU pods read)",
+         "tpu-llm data prepare --input 'corpus/*.txt' --output shards/ --tokenizer byte",
+         input="text files or globs, comma-separated (default: the embedded corpus)",
+         output="directory for the shards (local or gs://)", tokenizer="byte | char | sentencepiece | hf",
+         tokenizer_model="the SentencePiece .model file (sentencepiece); an HF model directory or its tokenizer.json (hf)",
+         shards="number of shard files, balanced by tokens (never empty; docs/data.md: how many)",
+         overwrite="replace shards already in --output")
+def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tokenizer_model: str = "",
+                 shards: int = 8, overwrite: bool = False):
+    from tpu_llm.config import TOKENIZERS
+
+    if not output:
+        raise UserError("data prepare needs --output DIR (local or gs://) for the shards")
+    if shards < 1:
+        raise UserError(f"--shards={shards} must be a positive integer")
+    if tokenizer not in TOKENIZERS:
+        raise UserError(f"--tokenizer={tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
+    from tpu_llm import perf
+    from tpu_llm.data import prepare, sources
+    from tpu_llm.tokenizers import build_tokenizer
+
+    if input:
+        files = sources.expand_globs(input, "--input")
+        sources.detect_format(files, "text", "--input")
+        source = sources.Source(files, "text", description=f"{input}: {len(files)} files")
+    else:
+        files = sources.embedded_corpus_files()
+        source = sources.Source(files, "text", description=f"embedded corpus: {len(files)} files")
+    tok = build_tokenizer(tokenizer, tokenizer_model, files)
+    print(f"tokenizing {source.description} with the {tok.kind} tokenizer into {shards} shards")
+    bar = perf.Progress(len(files), label="files ")
+    meta = prepare.write_shards(source, tok, output, shards, overwrite=overwrite,
+                                progress=lambda i, n, tokens: (i % 50 == 0 or i == n) and bar.update(
+                                    i, f"{perf.format_count(tokens)} tokens"))
+    bar.close()
+    print(f"wrote {meta['tokens']:,} tokens in {meta['records']:,} records to {output} "
+          f"({meta['shards']} shards, {meta['seconds']} s); train with "
+          f"--data.train='{output.rstrip('/')}/*.tfrecord' --data.tokenizer={tok.kind}")
+
+
+@command("tokenizer train", "train a SentencePiece tokenizer (BPE with byte fallback)",
+         "tpu-llm tokenizer train --input 'corpus/*.txt' --vocab_size 8000 --output sp.model",
+         input="text files or globs, comma-separated (default: the embedded corpus)",
+         vocab_size="pieces in the vocabulary (>= 260)", output="the .model file to write")
+def tokenizer_train(input: str = "", vocab_size: int = 8000, output: str = "tokenizer.model"):
+    if vocab_size < 260:
+        raise UserError(f"--vocab_size={vocab_size} must be an integer >= 260 (256 byte-fallback pieces plus "
+                        "specials)")
+    from tpu_llm.data import sources
+    from tpu_llm.tokenizers import train_sentencepiece
+
+    files = sources.expand_globs(input, "--input") if input else sources.embedded_corpus_files()
+    sources.detect_format(files, "text", "--input")
+    tok = train_sentencepiece(files, vocab_size, output)
+    print(f"wrote {output}: {tok.vocab_size} pieces from {len(files)} files; use it with "
+          f"--data.tokenizer=sentencepiece --data.tokenizer_model={output}")
+
+
+@command("launch", "run a command on a local cluster of tpu-llm processes (multi_worker or parameter_server)",
+         "tpu-llm launch --workers 2 --ps 1 -- train --config configs/tiny.yaml", details="""
+Everything after `--` is the tpu-llm command each task runs; only its TF_CONFIG differs. Output lines
+are prefixed with the task. See tpu_llm/parallel/launch.py.""",
+         workers="worker processes", ps="parameter-server tasks; > 0 adds a chief and trains asynchronously",
+         network="auto: the tasks get a network namespace with only loopback when the run needs no network and "
+                 "the system allows it; open: the host's network (TF's servers listen on every interface)")
+def launch(workers: int = 2, ps: int = 0, network: str = "auto", task_args: list | None = None):
+    from tpu_llm.parallel import launch
+
+    if network not in ("auto", "open"):
+        raise UserError(f"tpu-llm launch: --network={network!r}; choose auto or open")
+    return launch.launch(workers, ps, task_args or [], network=network)

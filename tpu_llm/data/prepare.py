@@ -1,0 +1,114 @@
+"""`tpu-llm data prepare`: text tokenized into TFRecord shards balanced by tokens, and their `meta.json`.
+
+Training reads the shards back with the input pipeline of tpu_llm/data/dataset.py (`read_documents`; the sizes,
+records and tokens that meta.json records are what `check_shard_sizes` and `training_units` use).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+import tensorflow as tf
+
+from tpu_llm.data.dataset import AUTOTUNE, file_bounds, read_documents
+from tpu_llm.data.sources import TFRECORD_FEATURE, Source
+from tpu_llm.errors import UserError
+from tpu_llm.tokenizers import save_tokenizer
+
+RECORD_MAX_TOKENS = 1 << 16  # long documents are split across records of at most this many tokens
+
+
+def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwrite: bool = False,
+                 progress: Callable[[int, int, int], None] | None = None) -> dict:
+    """Tokenize `source` and write `num_shards` TFRecord files plus `meta.json` to `output`.
+
+    Shards are balanced by tokens: shard i holds tokens [i * T // n, (i + 1) * T // n) of the stream
+    (each document's tokens, then end-of-text), so a large document or a single large file is split
+    across shards, none is empty, and reading them in order gives the input order. Text streams in
+    pieces of lines (`text_pieces`: memory holds a piece, never a file), read twice: once to count
+    the tokens, once to write them. A record holds at most RECORD_MAX_TOKENS tokens of one document.
+    Each shard is written under a temporary name and renamed when complete, so an interrupted run
+    never leaves a truncated shard behind. Too few tokens for `num_shards`: a UserError naming the
+    count that fits, before anything is written.
+    """
+    existing = tf.io.gfile.glob(os.path.join(output, "*.tfrecord"))
+    if existing and not overwrite:
+        raise UserError(f"{output} already holds {len(existing)} shards; pass --overwrite to "
+                        "replace them or choose another --output")
+    start = time.time()
+    total = sum(len(ids) for _, ids in _documents(source, tokenizer))
+    if total < num_shards:
+        raise UserError(f"the input holds {total:,} tokens, too few for --shards={num_shards} (each shard must "
+                        f"hold at least one); pass --shards={max(1, total)} or fewer, or add data")
+    tf.io.gfile.makedirs(output)
+    names = [os.path.join(output, f"data-{i:05d}-of-{num_shards:05d}.tfrecord") for i in range(num_shards)]
+    bounds = [(i + 1) * total // num_shards for i in range(num_shards)]  # shard i ends before token bounds[i]
+    shard, written, records = 0, 0, [0] * num_shards
+    writer = tf.io.TFRecordWriter(names[0] + ".tmp")
+
+    def write(ids: list[int]) -> None:
+        feature = tf.train.Feature(int64_list=tf.train.Int64List(value=ids))
+        writer.write(tf.train.Example(features=tf.train.Features(feature={TFRECORD_FEATURE: feature}))
+                     .SerializeToString())
+        records[shard] += 1
+
+    files_done = 0
+    for file_end, ids in _documents(source, tokenizer):
+        at = 0
+        while at < len(ids):
+            piece = ids[at:at + min(RECORD_MAX_TOKENS, bounds[shard] - written)]
+            write(piece)
+            at, written = at + len(piece), written + len(piece)
+            if written == bounds[shard] and shard + 1 < num_shards:
+                writer.close()
+                shard += 1
+                writer = tf.io.TFRecordWriter(names[shard] + ".tmp")
+        if file_end:
+            files_done += 1
+            if progress:
+                progress(files_done, len(source.files), written)
+    writer.close()
+    for n in names:
+        tf.io.gfile.rename(n + ".tmp", n, overwrite=True)
+    for path in set(existing) - set(names):  # overwritten: no stale shard (other --shards) may remain
+        tf.io.gfile.remove(path)
+    save_tokenizer(tokenizer, output)
+    shard_tokens = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+    meta = {"files": len(source.files), "tokens": total, "records": sum(records), "shards": num_shards,
+            "tokenizer": tokenizer.spec(), "seconds": round(time.time() - start, 1),
+            # what check_shard_sizes compares each shard with before training, and what
+            # training_units cuts shards into parts with
+            "shard_bytes": {os.path.basename(n): tf.io.gfile.stat(n).length for n in names},
+            "shard_records": {os.path.basename(n): r for n, r in zip(names, records)},
+            "shard_tokens": {os.path.basename(n): t for n, t in zip(names, shard_tokens)}}
+    with tf.io.gfile.GFile(os.path.join(output, "meta.json"), "w") as f:
+        f.write(json.dumps(meta, indent=1))
+    return meta
+
+
+def _documents(source: Source, tokenizer):
+    """(file ends, token ids) for each piece of each text file of `source`, in order: a file's pieces,
+    then [end-of-text] with `file ends` True. Streams: memory holds one piece (data.tokenizer=hf: one
+    file, tokenized whole)."""
+    bounds = file_bounds(Source(source.files, "text", source.byte_range))
+    if getattr(tokenizer, "kind", "") == "hf":
+        # whole documents: an HF tokenizer's normalizer and template act on a text's start (Llama's BOS
+        # and its "▁" prefix) and its merges may cross a line break, so pieces would not give the ids
+        # of the document; memory holds one file (docs/tokenizers.md)
+        for path, (lo, hi) in zip(source.files, bounds):
+            with tf.io.gfile.GFile(path, "rb") as f:
+                f.seek(lo)
+                yield False, tokenizer.encode(f.read(hi - lo))
+            yield True, [tokenizer.eos_id]
+        return
+    read = read_documents(Source(source.files, "text", source.byte_range))
+    files = tf.data.Dataset.from_tensor_slices((source.files, tf.constant([b[0] for b in bounds], tf.int64),
+                                                tf.constant([b[1] for b in bounds], tf.int64)))
+    parts = files.flat_map(lambda f, lo, hi: read(f, lo, hi, True))
+    parts = parts.map(lambda p, last: (last, tf.cast(tokenizer.encode_tf(p[None])[0], tf.int32)),
+                      num_parallel_calls=AUTOTUNE, deterministic=True).prefetch(AUTOTUNE)
+    for last, ids in parts.as_numpy_iterator():
+        yield (True, [tokenizer.eos_id]) if last else (False, ids.tolist())

@@ -1,0 +1,228 @@
+"""`tpu-llm export`: a trained run as a self-contained SavedModel plus a Keras weights file.
+
+<output>/                       (default <run_dir>/export)
+  saved_model.pb, variables/    tf.saved_model.load(output) or TF Serving; two signatures:
+                                  logits:   tokens int32 [batch, time] -> logits float32 [batch, time, vocab]
+                                  generate: tokens int32 [batch, time], max_new_tokens int32, temperature
+                                            float32, top_k int32, top_p float32, seed int64
+                                            -> ids int32 [batch, max_new_tokens]
+  model.weights.h5              Keras weights: GPT(cfg.model, vocab).build_weights().load_weights(...)
+  config.yaml, tokenizer.json   the run's config and tokenizer (+ tokenizer.model for SentencePiece)
+  export.json                   what was exported from where, the vocabulary and end-of-text id
+
+The weights are the run's newest readable checkpoint, restored exactly as `tpu-llm generate` restores
+it. `generate` is `generate.Sampler`'s algorithm written as one graph: prefill the KV cache with the
+prompt (its newest max_len tokens; an empty prompt starts after end-of-text), then one single-token
+decode per new token, refilling the cache from the newest half of the context when it is full, and
+the same stateless draws keyed by (seed, i). Every tensor in the loop has a static shape (the cache is
+[batch, heads, max_len, head_dim]), so the loop can be XLA-compiled, as a TPU needs; it is saved as a
+plain graph so that any TensorFlow build (and TF Serving) can run it. Logits are cropped to the
+tokenizer's ids: a vocabulary padded past it (model.vocab_size) is never sampled, as in `generate`.
+
+The export is written to a temporary directory beside `output` and renamed into place, so a failed
+export never leaves a half-written one, and an existing export is replaced only with --overwrite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+
+import keras
+import tensorflow as tf
+
+from tpu_llm.errors import UserError
+from tpu_llm.model.sampling import sample_logits
+from tpu_llm.tokenizers import save_tokenizer
+from tpu_llm.training.checkpoint import check_run_dir_reachable, load_for_generation
+
+WEIGHTS_FILE = "model.weights.h5"
+META_FILE = "export.json"
+
+
+class ServingModule(tf.Module):
+    """The GPT with its two serving functions (see the module docstring)."""
+
+    def __init__(self, model, vocab_size: int, eos_id: int):
+        super().__init__(name="tpu_llm_gpt")
+        # The Keras model stays out of the SavedModel's object graph, so loading the export needs no
+        # Keras and no tpu_llm: the signatures capture its variables, and this list tracks them.
+        self.__dict__["model"] = model
+        self.saved_variables = [getattr(v, "value", v) for v in model.weights]
+        self.vocab_size, self.eos_id, self.max_len = vocab_size, eos_id, model.cfg.max_len
+
+    def signatures(self) -> dict:
+        """The serving signatures as concrete functions. They are not attributes of the module: saving a
+        tf.function attribute retraces it under the save context, which doubled the export's time.
+        autograph=False: the loop and branches are tf.while_loop / tf.cond already, and converting
+        every Keras call made tracing several times slower."""
+        tokens = tf.TensorSpec([None, None], tf.int32, name="tokens")
+        logits = tf.function(lambda tokens: {"logits": self.model(tokens)[..., :self.vocab_size]},
+                             input_signature=[tokens], autograph=False).get_concrete_function()
+        generate = tf.function(
+            lambda *args: {"ids": self.generate_ids(*args)}, autograph=False, input_signature=[
+                tokens,
+                tf.TensorSpec([], tf.int32, name="max_new_tokens"),
+                tf.TensorSpec([], tf.float32, name="temperature"),
+                tf.TensorSpec([], tf.int32, name="top_k"),
+                tf.TensorSpec([], tf.float32, name="top_p"),
+                tf.TensorSpec([], tf.int64, name="seed"),
+            ]).get_concrete_function()
+        return {"logits": logits, "generate": generate, "serving_default": logits}
+
+    def generate_ids(self, tokens, max_new_tokens, temperature, top_k, top_p, seed):
+        model, L = self.model, self.max_len
+        half = max(L // 2, 1)
+        batch = tf.shape(tokens)[0]
+        tokens = tf.cond(tf.shape(tokens)[1] > 0, lambda: tokens[:, -L:],
+                         lambda: tf.fill([batch, 1], tf.constant(self.eos_id, tf.int32)))
+        # the newest L tokens of the context, left-padded; a refill reads only its newest `half`,
+        # which are real tokens by then (the cache holds L of them when it is full)
+        pad = tf.fill([batch, L], tf.constant(self.eos_id, tf.int32))
+        context = tf.concat([pad, tokens], axis=1)[:, -L:]
+        context.set_shape([None, L])
+
+        def prefill(window):
+            logits, cache = model.call_with_cache(window, model.empty_cache(batch), 0)
+            return logits[:, -1, :self.vocab_size], cache
+
+        logits, cache = prefill(tokens)
+        pos = tf.shape(tokens)[1]
+        max_new_tokens = tf.maximum(max_new_tokens, 0)
+        out = tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=tf.TensorShape([None]))
+
+        def body(i, logits, cache, pos, context, out):
+            token = sample_logits(logits, temperature, top_k, top_p, tf.stack([seed, tf.cast(i, tf.int64)]))
+            out = out.write(i, token)
+            context = tf.concat([context[:, 1:], token[:, None]], axis=1)
+
+            def refill():
+                logits, cache = prefill(context[:, -half:])
+                return logits, cache, tf.constant(half, tf.int32)
+
+            def decode():
+                logits, new = model.call_with_cache(token[:, None], cache, pos)
+                return logits[:, -1, :self.vocab_size], new, pos + 1
+
+            logits, cache, pos = tf.cond(pos >= L, refill, decode)
+            return i + 1, logits, cache, pos, context, out
+
+        loop = tf.while_loop(lambda i, *_: i < max_new_tokens, body,
+                             (tf.constant(0), logits, cache, pos, context, out))
+        # (max_new_tokens, batch); TensorArray cannot stack zero elements of a shape unknown when traced
+        ids = tf.cond(max_new_tokens > 0, loop[-1].stack, lambda: tf.zeros([0, batch], tf.int32))
+        return tf.transpose(tf.reshape(ids, [max_new_tokens, batch]))
+
+
+def export_target(run_dir: str, output: str, default: str, overwrite: bool) -> tuple[str, str]:
+    """(run_dir, output) of an export, output defaulting to <run_dir>/<default>; refused in one line: an
+    unreachable run, an output holding the run, and an existing output without --overwrite or that
+    is not an earlier export (--overwrite deletes it)."""
+    run_dir = str(run_dir).rstrip("/")
+    output = str(output or os.path.join(run_dir, default)).rstrip("/")
+    check_run_dir_reachable(run_dir)
+    if f"{run_dir}/".startswith(f"{output}/"):
+        raise UserError(f"--output {output!r} is the run directory or holds it; give a directory of its own, "
+                        f"e.g. the default <run_dir>/{default}")
+    if tf.io.gfile.exists(output):
+        if not overwrite:
+            raise UserError(f"{output!r} already exists; pass --overwrite to replace it, or --output another "
+                            "directory")
+        if not tf.io.gfile.exists(os.path.join(output, META_FILE)):
+            raise UserError(f"{output!r} exists and is not a tpu-llm export (no {META_FILE}); --overwrite replaces "
+                            "only an earlier export, so give another --output")
+    return run_dir, output
+
+
+def load_float32(run_dir: str):
+    """load_for_generation(run_dir) with its checkpoint and notes, built in float32 whatever this process
+    trained with (a notebook exports in the process that trained under mixed_bfloat16 on a TPU): the
+    variables are float32, and so is what an export writes. UserError for a directory that is not a
+    run, or a run without a checkpoint yet."""
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        return load_for_generation(run_dir, with_checkpoint=True, with_notes=True)
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+
+
+def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
+    """Export `run_dir`'s newest checkpoint to `output` (default <run_dir>/export); returns export.json."""
+    run_dir, output = export_target(run_dir, output, "export", overwrite)
+    model, tokenizer, cfg, checkpoint, notes = load_float32(run_dir)
+    tail = checkpoint.rsplit("ckpt-", 1)[-1]
+    step = int(tail) if tail.isdigit() else None
+
+    # --overwrite: an existing export is replaced only once the new one is complete
+    with staged_directory(output, f"the export to {output!r}", EXPORT_FIX) as tmp:
+        module = ServingModule(model, tokenizer.vocab_size, tokenizer.eos_id)
+        logger = tf.get_logger()  # TF logs "Assets written to: <the temporary directory>" at INFO
+        level = logger.level
+        logger.setLevel("WARNING")
+        try:
+            tf.saved_model.save(module, tmp, signatures=module.signatures())
+        finally:
+            logger.setLevel(level)
+        _save_weights(model, os.path.join(tmp, WEIGHTS_FILE))
+        with tf.io.gfile.GFile(os.path.join(tmp, "config.yaml"), "w") as f:
+            f.write(cfg.to_yaml())
+        save_tokenizer(tokenizer, tmp)
+        meta = {"run_dir": run_dir, "checkpoint": checkpoint, "step": step, "vocab_size": tokenizer.vocab_size,
+                "model_vocab_size": cfg.model.vocab_size, "eos_id": tokenizer.eos_id,
+                "max_len": cfg.model.max_len, "tokenizer": tokenizer.kind,
+                "signatures": {"logits": "tokens -> logits", "generate": "tokens, max_new_tokens, temperature, "
+                                                                          "top_k, top_p, seed -> ids"},
+                "weights": WEIGHTS_FILE}
+        with tf.io.gfile.GFile(os.path.join(tmp, META_FILE), "w") as f:
+            f.write(json.dumps(meta, indent=1) + "\n")
+    return {**meta, "output": output, "notes": notes}  # notes: e.g. the newest checkpoint was unreadable
+
+
+def _save_weights(model, path: str) -> None:
+    """Keras writes .weights.h5 with h5py, which needs a local file: write locally, then copy (gs://)."""
+    if "://" not in path:
+        model.save_weights(path)
+        return
+    local = tempfile.mkdtemp(prefix="tpu-llm-export-")
+    try:
+        model.save_weights(os.path.join(local, WEIGHTS_FILE))
+        tf.io.gfile.copy(os.path.join(local, WEIGHTS_FILE), path, overwrite=True)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+EXPORT_FIX = "fix the path's permissions or space, or pass another --output"
+
+
+@contextlib.contextmanager
+def staged_directory(target: str, what: str, fix: str):
+    """Write a directory in full before it appears: yields a temporary directory beside `target`, which
+    replaces `target` (an existing one only then) when the block completes. A failed write never
+    touches `target` and leaves no temporary directory: an OS or TensorFlow file error becomes one
+    line, "writing {what} failed (reason); {fix}", and anything else propagates as it is."""
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        if tf.io.gfile.exists(target):
+            tf.io.gfile.rmtree(target)
+        tf.io.gfile.rename(tmp, target)
+    except (tf.errors.OpError, OSError) as e:
+        _remove_quietly(tmp)
+        reason = (getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)).splitlines()[0][:200]
+        raise UserError(f"writing {what} failed ({reason}); {fix}") from None
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        if tf.io.gfile.exists(path):
+            tf.io.gfile.rmtree(path)
+    except (tf.errors.OpError, OSError):
+        pass  # best effort: a leftover temporary directory is never read

@@ -1,0 +1,263 @@
+"""GPT decoder in Keras 3 layers, readable top to bottom, in two families (`model.family`).
+
+gpt2:  token embedding (tied with the output head) + learned positions -> n_layer pre-LayerNorm
+       blocks of causal multi-head attention and a GELU MLP -> final LayerNorm -> logits.
+llama: token embedding -> n_layer pre-RMSNorm blocks of grouped-query attention with rotary
+       positions (no learned positions) and a SwiGLU MLP, no biases -> final RMSNorm -> logits,
+       with the output head tied to the embedding or its own (V, C) matrix (`model.tie_embeddings`).
+
+Variables (Keras paths; what `import`/`export --format hf` map Hugging Face tensors onto), with
+C = n_embd, H = n_head, Hkv = n_kv_head (0: H), hd = C / H, F = the MLP's hidden size (model.mlp_hidden):
+  both       wte/embeddings (V, C); ln_f/gamma (gpt2) or ln_f/scale (llama), (C,)
+  gpt2       wpe/embeddings (max_len, C); block_i/ln1, ln2: LayerNormalization gamma [beta];
+             block_i/attn/qkv/kernel (C, 3C) [bias] (q, k, v side by side, each head-major),
+             block_i/attn/proj/kernel (C, C) [bias]; block_i/mlp/fc/kernel (C, F) [bias],
+             block_i/mlp/proj/kernel (F, C) [bias]
+  llama      block_i/ln1/scale, block_i/ln2/scale (C,): RMSNorm;
+             block_i/attn/q/kernel (C, H hd), block_i/attn/k/kernel and attn/v/kernel (C, Hkv hd),
+             block_i/attn/proj/kernel (H hd, C); block_i/mlp/gate/kernel, mlp/up/kernel (C, F),
+             block_i/mlp/down/kernel (F, C); untied head: lm_head/embeddings (V, C)
+Keras Dense kernels are (in, out): the transpose of a torch Linear's weight. Rotary embeddings use
+Hugging Face Llama's convention (rotate_half: dimension i pairs with i + hd/2, not interleaved), so
+HF q/k weights need no permutation; query head h reads key/value head h // (H / Hkv) (HF repeat_kv).
+
+The blocks are an explicit list (`GPT.blocks`) and the model is also callable piecewise (`embed`,
+each block, `head`) so a pipeline can group blocks into stages. There is no device or strategy logic
+here. Logits are always float32, whatever the compute dtype.
+
+Attention takes an optional KV cache `(k, v)` of shape (B, Hkv, max_len, head_dim) and the position of
+the first new token, which is how `generate.py` decodes one token at a time. Cache writes use a
+one-hot mix rather than dynamic slicing so the shapes stay static and the decode step compiles with
+XLA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tpu_llm.config import ModelConfig
+from tpu_llm.model import attention
+from tpu_llm.model.loss import cross_entropy
+
+
+def _normal(std: float) -> keras.initializers.Initializer:
+    return keras.initializers.RandomNormal(mean=0.0, stddev=std)
+
+
+def _dense(units: int, cfg: ModelConfig, name: str, residual: bool = False) -> keras.layers.Dense:
+    # GPT-2 init (both families): std 0.02, residual projections scaled by 1/sqrt(2 * n_layer)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
+    return keras.layers.Dense(units, use_bias=cfg.bias, kernel_initializer=_normal(std), name=name)
+
+
+class RMSNorm(keras.layers.Layer):
+    """x / sqrt(mean(x^2) + eps) * scale, the mean in float32 (as HF Llama computes it)."""
+
+    def __init__(self, eps: float, **kwargs):
+        super().__init__(**kwargs)
+        self.eps = eps
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+    def call(self, x):
+        x32 = tf.cast(x, tf.float32)
+        x32 = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), axis=-1, keepdims=True) + self.eps)
+        return tf.cast(x32, x.dtype) * tf.cast(self.scale, x.dtype)
+
+
+def norm(cfg: ModelConfig, name: str) -> keras.layers.Layer:
+    if cfg.family == "llama":
+        return RMSNorm(cfg.norm_eps, name=name)
+    return keras.layers.LayerNormalization(epsilon=cfg.norm_eps, center=cfg.bias, name=name)
+
+
+def rope(x, pos, theta: float):
+    """Rotary position embedding of x (B, heads, T, hd) at positions pos..pos+T-1, HF Llama's layout:
+    dimension i and i + hd/2 rotate together by angle position * theta^(-2i/hd)."""
+    hd, T = x.shape[-1], tf.shape(x)[2]
+    inv_freq = 1.0 / theta ** (tf.range(0, hd, 2, dtype=tf.float32) / hd)  # (hd/2,)
+    angles = tf.cast(pos + tf.range(T), tf.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    angles = tf.concat([angles, angles], axis=-1)  # (T, hd)
+    cos, sin = tf.cast(tf.cos(angles), x.dtype), tf.cast(tf.sin(angles), x.dtype)
+    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+    return x * cos + tf.concat([-x2, x1], axis=-1) * sin  # rotate_half(x) = (-x2, x1)
+
+
+class CausalSelfAttention(keras.layers.Layer):
+    def __init__(self, cfg: ModelConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.family, self.rope_theta = cfg.family, cfg.rope_theta
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), cfg.n_embd // cfg.n_head
+        if cfg.family == "gpt2":
+            self.qkv = _dense(3 * cfg.n_embd, cfg, "qkv")
+        else:  # separate projections: k and v have n_kv_head heads
+            self.q = _dense(self.n_head * self.head_dim, cfg, "q")
+            self.k = _dense(self.n_kv_head * self.head_dim, cfg, "k")
+            self.v = _dense(self.n_kv_head * self.head_dim, cfg, "v")
+        self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True)
+        self.attn_drop = keras.layers.Dropout(cfg.dropout)
+        self.resid_drop = keras.layers.Dropout(cfg.dropout)
+        self.attend = attention.for_config(cfg)  # model.attention: dense (attention.attend) or blockwise
+
+    def call(self, x, training=False, cache=None, pos=0):
+        B, T = tf.shape(x)[0], tf.shape(x)[1]
+        if self.family == "gpt2":
+            qkv = tf.reshape(self.qkv(x), [B, T, 3, self.n_head, self.head_dim])  # (B, T, 3, H, hd)
+            q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each (B, H, T, hd)
+        else:
+            q = heads(self.q(x), self.n_head)  # (B, H, T, hd)
+            k, v = heads(self.k(x), self.n_kv_head), heads(self.v(x), self.n_kv_head)  # (B, Hkv, T, hd)
+            q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
+        if cache is not None:
+            k, v = _cache_write(cache[0], k, pos), _cache_write(cache[1], v, pos)  # (B, Hkv, L, hd)
+            cache = (k, v)
+        y = self.attend(q, k, v, pos, self.attn_drop, training)  # (B, T, C)
+        return self.resid_drop(self.proj(y), training=training), cache
+
+
+def heads(x, n: int):
+    """(B, T, n * hd) -> (B, n, T, hd)."""
+    B, T = tf.shape(x)[0], tf.shape(x)[1]
+    return tf.transpose(tf.reshape(x, [B, T, n, x.shape[-1] // n]), [0, 2, 1, 3])
+
+
+def _cache_write(cache, new, pos):
+    """cache (B, Hkv, L, hd) with `new` (B, Hkv, T, hd) written at positions pos..pos+T-1."""
+    L, T = cache.shape[2], tf.shape(new)[2]
+    onehot = tf.one_hot(pos + tf.range(T), L, dtype=cache.dtype)  # (T, L)
+    keep = 1.0 - tf.reduce_sum(onehot, axis=0)[None, None, :, None]  # (1, 1, L, 1)
+    return cache * keep + tf.einsum("bhtd,tl->bhld", new, onehot)
+
+
+class MLP(keras.layers.Layer):
+    """gpt2: proj(gelu(fc(x))); llama: down(silu(gate(x)) * up(x)) (SwiGLU). Hidden size F."""
+
+    def __init__(self, cfg: ModelConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.family, hidden = cfg.family, cfg.hidden()
+        if cfg.family == "gpt2":
+            self.fc = _dense(hidden, cfg, "fc")
+            self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True)
+        else:
+            self.gate, self.up = _dense(hidden, cfg, "gate"), _dense(hidden, cfg, "up")
+            self.down = _dense(cfg.n_embd, cfg, "down", residual=True)
+        self.drop = keras.layers.Dropout(cfg.dropout)
+
+    def call(self, x, training=False):
+        if self.family == "gpt2":
+            h = tf.nn.gelu(self.fc(x), approximate=True)  # (B, T, F)
+            return self.drop(self.proj(h), training=training)  # (B, T, C)
+        h = tf.nn.silu(self.gate(x)) * self.up(x)  # (B, T, F)
+        return self.drop(self.down(h), training=training)  # (B, T, C)
+
+
+class Block(keras.layers.Layer):
+    """x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.ln1 = norm(cfg, "ln1")
+        self.attn = CausalSelfAttention(cfg, name="attn")
+        self.ln2 = norm(cfg, "ln2")
+        self.mlp = MLP(cfg, name="mlp")
+
+    def call(self, x, training=False, cache=None, pos=0):
+        a, cache = self.attn(self.ln1(x), training=training, cache=cache, pos=pos)
+        x = x + a
+        x = x + self.mlp(self.ln2(x), training=training)
+        return x, cache
+
+
+class GPT(keras.Model):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, **kwargs):
+        super().__init__(**kwargs)
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.wte = keras.layers.Embedding(vocab_size, cfg.n_embd, embeddings_initializer=_normal(0.02),
+                                          name="wte")
+        self.wpe = None  # llama: rotary positions inside attention instead
+        if cfg.family == "gpt2":
+            self.wpe = keras.layers.Embedding(cfg.max_len, cfg.n_embd, embeddings_initializer=_normal(0.02),
+                                              name="wpe")
+        self.drop = keras.layers.Dropout(cfg.dropout)
+        self.blocks = [Block(cfg, name=f"block_{i}") for i in range(cfg.n_layer)]
+        for i, block in enumerate(self.blocks):
+            # Keras 3 tracks a list of layers for `weights`, but TF checkpoints do not see into it
+            # (tf.train.Checkpoint(model=...) would save only the embeddings and the final norm)
+            self._track_trackable(block, name=f"block_{i}", overwrite=True)
+        self.ln_f = norm(cfg, "ln_f")
+        self.lm_head = None  # tied: the head is wte's table
+        if not cfg.tie_embeddings:
+            self.lm_head = keras.layers.Embedding(vocab_size, cfg.n_embd, embeddings_initializer=_normal(0.02),
+                                                  name="lm_head")
+
+    def build_weights(self) -> "GPT":
+        """Create every variable (call once, inside the strategy scope)."""
+        self(tf.zeros([1, 1], tf.int32))
+        return self
+
+    def embed(self, idx, training=False, pos=0):
+        T = tf.shape(idx)[1]
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:  # gpt2: learned positions
+            x = x + self.wpe(pos + tf.range(T))[None]
+        return self.drop(x, training=training)
+
+    def head_weights(self):
+        """The output head's (V, C) matrix: the embedding table (tied) or lm_head's own."""
+        if self.lm_head is None:
+            return self.wte.embeddings
+        if not self.lm_head.built:
+            self.lm_head.build()
+        return self.lm_head.embeddings
+
+    def head(self, x):
+        x = self.ln_f(x)
+        # logits in float32 even under mixed precision
+        return tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.head_weights(), tf.float32))
+
+    def call(self, idx, training=False):
+        x = self.embed(idx, training=training)
+        for block in self.blocks:
+            x, _ = block(x, training=training)
+        return self.head(x)  # (B, T, vocab)
+
+    def call_with_cache(self, idx, cache, pos):
+        """Forward new tokens `idx` (B, T) at positions pos.. using and updating the per-layer cache."""
+        x = self.embed(idx, pos=pos)
+        new_cache = []
+        for block, layer_cache in zip(self.blocks, cache):
+            x, layer_cache = block(x, cache=layer_cache, pos=pos)
+            new_cache.append(layer_cache)
+        return self.head(x), new_cache
+
+    def empty_cache(self, batch: int):
+        shape = [batch, self.cfg.kv_heads(), self.cfg.max_len, self.cfg.n_embd // self.cfg.n_head]
+        return [(tf.zeros(shape, self.compute_dtype), tf.zeros(shape, self.compute_dtype))
+                for _ in self.blocks]
+
+    # ---- size and cost ---------------------------------------------------------------------------
+
+    def num_params(self, include_positions: bool = True) -> int:
+        n = sum(int(math.prod(v.shape)) for v in self.trainable_variables)
+        return n if include_positions or self.wpe is None else n - self.cfg.max_len * self.cfg.n_embd
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N (forward + backward matmuls; N without the positions and,
+        untied, without the input table: a lookup is no matmul) + 12 L d T (attention)."""
+        c = self.cfg
+        n = self.num_params(include_positions=False) - (0 if self.lm_head is None else self.vocab_size * c.n_embd)
+        return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
+
+
+def loss_fn(logits, targets):
+    """Mean next-token cross entropy, float32 (tpu_llm/model/loss.py: the gradient's memory)."""
+    return cross_entropy(logits, targets)
+
+
+def decay_mask(model: GPT) -> list:
+    """Variables that get weight decay: Dense kernels only (not norms, biases or embeddings)."""
+    return [v for v in model.trainable_variables if len(v.shape) == 2 and v.path.endswith("kernel")]

@@ -1,0 +1,83 @@
+"""Tokenizers: byte, char and SentencePiece (core.py) and Hugging Face's tokenizers (hf.py); building a
+tokenizer from the config, and saving it into and loading it from a run, shard or export directory.
+
+Every tokenizer turns a batch of strings into ids on the host CPU (`encode_tf` in tf.data, or `encode`
+in Python for hf), never inside the training step. It is saved into the run directory
+(`tokenizer.json`, our spec, plus its model file) so `generate` and resumed runs use exactly the one
+the model was trained with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import tensorflow as tf
+
+from tpu_llm.errors import UserError
+from tpu_llm.tokenizers import hf
+from tpu_llm.tokenizers.core import (REMOTE_OK, SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer,
+                                     SentencePieceTokenizer, Tokenizer, check_covers, import_tensorflow_text,
+                                     train_sentencepiece)
+from tpu_llm.tokenizers.hf import HF_FILE, HFTokenizer, check_pretokenized, load_hf_tokenizer, write_hf_tokenizer
+
+__all__ = ["REMOTE_OK", "SP_MODEL_FILE", "SPEC_FILE", "HF_FILE", "ByteTokenizer", "CharTokenizer", "HFTokenizer",
+           "SentencePieceTokenizer", "Tokenizer", "build_tokenizer", "check_covers", "check_pretokenized",
+           "import_tensorflow_text", "load_hf_tokenizer", "load_tokenizer", "save_tokenizer", "train_sentencepiece",
+           "write_hf_tokenizer"]
+
+
+def build_tokenizer(kind: str, model_path: str = "", text_files: list[str] | None = None) -> Tokenizer:
+    """A fresh tokenizer from the data config (char vocabularies are built from `text_files`)."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "char":
+        if not text_files:
+            raise UserError("data.tokenizer=char builds its vocabulary from text files, but the data "
+                            "has none; use data.tokenizer=byte or point data.train at text files")
+        return CharTokenizer.from_files(text_files)
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer.from_file(model_path)
+    if kind == "hf":
+        return hf.load_hf_tokenizer(model_path)
+    raise UserError(f"data.tokenizer={kind!r}; valid choices: byte, char, sentencepiece, hf")
+
+
+def save_tokenizer(tok: Tokenizer, run_dir: str) -> None:
+    """`tok` into a run, shard or export directory: tokenizer.json (the spec) and its model file, if any
+    (tokenizer.model for SentencePiece; hf_tokenizer.json, Hugging Face's tokenizer.json, for hf)."""
+    tf.io.gfile.makedirs(run_dir)
+    if isinstance(tok, SentencePieceTokenizer):
+        with tf.io.gfile.GFile(os.path.join(run_dir, SP_MODEL_FILE), "wb") as f:
+            f.write(tok.model_proto)
+    if tok.kind == "hf":
+        with tf.io.gfile.GFile(os.path.join(run_dir, tok.spec()["model"]), "w") as f:
+            f.write(tok.json)
+    with tf.io.gfile.GFile(os.path.join(run_dir, SPEC_FILE), "w") as f:
+        f.write(json.dumps(tok.spec(), ensure_ascii=False))
+
+
+def load_tokenizer(run_dir: str) -> Tokenizer | None:
+    """The tokenizer saved in `run_dir`, or None if the directory has none."""
+    path = os.path.join(run_dir, SPEC_FILE)
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path, "r") as f:
+        text = f.read()
+    try:  # a file torn by a kill or a full disk mid-write must not become a traceback
+        spec = json.loads(text)
+        needs = {"byte": (), "char": ("chars",), "sentencepiece": ("model",), "hf": ("model", "eos_token")}
+        if spec["kind"] not in needs or any(key not in spec for key in needs[spec["kind"]]):
+            raise ValueError(f"kind {spec['kind']!r} without {needs.get(spec['kind'], ('a known kind',))}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is not a readable tokenizer file ({str(e)[:80]}); restore it from a copy of the run "
+                        "directory (or the shards' tokenizer.json), or move the run directory away to start "
+                        "over") from None
+    if spec["kind"] == "byte":
+        return ByteTokenizer()
+    if spec["kind"] == "char":
+        return CharTokenizer(spec["chars"])
+    if spec["kind"] == "hf":
+        return hf.from_spec(run_dir, spec, path)
+    with tf.io.gfile.GFile(os.path.join(run_dir, spec["model"]), "rb") as f:
+        return SentencePieceTokenizer(f.read(), source=os.path.join(run_dir, spec["model"]))

@@ -1,0 +1,393 @@
+"""The run directory and its checkpoints (local disk or gs://, both through tf.io.gfile).
+
+<run_dir>/
+  .tpu-llm-run         marks the directory as a tpu-llm run (nothing else is ever written into a
+                       non-empty directory without it)
+  config.yaml          the effective config of the run (model section fixed once written)
+  tokenizer.json       the tokenizer (+ tokenizer.model for SentencePiece)
+  checkpoints/         tf.train.CheckpointManager: model, optimizer, step, dropout RNG, data position
+  logs/train, logs/validation   TensorBoard summaries
+  metrics.jsonl        one JSON line per logged loop and evaluation (appended; a resume drops the lines after its step)
+
+Re-using a run directory resumes it. `check_run_dir` refuses a non-empty directory that is not a
+tpu-llm run and a run made by another model; `record_run` writes the marker, config and tokenizer,
+only once every check of the run passed (controller.build_run). A refused run leaves the directory
+untouched. A run directory of an earlier version (config.yaml, tokenizer.json and checkpoints/, no
+marker) is accepted, and gets its marker when it is resumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import uuid
+
+import tensorflow as tf
+import yaml
+
+from tpu_llm.config import Config, ModelConfig, config_from_dict
+from tpu_llm.errors import UserError
+from tpu_llm.model import GPT
+from tpu_llm.tokenizers import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
+from tpu_llm.training.fault import CLUSTER_ERRORS
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_DIR = "checkpoints"
+MARKER_FILE = ".tpu-llm-run"
+_OWN_TEMPORARY = (".write-test-", ".scratch-")  # probes and workers' scratch: not content of their own
+
+
+def read_saved_config(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, CONFIG_FILE)
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path, "r") as f:
+        try:
+            return yaml.safe_load(f.read())
+        except yaml.YAMLError:
+            raise UserError(f"{path} is not valid YAML; restore it or use another --run_dir") from None
+
+
+def check_run_dir_reachable(run_dir: str) -> None:
+    """Fail early, before anything reads or writes it, if `run_dir`'s filesystem cannot be reached (a
+    gs:// bucket that does not exist, no network or no credentials)."""
+    try:
+        tf.io.gfile.exists(run_dir)
+    except (tf.errors.OpError, OSError) as e:
+        where = "check the bucket name, the network and your credentials (gcloud auth application-default login)" \
+            if "://" in run_dir else "check the path"
+        raise UserError(f"run_dir {run_dir!r} cannot be reached ({_first_line(e)}); {where}") from None
+
+
+def check_run_dir_usable(run_dir: str) -> None:
+    """Fail early, before training, if the run directory cannot be created or written."""
+    try:
+        if tf.io.gfile.exists(run_dir) and not tf.io.gfile.isdir(run_dir):
+            raise UserError(f"run_dir {run_dir!r} is a file, not a directory; choose another --run_dir")
+        tf.io.gfile.makedirs(run_dir)
+        probe = os.path.join(run_dir, f".write-test-{uuid.uuid4().hex[:8]}")
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("ok")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as e:
+        reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+        raise UserError(f"run_dir {run_dir!r} is not writable ({reason.splitlines()[0]}); "
+                        "fix its permissions or choose another --run_dir") from None
+
+
+def resolve_tokenizer(run_dir: str, saved: Tokenizer | None, wanted_kind: str,
+                      fresh: Tokenizer | None) -> Tokenizer | None:
+    """The run's `saved` tokenizer if it has one (it must match the config and `fresh`), else `fresh`."""
+    if saved is None:
+        return fresh
+    if saved.kind != wanted_kind:
+        raise UserError(f"run_dir {run_dir!r} was trained with data.tokenizer={saved.kind}, this config "
+                        f"asks for {wanted_kind}; use the same tokenizer or another --run_dir")
+    if fresh is not None and saved.spec() != fresh.spec():
+        what = "SentencePiece model" if saved.kind == "sentencepiece" else "vocabulary"
+        raise UserError(f"the tokenizer of this config/data (a different {what}) does not match the one "
+                        f"saved in {run_dir!r}; use the original tokenizer or another --run_dir")
+    return saved
+
+
+def is_run_dir(run_dir: str) -> bool:
+    """Whether `run_dir` holds a tpu-llm run: its marker, or the files of a run made by an earlier version
+    (config.yaml, tokenizer.json and checkpoints/, written before the marker existed)."""
+    def there(name):
+        return tf.io.gfile.exists(os.path.join(run_dir, name))
+    return there(MARKER_FILE) or there(CONFIG_FILE) and there(SPEC_FILE) and there(CHECKPOINT_DIR)
+
+
+def check_run_dir_owner(run_dir: str) -> None:
+    """Refuse a directory that is not empty and not a tpu-llm run (another tool's folder); read only."""
+    if not tf.io.gfile.exists(run_dir):
+        return
+    if not tf.io.gfile.isdir(run_dir):
+        raise UserError(f"run_dir {run_dir!r} is a file, not a directory; choose another --run_dir")
+    held = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(run_dir) if not n.startswith(_OWN_TEMPORARY))
+    if held and not is_run_dir(run_dir):
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise UserError(f"run_dir {run_dir!r} is not empty and is not a tpu-llm run (no {MARKER_FILE}; it holds "
+                        f"{shown}); choose a new or empty --run_dir")
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Everything `record_run` will need, checked without writing: the directory is a tpu-llm run (or
+    new or empty), made by the same model (`cfg.model.vocab_size` already resolved)."""
+    run_dir = cfg.run_dir
+    check_run_dir_owner(run_dir)
+    saved = read_saved_config(run_dir)
+    if saved is not None:
+        differences = _model_differences(saved.get("model", {}), cfg.model)
+        if differences:
+            raise UserError(f"run_dir {run_dir!r} holds a run made with {differences[0]}; use the same "
+                            "model settings to resume it, or another --run_dir for a new run")
+
+
+def record_run(cfg: Config, tokenizer: Tokenizer) -> None:
+    """Make `cfg.run_dir` a run directory (checked writable): the marker, then config and tokenizer.
+    Called once every check of the run passed, before the first step."""
+    run_dir = cfg.run_dir
+    check_run_dir_usable(run_dir)
+    if not tf.io.gfile.exists(os.path.join(run_dir, MARKER_FILE)):  # first: a worker may be looking
+        _write_atomically(os.path.join(run_dir, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
+    _write_atomically(os.path.join(run_dir, CONFIG_FILE), cfg.to_yaml())
+    if load_tokenizer(run_dir) is None:
+        save_tokenizer(tokenizer, run_dir)
+
+
+def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> None:
+    """Check `cfg.run_dir` (usable, a run or new, same model as any run already in it), then record
+    config and tokenizer: `check_run_dir` and `record_run` in one."""
+    check_run_dir(cfg)
+    record_run(cfg, tokenizer)
+
+
+def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
+    """train.init_from: load the weights (only) of the newest readable checkpoint of the run `source` into
+    `model`, made with the same model section and tokenizer; returns that checkpoint's path."""
+    saved = read_saved_config(source)
+    if saved is None:
+        raise UserError(f"train.init_from={source!r} is not a run directory (no {CONFIG_FILE}); give the --run_dir of "
+                        "a `tpu-llm import` or `train` run")
+    differences = _model_differences(saved.get("model", {}), current)
+    if differences:
+        raise UserError(f"train.init_from={source!r} holds a model made with {differences[0]}; start from its "
+                        f"config (--config {source}/{CONFIG_FILE} --run_dir NEW)")
+    theirs = load_tokenizer(source)
+    if theirs is not None and theirs.spec() != tokenizer.spec():
+        raise UserError(f"train.init_from={source!r} was trained with another tokenizer ({theirs.kind}) than this "
+                        f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
+                        f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
+    checkpointer = Checkpointer(source, keep=1, io_device=io_device, model=model)
+    path = checkpointer.restore_latest()  # the newest readable one; UserError if none can be read
+    if path is None:
+        raise UserError(f"train.init_from={source!r} has no checkpoint in {CHECKPOINT_DIR}/ yet")
+    return path
+
+
+def _model_differences(saved: dict, current: ModelConfig) -> list[str]:
+    out = []
+    for key, value in vars(current).items():
+        if key in saved and saved[key] != value:
+            out.append(f"model.{key}={saved[key]} (this config has {value})")
+    return out
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with tf.io.gfile.GFile(tmp, "w") as f:
+        f.write(text)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+class Checkpointer:
+    """Saves and restores everything needed to resume: model, optimizer (with its step), dropout RNG
+    state, and the input stream's position.
+
+    Saves are atomic: TensorFlow writes a checkpoint's files, then records it in the `checkpoint`
+    state file (written to a temporary name and renamed, on local disk and on gs:// alike), so a
+    crash during a save leaves the state naming the previous checkpoint. Restores are checked: a
+    newest checkpoint that cannot be read (truncated, corrupt, files missing) is skipped for the one
+    before it, with a warning naming both (`notes`); so is an unreadable state file.
+
+    Objects a checkpoint does not hold (older checkpoints: no position or RNG state) are left out
+    of the restore rather than failing it, so a checkpoint also moves between strategies. The
+    position is not restored into its variable (a SUM-on-read variable would be divided among the
+    replicas): `read` gives it to the input pipeline.
+
+    Under multi_worker every worker must take part in a save (TF's rule: saving may need its
+    collectives); only the chief writes the run's checkpoints, the others (`scratch` = a worker name)
+    write to a scratch directory on their own local disk (`scratch_directory`), deleted straight
+    after, so a gs:// run directory is not written twice. All of them restore from the run's. In a
+    cluster (`cluster`), a save that fails because a task was lost (the save's collectives) raises
+    that error, for the caller to stop the whole job (fault.Guard.call: exit 4).
+
+    `io_device` (a remote TPU: tpu.CLIENT_IO) makes this process read and write the files: otherwise
+    TensorFlow runs each variable's save and restore on the host that owns it, a TPU host whose
+    credentials and view of the filesystem are not the ones `check_run_dir_usable` checked here.
+    """
+
+    NOT_RESTORED = ("data_position",)
+
+    def __init__(self, run_dir: str, keep: int, scratch: str = "", keep_every_hours: float = 0.0,
+                 cluster: bool = False, io_device: str = "", **trackables):
+        self.options = tf.train.CheckpointOptions(experimental_io_device=io_device or None)
+        self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
+        self.keep, self.keep_every_hours, self.cluster = keep, keep_every_hours, cluster
+        self.scratch = scratch_directory(run_dir, scratch) if scratch else ""
+        if self.scratch:  # left behind by a worker that died while saving
+            _remove(self.scratch)
+        self.notes: list[str] = []  # warnings for the log
+        self.trackables: dict = {}
+        self.add(**trackables)
+
+    def add(self, **trackables) -> None:
+        """Save these too (objects made after the restore, such as the position variable)."""
+        self.trackables.update(trackables)
+        self.checkpoint = tf.train.Checkpoint(**self.trackables)
+        self.manager = self._manager()
+
+    def _manager(self) -> tf.train.CheckpointManager | None:
+        """The run's CheckpointManager, or None while the state file names no checkpoint: TF raises
+        ValueError on an empty one (what a power loss can leave: TF does not fsync it). Until the
+        first save, which writes a new state file, the checkpoints are found by their files."""
+        try:
+            return tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep,
+                                              keep_checkpoint_every_n_hours=self.keep_every_hours or None)
+        except ValueError:
+            return None
+
+    @property
+    def latest(self) -> str | None:
+        if self.scratch:  # the chief saves the run's checkpoints: this manager's list is from start-up
+            try:
+                state = tf.train.get_checkpoint_state(self.directory)
+                if state and state.model_checkpoint_path:
+                    return os.path.join(self.directory, os.path.basename(state.model_checkpoint_path))
+            except (tf.errors.OpError, ValueError):  # unreadable state file: what was known at start
+                pass
+        return self.manager.latest_checkpoint if self.manager else self.restored
+
+    restored: str | None = None  # the checkpoint restore_latest resumed from
+
+    def candidates(self) -> list[str]:
+        """Checkpoints to resume from, newest first: those the state file records, then every other
+        checkpoint whose index file is there (the ones kept by checkpoint.keep_every_hours, which TF
+        leaves out of the state file, or all of them when the state file is missing or unreadable)."""
+        recorded = list(reversed(self.manager.checkpoints)) if self.manager else []
+        found = tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index"))
+        known = {os.path.basename(p) for p in recorded}
+        others = sorted((p[: -len(".index")] for p in found if os.path.basename(p)[: -len(".index")] not in known),
+                        key=_checkpoint_number, reverse=True)
+        if others and not recorded:
+            self.notes.append(f"the checkpoint state file {os.path.join(self.directory, 'checkpoint')} is "
+                              f"missing, empty or unreadable; trying the checkpoint files themselves, newest first")
+        return recorded + others
+
+    def held(self, path: str | None = None) -> set[str]:
+        """Names of the objects checkpoint `path` (default: the newest) holds."""
+        path = path or self.latest
+        return {name.split("/")[0] for name, _ in tf.train.list_variables(path)} if path else set()
+
+    def read(self, path: str, name: str):
+        """The value a checkpoint holds for the variable saved as `name` (numpy), or None."""
+        reader = tf.train.load_checkpoint(path)
+        key = f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
+        return reader.get_tensor(key) if reader.has_tensor(key) else None
+
+    def restore(self, path: str) -> None:
+        """Restore checkpoint `path` into the objects it holds. A checkpoint that does not fit is a
+        UserError; one that cannot be read raises `Unreadable`."""
+        try:
+            held = self.held(path)
+            # the optimizer too if the checkpoint has one: `tpu-llm import` saves the model alone (step 0)
+            objects = {k: v for k, v in self.trackables.items()
+                       if k not in self.NOT_RESTORED and (k in held or k == "model")}
+            status = tf.train.Checkpoint(**objects).restore(path, options=self.options)
+            status.assert_existing_objects_matched()
+            status.expect_partial()  # what is left (the position, an old iterator) is read elsewhere or unused
+        except (AssertionError, ValueError) as e:
+            first = str(e).strip().splitlines()[0][:160]
+            raise UserError(f"checkpoint {path} does not fit this model ({first}); resume with the "
+                            "config it was made with, or use another --run_dir") from None
+        except (tf.errors.OpError, IndexError) as e:  # IndexError: TF's reader on a truncated data file
+            raise Unreadable(f"{type(e).__name__}: {_first_line(e)}") from None
+
+    def restore_latest(self) -> str | None:
+        """Restore the newest readable checkpoint, if any; returns its path. Each unreadable newer one
+        adds a warning to `notes`; if none can be read, that is a UserError (nothing is changed)."""
+        skipped = []
+        for path in self.candidates():
+            try:
+                self.restore(path)
+            except Unreadable as e:
+                skipped.append((path, str(e)))
+                continue
+            for bad, why in skipped:
+                self.notes.append(f"checkpoint {bad} cannot be read ({why[:200]}); resumed from {path} instead")
+            self.restored = path
+            return path
+        if skipped:
+            raise UserError(f"no checkpoint in {self.directory} can be read (newest: {skipped[0][0]}: "
+                            f"{skipped[0][1][:200]}); restore the directory from a copy, or move it away to "
+                            "start over")
+        return None
+
+    def save(self, step: int) -> str:
+        """Save at `step`. A failure (disk full, permissions, bucket gone) is a UserError naming the
+        checkpoint still usable; the partial files of the failed save are removed."""
+        try:
+            if not self.scratch:
+                if self.manager is None:  # the state file names no checkpoint: this save writes a new one
+                    _remove(os.path.join(self.directory, "checkpoint"))
+                    self.manager = self._manager()
+                    if self.manager is None:
+                        raise OSError(f"cannot replace the empty checkpoint state file in {self.directory}")
+                return self.manager.save(checkpoint_number=step, options=self.options)
+            path = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(step, options=self.options)
+            tf.io.gfile.rmtree(self.scratch)
+            return path
+        except (tf.errors.OpError, OSError) as e:
+            if self.scratch:  # a worker's own scratch save: never touch the chief's checkpoints
+                _remove(self.scratch)
+            elif self.manager and f"ckpt-{step}" not in {os.path.basename(p) for p in self.manager.checkpoints}:
+                for pattern in (f"ckpt-{step}.*", f"ckpt-{step}_temp*"):  # TF writes into *_temp first
+                    for leftover in tf.io.gfile.glob(os.path.join(self.directory, pattern)):
+                        _remove(leftover)
+            if self.cluster and isinstance(e, CLUSTER_ERRORS):  # a peer is gone, not a disk problem
+                raise
+            latest = self.latest or "none yet"
+            raise UserError(f"saving checkpoint ckpt-{step} in {self.directory} failed ({_first_line(e)}); "
+                            f"the newest usable checkpoint is {latest}; free space or fix permissions in the "
+                            "run directory, then run the same command to resume") from None
+
+
+def scratch_directory(run_dir: str, worker: str) -> str:
+    """Where a multi-worker non-chief writes its throwaway part of every save: its own local disk (a
+    fixed name per run and worker, so the next start removes what a killed worker left)."""
+    run = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"tpu-llm-scratch-{run}-{worker}")
+
+
+class Unreadable(Exception):
+    """A checkpoint whose files cannot be read (truncated, corrupt or missing)."""
+
+
+def _checkpoint_number(prefix: str) -> int:
+    tail = prefix.rsplit("ckpt-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _first_line(error: Exception) -> str:
+    text = getattr(error, "message", None) or getattr(error, "strerror", None) or str(error)
+    return (str(text).strip().splitlines() or [""])[0][:200]
+
+
+def _remove(path: str) -> None:
+    try:
+        if tf.io.gfile.isdir(path):
+            tf.io.gfile.rmtree(path)
+        else:
+            tf.io.gfile.remove(path)
+    except (tf.errors.OpError, OSError):
+        pass  # best effort: a leftover of a failed save is never read (the state file does not name it)
+
+
+def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes: bool = False):
+    """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
+    checkpoint's path with `with_checkpoint`, plus with `with_notes` the warnings to show (an unreadable
+    newest checkpoint is skipped for the one before: the caller must say so, as `train` does)."""
+    saved = read_saved_config(run_dir)
+    tokenizer = load_tokenizer(run_dir) if saved else None
+    if saved is None or tokenizer is None:
+        raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
+                        "pass the --run_dir of a `tpu-llm train` run")
+    cfg = config_from_dict(saved, source=os.path.join(run_dir, "config.yaml"))
+    model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model=model)
+    path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
+    if path is None:
+        raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")
+    return (model, tokenizer, cfg) + ((path,) if with_checkpoint else ()) + ((ckpt.notes,) if with_notes else ())

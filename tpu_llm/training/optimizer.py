@@ -1,0 +1,100 @@
+"""The optimizer and its schedule: AdamW with decoupled weight decay on Dense kernels, a linear warmup
+then cosine decay, and the layers train.freeze keeps as they are."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tpu_llm.config import TrainConfig, freeze_spec
+from tpu_llm.errors import UserError
+from tpu_llm.model import GPT, decay_mask
+
+
+class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup to `peak`, then cosine decay to `floor` at `decay_steps`, flat after."""
+
+    def __init__(self, peak: float, floor: float, warmup_steps: int, decay_steps: int):
+        self.peak, self.floor = peak, floor
+        self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, warmup_steps + 1)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        warm = self.peak * (step + 1.0) / float(max(self.warmup_steps, 1))
+        progress = tf.clip_by_value((step - self.warmup_steps) / (self.decay_steps - self.warmup_steps),
+                                    0.0, 1.0)
+        cosine = self.floor + 0.5 * (1.0 + tf.cos(math.pi * progress)) * (self.peak - self.floor)
+        return tf.where(step < self.warmup_steps, warm, cosine)
+
+    def get_config(self):
+        return {"peak": self.peak, "floor": self.floor, "warmup_steps": self.warmup_steps,
+                "decay_steps": self.decay_steps}
+
+
+class ReducedGradientsAdamW(keras.optimizers.AdamW):
+    """Keras AdamW for gradients the trainer has already all-reduced, which skips non-finite updates.
+
+    Called in a replica context, Keras' TF optimizer sums the gradients across replicas itself. The
+    trainer reduces them first (so that clipping sees the global gradient), so that second sum is
+    switched off here.
+
+    The divergence guard's skip (train.py `_replica_step`) needs no control flow around the update:
+    a `tf.cond` whose branch holds the optimizer's cross-replica update (a merge_call) would nest
+    merge_calls inside TPUStrategy's replicate context. Instead every step calls `apply`; when the
+    trainer makes every gradient non-finite (the step is skipped), each variable's update keeps the
+    weight, both moments and the weight decay as they were by a select, and Keras still counts the
+    step (`iterations`), so the step number keeps matching the data consumed.
+    """
+
+    skips_non_finite = True
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        return list(grads_and_vars)
+
+    def _apply_weight_decay(self, variables):
+        pass  # in update_step, where a skipped step leaves it out; the same arithmetic as Keras'
+
+    def update_step(self, gradient, variable, learning_rate):
+        applied = tf.reduce_all(tf.math.is_finite(gradient))
+        i = self._get_variable_index(variable)
+        state = [variable, self._momentums[i].value, self._velocities[i].value]
+        old = [tf.identity(v) for v in state]
+        gradient = tf.where(applied, gradient, tf.zeros_like(gradient))
+        if self.weight_decay is not None and self._use_weight_decay(variable):  # decoupled, before the step
+            lr = tf.cast(learning_rate, variable.dtype)
+            variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype) * lr)
+        super().update_step(gradient, variable, learning_rate)
+        for v, before in zip(state, old):
+            v.assign(tf.where(applied, v, before))
+
+
+def freeze(cfg: TrainConfig, model: GPT) -> list:
+    """Mark the layers named by train.freeze not trainable (before the optimizer is made): they get no
+    gradient, no optimizer slots, no weight decay, and keep their values bit for bit. Returns them."""
+    named, blocks = freeze_spec(cfg.freeze, len(model.blocks))
+    layers = [model.blocks[i] for i in sorted(blocks)]
+    if "embeddings" in named:
+        layers += [layer for layer in (model.wte, getattr(model, "wpe", None)) if layer is not None]
+    if "head" in named:
+        head = getattr(model, "lm_head", None)
+        if head is None:
+            raise UserError("train.freeze=head: this model's output head is its embedding table (tied); freeze "
+                            "embeddings instead")
+        layers.append(head)
+    for layer in layers:
+        layer.trainable = False
+    return layers
+
+
+def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
+    """AdamW with decoupled weight decay on Dense kernels only; create inside the strategy scope."""
+    schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps or cfg.steps)
+    optimizer = ReducedGradientsAdamW(learning_rate=schedule, weight_decay=cfg.weight_decay,
+                                       beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon)
+    decayed = {id(v) for v in decay_mask(model)}
+    optimizer.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
+                                                  if id(v) not in decayed])
+    optimizer.build(model.trainable_variables)
+    return optimizer

@@ -1,0 +1,286 @@
+"""The compiled training and evaluation loops (Orbit-style: many steps per host call).
+
+`Trainer.train_loop(iterator, n)` is one `tf.function` that runs n optimizer steps with a `tf.range`
+loop. Each step is `strategy.run(replica_step)`; inside, the forward/backward pass over the
+micro-batches is a separate `tf.function(jit_compile=True)` (the program a TPU compiles; on CPU the
+same code compiles with XLA), then the gradients are all-reduced, clipped by their global norm and
+applied by Keras' AdamW. Gradients are reduced here rather than inside the optimizer so that
+clipping sees the global gradient and later features (compression) have one place to hook in.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tpu_llm import tf_compat
+from tpu_llm.config import TrainConfig
+from tpu_llm.model import GPT
+from tpu_llm.parallel.comm import replica_variable
+from tpu_llm.parallel.distribute import Distribution
+from tpu_llm.parallel.pipeline import Pipeline, partition
+from tpu_llm.training import fault
+
+
+class ReplicaSeedGenerator(keras.random.SeedGenerator):
+    """A dropout layer's seed generator that gives every replica its own masks.
+
+    Keras keeps a SeedGenerator's state in a variable with aggregation NONE: under a distribution
+    strategy each replica holds a copy and advances it identically, so every replica would draw the
+    same masks for its different examples. Here the replica id is folded into each drawn seed
+    (tf.random.experimental.stateless_fold_in, XLA-compilable), while the state itself stays the one
+    counter that is checkpointed: masks stay reproducible on resume. With one replica the draws are
+    Keras' own, unchanged.
+    """
+
+    def next(self, ordered=True):
+        seed = super().next(ordered)
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return seed
+        return tf.random.experimental.stateless_fold_in(seed, ctx.replica_id_in_sync_group)
+
+
+def per_replica_dropout(model) -> int:
+    """Switch the dropout layers of `model` with a non-zero rate to ReplicaSeedGenerator (their state
+    variables, and so checkpoints, stay as they are); returns how many were switched."""
+    layers = [layer for layer in tf_compat.all_layers(model) if isinstance(layer, keras.layers.Dropout)
+              and layer.rate > 0 and getattr(layer, "seed_generator", None) is not None]
+    for layer in layers:
+        layer.seed_generator.__class__ = ReplicaSeedGenerator
+    return len(layers)
+
+
+class Trainer:
+    # Set by controller.build_run (fault tolerance): the SUM-on-read variable recording the input
+    # stream's position (data.make_dataset_fn), and a flag that ends a host call at the next step.
+    data_position = None
+    stop_flag = None
+
+    def __init__(self, dist: Distribution, model: GPT, optimizer, cfg: TrainConfig, pipeline=None,
+                 execution: str = "xla", comm=None):
+        self.dist, self.strategy = dist, dist.strategy
+        self.model, self.optimizer = model, optimizer
+        self.grad_accum, self.clip_norm = cfg.grad_accum, cfg.clip_norm
+        self.num_replicas = dist.num_replicas
+        # comm.Comm (gradient compression or local SGD) or None: the plain all-reduce below
+        self.comm = comm
+        self.local_sgd = comm.local if comm is not None else None
+        # mixed_float16: the loss is scaled up before the backward pass (LossScaleOptimizer)
+        self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        jit = dist.jit_compile and execution == "xla"
+        if pipeline is None:  # the whole model as one stage, on the replica's device
+            stages = partition(model.cfg, model.vocab_size, 1, 1)
+            pipeline = Pipeline(model, stages, dist.placement, loss_chunk=cfg.loss_chunk)
+        self.pipeline = pipeline
+        if self.num_replicas > 1:  # identical dropout masks on every replica otherwise
+            per_replica_dropout(model)
+        self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=jit)
+        if dist.asynchronous:
+            with self.strategy.scope():  # on a ps task; atomic increments, unlike the optimizer's step
+                self.updates = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._eval_loss = tf.function(self._eval_loss_fn, jit_compile=jit)
+        self.train_loop = tf.function(self._train_loop)
+        self.eval_loop = tf.function(self._eval_loop)
+
+    # ---- per replica -----------------------------------------------------------------------------
+
+    def _loss_and_grads_fn(self, inputs, targets):
+        """Mean loss over this replica's micro-batches, and gradients pre-scaled for a SUM reduce."""
+        variables = self.model.trainable_variables
+        k = self.grad_accum
+        scale = 1.0 / (k * self.num_replicas)
+
+        def micro(x, y):
+            if self.pipeline.staged:  # stages or groups on their own devices: each its own backward there
+                return self.pipeline.loss_and_grads(x, y, variables, seed=self._seed(scale),
+                                                    watch=self.local_sgd is not None)
+            with tf.GradientTape() as tape:
+                if self.local_sgd is not None:  # per-replica variables are not trainable tf.Variables
+                    tape.watch([v.value for v in variables])
+                loss = self.pipeline.loss(x, y, training=True)
+                scaled = loss * scale
+                if self.loss_scaled:
+                    scaled = self.optimizer.scale_loss(scaled)
+            # embedding gradients arrive as IndexedSlices; dense tensors all-reduce and add simply
+            return loss, [tf.convert_to_tensor(g) for g in tape.gradient(scaled, variables)]
+
+        if k == 1:
+            return micro(inputs, targets)
+        xs = tf.reshape(inputs, [k, -1, inputs.shape[-1]])  # (k, b/k, T)
+        ys = tf.reshape(targets, [k, -1, targets.shape[-1]])
+        loss_sum, grads = micro(xs[0], ys[0])
+        for i in tf.range(1, k):
+            loss_i, grads_i = micro(xs[i], ys[i])
+            loss_sum += loss_i
+            grads = [g + gi for g, gi in zip(grads, grads_i)]
+        return loss_sum / k, grads
+
+    def _seed(self, scale):
+        """What the backward pass differentiates, from the mean loss: scaled for a SUM reduce, and by
+        the loss scale under mixed_float16."""
+        return (lambda loss: self.optimizer.scale_loss(loss * scale)) if self.loss_scaled else \
+            (lambda loss: loss * scale)
+
+    def _replica_step(self, inputs, targets, position=None):
+        loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
+        ctx = tf.distribute.get_replica_context()
+        pending = []  # compression state (residuals, PowerSGD's Q): written only if the step is applied
+        if self.num_replicas > 1:  # with one replica the reduction is the identity: skip its copies
+            grads, pending = (ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads), []) if self.comm is None else \
+                self.comm.exchange(ctx, grads)
+            loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
+        grad_norm = tf.linalg.global_norm(grads)
+        scale = self.optimizer.dynamic_scale if self.loss_scaled else 1.0  # grads are scaled by it
+        if self.clip_norm > 0:  # an overflow (inf norm) gives NaN grads: LossScaleOptimizer skips them
+            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm * scale, use_norm=grad_norm)
+        grad_norm = grad_norm / scale
+        # Divergence guard: a non-finite loss or gradient is not applied (the step still counts, so
+        # the step number keeps matching the data consumed). The values are all-reduced, so every
+        # replica decides alike. LossScaleOptimizer skips non-finite gradients itself (an overflow
+        # only lowers its scale), so there only a non-finite loss counts as a bad step.
+        finite = tf.math.is_finite(loss) if self.loss_scaled else \
+            tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
+        if self.local_sgd is not None:  # local gradients: the replicas must still decide alike
+            finite = self.comm.agree(ctx, finite)
+        if pending:  # from all-reduced values: every replica commits alike
+            self.comm.commit(pending, tf.logical_and(finite, tf.math.is_finite(grad_norm)))
+        if self.loss_scaled:  # an overflow is skipped by the optimizer; counted here so steps match data
+            fault.apply_if(tf.math.is_finite(grad_norm), lambda g: self.optimizer.apply(
+                g, self.model.trainable_variables), self._overflowed, grads)
+        elif getattr(self.optimizer, "skips_non_finite", False):  # no control flow around the update
+            nan = tf.constant(float("nan"), grads[0].dtype)
+            self.optimizer.apply([tf.where(finite, g, nan) for g in grads], self.model.trainable_variables)
+        else:
+            fault.apply_if(finite, lambda g: self.optimizer.apply(g, self.model.trainable_variables),
+                           lambda: self.optimizer.iterations.assign_add(1), grads)
+        if position is not None and self.data_position is not None:  # where the input stream now is
+            self.data_position.assign(position)
+        return loss, grad_norm, staleness, tf.cast(finite, tf.float32)
+
+    def _overflowed(self):
+        """A mixed_float16 step whose gradients overflowed: what LossScaleOptimizer does (halve the
+        scale, restart its growth count), plus counting the step, which Keras does not do."""
+        tf_compat.loss_scale_overflowed(self.optimizer)
+        self.optimizer.iterations.assign_add(1)
+
+    def _staleness_measured(self, loss_and_grads, inputs, targets):
+        """loss_and_grads(inputs, targets), plus how many updates other workers applied between this
+        step reading the variables and applying its gradients (0 when training is synchronous)."""
+        if not self.dist.asynchronous:
+            return (*loss_and_grads(inputs, targets), tf.constant(0.0))
+        version = self.updates.read_value()
+        with tf.control_dependencies([version]):  # read before the forward pass reads the weights
+            loss, grads = loss_and_grads(inputs, targets)
+        with tf.control_dependencies([loss]):  # count once the gradients exist
+            after = self.updates.assign_add(1)
+        return loss, grads, tf.cast(after - version - 1, tf.float32)
+
+    def _eval_step(self, inputs, targets):
+        # the compiled function is called from a plain replica function, as in training: passed to
+        # MirroredStrategy.run directly, its variable captures cross devices (CPU:1 from CPU:0)
+        return self._eval_loss(inputs, targets)
+
+    def _eval_loss_fn(self, inputs, targets):
+        return self.pipeline.loss(inputs, targets, training=False)
+
+    # ---- host side --------------------------------------------------------------------------------
+
+    def run(self, iterator, num_steps: int, steps_per_loop: int) -> dict:
+        """Train `num_steps` steps; returns the mean loss and staleness, the last gradient norm and the
+        largest staleness, as Python floats. Waits for the steps to finish."""
+        start = int(self.optimizer.iterations.numpy())
+        done = [(int(r["steps"]), r) for _, r in
+                self.dist.run_loops(self.train_loop, iterator, num_steps, steps_per_loop)]
+        steps = sum(n for n, _ in done)  # fewer than num_steps if stop_flag ended the call early
+        good = [(n - int(r["bad_steps"]), float(r["loss"])) for n, r in done]
+        applied = sum(g for g, _ in good)
+        out = {"steps": steps, "bad_steps": steps - applied,  # loss: the mean over applied steps
+               "loss": sum(g * loss for g, loss in good if g) / applied if applied else float("nan"),
+               "staleness": sum(n * float(r["staleness"]) for n, r in done) / max(steps, 1)}
+        out["grad_norm"] = float(done[-1][1]["grad_norm"])
+        out["staleness_max"] = max(float(r["staleness_max"]) for _, r in done)
+        bad = [int(r["first_bad_step"]) for _, r in done if int(r["first_bad_step"]) >= 0]
+        out["first_bad_step"] = min(bad) + 1 if bad else -1  # as a step number (1 = the first step)
+        if self.dist.asynchronous:
+            # concurrent workers' increments of the step counter can race: the steps the chief
+            # scheduled and saw finish are the count that is saved and resumed from
+            self.optimizer.iterations.assign(start + num_steps)
+        return out
+
+    def evaluate(self, iterator, num_steps: int) -> float:
+        """The mean validation loss of `num_steps` batches. Under local SGD between synchronisations,
+        of the model a synchronisation would give now (each replica's own weights are put back after)."""
+        if not self.unsynchronised():
+            [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+            return float(loss)
+        if self._backup is None:
+            with self.strategy.scope():
+                self._backup = [replica_variable(tf.zeros(w.shape, w.dtype), f"local_sgd_backup_{i}")
+                                for i, w in enumerate(self.local_sgd.weights)]
+            self._swap_in = tf.function(lambda: self.strategy.run(self.local_sgd.swap_in_synchronised,
+                                                                  args=(self._backup,)))
+            self._swap_back = tf.function(lambda: self.strategy.run(self.local_sgd.swap_back, args=(self._backup,)))
+        self._swap_in()
+        try:
+            [(_, loss)] = self.dist.run_loops(self.eval_loop, iterator, num_steps, num_steps)
+        finally:
+            self._swap_back()
+        return float(loss)
+
+    _backup = None  # local SGD: each replica's weights while an evaluation uses the synchronised ones
+
+    _synchronised_at = None  # the step of the last `synchronise`
+
+    def unsynchronised(self) -> bool:
+        """Under local SGD: whether the replicas stepped on their own since the last synchronisation."""
+        if self.local_sgd is None:
+            return False
+        step = int(self.optimizer.iterations.numpy())
+        return step % self.local_sgd.sync_every != 0 and step != self._synchronised_at
+
+    def synchronise(self) -> None:
+        """Under local SGD: an outer step now (at the end of training, so that the final checkpoint,
+        export, evaluation and samples are the synchronised model, not replica 0's own copy)."""
+        if self.unsynchronised():
+            tf.function(lambda: self.strategy.run(self.local_sgd.outer_step))()
+            self._synchronised_at = int(self.optimizer.iterations.numpy())
+
+    # ---- loops (one host call each) --------------------------------------------------------------
+
+    def _first(self, per_replica):
+        return self.strategy.experimental_local_results(per_replica)[0]
+
+    def _train_loop(self, iterator, num_steps):
+        loss_sum = staleness_sum = staleness_max = grad_norm = bad = tf.constant(0.0)
+        first_bad = tf.constant(-1, tf.int64)  # the optimizer step (0-based) of the first skipped step
+        done = tf.constant(0)
+        for _ in tf.range(num_steps):
+            if self.stop_flag is not None and self.stop_flag > 0:  # a signal: stop at this step boundary
+                break
+            step = tf.identity(self.optimizer.iterations)
+            element = next(iterator)  # (inputs, targets[, data position update])
+            loss, norm, staleness, ok = self.strategy.run(self._replica_step, args=element)
+            if self.local_sgd is not None and self.local_sgd.due(self.optimizer.iterations):
+                self.strategy.run(self.local_sgd.outer_step)  # every sync_every steps: average
+            ok = self._first(ok)
+            loss_sum += tf.where(ok > 0, self._first(loss), 0.0)  # a skipped step's loss may be NaN
+            bad += 1.0 - ok
+            first_bad = tf.where(tf.logical_and(first_bad < 0, ok < 1), step, first_bad)
+            grad_norm = self._first(norm)
+            staleness_sum += self._first(staleness)
+            staleness_max = tf.maximum(staleness_max, self._first(staleness))
+            done += 1
+        good = tf.maximum(tf.cast(done, tf.float32) - bad, 1.0)
+        return {"loss": loss_sum / good, "grad_norm": grad_norm,
+                "staleness": staleness_sum / tf.maximum(tf.cast(done, tf.float32), 1.0),
+                "staleness_max": staleness_max, "steps": done, "bad_steps": bad, "first_bad_step": first_bad}
+
+    def _eval_loop(self, iterator, num_steps):
+        total = tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            inputs, targets = next(iterator)
+            loss = self.strategy.run(self._eval_step, args=(inputs, targets))
+            total += self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None)
+        return total / tf.cast(num_steps, tf.float32)
