@@ -14,7 +14,7 @@ def test_docs_block_equals_the_generated_reference():
     start, end = text.index(config_reference.BEGIN), text.index(config_reference.END)
     block = text[start:end + len(config_reference.END)] + "\n"
     assert block == config_reference.reference(), (
-        "docs/configuration.md's configuration reference is stale; run `.venv/bin/python -m tpu_llm.config_reference --write`")
+        "docs/configuration.md's configuration reference is stale; run `.venv/bin/python -m tpu_llm.tools.config_reference --write`")
 
 
 def test_every_key_is_documented():

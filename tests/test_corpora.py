@@ -45,8 +45,9 @@ def test_the_package_data_ships_it():
     except ModuleNotFoundError:  # Python 3.10
         tomllib = pytest.importorskip("tomli")
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    shipped = {os.path.relpath(f, ROOT / "tpu_llm") for pattern in package_data["tpu_llm"]
-               for f in glob.glob(str(ROOT / "tpu_llm" / pattern))}
+    package = ROOT / "tpu_llm" / "data"
+    shipped = {os.path.relpath(f, package) for pattern in package_data["tpu_llm.data"]
+               for f in glob.glob(str(package / pattern))}
     assert {"shipped/tinyshakespeare.txt", "shipped/README.md"} <= shipped
 
 
