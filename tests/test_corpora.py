@@ -71,7 +71,7 @@ def test_bench_runs_from_any_directory(tmp_path, monkeypatch, fresh_checks):
         seen["cfg"] = cfg
         return {"tokens_per_sec": 1.0, "ms_per_step": 1.0, "mfu": 0.0, "train_loss": 2.0, "val_loss": 2.0}
 
-    monkeypatch.setattr(tpu_llm.controller, "train", fake_train)
+    monkeypatch.setattr(tpu_llm.training.controller, "train", fake_train)
     monkeypatch.chdir(tmp_path)
     bench.shakespeare_char(steps=3)
     cfg = seen["cfg"]
@@ -93,7 +93,7 @@ def test_an_altered_missing_or_unknown_corpus_is_one_error_line(tmp_path, monkey
         sources.expand_globs("corpus/*.txt, builtin:tinyshakespeare", "data.train")  # checked before any glob
     message = str(e.value)
     assert message.startswith(f"data.train: {altered} is not the shipped builtin:tinyshakespeare (SHA-256 ")
-    assert message.endswith("restore it (git checkout -- tpu_llm/shipped/tinyshakespeare.txt) or reinstall tpu-llm")
+    assert message.endswith("restore it (git checkout -- tpu_llm/data/shipped/tinyshakespeare.txt) or reinstall tpu-llm")
     assert "\n" not in message
 
     with pytest.raises(UserError, match=r"^data.validation: there is no shipped corpus builtin:shakespeare; "

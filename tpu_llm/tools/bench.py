@@ -622,8 +622,8 @@ def _streaming_rss(work: str, gigabytes: float) -> tuple[int, float]:
     script = (
         "import resource, sys, time\n"
         "import tensorflow as tf\n"
-        "from tpu_llm import data\n"
-        "from tpu_llm.tokenizer import ByteTokenizer\n"
+        "from tpu_llm.data import dataset as data\n"
+        "from tpu_llm.tokenizers import ByteTokenizer\n"
         "tok, n, t = ByteTokenizer(), 0, time.perf_counter()\n"
         "pieces = data.text_pieces(sys.argv[1]).map(lambda p: tf.size(tok.encode_tf(p[None]).flat_values),\n"
         "                                           num_parallel_calls=4)\n"
