@@ -123,6 +123,12 @@ MUTATIONS = [
     M("warmup-off-by-one", "tpu_llm/training/optimizer.py",
       "warm = self.peak * (step + 1.0) /", "warm = self.peak * step /",
       "tests/test_model.py::test_warmup_then_cosine_schedule"),
+    M("adamw-sums-the-reduced-gradients-again", "tpu_llm/training/optimizer.py",
+      "        return list(grads_and_vars)\n", "        return super()._all_reduce_sum_gradients(grads_and_vars)\n",
+      "tests/test_tf_compat.py::test_keras_adamw_with_reduced_gradients_is_adamw_on_the_already_reduced_gradient"),
+    M("adamw-decays-twice", "tpu_llm/training/optimizer.py",
+      "        pass  # in update_step", "        super()._apply_weight_decay(variables)  # in update_step",
+      "tests/test_tf_compat.py::test_keras_adamw_with_reduced_gradients_is_adamw_on_the_already_reduced_gradient"),
     # ---- pipeline and tensor ------------------------------------------------------------------------
     M("pipeline-seed-not-divided-by-microbatches", "tpu_llm/parallel/pipeline.py",
       "target = seed(out / m) if i == last else out", "target = seed(out) if i == last else out",
