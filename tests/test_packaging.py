@@ -99,3 +99,11 @@ def test_make_test_installs_the_hf_and_reference_extras():
     [line] = [line for line in makefile.splitlines() if "pip install --quiet -e" in line]
     extras = set(line.split("[", 1)[1].split("]", 1)[0].split(","))
     assert {"cpu", "dev", "hf", "reference"} <= extras
+
+
+def test_keras_is_bounded_to_the_verified_minors_and_installed_within_them():
+    from importlib.metadata import version
+
+    keras = environment()["keras"]
+    assert any(spec.operator == "<" for spec in keras.specifier), keras  # ReducedGradientsAdamW overrides privates
+    assert Version(version("keras")) in keras.specifier, (version("keras"), str(keras.specifier))

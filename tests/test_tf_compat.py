@@ -1,5 +1,10 @@
 """tpu_llm/tf_compat.py against the installed TensorFlow and Keras: each private attribute tpu-llm relies on
-still exists and still means what tf_compat assumes. A TF/Keras upgrade that changes one fails here."""
+still exists and still means what tf_compat assumes. A TF/Keras upgrade that changes one fails here.
+
+The one exception to "private names live in tf_compat.py": ReducedGradientsAdamW (training/optimizer.py)
+subclasses Keras' AdamW and overrides private methods, so those stay there; the Keras optimizer canary
+below checks each of them and what they still do, and pyproject.toml bounds keras to the minor
+versions it passed with."""
 
 import inspect
 import json
@@ -13,6 +18,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy, multi_w
 from tensorflow.python.distribute.failure_handling import failure_handling, failure_handling_util
 
 from tpu_llm import tf_compat
+from tpu_llm.training.optimizer import ReducedGradientsAdamW
 
 CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"], "ps": ["127.0.0.1:5"]}
 
@@ -92,7 +98,9 @@ def test_no_private_tensorflow_attribute_outside_tf_compat():
     # grep -n "\\._[a-z]" on TF/Keras objects: every one lives in tf_compat.py
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tpu_llm")
     offenders = []
-    for name in sorted(os.listdir(root)):
+    files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+    assert "training/optimizer.py" in files  # the sub-packages too, not only the top level
+    for name in files:
         if not name.endswith(".py") or name == "tf_compat.py":
             continue
         text = open(os.path.join(root, name), encoding="utf-8").read()
@@ -123,3 +131,93 @@ def test_all_layers_finds_nested_dropout():
     inner = keras.Sequential([keras.layers.Dense(2), keras.layers.Dropout(0.5)])
     outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dropout(0.1)])
     assert sum(isinstance(layer, keras.layers.Dropout) for layer in tf_compat.all_layers(outer)) == 2
+
+
+# ---- Keras' private optimizer API (ReducedGradientsAdamW) ---------------------------------------------
+
+# What tpu_llm/training/optimizer.py's ReducedGradientsAdamW overrides or calls on Keras' AdamW, with the
+# parameters it assumes (self left out).
+KERAS_OPTIMIZER_METHODS = {
+    "_all_reduce_sum_gradients": ("grads_and_vars",),  # overridden: the trainer has already summed them
+    "_apply_weight_decay": ("variables",),  # overridden: decayed in update_step, where a skipped step leaves it out
+    "update_step": ("gradient", "variable", "learning_rate"),  # overridden (public, the contract around it is not)
+    "_get_variable_index": ("variable",),  # called: the index of the variable's moments
+    "_use_weight_decay": ("variable",),  # called: exclude_from_weight_decay's answer
+}
+KERAS_OPTIMIZER_STATE = ("_momentums", "_velocities")  # read and restored: Adam's moments, by variable index
+UPGRADE = ("ReducedGradientsAdamW (tpu_llm/training/optimizer.py) overrides Keras' private optimizer methods: fix it "
+           "before widening the keras range in pyproject.toml")
+
+
+def test_keras_private_optimizer_api_the_optimizer_overrides_is_still_there():
+    for name, params in KERAS_OPTIMIZER_METHODS.items():
+        method = getattr(keras.optimizers.AdamW, name, None)
+        assert callable(method), f"keras {keras.__version__}: AdamW.{name} is gone; {UPGRADE}"
+        got = tuple(inspect.signature(method).parameters)[1:]
+        assert got == params, f"keras {keras.__version__}: AdamW.{name}{got}, expected {params}; {UPGRADE}"
+        ours = tuple(inspect.signature(getattr(ReducedGradientsAdamW, name)).parameters)[1:]
+        assert ours == params, f"ReducedGradientsAdamW.{name}{ours} differs from Keras' {params}"
+    variables = [keras.Variable(np.zeros((2, 3), np.float32)), keras.Variable(np.zeros(4, np.float32))]
+    optimizer = keras.optimizers.AdamW()
+    optimizer.build(variables)
+    for name in KERAS_OPTIMIZER_STATE:
+        state = getattr(optimizer, name, None)
+        assert isinstance(state, list) and len(state) == len(variables), \
+            f"keras {keras.__version__}: AdamW.{name} is not a list of one slot per variable; {UPGRADE}"
+        for variable in variables:
+            slot = state[optimizer._get_variable_index(variable)]
+            assert isinstance(slot.value, tf.Variable) and tuple(slot.shape) == tuple(variable.shape), (name, slot)
+
+
+def adamw_by_hand(w, m, v, g, t, lr, wd, beta_1, beta_2, epsilon, decay):
+    """Keras' AdamW step t (1-based) in float64: decoupled weight decay first, then Adam."""
+    w = w - w * wd * lr if decay else w
+    m, v = m + (g - m) * (1 - beta_1), v + (g * g - v) * (1 - beta_2)
+    alpha = lr * np.sqrt(1 - beta_2 ** t) / (1 - beta_1 ** t)
+    return w - alpha * m / (np.sqrt(v) + epsilon), m, v
+
+
+def test_keras_adamw_with_reduced_gradients_is_adamw_on_the_already_reduced_gradient():
+    # Two replicas (MirroredStrategy over two logical CPUs) each apply the gradient the trainer has already
+    # all-reduced: the update must be one AdamW step with it, weight decay once and on the kernel only. A Keras
+    # that no longer calls _all_reduce_sum_gradients sums it again (twice the moments); one that no longer
+    # calls _apply_weight_decay decays the kernel twice (its own and update_step's).
+    hyper = dict(lr=0.1, wd=0.2, beta_1=0.9, beta_2=0.99, epsilon=1e-3)
+    rng = np.random.default_rng(0)
+    init = [rng.normal(size=(2, 3)).astype(np.float32), rng.normal(size=3).astype(np.float32)]  # kernel, bias
+    grads = [[rng.normal(size=w.shape).astype(np.float32) for w in init] for _ in range(2)]  # two steps
+    strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")[:2]])
+
+    def run(optimizer_class):
+        with strategy.scope():
+            variables = [keras.Variable(w) for w in init]
+            optimizer = optimizer_class(learning_rate=hyper["lr"], weight_decay=hyper["wd"], beta_1=hyper["beta_1"],
+                                        beta_2=hyper["beta_2"], epsilon=hyper["epsilon"])
+            optimizer.exclude_from_weight_decay(var_list=variables[1:])
+            optimizer.build(variables)
+
+        @tf.function
+        def step(gradients):  # identity: a tensor on each replica's device, as the trainer's gradients are
+            strategy.run(lambda: optimizer.apply([tf.identity(g) for g in gradients], variables))
+
+        for gradients in grads:
+            step([tf.constant(g) for g in gradients])
+        assert optimizer.iterations.value.numpy() == len(grads)
+        moments = [optimizer._momentums[optimizer._get_variable_index(v)].value.numpy() for v in variables]
+        return [v.value.numpy() for v in variables], moments
+
+    weights, moments = run(ReducedGradientsAdamW)
+    for i, (w, decay) in enumerate(zip(init, (True, False))):
+        w, m, v = w.astype(np.float64), 0.0, 0.0
+        for t, gradients in enumerate(grads, 1):
+            w, m, v = adamw_by_hand(w, m, v, gradients[i].astype(np.float64), t, **hyper, decay=decay)
+        np.testing.assert_allclose(moments[i], m, rtol=0, atol=1e-6,
+                                   err_msg=f"keras {keras.__version__}: the gradient was summed again; {UPGRADE}")
+        np.testing.assert_allclose(weights[i], w, rtol=0, atol=1e-6,
+                                   err_msg=f"keras {keras.__version__}: not one AdamW step; {UPGRADE}")
+    # ... and the test can tell: Keras' own AdamW, in the same replica context, sums the two replicas' gradients
+    _, summed = run(keras.optimizers.AdamW)
+    for ours, theirs in zip(moments, summed):
+        np.testing.assert_allclose(theirs, 2 * ours, rtol=1e-5, atol=1e-7,
+                                   err_msg="Keras' AdamW no longer all-reduces in a replica context: is the "
+                                           "_all_reduce_sum_gradients override still needed?")

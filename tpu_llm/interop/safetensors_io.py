@@ -9,7 +9,10 @@ raw little-endian tensor bytes, offsets counted from the end of the header. A sh
 
 Reading opens the file once per tensor and reads only that tensor's bytes, so importing a model holds
 one tensor at a time beside the model's variables; writing computes every offset first from the shapes,
-then writes each tensor as it is produced.
+then writes each tensor as it is produced. Both go through tf.io.gfile, so `gs://` paths work. That is why
+this module exists beside the `safetensors` library, the format's reference (tests/test_safetensors_io.py
+checks this module against it): the library reads a local file (or a whole file's bytes) and writes from
+every tensor at once.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ class Reader:
         """The tensor `name`, in its stored dtype (bfloat16 stays bfloat16)."""
         path, entry, start = self.where[name]
         if entry["dtype"] not in DTYPES:
-            raise UserError(f"{path}: tensor {name} has dtype {entry['dtype']}; supported: F32, BF16, F16")
+            raise UserError(f"{path}: tensor {name} has dtype {entry['dtype']}; supported: {', '.join(DTYPES)}")
         begin, end = entry["data_offsets"]
         with tf.io.gfile.GFile(path, "rb") as f:
             f.seek(start + begin)
@@ -97,7 +100,7 @@ class Reader:
 
 
 def write(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]], produce: Callable[[str], np.ndarray],
-          metadata: dict | None = None) -> None:
+          metadata: dict[str, str] | None = None) -> None:
     """Write the tensors `specs` (name, shape, dtype), in that order, to the safetensors file `path`;
     `produce(name)` gives each one when its turn comes (so only one is held at a time)."""
     header, offset = {}, 0
@@ -106,12 +109,15 @@ def write(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]], produce
         header[name] = {"dtype": CODES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = {"format": "pt", **(metadata or {})}  # transformers refuses a file without it
+    if not all(isinstance(v, str) for kv in header["__metadata__"].items() for v in kv):
+        raise TypeError(f"safetensors metadata maps text to text: {metadata}")  # readers reject anything else
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     with tf.io.gfile.GFile(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for name, shape, dtype in specs:
-            array = np.ascontiguousarray(produce(name), dtype=np.dtype(dtype).newbyteorder("<"))
+            # asarray, not ascontiguousarray: that one turns a 0-d tensor into shape (1,)
+            array = np.asarray(produce(name), dtype=np.dtype(dtype).newbyteorder("<"), order="C")
             assert array.shape == tuple(shape), (name, array.shape, shape)
             f.write(array.tobytes())
 

@@ -153,7 +153,7 @@ def forward_sigint_as_sigterm():
 def apply_if(ok, apply, skip, grads) -> None:
     """In a replica context: `apply(grads)` (the optimizer update) if `ok`, else `skip()`. Used only where
     the optimizer cannot skip by itself (mixed_float16: Keras' LossScaleOptimizer, which takes its own
-    cond the same way); train.ReducedGradientsAdamW skips without control flow.
+    cond the same way); optimizer.ReducedGradientsAdamW skips without control flow.
 
     Every replica must take the same branch; `ok` is computed from all-reduced values so it does. A
     `tf.cond` whose branch calls `merge_call` is not allowed in a replica context, and Keras'

@@ -40,12 +40,15 @@ class ReducedGradientsAdamW(keras.optimizers.AdamW):
     trainer reduces them first (so that clipping sees the global gradient), so that second sum is
     switched off here.
 
-    The divergence guard's skip (train.py `_replica_step`) needs no control flow around the update:
+    The divergence guard's skip (trainer.py `Trainer._replica_step`) needs no control flow around the update:
     a `tf.cond` whose branch holds the optimizer's cross-replica update (a merge_call) would nest
     merge_calls inside TPUStrategy's replicate context. Instead every step calls `apply`; when the
     trainer makes every gradient non-finite (the step is skipped), each variable's update keeps the
     weight, both moments and the weight decay as they were by a select, and Keras still counts the
     step (`iterations`), so the step number keeps matching the data consumed.
+
+    The methods overridden and called here are Keras' private ones: the Keras optimizer canary in
+    tests/test_tf_compat.py checks each of them, and pyproject.toml bounds keras to the minors it passed with.
     """
 
     skips_non_finite = True
