@@ -16,15 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import snapshot, write_corpus
+from helpers import TINY_FLAGS, snapshot, write_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 TIMEOUT = 300  # seconds per command; a hang fails the tests instead of blocking them
 SP_VOCAB = 400
-TINY_FLAGS = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.max_len=16",
-              "--data.seq_len=8", "--train.batch_size=2", "--train.steps=4", "--train.steps_per_loop=2",
-              "--train.warmup_steps=1", "--train.eval_steps=1", "--sample.num_samples=0"]
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
+from helpers import free_port
 
 from tpu_llm.cloud import storage as cloud
 from tpu_llm.errors import UserError
@@ -24,17 +25,11 @@ from tpu_llm.errors import UserError
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def emulator():
     """STORAGE_EMULATOR_HOST of a gcp-storage-emulator process that lives as long as this module's tests."""
     pytest.importorskip("gcp_storage_emulator", reason="the dev extra installs gcp-storage-emulator")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
                              "--port", str(port), "--in-memory"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_config
+from helpers import tiny_config
 
 from tpu_llm.config import Config, config_from_dict, load_config, parse_set_args, validate
 from tpu_llm.errors import UserError

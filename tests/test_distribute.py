@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import tiny_config
+from helpers import metrics, quiet, tiny_config, train_losses
 
 from tpu_llm import cli
 from tpu_llm.config import load_config
@@ -20,18 +20,6 @@ from tpu_llm.parallel import launch
 from tpu_llm.parallel.distribute import Found, choose, get_strategy
 from tpu_llm.training.checkpoint import load_for_generation, scratch_directory
 from tpu_llm.training.controller import build_run, train
-
-
-def quiet(*_):
-    pass
-
-
-def metrics(run_dir, split="train"):
-    return [line for line in map(json.loads, open(run_dir / "metrics.jsonl")) if line["split"] == split]
-
-
-def train_losses(run_dir):
-    return [line["loss"] for line in metrics(run_dir)]
 
 
 def checkpoint_weights(run_dir) -> dict:

@@ -5,7 +5,6 @@ tasks: test_fault_processes.py.
 
 Most tests start from `base`, one uninterrupted run shared by the module, and compare with it."""
 
-import json
 import os
 import signal
 import threading
@@ -14,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import snapshot, tiny_config
+from helpers import metrics, quiet, snapshot, tiny_config
 
 from tpu_llm import cli
 from tpu_llm.errors import RunStopped, UserError
@@ -22,10 +21,6 @@ from tpu_llm.training import fault
 from tpu_llm.training.checkpoint import Checkpointer
 from tpu_llm.training.controller import train
 from tpu_llm.training.trainer import Trainer
-
-
-def quiet(*_):
-    pass
 
 
 def cfg_for(root, run="run", **overrides):
@@ -36,10 +31,6 @@ def cfg_for(root, run="run", **overrides):
     return tiny_config(root, **{"run_dir": str(root / run), "model.dropout": 0.1, "train.steps": 8,
                                 "train.steps_per_loop": 2, "train.decay_steps": 8, "checkpoint.every_steps": 4,
                                 "execution": "graph", **overrides})
-
-
-def metrics(run_dir, split="train"):
-    return [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if m["split"] == split]
 
 
 WEIGHTS = ("model/", "optimizer/_trainable_variables/")  # TF names each variable by one path to it

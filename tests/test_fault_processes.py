@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import write_corpus
+from helpers import write_corpus
 
 from tpu_llm.parallel import launch
 

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_pipeline import CPUS, tiny_model
+from helpers import CPUS, tiny_model
 
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError

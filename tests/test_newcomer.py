@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import snapshot, write_corpus
+from helpers import snapshot, write_corpus
 
 from tpu_llm import cli
 

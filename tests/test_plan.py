@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from tpu_llm import cli
 from tpu_llm.config import load_config
@@ -137,7 +137,7 @@ print(json.dumps(results))
 """
 
 
-# conftest's tiny config (2 layers, width 32, batch 4 x 16); measured the same way while writing this,
+# tiny_config's run (helpers.py: 2 layers, width 32, batch 4 x 16); measured the same way while writing this,
 # tiny_config(train.batch_size=16, data.seq_len=32) was within 1% and configs/tiny.yaml within 1%
 # "attention": where the (B, H, T, T) scores are nearly all of it (1 layer, 8 heads, batch 1 x 256):
 # the peak is one block's attention backward (its probabilities and their two gradients), which the

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import tensorflow as tf
-from conftest import CORPUS_LINES, write_corpus
+from helpers import CORPUS_LINES, write_corpus
 
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizers import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
