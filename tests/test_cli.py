@@ -113,6 +113,7 @@ def cli(tmp_path_factory):
                 command.proc.wait()
 
 
+@pytest.mark.slow
 def test_tokenizer_train(cli):
     results, paths = cli
     r = results["tokenizer"]
@@ -126,6 +127,7 @@ def test_tokenizer_train(cli):
     assert sp.decode(sp.encode(text)) == text
 
 
+@pytest.mark.slow
 def test_data_prepare(cli):
     results, paths = cli
     r = results["prepare"]
@@ -145,6 +147,7 @@ def test_data_prepare(cli):
     assert f"--data.train='{shards}/*.tfrecord' --data.tokenizer=sentencepiece" in r.stdout
 
 
+@pytest.mark.slow
 def test_train(cli):
     results, paths = cli
     r = results["train"]
@@ -163,6 +166,7 @@ def test_train(cli):
     assert [m["step"] for m in metrics if m["split"] == "summary"] == [4]
 
 
+@pytest.mark.slow
 def test_generate(cli):
     results, _ = cli
     r = results["generate"]
@@ -173,6 +177,7 @@ def test_generate(cli):
     assert sample.startswith("ab") and "--- sample 2" not in sample
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, expected", [
     ("unknown_key", "error: tpu-llm train: unknown flag --model.n_layr; did you mean --model.n_layer?"),
     ("missing_glob", "error: data.train: no files match '{missing}'"),

@@ -22,6 +22,8 @@ from helpers import TINY_FLAGS, assert_refused, snapshot, write_corpus
 
 from tpu_llm import cli
 
+pytestmark = pytest.mark.slow  # the CLI in subprocesses
+
 REPO = Path(__file__).resolve().parent.parent
 ENV = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TPU_LLM_VERBOSE")}
 TIMEOUT = 300

@@ -529,6 +529,7 @@ sys.exit(stopped.exit_code)
 """
 
 
+@pytest.mark.slow
 def test_a_second_signal_ends_the_process_at_once_and_sigint_exits_130():
     import subprocess
     import sys

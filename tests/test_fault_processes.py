@@ -22,6 +22,8 @@ from helpers import write_corpus
 
 from tpu_llm.parallel import launch
 
+pytestmark = pytest.mark.slow  # training processes, killed and restarted
+
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 HANG = 300  # seconds: a process still running after this failed the test

@@ -145,6 +145,7 @@ def test_blockwise_with_dropout_is_refused_in_one_line():
         load_config(None, {"train.loss_chunk": -1})
 
 
+@pytest.mark.slow
 def test_planner_counts_the_chunked_loss_and_blockwise_attention_within_15_percent_of_xla():
     """XLA:CPU's buffer assignment for the compiled training step (float32, one layer, 8 heads x 256
     tokens, a 4096-id vocabulary) against the planner, where the loss's tiles and blockwise attention's

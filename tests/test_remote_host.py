@@ -42,6 +42,8 @@ from helpers import free_port, write_corpus
 from tpu_llm import cli
 from tpu_llm.parallel import tpu
 
+pytestmark = pytest.mark.slow  # a tf.distribute.Server process and the CLI in subprocesses
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 240  # seconds per client command
 KILL_AT = 6  # the killed client dies when its third host call (steps 6-8) starts: ckpt-4 is the newest

@@ -104,6 +104,7 @@ NO_TF_TEXT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_byte_and_char_pipelines_run_without_tensorflow_text(tmp_path, corpus_files, sp):
     from tpu_llm.data import dataset as data
     from tpu_llm.data import sources
