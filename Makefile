@@ -25,7 +25,7 @@ TPU := $(PYTHON) -m tpu_llm.cloud
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: train test faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
+.PHONY: train test test-fast faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
 
 # One TensorFlow wheel per environment, chosen by extra (pyproject.toml): here the CPU one, with
 # tensorflow-text for SentencePiece, Hugging Face interop (hf), the test tools and the reference
@@ -48,6 +48,9 @@ train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/t
 
 test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks), two pytest-xdist workers
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+
+test-fast: $(STAMP)  ## the suite without the tests marked slow (subprocesses, local clusters, the notebook, infra/ checks)
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 faults: $(STAMP)  ## fault injection into tiny real runs (signals, kills, torn files, NaN, full disk); docs/faults.md
 	$(BIN)/python scripts/faults.py

@@ -16,15 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import snapshot, write_corpus
+from helpers import TINY_FLAGS, snapshot, write_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 TIMEOUT = 300  # seconds per command; a hang fails the tests instead of blocking them
 SP_VOCAB = 400
-TINY_FLAGS = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.max_len=16",
-              "--data.seq_len=8", "--train.batch_size=2", "--train.steps=4", "--train.steps_per_loop=2",
-              "--train.warmup_steps=1", "--train.eval_steps=1", "--sample.num_samples=0"]
 
 
 @dataclasses.dataclass
@@ -116,6 +113,7 @@ def cli(tmp_path_factory):
                 command.proc.wait()
 
 
+@pytest.mark.slow
 def test_tokenizer_train(cli):
     results, paths = cli
     r = results["tokenizer"]
@@ -129,6 +127,7 @@ def test_tokenizer_train(cli):
     assert sp.decode(sp.encode(text)) == text
 
 
+@pytest.mark.slow
 def test_data_prepare(cli):
     results, paths = cli
     r = results["prepare"]
@@ -148,6 +147,7 @@ def test_data_prepare(cli):
     assert f"--data.train='{shards}/*.tfrecord' --data.tokenizer=sentencepiece" in r.stdout
 
 
+@pytest.mark.slow
 def test_train(cli):
     results, paths = cli
     r = results["train"]
@@ -166,6 +166,7 @@ def test_train(cli):
     assert [m["step"] for m in metrics if m["split"] == "summary"] == [4]
 
 
+@pytest.mark.slow
 def test_generate(cli):
     results, _ = cli
     r = results["generate"]
@@ -176,6 +177,7 @@ def test_generate(cli):
     assert sample.startswith("ab") and "--- sample 2" not in sample
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, expected", [
     ("unknown_key", "error: tpu-llm train: unknown flag --model.n_layr; did you mean --model.n_layer?"),
     ("missing_glob", "error: data.train: no files match '{missing}'"),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
+from helpers import free_port
 
 from tpu_llm.cloud import storage as cloud
 from tpu_llm.errors import UserError
@@ -24,17 +25,11 @@ from tpu_llm.errors import UserError
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def emulator():
     """STORAGE_EMULATOR_HOST of a gcp-storage-emulator process that lives as long as this module's tests."""
     pytest.importorskip("gcp_storage_emulator", reason="the dev extra installs gcp-storage-emulator")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
                              "--port", str(port), "--in-memory"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
@@ -87,6 +82,7 @@ def test_parse_gs_url():
         cloud.parse_gs_url("/local/path")
 
 
+@pytest.mark.slow
 def test_bucket_check_and_missing_bucket_error(bucket):
     assert cloud.check_bucket_writable(f"gs://{bucket}/runs/tiny") == bucket
     assert not list(cloud.storage_client().list_blobs(bucket))  # the probe object is gone
@@ -97,6 +93,7 @@ def test_bucket_check_and_missing_bucket_error(bucket):
     assert "\n" not in message
 
 
+@pytest.mark.slow
 def test_upload_is_resumable_and_resumes_after_an_interruption(bucket, tmp_path, monkeypatch):
     big = bytes(range(256)) * (36 * 1024) + b"tail"  # 9 MiB: above 8 MiB the library uploads resumably, in chunks
     files = {"data-00000-of-00003.tfrecord": b"a" * 1000, "data-00001-of-00003.tfrecord": big,
@@ -140,6 +137,7 @@ def test_upload_is_resumable_and_resumes_after_an_interruption(bucket, tmp_path,
     assert not list(out.rglob("*.part"))
 
 
+@pytest.mark.slow
 def test_upload_conflicts_need_overwrite(bucket, tmp_path):
     local = write_files(tmp_path / "shards", {"a.tfrecord": b"one", "b.tfrecord": b"two"})
     url = f"gs://{bucket}/shards"
@@ -154,6 +152,7 @@ def test_upload_conflicts_need_overwrite(bucket, tmp_path):
     assert blobs == {"shards/a.tfrecord": b"changed"}
 
 
+@pytest.mark.slow
 def test_overwrite_deletes_only_stale_objects_of_the_kind_uploaded(bucket, tmp_path):
     client = cloud.storage_client().bucket(bucket)
     kept = {"runs/tiny/checkpoints/ckpt-2.index": b"i", "runs/tiny/checkpoints/checkpoint": b"c",
@@ -182,6 +181,7 @@ def test_overwrite_deletes_only_stale_objects_of_the_kind_uploaded(bucket, tmp_p
     assert set(kept) <= names and not set(stale) & names  # the checkpoints and other folders are untouched
 
 
+@pytest.mark.slow
 def test_list_runs_and_checkpoints(bucket, tmp_path):
     layout = {"a/config.yaml": b"x", "a/checkpoints/checkpoint": b"x", "a/checkpoints/ckpt-200.index": b"x",
               "a/checkpoints/ckpt-200.data-00000-of-00001": b"x", "a/checkpoints/ckpt-100.index": b"x",
@@ -196,6 +196,7 @@ def test_list_runs_and_checkpoints(bucket, tmp_path):
                                                                        f"gs://{bucket}/runs/b/config.yaml"]
 
 
+@pytest.mark.slow
 def test_preflight_tells_tfrecord_shards_from_text(bucket, tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -221,6 +222,7 @@ def test_preflight_tells_tfrecord_shards_from_text(bucket, tmp_path):
         cloud.preflight("gs://no-such-bucket-here/runs/x")
 
 
+@pytest.mark.slow
 def test_command_line_errors_are_one_line(emulator):
     done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "check", "gs://no-such-bucket-here/runs/x"],
                           capture_output=True, text=True, cwd=ROOT,

@@ -2,14 +2,13 @@
 logical CPUs, local SGD's synchronisation, exact resume, and short runs against the synchronous
 baseline. Budget: the whole file runs in about two minutes on 2 cores (shared training runs)."""
 
-import json
 import shutil
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import tiny_config
+from helpers import metrics, tiny_config
 
 from tpu_llm import perf
 from tpu_llm.config import load_config
@@ -20,10 +19,6 @@ from tpu_llm.parallel.distribute import get_strategy
 from tpu_llm.training.controller import build_run, train
 from tpu_llm.training.optimizer import make_optimizer
 from tpu_llm.training.trainer import Trainer
-
-
-def quiet(*_):
-    pass
 
 
 def mirrored(replicas):
@@ -278,10 +273,6 @@ RESUMED = ("powersgd", "local_sgd")
 
 def config(tmp_path, mode, **extra):
     return tiny_config(tmp_path, cpu_devices=2, strategy="mirrored", **{**RUN, **MODES[mode], **extra})
-
-
-def metrics(run_dir, split="train"):
-    return [line for line in map(json.loads, open(run_dir / "metrics.jsonl")) if line["split"] == split]
 
 
 @pytest.fixture(scope="module")

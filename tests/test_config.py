@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_config
+from helpers import tiny_config
 
 from tpu_llm.config import Config, config_from_dict, load_config, parse_set_args, validate
 from tpu_llm.errors import UserError
@@ -39,7 +39,7 @@ def test_yaml_then_overrides_later_layers_win(tmp_path):
     assert cfg.model.n_embd == 96 and cfg.data.seq_len == 64 and cfg.run_dir == "runs/x"  # YAML beats defaults
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # int accepted for a float
     assert cfg.model.n_head == Config().model.n_head  # untouched key keeps its default
-    assert cfg.data.train == "a.txt,b.txt"  # fire's tuple for `a,b`
+    assert cfg.data.train == "a.txt,b.txt"  # a sequence of files (as a YAML list gives) joins with commas
 
 
 def test_float_in_exponent_notation_without_dot(tmp_path):

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import write_corpus
+from helpers import write_corpus
 
 from tpu_llm.config import DataConfig
 from tpu_llm.data import dataset as data

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import write_corpus
+from helpers import write_corpus
 
 from tpu_llm.data import dataset as data
 from tpu_llm.data import prepare, sources

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import tiny_config
+from helpers import metrics, quiet, tiny_config, train_losses
 
 from tpu_llm import cli
 from tpu_llm.config import load_config
@@ -20,18 +20,6 @@ from tpu_llm.parallel import launch
 from tpu_llm.parallel.distribute import Found, choose, get_strategy
 from tpu_llm.training.checkpoint import load_for_generation, scratch_directory
 from tpu_llm.training.controller import build_run, train
-
-
-def quiet(*_):
-    pass
-
-
-def metrics(run_dir, split="train"):
-    return [line for line in map(json.loads, open(run_dir / "metrics.jsonl")) if line["split"] == split]
-
-
-def train_losses(run_dir):
-    return [line["loss"] for line in metrics(run_dir)]
 
 
 def checkpoint_weights(run_dir) -> dict:
@@ -174,6 +162,7 @@ def launched(tmp_path, workers, ps, steps, extra=()):
     return code, out.getvalue(), cfg
 
 
+@pytest.mark.slow
 def test_multi_worker_processes_end_identical_and_equal_to_one_process(tmp_path):
     code, log, cfg = launched(tmp_path / "cluster", workers=2, ps=0, steps=6, extra=["--train.steps_per_loop=3"])
     assert code == 0, log
@@ -193,6 +182,7 @@ def test_multi_worker_processes_end_identical_and_equal_to_one_process(tmp_path)
     assert not glob.glob(scratch_directory(str(tmp_path / "cluster" / "run"), "*"))  # and removes it after
 
 
+@pytest.mark.slow
 def test_parameter_server_cluster_trains_asynchronously_and_the_loss_falls(tmp_path):
     code, log, cfg = launched(tmp_path, workers=2, ps=1, steps=40,
                               extra=["--train.steps_per_loop=5", "--train.lr=3e-3"])
@@ -249,6 +239,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_launch_fails_fast_when_a_worker_dies(tmp_path):
     out, start = io.StringIO(), time.time()
     code = launch.launch(3, 0, ["-c", FAKE_TASK], out=out, program=[sys.executable])
@@ -267,6 +258,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_launch_exits_with_128_plus_the_signal_and_4_for_a_killed_chief(tmp_path, monkeypatch):
     import os
     import signal
@@ -341,6 +333,7 @@ def launch_listening_tasks(tmp_path, extra=()):
     return code, out.getvalue(), ports, seen
 
 
+@pytest.mark.slow
 def test_a_local_cluster_listens_only_in_its_own_network_namespace(tmp_path):
     import shutil
     import subprocess
@@ -371,6 +364,7 @@ def test_launch_usage_errors(capsys):
     assert "need at least 1 worker" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_strategies_benchmark_prints_its_table(tmp_path, capsys):
     from tpu_llm.tools import bench
 

@@ -152,6 +152,7 @@ def test_the_link_checker_catches_broken_files_and_anchors(tmp_path):
     ], problems
 
 
+@pytest.mark.slow
 def test_site_builds_without_warnings(tmp_path):
     """`mkdocs build --strict`: the first warning (broken link or anchor, page outside the nav) fails."""
     if not _mkdocs_installed():

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_pipeline import tiny_model
+from helpers import tiny_model
 
 from tpu_llm import cli
 from tpu_llm.errors import UserError

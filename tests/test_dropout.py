@@ -2,7 +2,7 @@
 
 import numpy as np
 import tensorflow as tf
-from conftest import tiny_config
+from helpers import tiny_config
 
 from tpu_llm.training.controller import build_run
 from tpu_llm.training.trainer import ReplicaSeedGenerator

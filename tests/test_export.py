@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import yaml
-from conftest import tiny_config
+from helpers import tiny_config
 
 from tpu_llm.model.sampling import Sampler
 

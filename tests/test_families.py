@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import tiny_config
 
 from tpu_llm.config import ModelConfig, load_config
 from tpu_llm.errors import UserError
@@ -156,8 +157,6 @@ def test_family_settings_that_cannot_work_are_one_line_errors(overrides, message
 def test_llama_run_exports_a_savedmodel_whose_logits_and_greedy_ids_match(tmp_path):
     """`export` for llama (tests/test_export.py does the gpt2 run in full): the SavedModel's logits and
     its generate loop, which runs past max_len so the KV cache (Hkv heads) is refilled, match the model."""
-    from conftest import tiny_config
-
     from tpu_llm.interop.export import export
     from tpu_llm.model.sampling import Sampler
     from tpu_llm.tokenizers import ByteTokenizer

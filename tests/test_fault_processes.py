@@ -18,9 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import write_corpus
+from helpers import write_corpus
 
 from tpu_llm.parallel import launch
+
+pytestmark = pytest.mark.slow  # training processes, killed and restarted
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}

@@ -2,6 +2,7 @@
 
 import numpy as np
 import tensorflow as tf
+from helpers import tiny_config
 
 from tpu_llm.config import ModelConfig
 from tpu_llm.model import GPT
@@ -72,8 +73,6 @@ def test_padded_vocabulary_ids_are_never_sampled():
 def test_generation_loads_every_trained_weight(tmp_path):
     # regression: Keras 3 keeps the blocks in a list TF checkpoints did not see into, so generation
     # restored only the embeddings and sampled from untrained blocks
-    from conftest import tiny_config
-
     from tpu_llm.training.checkpoint import load_for_generation
     from tpu_llm.training.controller import train, weights_fingerprint
 

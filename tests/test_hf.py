@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
-import os
 
 import numpy as np
 import pytest
@@ -25,7 +23,7 @@ torch = pytest.importorskip("torch", reason="the reference tests need torch: pip
 transformers = pytest.importorskip("transformers", reason="the reference tests need transformers 5: pip install "
                                    "-e '.[reference]' (Python >= 3.11)")
 
-from conftest import write_bpe_tokenizer  # noqa: E402
+from helpers import write_bpe_tokenizer  # noqa: E402
 
 from tpu_llm import cli  # noqa: E402
 from tpu_llm.interop import safetensors_io

@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import snapshot, write_bpe_tokenizer, write_corpus
+from helpers import snapshot, write_bpe_tokenizer, write_corpus
 
 from tpu_llm import cli
 from tpu_llm.interop import safetensors_io

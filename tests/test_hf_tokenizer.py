@@ -12,7 +12,7 @@ import tensorflow as tf
 tokenizers = pytest.importorskip("tokenizers", reason="data.tokenizer=hf needs the hf extra (tokenizers)")
 transformers = pytest.importorskip("transformers", reason="the reference tokenizer is transformers' AutoTokenizer")
 
-from conftest import CORPUS_LINES, snapshot  # noqa: E402
+from helpers import CORPUS_LINES, snapshot, tiny_config, write_corpus  # noqa: E402
 
 from tpu_llm import cli  # noqa: E402
 from tpu_llm.errors import UserError  # noqa: E402
@@ -243,8 +243,6 @@ def test_missing_unreadable_and_sentencepiece_only_tokenizers_are_one_line(tmp_p
 
 def test_training_on_text_with_the_hf_tokenizer_is_refused_and_the_run_directory_untouched(tmp_path, gpt2_dirs,
                                                                                                capsys):
-    from conftest import write_corpus
-
     write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     before = snapshot(tmp_path)
@@ -269,8 +267,6 @@ def test_without_the_tokenizers_library_the_error_names_the_extra(monkeypatch, g
 def test_a_run_takes_the_hf_tokenizer_from_its_shards_and_samples_with_it(tmp_path, gpt2_dirs, llama):
     """What `train` on hf shards and `generate` do with the tokenizer (a whole run costs ~25 s of compiling:
     `tpu-llm data prepare`, `train` and `generate` on the command line are in docs/tokenizers.md)."""
-    from conftest import tiny_config, write_corpus
-
     from tpu_llm.data import sources
     from tpu_llm.model import GPT
     from tpu_llm.training.controller import print_samples, setup_tokenizer

@@ -30,6 +30,8 @@ from tpu_llm.cloud import lock as cloud_lock
 from tpu_llm.cloud import shell as cloud_shell
 from tpu_llm.cloud import worker_plan
 
+pytestmark = pytest.mark.slow  # terraform, checkov, shellcheck and bash processes
+
 PRIMITIVE_ROLES = {"roles/owner", "roles/editor", "roles/viewer"}
 
 

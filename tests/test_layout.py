@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tpu_llm"
 
@@ -106,6 +108,7 @@ def test_function_level_imports_only_keep_tensorflow_out_of_start_up():
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.slow
 def test_every_module_imports_in_a_fresh_interpreter():
     names = [m.removesuffix(".__init__") for m in modules() if not m.endswith("__main__")]
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ok')"

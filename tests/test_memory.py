@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_pipeline import CPUS, tiny_model
+from helpers import CPUS, tiny_model
 
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
@@ -145,6 +145,7 @@ def test_blockwise_with_dropout_is_refused_in_one_line():
         load_config(None, {"train.loss_chunk": -1})
 
 
+@pytest.mark.slow
 def test_planner_counts_the_chunked_loss_and_blockwise_attention_within_15_percent_of_xla():
     """XLA:CPU's buffer assignment for the compiled training step (float32, one layer, 8 heads x 256
     tokens, a 4096-id vocabulary) against the planner, where the loss's tiles and blockwise attention's

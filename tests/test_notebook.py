@@ -15,6 +15,9 @@ from pathlib import Path
 
 import nbclient  # the dev extra (pyproject.toml): a missing one fails here rather than skipping the test
 import nbformat
+import pytest
+
+pytestmark = pytest.mark.slow  # a Jupyter kernel process runs the notebook
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 TINY_EXTRA = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.max_len=32",

@@ -1,63 +1,15 @@
 """Pipeline parallelism, mixed precision and execution modes: the same training as the plain model."""
 
-import contextlib
-import json
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import tiny_config
+from helpers import CPUS, LLAMA, loss_and_grads, quiet, tiny_config, tiny_model, tpu_cores, train_losses
 
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
-from tpu_llm.model import GPT
 from tpu_llm.parallel import pipeline
-from tpu_llm.parallel.distribute import Placement
 from tpu_llm.training.controller import build_run, train
-
-CPUS = [f"/device:CPU:{i}" for i in range(4)]  # conftest splits the CPU into 4 logical devices
-
-
-def quiet(*_):
-    pass
-
-
-def train_losses(run_dir):
-    return [m["loss"] for m in map(json.loads, open(run_dir / "metrics.jsonl")) if m["split"] == "train"]
-
-
-# the llama family, multi-query (1 kv head for 2 query heads), with an untied head that the last stage holds
-LLAMA = {"family": "llama", "bias": False, "n_kv_head": 1, "mlp_hidden": 64, "tie_embeddings": False}
-
-
-def tiny_model(n_layer=4, **model):
-    """A seeded GPT of width 32 over a 64-id vocabulary; `model` overrides other model.* keys."""
-    cfg = load_config(None, {"model.n_layer": n_layer, "model.n_head": 2, "model.n_embd": 32, "model.max_len": 16,
-                             "data.seq_len": 16, **{f"model.{k}": v for k, v in model.items()}})
-    keras.utils.set_random_seed(0)
-    return GPT(cfg.model, 64).build_weights()
-
-
-def loss_and_grads(model, stages=1, microbatches=1, devices=(), remat=False, jit=False, ways=1):
-    """(loss, gradients, the tf.function) of one pipelined step; `ways` tensor groups per stage
-    (tests/test_tensor.py)."""
-    parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
-    placement = Placement(stages, (tuple(devices),) if devices else (), tensor=ways)
-    pipe = pipeline.Pipeline(model, parts, placement, microbatches, remat)
-    x = tf.random.stateless_uniform([8, 16], [1, 2], 0, 64, tf.int32)
-    y = tf.random.stateless_uniform([8, 16], [3, 4], 0, 64, tf.int32)
-
-    def step():
-        if pipe.staged:  # what the trainer runs: each stage's backward in its own scope
-            return pipe.loss_and_grads(x, y, model.trainable_variables)
-        with tf.GradientTape() as tape:
-            loss = pipe.loss(x, y, training=True)
-        return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
-
-    fn = tf.function(step, jit_compile=jit)
-    return fn() + (fn,)
-
 
 # ---- partition ------------------------------------------------------------------------------------
 
@@ -127,26 +79,6 @@ def test_remat_and_the_xla_compiled_pipeline_give_the_same_gradients():
         for g, og in zip(grads, other_grads):
             np.testing.assert_allclose(og.numpy(), g.numpy(), atol=1e-5)
     assert "HloModule" in fn.experimental_get_compiler_ir()(stage="hlo")  # one XLA program, as on a TPU
-
-
-def tpu_cores(model, stages, ways=1, microbatches=1) -> list[int]:
-    """The logical TPU cores a pipelined forward pass annotates its tensors for, in order (a stand-in
-    for TPUStrategy records them; tests/test_tensor.py uses it too)."""
-    cores = []
-
-    class RecordingTPUStrategy:
-        class extended:  # noqa: N801 - the logical-device scope (tests/test_placement.py runs TF's own)
-            experimental_logical_device = staticmethod(lambda core: contextlib.nullcontext())
-
-        def experimental_assign_to_logical_device(self, tensor, core):
-            cores.append(core)
-            return tensor
-
-    parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
-    placement = Placement(stages, tpu_strategy=RecordingTPUStrategy(), tensor=ways)
-    pipeline.Pipeline(model, parts, placement, microbatches).loss(tf.zeros([4, 16], tf.int32),
-                                                                  tf.zeros([4, 16], tf.int32))
-    return cores
 
 
 def test_tpu_placement_annotates_stage_outputs_with_their_logical_core():

@@ -11,13 +11,11 @@ it does in a TPU computation). Not covered offline: compiling and running the st
 
 import types
 
-import keras
 import numpy as np
 import tensorflow as tf
-from conftest import tiny_config
+from helpers import make_topology, tiny_config
 from tensorflow.python.distribute import tpu_strategy as tf_tpu_strategy
 from tensorflow.python.eager import context
-from test_tpu import make_topology
 
 from tpu_llm.model import GPT
 from tpu_llm.parallel import pipeline, tpu
@@ -62,7 +60,7 @@ def offline_tpu_strategy(cores_per_replica):
 
 def tpu_device_of_each_variable():
     """(variable creator, {variable name: the TPU device TPUStrategy chose}); each variable is made on
-    the logical CPU of that device's number (conftest splits the CPU into 4)."""
+    the logical CPU of that device's number (conftest.py splits the CPU into 4)."""
     chosen = {}
 
     def creator(next_creator, **kwargs):

@@ -14,6 +14,7 @@ small tensors, so it cannot judge 20%. XLA_FLAGS is read once per process, hence
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from tpu_llm import cli
 from tpu_llm.config import load_config
@@ -137,7 +138,7 @@ print(json.dumps(results))
 """
 
 
-# conftest's tiny config (2 layers, width 32, batch 4 x 16); measured the same way while writing this,
+# tiny_config's run (helpers.py: 2 layers, width 32, batch 4 x 16); measured the same way while writing this,
 # tiny_config(train.batch_size=16, data.seq_len=32) was within 1% and configs/tiny.yaml within 1%
 # "attention": where the (B, H, T, T) scores are nearly all of it (1 layer, 8 heads, batch 1 x 256):
 # the peak is one block's attention backward (its probabilities and their two gradients), which the
@@ -149,9 +150,14 @@ XLA_TOLERANCE = {"tiny": 0.2, "attention": 0.1}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def xla_measurement(tmp_path_factory):
+def xla_measurement(request, tmp_path_factory):
     """Compiles the tiny configs' training step in a subprocess, started before this module's first test
-    so that it runs while the others do; yields (configs, a function returning XLA's figures)."""
+    so that it runs while the others do; yields (configs, a function returning XLA's figures). Nothing
+    is started when no selected test reads it (`make test-fast`, `-m "not slow"`, `-k`)."""
+    if not any(item.module is request.module and "xla_measurement" in inspect.signature(item.function).parameters
+               for item in request.session.items):
+        yield None
+        return
     tmp = tmp_path_factory.mktemp("xla")
     configs = {name: tiny_config(tmp, **overrides) for name, overrides in XLA_CONFIGS.items()}
     paths = []
@@ -290,6 +296,7 @@ def test_cli_plan_errors_are_one_line(capsys, args, says):
 # -- last: waits for the subprocess started by the fixture --------------------------------------------
 
 
+@pytest.mark.slow
 def test_memory_estimate_within_20_percent_of_xla_on_cpu(xla_measurement):
     """Float32, no remat, P=1: the planner's activations + workspace against XLA's temp buffer, and
     parameters + gradients + those against all bytes of the compiled step (the optimizer's slots are

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,10 +37,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import write_corpus
+from helpers import free_port, write_corpus
 
 from tpu_llm import cli
 from tpu_llm.parallel import tpu
+
+pytestmark = pytest.mark.slow  # a tf.distribute.Server process and the CLI in subprocesses
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 240  # seconds per client command
@@ -99,12 +100,6 @@ def _isolation() -> list[str] | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Sim:
     def __init__(self, root: Path):
         self.shared = root / "shared"  # "Cloud Storage": both processes reach it
@@ -112,7 +107,7 @@ class Sim:
         self.runs.mkdir(parents=True)
         self.data = f"{self.shared / 'data'}/*.txt"
         write_corpus(self.shared / "data")
-        self.port = _free_port()
+        self.port = free_port()
         self.tpu = f"grpc://127.0.0.1:{self.port}"
         self.env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO),
                     tpu.STANDIN_ENV: str(self.shared)}
@@ -243,7 +238,7 @@ def test_local_run_dir_and_data_are_refused_in_one_line_before_connecting(tmp_pa
     shared, local = tmp_path / "shared", tmp_path / "local-run"
     write_corpus(shared / "data")
     monkeypatch.setenv(tpu.STANDIN_ENV, str(shared))
-    target = f"grpc://127.0.0.1:{_free_port()}"  # nothing listens: a connection attempt would fail otherwise
+    target = f"grpc://127.0.0.1:{free_port()}"  # nothing listens: a connection attempt would fail otherwise
     base = ["train", "--strategy=tpu", f"--tpu={target}"]
     assert cli.main([*base, f"--run_dir={local}", f"--data.train={shared}/data/*.txt"]) == 2
     assert capsys.readouterr().err.strip() == (
@@ -297,7 +292,7 @@ def test_shared_storage_is_what_both_sides_reach(tmp_path):
 
 
 def test_a_stand_in_host_that_does_not_answer_is_the_tpu_paths_one_line_error(tmp_path):
-    target = f"grpc://127.0.0.1:{_free_port()}"
+    target = f"grpc://127.0.0.1:{free_port()}"
     with pytest.raises(tpu.UserError) as error:  # refused before TensorFlow connects: this process stays local
         tpu.tpu_strategy(target, env={tpu.STANDIN_ENV: str(tmp_path)}, root=str(tmp_path))
     assert str(error.value).startswith(f"no TPU reachable via tpu='{target}': ConnectionRefusedError")

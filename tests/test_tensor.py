@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import tiny_config
-from test_pipeline import CPUS, LLAMA, loss_and_grads, quiet, tiny_model, tpu_cores, train_losses
+from helpers import CPUS, LLAMA, loss_and_grads, quiet, tiny_config, tiny_model, tpu_cores, train_losses
 
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import tensorflow as tf
-from conftest import CORPUS_LINES, write_corpus
+from helpers import CORPUS_LINES, write_corpus
 
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizers import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
@@ -104,6 +104,7 @@ NO_TF_TEXT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_byte_and_char_pipelines_run_without_tensorflow_text(tmp_path, corpus_files, sp):
     from tpu_llm.data import dataset as data
     from tpu_llm.data import sources

@@ -13,32 +13,17 @@ separate test shuffles it to show the layout does not depend on it.
 """
 
 import itertools
-import random
 import socket
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import make_topology
 
 from tpu_llm import perf
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import tpu
-
-
-def make_topology(mesh, host, shuffle=False):
-    """A Topology whose hosts (tasks) are `host`-shaped boxes tiling `mesh`."""
-    boxes = [range(0, m, h) for m, h in zip(mesh, host)]
-    tasks = []
-    for origin in itertools.product(*[boxes[2], boxes[1], boxes[0], boxes[3]]):  # hosts ordered x fastest
-        z0, y0, x0, c0 = origin
-        cores = [(x0 + x, y0 + y, z0 + z, c0 + c) for z, y, x, c in
-                 itertools.product(range(host[2]), range(host[1]), range(host[0]), range(host[3]))]
-        if shuffle:
-            random.Random(len(tasks)).shuffle(cores)
-        tasks.append(cores)
-    return tf.tpu.experimental.Topology(mesh_shape=mesh, device_coordinates=np.array(tasks, dtype=np.int32))
-
 
 SLICES = {  # name: (mesh, host box)
     "v4-8": ([2, 2, 1, 1], [2, 2, 1, 1]),

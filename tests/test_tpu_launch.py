@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the driver and fake terraform/gcloud in subprocesses
+
 ROOT = Path(__file__).resolve().parent.parent
 NAME, ZONE, PROJECT, BUCKET = "tpu-llm-tpu", "us-central2-b", "my-proj", "gs://my-proj-tpu-llm"
 IAP = ["--zone=us-central2-b", "--project=my-proj"]

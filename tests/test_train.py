@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import tiny_config
+from helpers import quiet, snapshot, tiny_config
 
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizers import train_sentencepiece
@@ -19,10 +19,6 @@ def cfg_for(run_dir, **overrides):
                                           "checkpoint.every_steps": 4, **overrides})
 
 
-def quiet(*_):
-    pass
-
-
 # the step as a TF graph, for the tests of what a run directory holds, refuses and logs: none depends on
 # XLA, whose compile costs seconds per run (learning, restore and exact resume keep it)
 GRAPH = {"execution": "graph"}
@@ -30,16 +26,6 @@ GRAPH = {"execution": "graph"}
 
 def weights(model):
     return [v.numpy() for v in model.weights]
-
-
-def snapshot(directory):
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = f.read()
-    return out
 
 
 def test_loss_falls_on_the_embedded_corpus(tmp_path):

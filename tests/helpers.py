@@ -1,0 +1,266 @@
+"""Shared test helpers (plain functions and constants; the fixtures are in conftest.py).
+
+Import them like any module, from any test file:
+
+    from helpers import tiny_config, write_corpus
+
+    def test_something(tmp_path, corpus_dir):
+        cfg = tiny_config(tmp_path, **{"train.steps": 2})      # dotted keys ...
+        cfg = tiny_config(tmp_path, model__n_layer=1)            # ... or `__` for the dot
+
+pytest's default import mode ("prepend") puts tests/ (a directory without __init__.py) on sys.path
+before it imports conftest.py, so `helpers` imports without any sys.path edit.
+
+conftest.py imports this module before it splits the CPU into `CPU_DEVICES` logical devices: nothing
+here may start TensorFlow's runtime at import time (create a tensor or variable, list logical
+devices); TensorFlow would then refuse the split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import random
+import socket
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tpu_llm.config import Config, load_config
+from tpu_llm.model import GPT
+from tpu_llm.parallel import pipeline
+from tpu_llm.parallel.distribute import Placement
+
+CPU_DEVICES = 4  # logical CPUs of every test process (conftest.py splits the CPU before TensorFlow starts)
+CPUS = [f"/device:CPU:{i}" for i in range(CPU_DEVICES)]
+
+
+def quiet(*_):
+    """A `say` for `train` that prints nothing."""
+
+
+# ---- a small corpus ---------------------------------------------------------------------------------
+
+# Lines mixing ASCII, accented Latin, CJK, Greek/Cyrillic, symbols, tabs and runs of spaces.
+CORPUS_LINES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Héllo wörld: café, naïve, façade, jalapeño, smørrebrød.",
+    "日本語のテキストも少し含めます。東京と京都。",
+    "Ελληνικά και русский текст; symbols ✓ ★ ∑ x² ≤ ∞.",
+    "def add(a, b):\n\treturn a + b  # two  spaces",
+    "Numbers 0123456789 and brackets {}[]()<>=+-*/%&|^~!?",
+]
+CORPUS_FILES = 3  # files written by `write_corpus`
+CORPUS_LINES_PER_FILE = 60  # about 3.7 KB per file
+
+
+def write_corpus(directory, files: int = CORPUS_FILES, lines: int = CORPUS_LINES_PER_FILE) -> list[str]:
+    """Write `files` UTF-8 text files `doc<i>.txt` (deterministic content) into `directory`.
+
+    Returns their paths, sorted. Each file is a few KB of numbered lines drawn from `CORPUS_LINES`
+    (non-ASCII, tabs, double spaces, newlines). Glob them with `f"{directory}/*.txt"`.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    paths = []
+    for i in range(files):
+        text = "\n".join(f"{j} {rng.choice(CORPUS_LINES)}" for j in range(lines)) + "\n"
+        path = directory / f"doc{i}.txt"
+        path.write_text(text, encoding="utf-8")
+        paths.append(str(path))
+    return sorted(paths)
+
+
+# ---- a tiny run ---------------------------------------------------------------------------------------
+
+TINY = {
+    "model.n_layer": 2,
+    "model.n_head": 2,
+    "model.n_embd": 32,
+    "model.max_len": 32,
+    "data.seq_len": 16,
+    "data.shuffle_buffer": 64,
+    "train.batch_size": 4,
+    "train.steps": 4,
+    "train.steps_per_loop": 2,
+    "train.warmup_steps": 1,
+    "train.eval_every": 0,
+    "train.eval_steps": 2,
+    "checkpoint.every_steps": 0,
+    "sample.num_samples": 0,
+    "sample.max_new_tokens": 8,
+}
+
+
+def tiny_config(tmp_path, **overrides) -> Config:
+    """A validated `Config` for a very small, fast CPU run inside `tmp_path`.
+
+    Defaults: run_dir=`tmp_path/run`; a 2-layer, 2-head, width-32 model with max_len 32; seq_len 16,
+    batch 4, 4 steps of 2 per loop, warmup 1, evaluation and checkpoints only at the end
+    (eval_steps 2), no samples printed; byte tokenizer. Unless `data.train` is overridden, the data is
+    the small corpus of `write_corpus`, written to `tmp_path/corpus` (3 files; validation is the tail
+    of each file). Pass `data.train=""` for the embedded stdlib corpus.
+
+    `overrides` are config keys in dotted form, given as `**{"train.steps": 8}` or with `__` standing
+    for the dot (`train__steps=8`); they are applied like command-line overrides (and validated).
+    """
+    values = dict(TINY, run_dir=str(Path(tmp_path) / "run"))
+    values.update({key.replace("__", "."): value for key, value in overrides.items()})
+    if "data.train" not in values:
+        write_corpus(Path(tmp_path) / "corpus")
+        values["data.train"] = str(Path(tmp_path) / "corpus" / "*.txt")
+    return load_config(None, values)
+
+
+# An even smaller run as `tpu-llm train` flags (1 layer, width 16, batch 2 x 8, 4 steps), for the
+# command line in a subprocess or through `cli.main`.
+TINY_FLAGS = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.max_len=16",
+              "--data.seq_len=8", "--train.batch_size=2", "--train.steps=4", "--train.steps_per_loop=2",
+              "--train.warmup_steps=1", "--train.eval_steps=1", "--sample.num_samples=0"]
+
+
+def metrics(run_dir, split="train") -> list[dict]:
+    """The lines of the run's metrics.jsonl for `split` (train, val, summary)."""
+    return [line for line in map(json.loads, open(Path(run_dir) / "metrics.jsonl")) if line["split"] == split]
+
+
+def train_losses(run_dir) -> list[float]:
+    """The training loss of every logged step of the run."""
+    return [line["loss"] for line in metrics(run_dir)]
+
+
+# ---- run directories and the command line ---------------------------------------------------------------
+
+
+def snapshot(root) -> dict[str, str] | None:
+    """Every file under `root` by content hash, and every directory; None if `root` does not exist.
+    Tests compare two snapshots to prove a run directory was left exactly as it was."""
+    if not os.path.exists(root):
+        return None
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        out.update({os.path.relpath(os.path.join(dirpath, d), root) + "/": "dir" for d in dirnames})
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                out[os.path.relpath(os.path.join(dirpath, name), root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def ours(stderr: str) -> list[str]:
+    """stderr's lines, the report of `python -X importtime` left out."""
+    return [line for line in stderr.splitlines() if not line.startswith("import time:")]
+
+
+def assert_refused(r, message: str) -> None:
+    """A command refused as a user's mistake: exit 2, one `error:` line holding `message` and nothing
+    else on stderr, no traceback, the watched directory unchanged. `r` has the command's `code`,
+    `stdout`, `stderr`, and `watch` with the `before` and `after` snapshots of it (or `watch` None)."""
+    assert r.code == 2, r
+    assert ours(r.stderr) == [line for line in ours(r.stderr) if line.startswith("error: ")] and len(ours(r.stderr)) == 1, r
+    assert message in r.stderr, r
+    assert "Traceback" not in r.stderr + r.stdout, r
+    if r.watch:
+        assert r.before == r.after, f"{r.watch} changed:\n{r}"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of the call)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- models, pipeline stages and TPU topologies --------------------------------------------------------
+
+# the llama family, multi-query (1 kv head for 2 query heads), with an untied head that the last stage holds
+LLAMA = {"family": "llama", "bias": False, "n_kv_head": 1, "mlp_hidden": 64, "tie_embeddings": False}
+
+
+def tiny_model(n_layer=4, **model):
+    """A seeded GPT of width 32 over a 64-id vocabulary; `model` overrides other model.* keys."""
+    cfg = load_config(None, {"model.n_layer": n_layer, "model.n_head": 2, "model.n_embd": 32, "model.max_len": 16,
+                             "data.seq_len": 16, **{f"model.{k}": v for k, v in model.items()}})
+    keras.utils.set_random_seed(0)
+    return GPT(cfg.model, 64).build_weights()
+
+
+def loss_and_grads(model, stages=1, microbatches=1, devices=(), remat=False, jit=False, ways=1):
+    """(loss, gradients, the tf.function) of one pipelined step; `ways` tensor groups per stage
+    (tests/test_tensor.py)."""
+    parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
+    placement = Placement(stages, (tuple(devices),) if devices else (), tensor=ways)
+    pipe = pipeline.Pipeline(model, parts, placement, microbatches, remat)
+    x = tf.random.stateless_uniform([8, 16], [1, 2], 0, 64, tf.int32)
+    y = tf.random.stateless_uniform([8, 16], [3, 4], 0, 64, tf.int32)
+
+    def step():
+        if pipe.staged:  # what the trainer runs: each stage's backward in its own scope
+            return pipe.loss_and_grads(x, y, model.trainable_variables)
+        with tf.GradientTape() as tape:
+            loss = pipe.loss(x, y, training=True)
+        return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+
+    fn = tf.function(step, jit_compile=jit)
+    return fn() + (fn,)
+
+
+def tpu_cores(model, stages, ways=1, microbatches=1) -> list[int]:
+    """The logical TPU cores a pipelined forward pass annotates its tensors for, in order (a stand-in
+    for TPUStrategy records them)."""
+    cores = []
+
+    class RecordingTPUStrategy:
+        class extended:  # noqa: N801 - the logical-device scope (tests/test_placement.py runs TF's own)
+            experimental_logical_device = staticmethod(lambda core: contextlib.nullcontext())
+
+        def experimental_assign_to_logical_device(self, tensor, core):
+            cores.append(core)
+            return tensor
+
+    parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
+    placement = Placement(stages, tpu_strategy=RecordingTPUStrategy(), tensor=ways)
+    pipeline.Pipeline(model, parts, placement, microbatches).loss(tf.zeros([4, 16], tf.int32),
+                                                                  tf.zeros([4, 16], tf.int32))
+    return cores
+
+
+def make_topology(mesh, host, shuffle=False):
+    """A Topology whose hosts (tasks) are `host`-shaped boxes tiling `mesh`."""
+    boxes = [range(0, m, h) for m, h in zip(mesh, host)]
+    tasks = []
+    for origin in itertools.product(*[boxes[2], boxes[1], boxes[0], boxes[3]]):  # hosts ordered x fastest
+        z0, y0, x0, c0 = origin
+        cores = [(x0 + x, y0 + y, z0 + z, c0 + c) for z, y, x, c in
+                 itertools.product(range(host[2]), range(host[1]), range(host[0]), range(host[3]))]
+        if shuffle:
+            random.Random(len(tasks)).shuffle(cores)
+        tasks.append(cores)
+    return tf.tpu.experimental.Topology(mesh_shape=mesh, device_coordinates=np.array(tasks, dtype=np.int32))
+
+
+# ---- Hugging Face tokenizers --------------------------------------------------------------------------
+
+BPE_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Héllo wörld: café, naïve, façade.",
+              "def add(a, b):\n\treturn a + b", "日本語のテキスト。", "Numbers 0123456789 {}[]()<>"] * 4
+
+
+def write_bpe_tokenizer(folder, vocab: int = 300) -> None:
+    """A small byte-level BPE in the GPT-2 style, as tokenizer.json + tokenizer_config.json (the HF
+    import tests' checkpoints carry it). Needs the `tokenizers` library (the hf extra)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(BPE_CORPUS, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                            show_progress=False))
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, f)

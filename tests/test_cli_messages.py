@@ -1,0 +1,163 @@
+"""What the command line says, through the real entry point (`python -m tpu_llm ...` in subprocesses): --help
+of every command, arguments and config files refused in one line before any work (a misspelt flag
+before TensorFlow loads), and nothing on stderr but our own lines.
+
+Every command is started once per module (at most `PARALLEL` at a time); the tests then check each
+result: the exit status, that no traceback was printed, the message, and the run directory's content
+hashes before and after. The environment has no TF_CPP_MIN_LOG_LEVEL, as a user's shell has none.
+Mistakes caught before the first step that need TensorFlow (data, vocabulary, checkpoints, run
+directories) run in one process: test_user_errors.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TINY_FLAGS, assert_refused, snapshot, write_corpus
+
+from tpu_llm import cli
+
+pytestmark = pytest.mark.slow  # the CLI in subprocesses
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TPU_LLM_VERBOSE")}
+TIMEOUT = 300
+PARALLEL = 4  # TensorFlow processes at a time (each holds ~0.5 GB)
+FLAGS = [*TINY_FLAGS, "--checkpoint.every_steps=2", "--data.tokenizer=char"]
+COMMANDS = list(cli.COMMANDS)  # every registered command, so a new one cannot go without --help
+
+
+class Run:
+    """`python [-X importtime] -m tpu_llm *args`; `watch` is the directory hashed before and after."""
+
+    def __init__(self, args: list[str], watch: Path | None = None, python_flags: tuple = ()):
+        self.args, self.watch, self.python_flags = [str(a) for a in args], watch, python_flags
+        self.proc = None
+
+    def start(self) -> "Run":
+        self.before = snapshot(self.watch) if self.watch else None
+        self.proc = subprocess.Popen([sys.executable, *self.python_flags, "-m", "tpu_llm", *self.args], cwd=REPO,
+                                     env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     stdin=subprocess.DEVNULL)
+        return self
+
+    def finish(self) -> "Run":
+        try:
+            self.stdout, self.stderr = self.proc.communicate(timeout=0 if self.proc.poll() is None else TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.stdout, self.stderr = self.proc.communicate()
+        self.code = self.proc.returncode
+        self.after = snapshot(self.watch) if self.watch else None
+        return self
+
+    def __str__(self) -> str:
+        return (f"tpu_llm {' '.join(self.args)} -> exit {self.code}\n--- stdout\n{self.stdout[-3000:]}\n"
+                f"--- stderr\n{self.stderr[-3000:]}")
+
+
+def run_all(runs: list[Run]) -> None:
+    """Run them, `PARALLEL` at a time; one that hangs is killed after TIMEOUT seconds (and fails its test)."""
+    waiting, running = list(runs), []
+    while waiting or running:
+        while waiting and len(running) < PARALLEL:
+            running.append(waiting.pop(0).start())
+            running[-1].started = time.time()
+        for r in list(running):
+            if r.proc.poll() is not None or time.time() - r.started > TIMEOUT:
+                running.remove(r.finish())  # finish() kills a hung one
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """The commands, run in parallel: help, wrong arguments (all refused before TensorFlow loads, so
+    they are fast), `info` and one training run (their stderr: the last tests); ({name: Run}, tmp)."""
+    tmp = tmp_path_factory.mktemp("cli_messages")
+    write_corpus(tmp / "corpus")
+    (tmp / "latin1.yaml").write_bytes("sample:\n  prompt: caf\xe9\n".encode("latin-1"))
+    base = tmp / "run"
+    runs: dict[str, Run] = {f"help {name}": Run([*name.split(), "--help"]) for name in COMMANDS}
+    runs["help -h train"] = Run(["train", "-h"])
+    runs["help"] = Run(["--help"])
+    runs["trian"] = Run(["trian", "--run_dir", base])
+    runs["data prepar"] = Run(["data", "prepar", "--input", tmp / "corpus"])
+    runs["config dir"] = Run(["train", "--config", REPO / "configs", f"--run_dir={tmp / 'never'}"])
+    runs["config latin1"] = Run(["train", "--config", tmp / "latin1.yaml", f"--run_dir={tmp / 'never'}"])
+    runs["base"] = Run(["train", f"--run_dir={base}", f"--data.train={tmp / 'corpus' / '*.txt'}", *FLAGS])
+    runs["info"] = Run(["info"])
+    run_all(list(runs.values()))
+    assert runs["base"].code == 0, runs["base"]
+    runs["generate typo"] = Run(["generate", "--run_dir", base, "--temprature", "0.5", "--max_new_tokens", "5"],
+                                watch=base, python_flags=("-X", "importtime"))
+    run_all([runs["generate typo"]])
+    yield runs, tmp
+
+
+# 1. --help and -h for every command ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_has_help(commands, name):
+    r = commands[0][f"help {name}"]
+    assert r.code == 0 and r.stderr == "", r
+    assert r.stdout.startswith(f"usage: tpu-llm {name} "), r
+    assert "flags:" in r.stdout and "--help" in r.stdout and f"example:\n  tpu-llm {name} " in r.stdout, r
+    if name in ("train", "plan"):  # the config keys, and where their reference is
+        assert "tpu-llm config --reference" in r.stdout and "docs/configuration.md" in r.stdout, r
+        assert "model       n_layer n_head n_embd" in r.stdout and "train       steps batch_size" in r.stdout, r
+
+
+def test_top_level_help_lists_every_command_and_short_h_works(commands):
+    runs = commands[0]
+    r = runs["help"]
+    assert r.code == 0 and r.stderr == "", r
+    for name in COMMANDS:
+        assert f"\n  {name} " in r.stdout, (name, r)
+    assert runs["help -h train"].code == 0 and runs["help -h train"].stdout == runs["help train"].stdout
+
+
+# 2. arguments are checked before any work --------------------------------------------------------------
+
+
+def test_a_misspelt_flag_is_refused_before_tensorflow_loads(commands):
+    r = commands[0]["generate typo"]
+    assert_refused(r, "error: tpu-llm generate: unknown flag --temprature; did you mean --temperature?")
+    assert "--- sample" not in r.stdout, r  # nothing was generated first
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "tpu_llm.cli" in imported and "tensorflow" not in imported, sorted(imported)
+
+
+def test_an_unknown_command_names_the_nearest(commands):
+    runs = commands[0]
+    assert_refused(runs["trian"], "error: 'trian' is not a command; did you mean 'train'? commands: train, generate,")
+    assert_refused(runs["data prepar"], "error: 'data prepar' is not a command; did you mean 'data prepare'?")
+
+
+# 3. config files ------------------------------------------------------------------------------------------
+
+
+def test_a_config_that_is_a_directory_or_not_utf8_is_one_line(commands):
+    runs, tmp = commands
+    assert_refused(runs["config dir"], "is a directory; give a YAML file, e.g. --config ")
+    assert_refused(runs["config latin1"], f"error: {tmp / 'latin1.yaml'}: not UTF-8 text (byte 0xe9 at offset 21)")
+    assert not (tmp / "never").exists()
+
+
+# 4. noise -------------------------------------------------------------------------------------------------
+
+
+def test_info_prints_nothing_but_its_own_lines(commands):
+    r = commands[0]["info"]
+    assert r.code == 0 and r.stdout.startswith("tensorflow "), r
+    assert r.stderr == "", r  # no cuInit line, no absl or oneDNN notice
+
+
+def test_training_stderr_holds_only_our_lines(commands):
+    r = commands[0]["base"]
+    assert all(line.startswith(("step ", "eval ")) for line in r.stderr.splitlines()), r
