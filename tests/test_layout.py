@@ -22,7 +22,6 @@ LAYERS = [
     {"parallel"},
     {"training"},
     {"interop", "tools"},
-    {"api"},
     {"cli", "__main__"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}

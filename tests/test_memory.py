@@ -72,7 +72,7 @@ def test_the_loss_and_the_chunked_loss_equal_tfs_fused_op_with_their_gradients()
     @tf.function
     def compare():
         out = [with_grads(lambda x, w: reference(tf.einsum("btc,vc->btv", x, w), y), x, w),
-               with_grads(lambda x, w: loss_fn(tf.einsum("btc,vc->btv", x, w), y), x, w)]  # model.py's
+               with_grads(lambda x, w: loss_fn(tf.einsum("btc,vc->btv", x, w), y), x, w)]  # the model's
         for chunk in (4, 21, 64):  # 21 tokens: a padded last chunk, exactly one chunk, one padded chunk
             out.append(with_grads(lambda x, w: chunked_loss(x, w, y, chunk), x, w))
         return out

@@ -3,7 +3,7 @@ XLA actually allocates for the tiny config on this CPU, refusals, and the comman
 
 What "the memory the CPU run uses" means here: parameters and AdamW slots are summed exactly from a
 built model and optimizer. Activations are compared with XLA's own buffer assignment for the
-compiled forward/backward step (the program train.py jit-compiles): its preallocated temp buffer
+compiled forward/backward step (the program the trainer jit-compiles): its preallocated temp buffer
 holds everything the step keeps alive beyond its inputs and outputs (the saved activations and the
 backward's transients), and "Total bytes used" adds the parameters read and the gradients written.
 `tf.config.experimental.get_memory_info('CPU:0')` does work on CPU, but its allocator counts a large
@@ -120,7 +120,7 @@ for path in sys.argv[1:]:
     cfg = load_config(path)
     model = GPT(cfg.model, 257).build_weights()
 
-    def micro(x, y):  # train.py's micro-step: loss and dense gradients, XLA-compiled
+    def micro(x, y):  # the trainer's micro-step: loss and dense gradients, XLA-compiled
         with tf.GradientTape() as tape:
             loss = loss_fn(model(x, training=True), y)
         return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]

@@ -4,7 +4,7 @@ imported. A misspelt flag or command is one `error:` line naming the nearest val
 
 Why our own parser and not fire or argparse: fire (in the original design) runs the command before it
 can refuse a misspelt flag, and argparse cannot take every config key as `--section.key=value` with a
-nearest-name hint drawn from the config schema. Both would also load TensorFlow before the checks.
+nearest-name hint drawn from the config schema.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ corpora, the embedded corpus), their format told apart, and the checks made befo
 With no `data.train`, the embedded corpus is used: the running interpreter's own standard-library
 `.py` sources, split into train/validation by a stable hash of each file's path, so `make train` needs
 no download. `builtin:NAME` names a corpus shipped in the package (tpu_llm/data/corpora.py: the benchmark's
-tinyshakespeare). data.py builds the input pipeline over the `Source`s this returns; prepare.py writes
+tinyshakespeare). dataset.py builds the input pipeline over the `Source`s this returns; prepare.py writes
 shards from one.
 """
 

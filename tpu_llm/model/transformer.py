@@ -26,7 +26,7 @@ each block, `head`) so a pipeline can group blocks into stages. There is no devi
 here. Logits are always float32, whatever the compute dtype.
 
 Attention takes an optional KV cache `(k, v)` of shape (B, Hkv, max_len, head_dim) and the position of
-the first new token, which is how `generate.py` decodes one token at a time. Cache writes use a
+the first new token, which is how `sampling.py` decodes one token at a time. Cache writes use a
 one-hot mix rather than dynamic slicing so the shapes stay static and the decode step compiles with
 XLA.
 """

@@ -338,7 +338,7 @@ def memory_speed(steps: int = 60, rounds: int = 5) -> list[dict]:
     """(b) training-step tokens/s with each option on and off, for shakespeare_char and tiny.
 
     One process per config compiles the XLA micro-step (the pipeline's loss and gradients, as
-    train.py runs it) for the four cases, then times them interleaved: `rounds` rounds of `steps`
+    the trainer runs it) for the four cases, then times them interleaved: `rounds` rounds of `steps`
     steps per case, each case's ratio to the baseline taken within a round (median over rounds), so
     that a machine shared with other jobs slows every case alike."""
     import tensorflow as tf

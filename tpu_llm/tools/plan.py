@@ -23,7 +23,7 @@ Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in 
                    C (8a + 12a) + H T (4 + a)         [+ 2 C + 5 H T bytes with dropout masks]
                8 C-wide tensors (block input, norm output, q, k, v, attention output, second block
                input, norm output), 3 MLP tensors 4C wide (GELU input, its tanh, its output) and
-               the softmax of the scores, float32 in model.py (4 bytes) plus its cast for P.V (a).
+               the softmax of the scores, float32 in model/attention.py (4 bytes) plus its cast for P.V (a).
                Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
                Models") count C (34 + 5 H T / C) bytes in 16 bits: the same tensors with dropout,
                except that XLA keeps the GELU's tanh rather than recomputing it (a third 4C tensor,

@@ -1,7 +1,7 @@
 """XLA's own memory figures for a config's training step: what `tpu-llm bench memory` and the planner's
 tests compare `tpu-llm plan` with.
 
-The training micro-step (train.py: the pipeline's loss, its gradients converted to dense tensors,
+The training micro-step (training/trainer.py: the pipeline's loss, its gradients converted to dense tensors,
 XLA-compiled) is compiled for one device, never run, and XLA's buffer assignment is read from its dump:
 "preallocated-temp" is everything alive beyond the program's inputs and outputs (saved activations
 and the backward's transients) and "Total bytes used" adds the parameters read and the gradients
@@ -36,7 +36,7 @@ def measure(cfgs: list[Config], vocab: int, timeout: float = 1800) -> list[dict]
 
 
 def micro_step(cfg: Config, model):
-    """train.py's micro-step for one device, one replica and no grad_accum, XLA-compiled: the pipeline's
+    """The trainer's micro-step for one device, one replica and no grad_accum, XLA-compiled: the pipeline's
     mean loss of (x, y) and its gradients as dense tensors (model.trainable_variables' order)."""
     import tensorflow as tf
 

@@ -1,7 +1,7 @@
 """The training controller: builds a run from its config and drives it (Orbit's Controller role).
 
 It owns everything between host calls: intervals, logging, TensorBoard summaries, evaluation,
-checkpoints, resume, and the samples printed at the end. The compiled loops live in `train.py`.
+checkpoints, resume, and the samples printed at the end. The compiled loops live in `trainer.py`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def setup_tokenizer(cfg: Config, train_src: sources.Source, val_src: sources.Sou
 
 def set_precision(cfg: Config, dist: Distribution) -> str:
     """Set Keras' global dtype policy for `cfg.precision` (auto: bfloat16 compute on TPU); returns it.
-    Variables stay float32 under the mixed policies; logits, softmax and loss are float32 (model.py)."""
+    Variables stay float32 under the mixed policies; logits, softmax and loss are float32 (model/transformer.py)."""
     precision = cfg.precision
     if precision == "auto":
         precision = "mixed_bfloat16" if dist.name == "tpu" else "float32"
