@@ -1,5 +1,6 @@
 """The optimizer and its schedule: AdamW with decoupled weight decay on Dense kernels, a linear warmup
-then cosine decay, and the layers train.freeze keeps as they are."""
+then cosine decay, the layers train.freeze keeps as they are, and the guarded update that skips a
+non-finite step (the divergence guard) while still counting it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import tensorflow as tf
 
 from tpu_llm.config import TrainConfig, freeze_spec
 from tpu_llm.errors import UserError
+from tpu_llm import tf_compat
 from tpu_llm.model import GPT, decay_mask
+from tpu_llm.training import fault
 
 
 class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
@@ -40,7 +43,7 @@ class ReducedGradientsAdamW(keras.optimizers.AdamW):
     trainer reduces them first (so that clipping sees the global gradient), so that second sum is
     switched off here.
 
-    The divergence guard's skip (train.py `_replica_step`) needs no control flow around the update:
+    The divergence guard's skip (`GuardedUpdate`) needs no control flow around the update:
     a `tf.cond` whose branch holds the optimizer's cross-replica update (a merge_call) would nest
     merge_calls inside TPUStrategy's replicate context. Instead every step calls `apply`; when the
     trainer makes every gradient non-finite (the step is skipped), each variable's update keeps the
@@ -98,3 +101,55 @@ def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
                                                   if id(v) not in decayed])
     optimizer.build(model.trainable_variables)
     return optimizer
+
+
+class GuardedUpdate:
+    """The optimizer's update of the step's (reduced, clipped) gradients, unless the step is bad: then
+    weights and moments stay as they were and the step is still counted, so that the step number keeps
+    matching the data consumed. Also what the gradients' loss scale is, and what counts as a bad step.
+
+    - AdamW (`ReducedGradientsAdamW.skips_non_finite`): no control flow around the update (a `tf.cond`
+      whose branch holds the optimizer's cross-replica update would nest merge_calls inside TPUStrategy's
+      replicate context): a bad step's gradients become NaN and the optimizer keeps every value by a select.
+    - mixed_float16 (Keras' LossScaleOptimizer): the gradients carry the loss scale; an overflow (a
+      non-finite gradient norm) is skipped as Keras would (the scale halves), and counted here; only a
+      non-finite loss counts as a bad step.
+    - any other optimizer: the update inside `fault.apply_if`.
+    """
+
+    def __init__(self, optimizer, variables):
+        self.optimizer, self.variables = optimizer, variables
+        self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    @property
+    def loss_scale(self):
+        """What the gradients are scaled by (mixed_float16's dynamic loss scale, else 1)."""
+        return self.optimizer.dynamic_scale if self.loss_scaled else 1.0
+
+    def scale_loss(self, loss):
+        return self.optimizer.scale_loss(loss) if self.loss_scaled else loss
+
+    def finite(self, loss, grad_norm):
+        """Whether the step is good: a finite loss and gradient norm (under loss scaling, only the loss:
+        an overflow only lowers the scale)."""
+        if self.loss_scaled:
+            return tf.math.is_finite(loss)
+        return tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
+
+    def apply(self, grads, finite, grad_norm) -> None:
+        if self.loss_scaled:
+            fault.apply_if(tf.math.is_finite(grad_norm), self._update, self._overflowed, grads)
+        elif getattr(self.optimizer, "skips_non_finite", False):
+            nan = tf.constant(float("nan"), grads[0].dtype)
+            self._update([tf.where(finite, g, nan) for g in grads])
+        else:
+            fault.apply_if(finite, self._update, lambda: self.optimizer.iterations.assign_add(1), grads)
+
+    def _update(self, grads):
+        return self.optimizer.apply(grads, self.variables)
+
+    def _overflowed(self):
+        """A mixed_float16 step whose gradients overflowed: what LossScaleOptimizer does (halve the
+        scale, restart its growth count), plus counting the step, which Keras does not do."""
+        tf_compat.loss_scale_overflowed(self.optimizer)
+        self.optimizer.iterations.assign_add(1)
