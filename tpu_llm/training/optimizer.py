@@ -4,8 +4,6 @@ non-finite step (the divergence guard) while still counting it."""
 
 from __future__ import annotations
 
-import math
-
 import keras
 import tensorflow as tf
 
@@ -16,24 +14,18 @@ from tpu_llm.model import GPT, decay_mask
 from tpu_llm.training import fault
 
 
-class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warmup to `peak`, then cosine decay to `floor` at `decay_steps`, flat after."""
-
-    def __init__(self, peak: float, floor: float, warmup_steps: int, decay_steps: int):
-        self.peak, self.floor = peak, floor
-        self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, warmup_steps + 1)
-
-    def __call__(self, step):
-        step = tf.cast(step, tf.float32)
-        warm = self.peak * (step + 1.0) / float(max(self.warmup_steps, 1))
-        progress = tf.clip_by_value((step - self.warmup_steps) / (self.decay_steps - self.warmup_steps),
-                                    0.0, 1.0)
-        cosine = self.floor + 0.5 * (1.0 + tf.cos(math.pi * progress)) * (self.peak - self.floor)
-        return tf.where(step < self.warmup_steps, warm, cosine)
-
-    def get_config(self):
-        return {"peak": self.peak, "floor": self.floor, "warmup_steps": self.warmup_steps,
-                "decay_steps": self.decay_steps}
+def schedule(cfg: TrainConfig) -> keras.optimizers.schedules.CosineDecay:
+    """The learning rate at each optimizer step: Keras' CosineDecay with its linear warmup. Warmup rises
+    from lr / warmup_steps at step 0 to lr at step warmup_steps (Keras' warmup starts at its
+    initial_learning_rate; starting above 0 keeps the first step from being wasted); the cosine decay
+    then falls to min_lr at decay_steps, counted from step 0 like train.steps (0: train.steps), and the
+    rate stays at min_lr after."""
+    end = cfg.decay_steps or cfg.steps
+    alpha = cfg.min_lr / cfg.lr  # the floor as a fraction of the peak (config: lr > 0)
+    if cfg.warmup_steps == 0:
+        return keras.optimizers.schedules.CosineDecay(cfg.lr, decay_steps=max(end, 1), alpha=alpha)
+    return keras.optimizers.schedules.CosineDecay(cfg.lr / cfg.warmup_steps, decay_steps=max(end - cfg.warmup_steps, 1),
+                                                  alpha=alpha, warmup_target=cfg.lr, warmup_steps=cfg.warmup_steps)
 
 
 class ReducedGradientsAdamW(keras.optimizers.AdamW):
@@ -93,8 +85,7 @@ def freeze(cfg: TrainConfig, model: GPT) -> list:
 
 def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
     """AdamW with decoupled weight decay on Dense kernels only; create inside the strategy scope."""
-    schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps or cfg.steps)
-    optimizer = ReducedGradientsAdamW(learning_rate=schedule, weight_decay=cfg.weight_decay,
+    optimizer = ReducedGradientsAdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay,
                                        beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon)
     decayed = {id(v) for v in decay_mask(model)}
     optimizer.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
