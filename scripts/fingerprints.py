@@ -42,8 +42,11 @@ RUNS = {
                                              "--train.grad_accum=2", "--model.dropout=0.1"],
     "2 mirrored replicas, dropout, topk": [*TINY, "--train.steps=8", "--cpu_devices=2", "--model.dropout=0.1",
                                            "--comm.compression=topk", "--comm.topk_ratio=0.1"],
-    "parameter server, 1 worker": ["launch", "--workers", "1", "--ps", "1", "--", *TINY, "--train.steps=6",
-                                   "--train.steps_per_loop=3", "--execution=graph"],
+    # asynchronous workers draw a new data order every run (tpu_llm/training/controller.py): it must run,
+    # and its figures are printed, but they differ from run to run
+    "parameter server, 1 worker (not deterministic)": ["launch", "--workers", "1", "--ps", "1", "--", *TINY,
+                                                       "--train.steps=6", "--train.steps_per_loop=3",
+                                                       "--execution=graph"],
 }
 
 

@@ -210,23 +210,26 @@ def test_staleness_counts_the_updates_other_workers_applied_between_read_and_wri
     from tpu_llm.model import GPT
     from tpu_llm.parallel.distribute import Distribution
     from tpu_llm.training.optimizer import make_optimizer
-    from tpu_llm.training.trainer import Trainer
+    from tpu_llm.training.trainer import Staleness, Trainer
 
     model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, max_len=8), 32).build_weights()
     dist = Distribution(tf.distribute.get_strategy(), "parameter_server", "test", "CPU", jit_compile=False,
-                        coordinator=object())  # asynchronous: the Trainer keeps an update counter
+                        coordinator=object())  # asynchronous: the Trainer measures staleness
     trainer = Trainer(dist, model, make_optimizer(TrainConfig(), model), TrainConfig())
+    assert isinstance(trainer.loss_and_grads, Staleness)
+    updates = trainer.loss_and_grads.updates
+    others = tf.Variable(0, dtype=tf.int64)
 
-    def loss_and_grads(others):
-        def run(x, y):
-            trainer.updates.assign_add(others)  # other workers apply their steps meanwhile
-            return tf.constant(1.0), []
-        return run
+    def loss_and_grads(x, y):
+        updates.assign_add(others)  # other workers apply their steps meanwhile
+        return tf.constant(1.0), []
 
-    for others in (0, 2):
-        before = int(trainer.updates.numpy())
-        _, _, staleness = trainer._staleness_measured(loss_and_grads(others), None, None)
-        assert float(staleness) == others and int(trainer.updates.numpy()) == before + others + 1
+    trainer.loss_and_grads.loss_and_grads = loss_and_grads
+    for n in (0, 2):
+        others.assign(n)
+        before = int(updates.numpy())
+        _, _, staleness = trainer.loss_and_grads(None, None)
+        assert float(staleness) == n and int(updates.numpy()) == before + n + 1
 
 
 FAKE_TASK = """

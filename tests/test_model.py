@@ -9,7 +9,7 @@ import tensorflow as tf
 from tpu_llm.config import ModelConfig, TrainConfig
 from tpu_llm.model import GPT, decay_mask, loss_fn
 from tpu_llm.parallel.distribute import Distribution
-from tpu_llm.training.optimizer import WarmupCosine, make_optimizer
+from tpu_llm.training.optimizer import make_optimizer
 from tpu_llm.training.trainer import Trainer
 
 VOCAB = 61
@@ -103,15 +103,6 @@ def test_weight_decay_applies_to_dense_kernels_only():
     decayed = {v.path for v in model.trainable_variables if (v.numpy() != before[v.path]).any()}
     assert decayed == {v.path for v in decay_mask(model)}
     assert decayed and all(p.endswith("kernel") for p in decayed)  # not norms, biases, embeddings
-
-
-def test_warmup_then_cosine_schedule():
-    lr = WarmupCosine(peak=1.0, floor=0.1, warmup_steps=10, decay_steps=110)
-    assert float(lr(0)) == pytest.approx(0.1)
-    assert float(lr(9)) == pytest.approx(1.0)
-    assert float(lr(10)) == pytest.approx(1.0)
-    assert float(lr(60)) == pytest.approx(0.55)
-    assert float(lr(110)) == pytest.approx(0.1) and float(lr(500)) == pytest.approx(0.1)
 
 
 def _trainer(model, jit=True, **train):

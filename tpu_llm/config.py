@@ -82,8 +82,8 @@ class TrainConfig:
     steps_per_loop: int = 25  # steps run inside one host call (logging happens between loops)
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 1e-4  # floor of the cosine decay
-    warmup_steps: int = 50  # linear warmup from 0 to lr
-    decay_steps: int = 0  # cosine decay length; 0 = `steps`
+    warmup_steps: int = 50  # linear warmup from lr / warmup_steps at step 0 to lr at this step; 0 = none
+    decay_steps: int = 0  # the step where the cosine decay reaches min_lr, counted from step 0; 0 = `steps`
     weight_decay: float = 0.1  # AdamW decoupled decay (not applied to norms, biases, embeddings)
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.99  # AdamW second-moment decay

@@ -328,6 +328,30 @@ class LocalSGD:
 # ---- what the trainer and the controller use ------------------------------------------------------
 
 
+class AllReduce:
+    """The plain exchange, when no comm setting is on: the gradients summed over the replicas in float32
+    (pre-scaled by the trainer so that the sum is the mean) and the loss averaged; with one replica,
+    nothing to exchange. Same interface as `Comm`."""
+
+    def __init__(self, num_replicas: int):
+        self.num_replicas = num_replicas
+
+    def exchange(self, ctx, loss, grads):
+        if self.num_replicas == 1:  # the reduction would be the identity: skip its copies
+            return loss, grads, []
+        grads = ctx.all_reduce(SUM, grads)
+        return ctx.all_reduce(MEAN, loss), grads, []
+
+    def commit(self, pending, applied) -> None:
+        pass  # no state
+
+    def agree(self, ctx, finite):
+        return finite  # computed from all-reduced values: every replica decides alike
+
+    def wrap(self, step, iterations):
+        return step  # no outer step
+
+
 class PerReplicaState(tf.Module):
     """Checkpoint node holding state once per replica (`replica_<global id>`: the local components of
     each per-replica variable) and once for state equal on all replicas (`shared`)."""
@@ -361,21 +385,40 @@ class Comm:
     def metrics(self) -> dict:
         return {"comm": self.name, "comm_bytes_per_step": self.bytes_per_step, "comm_ratio": self.ratio}
 
-    def exchange(self, ctx, grads):
-        """In the replica step, for the trainer's all-reduce: (the gradients to apply on this replica,
-        the state updates to `commit` once the step is known to be applied)."""
+    def exchange(self, ctx, loss, grads):
+        """In the replica step: (the mean loss, the gradients to apply on this replica, the state updates
+        to `commit` once the step is known to be applied)."""
         if self.local:  # no exchange: the trainer pre-scaled for a sum over replicas; undo that
-            return [g * float(ctx.num_replicas_in_sync) for g in grads], []
-        return self.reducer.exchange(ctx, grads)
+            grads, pending = [g * float(ctx.num_replicas_in_sync) for g in grads], []
+        else:
+            grads, pending = self.reducer.exchange(ctx, grads)
+        return ctx.all_reduce(MEAN, loss), grads, pending
 
     def commit(self, pending, applied) -> None:
         """In the replica step: write `exchange`'s state updates if `applied` (all-reduced), else keep it."""
-        commit(pending, [], applied)
+        if pending:
+            commit(pending, [], applied)
 
     def agree(self, ctx, finite):
         """Local SGD checks its own gradients: every replica must still skip or apply alike."""
+        if not self.local:  # the gradients were all-reduced: every replica already decided alike
+            return finite
         bad = ctx.all_reduce(SUM, 1.0 - tf.cast(finite, tf.float32))
         return tf.equal(bad, 0.0)
+
+    def wrap(self, step, iterations):
+        """The training step, followed every sync_every steps by local SGD's outer step (as MaxText's
+        DiLoCo trainer wraps its inner step); compression runs the step as it is. `iterations`: the
+        optimizer's step counter, read after the step."""
+        if not self.local:
+            return step
+
+        def with_outer_step(element):
+            out = step(element)
+            if self.local.due(iterations):  # every sync_every steps: average
+                self.strategy.run(self.local.outer_step)
+            return out
+        return with_outer_step
 
     def trackables(self) -> dict:
         return {"comm": self.state}

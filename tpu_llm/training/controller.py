@@ -142,9 +142,6 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
             optimizer.build(model.trainable_variables)
     with dist.strategy.scope():
         communication = comm.build(cfg.comm, dist, model, optimizer)
-    pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat,
-                             cfg.train.loss_chunk)
-    trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication)
 
     def dataset(source, training, **resume):
         # asynchronous workers must not share one seed (see data.make_dataset_fn)
@@ -179,14 +176,18 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     data_resume = {"position": "data position restored", "replay": f"data stream replayed to step {step}",
                    "files": "the training files changed since the checkpoint: the data stream starts over on "
                             f"the {len(train_src.files)} files of data.train"}.get(fn.resumed, "")
+    position = None
     if dist.asynchronous:
         data_resume = "asynchronous workers draw a new data order"
     else:  # each replica writes its pipeline's row; reading (and saving) sums them
         with dist.strategy.scope():
-            trainer.data_position = tf.Variable(
+            position = tf.Variable(
                 tf.zeros([fn.rows, len(data.POSITION_FIELDS)], tf.int64), trainable=False, name="data_position",
                 synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
-        checkpointer.add(data_position=trainer.data_position)
+        checkpointer.add(data_position=position)
+    pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat,
+                             cfg.train.loss_chunk)
+    trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication, position)
     return Run(cfg, dist, tokenizer, model, optimizer, trainer, iter(train_dataset),
                dataset(val_src, training=False)[0], checkpointer, (train_src, val_src), resumed_from,
                data_resume, communication, initialised_from)
@@ -312,6 +313,43 @@ def out_of_memory(error: tf.errors.ResourceExhaustedError, run: Run, step: int, 
                      f"--accelerator ...`; {kept}")
 
 
+def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
+    """The start-up header of a run: where it writes, how it is distributed, its data, model and batch,
+    and where it starts (resumed, initialised from another run, or new)."""
+    cfg, t, d, dist = run.cfg, run.cfg.train, run.cfg.data, run.dist
+    p = cfg.parallel
+    xla = dist.xla if cfg.execution == "xla" else f"off (execution={cfg.execution})"
+    lines = [f"run_dir   {cfg.run_dir}",
+             f"strategy  {dist.name} ({dist.reason}); {dist.num_replicas} replica(s)"
+             + (f" per step, {dist.num_workers} workers" if dist.asynchronous else "") + f"; XLA: {xla}",
+             f"data      train: {run.sources[0].description}; validation: {run.sources[1].description}",
+             f"tokenizer {run.tokenizer.kind}, {run.tokenizer.vocab_size} ids",
+             f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}"]
+    if p.pipeline_stages > 1:
+        lines.append(f"pipeline  GPipe, {p.pipeline_stages} stages x {p.microbatches} micro-batches (bubble "
+                     f"{pipeline.gpipe_bubble(p.pipeline_stages, p.microbatches):.0%}){', remat' if p.remat else ''}; "
+                     f"{dist.placement.describe()}")
+        lines += [f"          {line}" for line in pipeline.describe(run.trainer.pipeline.stages)]
+    elif p.tensor > 1:
+        lines.append(f"tensor    heads and MLP units split {p.tensor} ways; {dist.placement.describe()}")
+    if run.comm:
+        lines.append(f"comm      {run.comm.describe()}")
+    elif comm.active(cfg.comm):
+        lines.append("comm      off: one replica, nothing to exchange")
+    m = cfg.model
+    lines += [f"model     {run.model.num_params():,} parameters ({m.family}: {m.n_layer} layers, {m.n_head} heads, width "
+              f"{m.n_embd}); {perf.format_count(run.model.flops_per_token(d.seq_len))}FLOP/token",
+              f"batch     {t.batch_size} x {d.seq_len} tokens = {t.batch_size * d.seq_len:,} per step; "
+              f"{t.steps_per_loop} steps per host call; MFU peak: {perf.format_count(peak)}FLOP/s ({peak_how})"]
+    # e.g. an unreadable newest checkpoint skipped for the previous one
+    lines += [f"warning   {note}" for note in run.checkpointer.notes]
+    if run.resumed_from:
+        lines.append(f"resumed   from {run.resumed_from} at step {step} ({run.data_resume})")
+    elif run.initialised_from:
+        lines.append(f"weights   from {run.initialised_from} (train.init_from); a fresh optimizer at step 0")
+    return lines
+
+
 def _next_boundary(step: int, every: int, total: int) -> int:
     return min(total, (step // every + 1) * every) if every > 0 else total
 
@@ -332,35 +370,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
     flops_per_token = run.model.flops_per_token(d.seq_len)
     peak, peak_how = run.dist.peak_flops()
 
-    say(f"run_dir   {cfg.run_dir}")
-    say(f"strategy  {run.dist.name} ({run.dist.reason}); {run.dist.num_replicas} replica(s)"
-        + (f" per step, {run.dist.num_workers} workers" if run.dist.asynchronous else "")
-        + f"; XLA: {run.dist.xla if cfg.execution == 'xla' else f'off (execution={cfg.execution})'}")
-    say(f"data      train: {run.sources[0].description}; validation: {run.sources[1].description}")
-    say(f"tokenizer {run.tokenizer.kind}, {run.tokenizer.vocab_size} ids")
-    say(f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}")
-    if cfg.parallel.pipeline_stages > 1:
-        say(f"pipeline  GPipe, {cfg.parallel.pipeline_stages} stages x {cfg.parallel.microbatches} micro-batches "
-            f"(bubble {pipeline.gpipe_bubble(cfg.parallel.pipeline_stages, cfg.parallel.microbatches):.0%})"
-            f"{', remat' if cfg.parallel.remat else ''}; {run.dist.placement.describe()}")
-        for line in pipeline.describe(run.trainer.pipeline.stages):
-            say(f"          {line}")
-    elif cfg.parallel.tensor > 1:
-        say(f"tensor    heads and MLP units split {cfg.parallel.tensor} ways; {run.dist.placement.describe()}")
-    if run.comm:
-        say(f"comm      {run.comm.describe()}")
-    elif comm.active(cfg.comm):
-        say("comm      off: one replica, nothing to exchange")
-    say(f"model     {run.model.num_params():,} parameters ({cfg.model.family}: {cfg.model.n_layer} layers, {cfg.model.n_head} "
-        f"heads, width {cfg.model.n_embd}); {perf.format_count(flops_per_token)}FLOP/token")
-    say(f"batch     {t.batch_size} x {d.seq_len} tokens = {tokens_per_step:,} per step; "
-        f"{t.steps_per_loop} steps per host call; MFU peak: {perf.format_count(peak)}FLOP/s ({peak_how})")
-    for note in run.checkpointer.notes:  # e.g. an unreadable newest checkpoint skipped for the previous one
-        say(f"warning   {note}")
-    if run.resumed_from:
-        say(f"resumed   from {run.resumed_from} at step {step} ({run.data_resume})")
-    elif run.initialised_from:
-        say(f"weights   from {run.initialised_from} (train.init_from); a fresh optimizer at step 0")
+    for line in describe_run(run, step, peak, peak_how):
+        say(line)
     if step >= t.steps:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
 

@@ -274,8 +274,9 @@ class Guard:
             self.preemption = None  # a platform where TF turns it off: own handler, agreed by all-reduce
         # the flag is read by the compiled loop between steps; parameter-server steps run on the
         # workers, which cannot read a variable of the chief, so the chief stops between rounds
-        flag = None if dist.asynchronous or self.multi_worker else tf.Variable(0, trainable=False, name="stop")
-        self.run.trainer.stop_flag = flag
+        flag = self.run.trainer.stop_flag  # None for asynchronous and multi-worker runs
+        if flag is not None:
+            flag.assign(0)
         self.signals = StopSignals(flag).__enter__()
         return self
 
@@ -284,7 +285,6 @@ class Guard:
             self.signals.__exit__()
         if self._old_sigint is not None:
             signal.signal(signal.SIGINT, self._old_sigint)
-        self.run.trainer.stop_flag = None
 
     def call(self, fn):
         """fn() (a host call of training steps, a collective save or vote); a task of the cluster lost

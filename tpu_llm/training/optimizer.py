@@ -1,36 +1,31 @@
 """The optimizer and its schedule: AdamW with decoupled weight decay on Dense kernels, a linear warmup
-then cosine decay, and the layers train.freeze keeps as they are."""
+then cosine decay, the layers train.freeze keeps as they are, and the guarded update that skips a
+non-finite step (the divergence guard) while still counting it."""
 
 from __future__ import annotations
-
-import math
 
 import keras
 import tensorflow as tf
 
 from tpu_llm.config import TrainConfig, freeze_spec
 from tpu_llm.errors import UserError
+from tpu_llm import tf_compat
 from tpu_llm.model import GPT, decay_mask
+from tpu_llm.training import fault
 
 
-class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warmup to `peak`, then cosine decay to `floor` at `decay_steps`, flat after."""
-
-    def __init__(self, peak: float, floor: float, warmup_steps: int, decay_steps: int):
-        self.peak, self.floor = peak, floor
-        self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, warmup_steps + 1)
-
-    def __call__(self, step):
-        step = tf.cast(step, tf.float32)
-        warm = self.peak * (step + 1.0) / float(max(self.warmup_steps, 1))
-        progress = tf.clip_by_value((step - self.warmup_steps) / (self.decay_steps - self.warmup_steps),
-                                    0.0, 1.0)
-        cosine = self.floor + 0.5 * (1.0 + tf.cos(math.pi * progress)) * (self.peak - self.floor)
-        return tf.where(step < self.warmup_steps, warm, cosine)
-
-    def get_config(self):
-        return {"peak": self.peak, "floor": self.floor, "warmup_steps": self.warmup_steps,
-                "decay_steps": self.decay_steps}
+def schedule(cfg: TrainConfig) -> keras.optimizers.schedules.CosineDecay:
+    """The learning rate at each optimizer step: Keras' CosineDecay with its linear warmup. Warmup rises
+    from lr / warmup_steps at step 0 to lr at step warmup_steps (Keras' warmup starts at its
+    initial_learning_rate; starting above 0 keeps the first step from being wasted); the cosine decay
+    then falls to min_lr at decay_steps, counted from step 0 like train.steps (0: train.steps), and the
+    rate stays at min_lr after."""
+    end = cfg.decay_steps or cfg.steps
+    alpha = cfg.min_lr / cfg.lr  # the floor as a fraction of the peak (config: lr > 0)
+    if cfg.warmup_steps == 0:
+        return keras.optimizers.schedules.CosineDecay(cfg.lr, decay_steps=max(end, 1), alpha=alpha)
+    return keras.optimizers.schedules.CosineDecay(cfg.lr / cfg.warmup_steps, decay_steps=max(end - cfg.warmup_steps, 1),
+                                                  alpha=alpha, warmup_target=cfg.lr, warmup_steps=cfg.warmup_steps)
 
 
 class ReducedGradientsAdamW(keras.optimizers.AdamW):
@@ -40,7 +35,7 @@ class ReducedGradientsAdamW(keras.optimizers.AdamW):
     trainer reduces them first (so that clipping sees the global gradient), so that second sum is
     switched off here.
 
-    The divergence guard's skip (trainer.py `Trainer._replica_step`) needs no control flow around the update:
+    The divergence guard's skip (`GuardedUpdate`) needs no control flow around the update:
     a `tf.cond` whose branch holds the optimizer's cross-replica update (a merge_call) would nest
     merge_calls inside TPUStrategy's replicate context. Instead every step calls `apply`; when the
     trainer makes every gradient non-finite (the step is skipped), each variable's update keeps the
@@ -93,11 +88,62 @@ def freeze(cfg: TrainConfig, model: GPT) -> list:
 
 def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
     """AdamW with decoupled weight decay on Dense kernels only; create inside the strategy scope."""
-    schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps or cfg.steps)
-    optimizer = ReducedGradientsAdamW(learning_rate=schedule, weight_decay=cfg.weight_decay,
+    optimizer = ReducedGradientsAdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay,
                                        beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon)
     decayed = {id(v) for v in decay_mask(model)}
     optimizer.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
                                                   if id(v) not in decayed])
     optimizer.build(model.trainable_variables)
     return optimizer
+
+
+class GuardedUpdate:
+    """The optimizer's update of the step's (reduced, clipped) gradients, unless the step is bad: then
+    weights and moments stay as they were and the step is still counted, so that the step number keeps
+    matching the data consumed. Also what the gradients' loss scale is, and what counts as a bad step.
+
+    - AdamW (`ReducedGradientsAdamW.skips_non_finite`): no control flow around the update (a `tf.cond`
+      whose branch holds the optimizer's cross-replica update would nest merge_calls inside TPUStrategy's
+      replicate context): a bad step's gradients become NaN and the optimizer keeps every value by a select.
+    - mixed_float16 (Keras' LossScaleOptimizer): the gradients carry the loss scale; an overflow (a
+      non-finite gradient norm) is skipped as Keras would (the scale halves), and counted here; only a
+      non-finite loss counts as a bad step.
+    - any other optimizer: the update inside `fault.apply_if`.
+    """
+
+    def __init__(self, optimizer, variables):
+        self.optimizer, self.variables = optimizer, variables
+        self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    @property
+    def loss_scale(self):
+        """What the gradients are scaled by (mixed_float16's dynamic loss scale, else 1)."""
+        return self.optimizer.dynamic_scale if self.loss_scaled else 1.0
+
+    def scale_loss(self, loss):
+        return self.optimizer.scale_loss(loss) if self.loss_scaled else loss
+
+    def finite(self, loss, grad_norm):
+        """Whether the step is good: a finite loss and gradient norm (under loss scaling, only the loss:
+        an overflow only lowers the scale)."""
+        if self.loss_scaled:
+            return tf.math.is_finite(loss)
+        return tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
+
+    def apply(self, grads, finite, grad_norm) -> None:
+        if self.loss_scaled:
+            fault.apply_if(tf.math.is_finite(grad_norm), self._update, self._overflowed, grads)
+        elif getattr(self.optimizer, "skips_non_finite", False):
+            nan = tf.constant(float("nan"), grads[0].dtype)
+            self._update([tf.where(finite, g, nan) for g in grads])
+        else:
+            fault.apply_if(finite, self._update, lambda: self.optimizer.iterations.assign_add(1), grads)
+
+    def _update(self, grads):
+        return self.optimizer.apply(grads, self.variables)
+
+    def _overflowed(self):
+        """A mixed_float16 step whose gradients overflowed: what LossScaleOptimizer does (halve the
+        scale, restart its growth count), plus counting the step, which Keras does not do."""
+        tf_compat.loss_scale_overflowed(self.optimizer)
+        self.optimizer.iterations.assign_add(1)

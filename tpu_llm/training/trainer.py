@@ -1,11 +1,13 @@
 """The compiled training and evaluation loops (Orbit-style: many steps per host call).
 
 `Trainer.train_loop(iterator, n)` is one `tf.function` that runs n optimizer steps with a `tf.range`
-loop. Each step is `strategy.run(replica_step)`; inside, the forward/backward pass over the
-micro-batches is a separate `tf.function(jit_compile=True)` (the program a TPU compiles; on CPU the
-same code compiles with XLA), then the gradients are all-reduced, clipped by their global norm and
-applied by Keras' AdamW. Gradients are reduced here rather than inside the optimizer so that
-clipping sees the global gradient and later features (compression) have one place to hook in.
+loop. Each step is `strategy.run(replica_step)`, which reads as one line: loss and gradients (the stage
+pipeline's forward and backward over the micro-batches, a `tf.function(jit_compile=True)`: the program
+a TPU compiles; on CPU the same code compiles with XLA) -> the gradient exchange (parallel/comm.py) ->
+global norm -> clip -> finite check -> compression state committed -> guarded update
+(optimizer.GuardedUpdate) -> the input stream's position. Gradients are reduced here rather than inside
+the optimizer so that clipping sees the global gradient. Asynchronous training (staleness) and local
+SGD (its outer step) wrap the step rather than branch inside it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import tensorflow as tf
 from tpu_llm import tf_compat
 from tpu_llm.config import TrainConfig
 from tpu_llm.model import GPT
-from tpu_llm.parallel.comm import replica_variable
+from tpu_llm.parallel.comm import AllReduce, replica_variable
 from tpu_llm.parallel.distribute import Distribution
 from tpu_llm.parallel.pipeline import Pipeline, partition
-from tpu_llm.training import fault
+from tpu_llm.training.optimizer import GuardedUpdate
 
 
 class ReplicaSeedGenerator(keras.random.SeedGenerator):
@@ -52,59 +54,76 @@ def per_replica_dropout(model) -> int:
 
 
 class Trainer:
-    # Set by controller.build_run (fault tolerance): the SUM-on-read variable recording the input
-    # stream's position (data.make_dataset_fn), and a flag that ends a host call at the next step.
-    data_position = None
-    stop_flag = None
+    """The compiled loops of one run: `train_loop` (N optimizer steps in one host call) and `eval_loop`.
 
-    def __init__(self, dist: Distribution, model: GPT, optimizer, cfg: TrainConfig, pipeline=None,
-                 execution: str = "xla", comm=None):
+    Built once per run, with everything it needs: the distribution, model, optimizer, the stage pipeline
+    (the whole model as one stage by default), the gradient exchange (`comm`: compression or local SGD;
+    None: the plain all-reduce) and the variable recording the input stream's position. It owns the
+    flag a signal sets to end a host call at the next step boundary (`stop_flag`; None where the
+    compiled loop cannot read it: parameter-server steps run on the workers, and multi-worker runs
+    agree on stopping by an all-reduce instead).
+    """
+
+    def __init__(self, dist: Distribution, model: GPT, optimizer, cfg: TrainConfig, pipeline: Pipeline | None = None,
+                 execution: str = "xla", comm=None, data_position: tf.Variable | None = None):
         self.dist, self.strategy = dist, dist.strategy
         self.model, self.optimizer = model, optimizer
         self.grad_accum, self.clip_norm = cfg.grad_accum, cfg.clip_norm
         self.num_replicas = dist.num_replicas
-        # comm.Comm (gradient compression or local SGD) or None: the plain all-reduce below
-        self.comm = comm
+        # stages or tensor groups on their own devices, or the whole model as one stage on the replica's
+        self.pipeline = pipeline or Pipeline(model, partition(model.cfg, model.vocab_size, 1, 1), dist.placement,
+                                             loss_chunk=cfg.loss_chunk)
+        self.comm = comm  # comm.Comm, or None for the plain all-reduce
+        self.exchange = comm or AllReduce(self.num_replicas)
         self.local_sgd = comm.local if comm is not None else None
-        # mixed_float16: the loss is scaled up before the backward pass (LossScaleOptimizer)
-        self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        jit = dist.jit_compile and execution == "xla"
-        if pipeline is None:  # the whole model as one stage, on the replica's device
-            stages = partition(model.cfg, model.vocab_size, 1, 1)
-            pipeline = Pipeline(model, stages, dist.placement, loss_chunk=cfg.loss_chunk)
-        self.pipeline = pipeline
+        self.update = GuardedUpdate(optimizer, model.trainable_variables)
+        self.data_position = data_position  # SUM on read: each replica writes its input pipeline's row
+        self.stop_flag = None if dist.asynchronous or dist.name == "multi_worker" else \
+            tf.Variable(0, trainable=False, name="stop")
         if self.num_replicas > 1:  # identical dropout masks on every replica otherwise
             per_replica_dropout(model)
+        jit = dist.jit_compile and execution == "xla"
         self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=jit)
-        if dist.asynchronous:
-            with self.strategy.scope():  # on a ps task; atomic increments, unlike the optimizer's step
-                self.updates = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        # asynchronous workers also measure how stale their gradients were when applied
+        self.loss_and_grads = Staleness(self.strategy, self._loss_and_grads) if dist.asynchronous else \
+            _not_stale(self._loss_and_grads)
+        # one optimizer step on every replica; local SGD adds its outer step every sync_every steps
+        self.step = self.exchange.wrap(lambda element: self.strategy.run(self._replica_step, args=element),
+                                       optimizer.iterations)
         self._eval_loss = tf.function(self._eval_loss_fn, jit_compile=jit)
         self.train_loop = tf.function(self._train_loop)
         self.eval_loop = tf.function(self._eval_loop)
 
     # ---- per replica -----------------------------------------------------------------------------
 
+    def _replica_step(self, inputs, targets, position=None):
+        """One optimizer step on this replica; returns (loss, gradient norm, staleness, 1.0 if applied)."""
+        ctx = tf.distribute.get_replica_context()
+        loss, grads, staleness = self.loss_and_grads(inputs, targets)  # this replica's, scaled for a SUM
+        loss, grads, pending = self.exchange.exchange(ctx, loss, grads)  # summed over the replicas (or not)
+        grad_norm = tf.linalg.global_norm(grads)
+        if self.clip_norm > 0:  # an overflow (inf norm) gives NaN grads: the guarded update skips them
+            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm * self.update.loss_scale, use_norm=grad_norm)
+        grad_norm = grad_norm / self.update.loss_scale
+        # divergence guard: a non-finite loss or gradient is not applied; every replica decides alike
+        finite = self.exchange.agree(ctx, self.update.finite(loss, grad_norm))
+        self.exchange.commit(pending, tf.logical_and(finite, tf.math.is_finite(grad_norm)))  # compression state
+        self.update.apply(grads, finite, grad_norm)
+        if position is not None and self.data_position is not None:  # where the input stream now is
+            self.data_position.assign(position)
+        return loss, grad_norm, staleness, tf.cast(finite, tf.float32)
+
     def _loss_and_grads_fn(self, inputs, targets):
-        """Mean loss over this replica's micro-batches, and gradients pre-scaled for a SUM reduce."""
+        """Mean loss over this replica's micro-batches, and gradients pre-scaled for a SUM reduce (and by
+        the loss scale under mixed_float16). The stage pipeline runs each stage's forward and backward
+        where the stage lives (one stage: the replica's device)."""
         variables = self.model.trainable_variables
         k = self.grad_accum
         scale = 1.0 / (k * self.num_replicas)
 
-        def micro(x, y):
-            if self.pipeline.staged:  # stages or groups on their own devices: each its own backward there
-                return self.pipeline.loss_and_grads(x, y, variables, seed=self._seed(scale),
-                                                    watch=self.local_sgd is not None)
-            with tf.GradientTape() as tape:
-                if self.local_sgd is not None:  # per-replica variables are not trainable tf.Variables
-                    tape.watch([v.value for v in variables])
-                loss = self.pipeline.loss(x, y, training=True)
-                scaled = loss * scale
-                if self.loss_scaled:
-                    scaled = self.optimizer.scale_loss(scaled)
-            # embedding gradients arrive as IndexedSlices; dense tensors all-reduce and add simply
-            return loss, [tf.convert_to_tensor(g) for g in tape.gradient(scaled, variables)]
+        def micro(x, y):  # per-replica variables (local SGD) are not trainable tf.Variables: watched
+            return self.pipeline.loss_and_grads(x, y, variables, seed=lambda loss: self.update.scale_loss(loss * scale),
+                                                watch=self.local_sgd is not None)
 
         if k == 1:
             return micro(inputs, targets)
@@ -116,66 +135,6 @@ class Trainer:
             loss_sum += loss_i
             grads = [g + gi for g, gi in zip(grads, grads_i)]
         return loss_sum / k, grads
-
-    def _seed(self, scale):
-        """What the backward pass differentiates, from the mean loss: scaled for a SUM reduce, and by
-        the loss scale under mixed_float16."""
-        return (lambda loss: self.optimizer.scale_loss(loss * scale)) if self.loss_scaled else \
-            (lambda loss: loss * scale)
-
-    def _replica_step(self, inputs, targets, position=None):
-        loss, grads, staleness = self._staleness_measured(self._loss_and_grads, inputs, targets)
-        ctx = tf.distribute.get_replica_context()
-        pending = []  # compression state (residuals, PowerSGD's Q): written only if the step is applied
-        if self.num_replicas > 1:  # with one replica the reduction is the identity: skip its copies
-            grads, pending = (ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads), []) if self.comm is None else \
-                self.comm.exchange(ctx, grads)
-            loss = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, loss)
-        grad_norm = tf.linalg.global_norm(grads)
-        scale = self.optimizer.dynamic_scale if self.loss_scaled else 1.0  # grads are scaled by it
-        if self.clip_norm > 0:  # an overflow (inf norm) gives NaN grads: LossScaleOptimizer skips them
-            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm * scale, use_norm=grad_norm)
-        grad_norm = grad_norm / scale
-        # Divergence guard: a non-finite loss or gradient is not applied (the step still counts, so
-        # the step number keeps matching the data consumed). The values are all-reduced, so every
-        # replica decides alike. LossScaleOptimizer skips non-finite gradients itself (an overflow
-        # only lowers its scale), so there only a non-finite loss counts as a bad step.
-        finite = tf.math.is_finite(loss) if self.loss_scaled else \
-            tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
-        if self.local_sgd is not None:  # local gradients: the replicas must still decide alike
-            finite = self.comm.agree(ctx, finite)
-        if pending:  # from all-reduced values: every replica commits alike
-            self.comm.commit(pending, tf.logical_and(finite, tf.math.is_finite(grad_norm)))
-        if self.loss_scaled:  # an overflow is skipped by the optimizer; counted here so steps match data
-            fault.apply_if(tf.math.is_finite(grad_norm), lambda g: self.optimizer.apply(
-                g, self.model.trainable_variables), self._overflowed, grads)
-        elif getattr(self.optimizer, "skips_non_finite", False):  # no control flow around the update
-            nan = tf.constant(float("nan"), grads[0].dtype)
-            self.optimizer.apply([tf.where(finite, g, nan) for g in grads], self.model.trainable_variables)
-        else:
-            fault.apply_if(finite, lambda g: self.optimizer.apply(g, self.model.trainable_variables),
-                           lambda: self.optimizer.iterations.assign_add(1), grads)
-        if position is not None and self.data_position is not None:  # where the input stream now is
-            self.data_position.assign(position)
-        return loss, grad_norm, staleness, tf.cast(finite, tf.float32)
-
-    def _overflowed(self):
-        """A mixed_float16 step whose gradients overflowed: what LossScaleOptimizer does (halve the
-        scale, restart its growth count), plus counting the step, which Keras does not do."""
-        tf_compat.loss_scale_overflowed(self.optimizer)
-        self.optimizer.iterations.assign_add(1)
-
-    def _staleness_measured(self, loss_and_grads, inputs, targets):
-        """loss_and_grads(inputs, targets), plus how many updates other workers applied between this
-        step reading the variables and applying its gradients (0 when training is synchronous)."""
-        if not self.dist.asynchronous:
-            return (*loss_and_grads(inputs, targets), tf.constant(0.0))
-        version = self.updates.read_value()
-        with tf.control_dependencies([version]):  # read before the forward pass reads the weights
-            loss, grads = loss_and_grads(inputs, targets)
-        with tf.control_dependencies([loss]):  # count once the gradients exist
-            after = self.updates.assign_add(1)
-        return loss, grads, tf.cast(after - version - 1, tf.float32)
 
     def _eval_step(self, inputs, targets):
         # the compiled function is called from a plain replica function, as in training: passed to
@@ -261,9 +220,7 @@ class Trainer:
                 break
             step = tf.identity(self.optimizer.iterations)
             element = next(iterator)  # (inputs, targets[, data position update])
-            loss, norm, staleness, ok = self.strategy.run(self._replica_step, args=element)
-            if self.local_sgd is not None and self.local_sgd.due(self.optimizer.iterations):
-                self.strategy.run(self.local_sgd.outer_step)  # every sync_every steps: average
+            loss, norm, staleness, ok = self.step(element)
             ok = self._first(ok)
             loss_sum += tf.where(ok > 0, self._first(loss), 0.0)  # a skipped step's loss may be NaN
             bad += 1.0 - ok
@@ -284,3 +241,27 @@ class Trainer:
             loss = self.strategy.run(self._eval_step, args=(inputs, targets))
             total += self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None)
         return total / tf.cast(num_steps, tf.float32)
+
+
+def _not_stale(loss_and_grads):
+    """Synchronous training: loss_and_grads(inputs, targets) plus a staleness of 0."""
+    return lambda inputs, targets: (*loss_and_grads(inputs, targets), tf.constant(0.0))
+
+
+class Staleness:
+    """Asynchronous (parameter-server) training: loss_and_grads(inputs, targets), plus how many updates
+    other workers applied between this step reading the variables and applying its gradients."""
+
+    def __init__(self, strategy, loss_and_grads):
+        self.loss_and_grads = loss_and_grads
+        with strategy.scope():  # on a ps task; atomic increments, unlike the optimizer's step
+            self.updates = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def __call__(self, inputs, targets):
+        version = self.updates.read_value()
+        with tf.control_dependencies([version]):  # read before the forward pass reads the weights
+            loss, grads = self.loss_and_grads(inputs, targets)
+        with tf.control_dependencies([loss]):  # count once the gradients exist
+            after = self.updates.assign_add(1)
+        return loss, grads, tf.cast(after - version - 1, tf.float32)
