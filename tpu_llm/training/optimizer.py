@@ -7,9 +7,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tpu_llm import tf_compat
 from tpu_llm.config import TrainConfig, freeze_spec
 from tpu_llm.errors import UserError
-from tpu_llm import tf_compat
 from tpu_llm.model import GPT, decay_mask
 from tpu_llm.training import fault
 
