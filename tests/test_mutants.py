@@ -23,7 +23,7 @@ def test_every_test_a_mutation_names_exists():
     # and the check notices each kind of name that resolves to nothing
     stale = mutants.M("stale", "tpu_llm/model/transformer.py", "x", "y",
                       "tests/test_model.py::test_no_such_test tests/test_no_such_file.py "
-                      "tests/test_model.py::test_warmup_then_cosine_schedule[1] -k no_such_word")
+                      "tests/test_model.py::test_logged_gradient_norm_is_the_global_norm_and_clipping_scales_the_update[0.5] -k no_such_word")
     assert mutants.missing_tests([stale]) == [
         "stale: names tests/test_model.py::test_no_such_test, which is not a test in tests/test_model.py",
         "stale: names tests/test_no_such_file.py, which does not exist",
