@@ -58,7 +58,7 @@ faults: $(STAMP)  ## fault injection into tiny real runs (signals, kills, torn f
 mutants: $(STAMP)  ## curated mutations of the core, each against the tests that must catch it (docs/development.md); not part of `make test`
 	$(BIN)/python scripts/mutants.py
 
-bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, families, memory, data
+bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, families, memory, data, placement
 	$(BIN)/tpu-llm bench
 	$(BIN)/tpu-llm bench strategies
 	$(BIN)/tpu-llm bench modes
@@ -67,6 +67,7 @@ bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategie
 	$(BIN)/tpu-llm bench families
 	$(BIN)/tpu-llm bench memory
 	$(BIN)/tpu-llm bench data
+	$(BIN)/tpu-llm bench placement
 
 clean:  ## remove the virtual environments (runs/ is kept)
 	rm -rf $(VENV)

@@ -103,8 +103,8 @@ MUTATIONS = [
       "        if self.clip_norm > 0:  # an overflow", "        if self.clip_norm < 0:  # an overflow",
       "tests/test_model.py -k logged_gradient_norm"),
     M("grad-norm-logged-after-clipping", "tpu_llm/training/trainer.py",
-      "self.update.loss_scale, use_norm=grad_norm)", "self.update.loss_scale, use_norm=grad_norm)\n"
-      "            grad_norm = tf.linalg.global_norm(grads)",
+      "use_norm=grad_norm)[0], grads)\n", "use_norm=grad_norm)[0], grads)\n"
+      "            grad_norm = tf.linalg.global_norm(grads)\n",
       "tests/test_model.py -k logged_gradient_norm"),
     M("non-finite-steps-applied", "tpu_llm/training/optimizer.py",
       "return tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))", "return tf.constant(True)",
@@ -141,6 +141,16 @@ MUTATIONS = [
       "return self.pipeline.loss(inputs, targets, training=True)",
       "tests/test_trainer.py -k validation_runs_without_dropout"),
     # ---- pipeline and tensor ------------------------------------------------------------------------
+    M("tpu-update-not-per-stage", "tpu_llm/training/trainer.py",
+      "inner.placement_of = lambda var:", "inner.placement_of = None  # lambda var:",
+      "tests/test_placement.py -k 'traced_train_step and 2-1'"),
+    M("tpu-reduction-not-per-stage", "tpu_llm/training/trainer.py",
+      "            with self.pipeline.placement.stage(i):\n                for k, g in zip(",
+      "            with tf.name_scope('unplaced'):\n                for k, g in zip(",
+      "tests/test_placement.py -k 'traced_train_step and 2-1'"),
+    M("tensor-backward-on-group-0", "tpu_llm/parallel/tensor.py",
+      "self._on_group(part, x_g, g)", "part(x_g, g)",
+      "tests/test_placement.py -k 'traced_train_step and 1-2'"),
     M("pipeline-seed-not-divided-by-microbatches", "tpu_llm/parallel/pipeline.py",
       "target = seed(out / m) if i == last else out", "target = seed(out) if i == last else out",
       "tests/test_pipeline.py -k test_pipelined_loss_and_gradients_equal_the_plain_model"),
@@ -154,9 +164,9 @@ MUTATIONS = [
       "heads = slice(g * h, (g + 1) * h)", "heads = slice(0, h)",
       "tests/test_tensor.py -k test_split_blocks_give_the_plain_models_loss_and_gradients"),
     M("tensor-bias-added-per-group", "tpu_llm/parallel/tensor.py",
-      "partials.append(self.placement.place_shard(part(x_g, g), self.stage, g))",
-      "partials.append(self.placement.place_shard(part(x_g, g), self.stage, g) + (0.0 if bias is None else "
-      "tf.cast(bias, x.dtype)))",
+      "partials.append(self.placement.place_shard(self._on_group(part, x_g, g), self.stage, g))",
+      "partials.append(self.placement.place_shard(self._on_group(part, x_g, g), self.stage, g) + (0.0 if bias is "
+      "None else tf.cast(bias, x.dtype)))",
       "tests/test_tensor.py -k test_split_blocks_give_the_plain_models_loss_and_gradients"),
     # ---- comm ---------------------------------------------------------------------------------------
     M("powersgd-residual-not-divided-by-replicas", "tpu_llm/parallel/comm.py",

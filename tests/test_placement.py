@@ -12,6 +12,7 @@ it does in a TPU computation). Not covered offline: compiling and running the st
 import types
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from helpers import make_topology, tiny_config
 from tensorflow.python.distribute import tpu_strategy as tf_tpu_strategy
@@ -20,7 +21,7 @@ from tensorflow.python.eager import context
 from tpu_llm.model import GPT
 from tpu_llm.parallel import pipeline, tpu
 from tpu_llm.parallel.distribute import Placement
-from tpu_llm.tools import plan
+from tpu_llm.tools import placement_audit, plan
 from tpu_llm.training.controller import build_run
 from tpu_llm.training.optimizer import make_optimizer
 
@@ -165,3 +166,22 @@ def test_each_stage_keeps_its_variables_and_moments_on_its_own_cpu_device(tmp_pa
                                                                       "parallel.tensor": 2}))
     assert run.dist.name == "default"
     check_stage_devices(run, lambda r, s: f"CPU:{2 * s}")
+
+
+# ---- the whole train step, traced through TPUStrategy.run ------------------------------------------
+
+
+@pytest.mark.parametrize("stages,tensor", placement_audit.LAYOUTS)
+def test_the_traced_train_step_spreads_over_the_replicas_cores(stages, tensor):
+    """Forward, backward, all-reduce, norm, clipping and AdamW's update (under loss scaling, with dropout
+    and 2 accumulated micro-batches): each stage's reductions and updates on its own core, its tensor
+    groups sharing forward and backward matmuls evenly, and only the replica's shared scalars left
+    without a core (which means core 0). The table is docs/pipeline-tensor.md's."""
+    audit = placement_audit.audit(stages, tensor)
+    assert not audit.problems(), "\n".join(audit.table() + audit.problems())
+
+
+def test_the_audit_without_loss_scaling_and_for_llama():
+    for audit in (placement_audit.audit(2, 2, loss_scaling=False), placement_audit.audit(2, 2, family="llama")):
+        assert not audit.problems(), "\n".join(audit.table() + audit.problems())
+        assert audit.shared["variable writes"] <= placement_audit.SHARED_ALLOWED["variable writes"]

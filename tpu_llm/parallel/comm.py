@@ -333,13 +333,16 @@ class AllReduce:
     (pre-scaled by the trainer so that the sum is the mean) and the loss averaged; with one replica,
     nothing to exchange. Same interface as `Comm`."""
 
-    def __init__(self, num_replicas: int):
+    def __init__(self, num_replicas: int, by_stage=None):
         self.num_replicas = num_replicas
+        # fn(grads) on each pipeline stage's share, inside the stage's placement (Trainer.by_stage): each
+        # stage's all-reduce runs on its own core rather than all of them on core 0
+        self.by_stage = by_stage or (lambda fn, grads: fn(grads))
 
     def exchange(self, ctx, loss, grads):
         if self.num_replicas == 1:  # the reduction would be the identity: skip its copies
             return loss, grads, []
-        grads = ctx.all_reduce(SUM, grads)
+        grads = self.by_stage(lambda gs: ctx.all_reduce(SUM, gs), grads)
         return ctx.all_reduce(MEAN, loss), grads, []
 
     def commit(self, pending, applied) -> None:

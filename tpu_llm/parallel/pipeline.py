@@ -40,8 +40,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import keras
 import tensorflow as tf
 
+from tpu_llm import tf_compat
 from tpu_llm.config import ModelConfig
 from tpu_llm.errors import UserError
 from tpu_llm.model import loss_fn
@@ -146,7 +148,24 @@ def build_weights(model, stages: list[Stage], placement):
                 x = model.blocks[b](x)[0]
             if stage.head:
                 model.head(x)
+            # Keras' Dropout made its seed variable in __init__, wherever the model was constructed (on
+            # TPU: logical core 0); the stage that draws the masks keeps it
+            if placement.stages * placement.tensor > 1:
+                for layer in [model.blocks[b] for b in stage.blocks] + [model.drop] * stage.embed:
+                    _seeds_here(layer)
     return model.build_weights()  # marks the model built: every variable exists already
+
+
+def _seeds_here(layer) -> None:
+    """Re-create the state variable of every dropout seed generator in `layer` in the current variable
+    scope, with its value (a stage's placement.variables scope: the stage's device or logical core)."""
+    for dropout in tf_compat.all_layers(layer):
+        generator = getattr(dropout, "seed_generator", None)
+        if not isinstance(dropout, keras.layers.Dropout) or generator is None:
+            continue
+        old = generator.state
+        generator.state = keras.Variable(old.numpy(), shape=old.shape, dtype=old.dtype, trainable=False,
+                                         aggregation="none", name=old.name)
 
 
 class Pipeline:
@@ -201,6 +220,15 @@ class Pipeline:
         if stage.head:
             layers += [m.ln_f] + ([m.lm_head] if m.lm_head is not None else [m.wte] * (not stage.embed))
         return [v for layer in layers for v in layer.trainable_variables]
+
+    def variable_stages(self, variables) -> list[int]:
+        """The stage each of `variables` lives on: the first stage that reads it, where build_weights
+        created it (a tied table: the first stage's)."""
+        owner: dict[int, int] = {}
+        for i in range(len(self.stages)):
+            for v in self.stage_variables(i):
+                owner.setdefault(id(v), i)
+        return [owner.get(id(v), 0) for v in variables]
 
     def loss_and_grads(self, inputs, targets, variables, seed=None, watch: bool = False):
         """(mean loss, gradients of seed(mean loss) with respect to `variables`), with each stage's

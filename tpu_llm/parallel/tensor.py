@@ -18,15 +18,19 @@ two compose. `strategy.experimental_split_to_logical_devices` is not used: it re
 of its partition dimensions to equal a replica's whole core count (TF 2.20, tpu_strategy.py), so it
 cannot split a block T ways inside one of P > 1 pipeline stages.
 
-What is split is the work and the activations of the attention and MLP, not the weights: the
-variables, their gradients and AdamW's moments stay whole on the stage's first device or logical core
-(group 0: `Placement.variables`, pipeline.build_weights), and each group reads its slices from there
-every step. The backward pass of a stage runs in that stage's scope (pipeline.Pipeline.loss_and_grads),
-not per group.
-Sharding the variables themselves would need XLA's SPMD partitioner to own the layout, which the
-per-core assignments used for stages do not give. So tensor parallelism here buys speed (T devices
-share every block's matmuls) and activation memory, while `parallel.pipeline_stages` is what divides
-the weights.
+What is split is the work and the activations of the attention and MLP, forward AND backward, not
+the weights: the variables, their gradients and AdamW's moments stay whole on the stage's first device
+or logical core (group 0: `Placement.variables`, pipeline.build_weights), and each group reads its
+slices from there every step. TF2's GradientTape does not colocate gradient ops with their forward
+ops (they run where `tape.gradient` is called, the stage's scope), so each group's forward is recorded
+on a tape of its own and its backward replayed inside the group's placement (`SplitBlock._on_group`);
+only the input's gradient and the weight slices' gradients travel back. The placement audit
+(tools/placement_audit.py, `tpu-llm bench placement`) shows the T groups sharing forward and backward
+matmuls evenly on an offline TPUStrategy. Sharding the variables themselves would need XLA's SPMD
+partitioner to own the layout, which the per-core assignments used for stages do not give; so
+`parallel.pipeline_stages` is what divides the weights, and whether T groups are faster than data
+parallelism on a TPU (the copies of weight slices and activations between cores against the shared
+matmuls) is not measured here.
 
 The layer norms, residual adds and dropout on the summed output run on the stage's own device
 (replicated work, as in Megatron). Attention dropout draws its own mask per group, so with dropout
@@ -73,9 +77,31 @@ class SplitBlock:
         for g in range(self.ways):
             with self.placement.shard(self.stage, g):
                 x_g = self.placement.place_shard(x, self.stage, g)
-                partials.append(self.placement.place_shard(part(x_g, g), self.stage, g))
+                partials.append(self.placement.place_shard(self._on_group(part, x_g, g), self.stage, g))
         out = tf.add_n(partials)  # (B, T, C), back on the stage's device
         return out if bias is None else out + tf.cast(bias, out.dtype)
+
+    def _on_group(self, part, x, g):
+        """part(x, g), whose backward also runs on group g. TF2's GradientTape does not colocate gradient
+        ops with their forward ops: they run where `tape.gradient` is called, the stage's scope, which
+        would put every group's backward on the stage's first device or core. Here the group's forward
+        is recorded on a tape of its own, and its backward replayed from that tape inside the group's
+        placement; the gradients with respect to the weight slices are sent back to the stage's device,
+        where the variables live."""
+        @tf.custom_gradient
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = part(x, g)
+
+            def backward(dy, variables=None):
+                variables = list(variables or [])
+                with self.placement.shard(self.stage, g):
+                    dx, *dv = tape.gradient(y, [x] + variables, output_gradients=dy)
+                    dx = self.placement.place_shard(dx, self.stage, g)
+                return dx, dv
+            return y, backward
+        return run(x)
 
     def _attention(self, x, g):
         attn = self.block.attn

@@ -4,6 +4,8 @@ non-finite step (the divergence guard) while still counting it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -47,6 +49,20 @@ class ReducedGradientsAdamW(keras.optimizers.AdamW):
     """
 
     skips_non_finite = True
+    # TPU stages and tensor groups: tf.Variable -> the context its update runs in (its stage's logical
+    # core). TPUStrategy puts an op without a core annotation on core 0 (tpu_strategy.py, TF 2.20), so
+    # without it core 0 would read and write every stage's weights and moments. Set by the Trainer.
+    placement_of = None
+
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        """Keras' own loop over the variables (keras/src/backend/tensorflow/optimizer.py), each update
+        inside `placement_of(variable)` when set."""
+        def apply_grad_to_update_var(var, grad, learning_rate):
+            return self.update_step(grad, var, learning_rate)
+
+        for grad, var in grads_and_vars:
+            with self.placement_of(var) if self.placement_of else contextlib.nullcontext():
+                distribution.extended.update(var, apply_grad_to_update_var, args=(grad, learning_rate), group=False)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         return list(grads_and_vars)
@@ -111,9 +127,10 @@ class GuardedUpdate:
     - any other optimizer: the update inside `fault.apply_if`.
     """
 
-    def __init__(self, optimizer, variables):
+    def __init__(self, optimizer, variables, by_stage=None):
         self.optimizer, self.variables = optimizer, variables
         self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        self.by_stage = by_stage or (lambda fn, grads: fn(grads))  # fn on each stage's share, where it lives
 
     @property
     def loss_scale(self):
@@ -135,7 +152,7 @@ class GuardedUpdate:
             fault.apply_if(tf.math.is_finite(grad_norm), self._update, self._overflowed, grads)
         elif getattr(self.optimizer, "skips_non_finite", False):
             nan = tf.constant(float("nan"), grads[0].dtype)
-            self._update([tf.where(finite, g, nan) for g in grads])
+            self._update(self.by_stage(lambda gs: [tf.where(finite, g, nan) for g in gs], grads))
         else:
             fault.apply_if(finite, self._update, lambda: self.optimizer.iterations.assign_add(1), grads)
 

@@ -73,10 +73,18 @@ class Trainer:
         # stages or tensor groups on their own devices, or the whole model as one stage on the replica's
         self.pipeline = pipeline or Pipeline(model, partition(model.cfg, model.vocab_size, 1, 1), dist.placement,
                                              loss_chunk=cfg.loss_chunk)
+        # per pipeline stage: the indices of the trainable variables living there; the step's reduction,
+        # norm, clipping and update of a stage run in its placement (on TPU: its logical core)
+        stage_of = self.pipeline.variable_stages(model.trainable_variables)
+        self.stage_groups = [[k for k, s in enumerate(stage_of) if s == i] for i in range(max(stage_of) + 1)]
         self.comm = comm  # comm.Comm, or None for the plain all-reduce
-        self.exchange = comm or AllReduce(self.num_replicas)
+        self.exchange = comm or AllReduce(self.num_replicas, self.by_stage)
         self.local_sgd = comm.local if comm is not None else None
-        self.update = GuardedUpdate(optimizer, model.trainable_variables)
+        self.update = GuardedUpdate(optimizer, model.trainable_variables, self.by_stage)
+        if dist.placement.tpu_strategy is not None and len(self.stage_groups) > 1:
+            where = {id(v.value): s for v, s in zip(model.trainable_variables, stage_of)}
+            inner = getattr(optimizer, "inner_optimizer", optimizer)  # under LossScaleOptimizer
+            inner.placement_of = lambda var: dist.placement.stage(where.get(id(var), 0))
         self.data_position = data_position  # SUM on read: each replica writes its input pipeline's row
         self.stop_flag = None if dist.asynchronous or dist.name == "multi_worker" else \
             tf.Variable(0, trainable=False, name="stop")
@@ -101,9 +109,10 @@ class Trainer:
         ctx = tf.distribute.get_replica_context()
         loss, grads, staleness = self.loss_and_grads(inputs, targets)  # this replica's, scaled for a SUM
         loss, grads, pending = self.exchange.exchange(ctx, loss, grads)  # summed over the replicas (or not)
-        grad_norm = tf.linalg.global_norm(grads)
+        grad_norm = self.global_norm(grads)
         if self.clip_norm > 0:  # an overflow (inf norm) gives NaN grads: the guarded update skips them
-            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm * self.update.loss_scale, use_norm=grad_norm)
+            clip = self.clip_norm * self.update.loss_scale
+            grads = self.by_stage(lambda gs: tf.clip_by_global_norm(gs, clip, use_norm=grad_norm)[0], grads)
         grad_norm = grad_norm / self.update.loss_scale
         # divergence guard: a non-finite loss or gradient is not applied; every replica decides alike
         finite = self.exchange.agree(ctx, self.update.finite(loss, grad_norm))
@@ -112,6 +121,29 @@ class Trainer:
         if position is not None and self.data_position is not None:  # where the input stream now is
             self.data_position.assign(position)
         return loss, grad_norm, staleness, tf.cast(finite, tf.float32)
+
+    def by_stage(self, fn, grads: list) -> list:
+        """fn(a stage's gradients) -> new gradients, run inside each stage's placement, reassembled in
+        order; with one stage, fn(grads) as it is."""
+        if len(self.stage_groups) == 1:
+            return fn(grads)
+        out = list(grads)
+        for i, indices in enumerate(self.stage_groups):
+            with self.pipeline.placement.stage(i):
+                for k, g in zip(indices, fn([grads[k] for k in indices])):
+                    out[k] = g
+        return out
+
+    def global_norm(self, grads):
+        """tf.linalg.global_norm of all the gradients, as a sum of each stage's part computed where the
+        stage lives (only scalars cross between stages)."""
+        if len(self.stage_groups) == 1:
+            return tf.linalg.global_norm(grads)
+        parts = []
+        for i, indices in enumerate(self.stage_groups):
+            with self.pipeline.placement.stage(i):
+                parts.append(tf.add_n([tf.reduce_sum(tf.square(grads[k])) for k in indices]))
+        return tf.sqrt(tf.add_n(parts))
 
     def _loss_and_grads_fn(self, inputs, targets):
         """Mean loss over this replica's micro-batches, and gradients pre-scaled for a SUM reduce (and by
@@ -215,9 +247,10 @@ class Trainer:
         loss_sum = staleness_sum = staleness_max = grad_norm = bad = tf.constant(0.0)
         first_bad = tf.constant(-1, tf.int64)  # the optimizer step (0-based) of the first skipped step
         done = tf.constant(0)
-        for _ in tf.range(num_steps):
-            if self.stop_flag is not None and self.stop_flag > 0:  # a signal: stop at this step boundary
-                break
+        # a signal stops the loop at the next step boundary; tested in the loop's condition, not by a
+        # `break` (which autograph turns into a tf.cond around the rest of the body: the whole step,
+        # optimizer update included, would run inside a cond branch)
+        while tf.logical_and(done < num_steps, tf.logical_not(self._stopping())):
             step = tf.identity(self.optimizer.iterations)
             element = next(iterator)  # (inputs, targets[, data position update])
             loss, norm, staleness, ok = self.step(element)
@@ -233,6 +266,9 @@ class Trainer:
         return {"loss": loss_sum / good, "grad_norm": grad_norm,
                 "staleness": staleness_sum / tf.maximum(tf.cast(done, tf.float32), 1.0),
                 "staleness_max": staleness_max, "steps": done, "bad_steps": bad, "first_bad_step": first_bad}
+
+    def _stopping(self):
+        return self.stop_flag > 0 if self.stop_flag is not None else tf.constant(False)
 
     def _eval_loop(self, iterator, num_steps):
         total = tf.constant(0.0)
