@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import make_topology
+from helpers import make_topology, offline_tpu
 
 from tpu_llm import perf
 from tpu_llm.errors import UserError
@@ -198,3 +198,13 @@ def test_a_resolver_lookup_that_hangs_is_cut_off(tmp_path, monkeypatch):
         tpu.connect("grpc://10.0.0.9:8470", env={}, root=str(tmp_path), timeout=0.2)
     assert time.perf_counter() - start < 5
     assert_one_line(err, "tpu='grpc://10.0.0.9:8470'", "TimeoutError")
+
+def test_a_second_strategy_on_the_same_tpu_reuses_its_connection(monkeypatch):
+    # tpu-llm doctor builds a data-parallel, then a model-parallel TPUStrategy in one process: a second
+    # initialize_tpu_system would wipe the TPU's memory, so the second strategy reuses the first connection
+    initialized = offline_tpu(monkeypatch, make_topology(*SLICES["v5litepod-8"]))
+    first = tpu.tpu_strategy("local", 1)[0]
+    second, _, description, chips = tpu.tpu_strategy("local", 4)
+    assert len(initialized) == 1 and first.num_replicas_in_sync == 8 and second.num_replicas_in_sync == 2
+    assert "8 cores, 1 host(s), 2 replicas x 4 core(s)" in description and chips == 8
+
