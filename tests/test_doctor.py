@@ -50,6 +50,18 @@ def test_the_memory_check_fails_when_the_chunked_loss_is_wrong(monkeypatch):
     assert check.status == "FAIL" and 0.04 < check.values["loss_diff"] < 0.06, check.line()
 
 
+def test_the_memory_probe_has_nothing_a_tpu_would_pad():
+    # a TPU stores arrays in tiles of 128 lanes on the minor dimension: a head_dim of 32 takes 4x the
+    # bytes the planner counts, so every minor dimension of the probe is a multiple of 128
+    probe = doctor.MEMORY_PROBE
+    head_dim = probe["model.n_embd"] // probe["model.n_head"]
+    assert head_dim >= 128 and probe["model.n_embd"] % probe["model.n_head"] == 0
+    assert probe["model.n_head"] % probe["model.n_kv_head"] == 0 and probe["model.n_kv_head"] < probe["model.n_head"]
+    for dim in (head_dim, probe["model.n_embd"], probe["data.seq_len"], probe["model.vocab_size"],
+                doctor.MEMORY_OPTIONS["train.loss_chunk"], doctor.MEMORY_OPTIONS["model.attention_block"]):
+        assert dim % 128 == 0, dim
+
+
 def test_each_check_fails_on_a_broken_input(tmp_path):
     assert doctor.check_bfloat16(5.0, 5.2).status == "FAIL" and doctor.check_bfloat16(5.0, 5.05).status == "PASS"
     assert doctor.check_bfloat16(5.0, float("nan")).status == "FAIL"
