@@ -263,3 +263,16 @@ def test_a_remote_tpu_gets_the_data_staged_beside_the_run(tmp_path):
     for copy, original in zip(staged, originals):
         with open(copy, "rb") as a, open(original, "rb") as b:
             assert a.read() == b.read()
+
+
+def test_the_devices_fix_names_the_install_only_when_tensorflow_sees_no_tpu(monkeypatch):
+    found = Found(tpu="/dev/vfio present and libtpu installed (TPU VM)")
+    monkeypatch.setattr(doctor, "_tensorflow_tpus", lambda: 1)  # e.g. the TPU is held by another process
+    fix = doctor.devices_fix(found)
+    assert fix.startswith("TensorFlow sees this TPU (1 TPU device(s)), so its install is right") and "pip" not in fix
+    monkeypatch.setattr(doctor, "_tensorflow_tpus", lambda: 0)
+    assert "pip install 'tpu-llm[tpu]': tensorflow-tpu 2.20.0 with libtpu 0.0.14" in doctor.devices_fix(found)
+    assert doctor.devices_fix(Found(tpu="TPU_NAME=pod in the environment"), remote=True).startswith(
+        "the TPU named is reached over the network")
+    assert doctor.devices_fix(found, name="mirrored").startswith("a TPU is attached")
+    assert doctor.devices_fix(Found(gpus=2), name="default").startswith("TensorFlow lists 2 GPU(s)")
