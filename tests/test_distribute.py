@@ -100,6 +100,26 @@ def test_selection_in_process_and_batch_split(tmp_path):
 # ---- Mirrored -------------------------------------------------------------------------------------
 
 
+def test_a_tpu_refuses_float16_and_names_bfloat16():
+    import keras
+
+    from tpu_llm.parallel.distribute import Distribution
+    from tpu_llm.training.controller import set_precision
+
+    tpu = Distribution(tf.distribute.get_strategy(), "tpu", "a fake TPU", "TPU v5 lite")
+    try:
+        with pytest.raises(UserError) as err:
+            set_precision(load_config(None, {"precision": "mixed_float16"}), tpu)
+        assert "precision=mixed_bfloat16" in str(err.value) and "\n" not in str(err.value)
+        assert keras.mixed_precision.global_policy().name == "float32"  # refused before anything was set
+        assert set_precision(load_config(None, {"precision": "auto"}), tpu) == "mixed_bfloat16"
+        assert set_precision(load_config(None, {"precision": "mixed_bfloat16"}), tpu) == "mixed_bfloat16"
+        cpu = Distribution(tf.distribute.get_strategy(), "default", "one CPU", "CPU")
+        assert set_precision(load_config(None, {"precision": "mixed_float16"}), cpu) == "mixed_float16"  # GPUs' choice
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 @pytest.mark.parametrize("devices", [4])  # (2 devices: the resume and checkpoint tests below)
 def test_mirrored_over_logical_cpus_trains_like_one_device(tmp_path, devices):
     common = {"train.steps": 6, "train.steps_per_loop": 2, "train.batch_size": 8, "train.eval_every": 0,

@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import make_topology, tiny_config
+from helpers import OfflineTPUResolver, tiny_config
 from tensorflow.python.distribute import tpu_strategy as tf_tpu_strategy
 from tensorflow.python.eager import context
 
@@ -24,33 +24,6 @@ from tpu_llm.parallel.distribute import Placement
 from tpu_llm.tools import placement_audit, plan
 from tpu_llm.training.controller import build_run
 from tpu_llm.training.optimizer import make_optimizer
-
-
-class _Device:
-    def __init__(self, name):
-        self.name = name
-
-
-class OfflineTPUResolver(tf.distribute.cluster_resolver.ClusterResolver):
-    """What TPUStrategy asks a resolver, answered for 4 TPU cores on one host (no TPU needed)."""
-
-    def __init__(self):
-        self.topology = make_topology([2, 2, 1, 1], [2, 2, 1, 1])
-
-    def cluster_spec(self):
-        return tf.train.ClusterSpec({})
-
-    def master(self, *_, **__):
-        return ""
-
-    def num_accelerators(self, *_, **__):
-        return {"TPU": 4}
-
-    def get_tpu_system_metadata(self):
-        devices = [_Device(f"/job:localhost/replica:0/task:0/device:TPU:{i}") for i in range(4)]
-        return tf.tpu.experimental.TPUSystemMetadata(num_cores=4, num_hosts=1, num_of_cores_per_host=4,
-                                                     topology=self.topology,
-                                                     devices=devices + [_Device("/job:localhost/replica:0/task:0/device:CPU:0")])
 
 
 def offline_tpu_strategy(cores_per_replica):

@@ -14,12 +14,13 @@ separate test shuffles it to show the layout does not depend on it.
 
 import itertools
 import socket
+import sys
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import make_topology
+from helpers import make_topology, offline_tpu
 
 from tpu_llm import perf
 from tpu_llm.errors import UserError
@@ -198,3 +199,86 @@ def test_a_resolver_lookup_that_hangs_is_cut_off(tmp_path, monkeypatch):
         tpu.connect("grpc://10.0.0.9:8470", env={}, root=str(tmp_path), timeout=0.2)
     assert time.perf_counter() - start < 5
     assert_one_line(err, "tpu='grpc://10.0.0.9:8470'", "TimeoutError")
+
+
+def test_a_second_strategy_on_the_same_tpu_reuses_its_connection(monkeypatch):
+    # tpu-llm doctor builds a data-parallel, then a model-parallel TPUStrategy in one process: a second
+    # initialize_tpu_system would wipe the TPU's memory, so the second strategy reuses the first connection
+    initialized = offline_tpu(monkeypatch, make_topology(*SLICES["v5litepod-8"]))
+    first = tpu.tpu_strategy("local", 1)[0]
+    second, _, description, chips = tpu.tpu_strategy("local", 4)
+    assert len(initialized) == 1 and first.num_replicas_in_sync == 8 and second.num_replicas_in_sync == 2
+    assert "8 cores, 1 host(s), 2 replicas x 4 core(s)" in description and chips == 8
+
+
+# ---- the PJRT variables tpu-llm sets at start-up on a TPU VM (tpu_llm/cli/pjrt.py) ---------------------
+
+PJRT = ("NEXT_PLUGGABLE_DEVICE_USE_C_API", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH", "TPU_LIBRARY_PATH")
+
+
+def fake_machine(root, *devices, image_libtpu=False):
+    for d in devices:  # e.g. "dev/accel0", "dev/vfio/0"
+        (root / d).parent.mkdir(parents=True, exist_ok=True)
+        (root / d).touch()
+    if image_libtpu:
+        (root / "lib").mkdir(parents=True, exist_ok=True)
+        (root / "lib" / "libtpu.so").touch()
+    return str(root)
+
+
+def test_pjrt_variables_point_tensorflow_at_libtpu_on_a_tpu_vm_only(tmp_path):
+    from tpu_llm.cli import pjrt
+
+    wheel = "/site-packages/libtpu/libtpu.so"
+    # a plain pip install on a v4 VM (/dev/accel*) or a Colab/Kaggle v5e/v6e (/dev/vfio/N): the wheel's libtpu
+    for device in ("dev/accel0", "dev/vfio/0"):
+        root = fake_machine(tmp_path / device.replace("/", "-"), device)
+        assert pjrt.variables(env={}, root=root, libtpu=wheel) == dict(zip(PJRT, ("true", wheel, wheel)))
+    # a Cloud TPU VM image: its /lib/libtpu.so, built for the image's TensorFlow, first
+    root = fake_machine(tmp_path / "image", "dev/accel0", image_libtpu=True)
+    image = pjrt.variables(env={}, root=root, libtpu=wheel)
+    assert image["TF_PLUGGABLE_DEVICE_LIBRARY_PATH"] == image["TPU_LIBRARY_PATH"] == f"{root}/lib/libtpu.so"
+    # asked for with tpu=local or TPU_NAME=local, device files not visible (a container)
+    bare = fake_machine(tmp_path / "bare")
+    assert pjrt.variables("local", env={}, root=bare, libtpu=wheel)["TPU_LIBRARY_PATH"] == wheel
+    assert pjrt.variables(env={"TPU_NAME": "local"}, root=bare, libtpu=wheel)["TPU_LIBRARY_PATH"] == wheel
+    # nothing elsewhere: no TPU, no libtpu, a pod's worker 0, a TPU reached over the network
+    vm = fake_machine(tmp_path / "vm", "dev/accel0")
+    assert pjrt.variables(env={}, root=bare, libtpu=wheel) == {}
+    assert pjrt.variables(env={}, root=vm, libtpu="") == {}
+    assert pjrt.variables(env={"TPU_NAME": "my-pod", "TPU_LOAD_LIBRARY": "0"}, root=vm, libtpu=wheel) == {}
+    assert pjrt.variables(env={"TPU_LOAD_LIBRARY": "0"}, root=vm, libtpu=wheel) == {}
+    assert pjrt.variables(env={"TPU_NAME": "my-pod"}, root=vm, libtpu=wheel) == {}
+    assert pjrt.variables("grpc://10.0.0.2:8470", env={}, root=vm, libtpu=wheel) == {}
+    # what the user set stays, and names the library for the rest
+    env = {"TPU_LIBRARY_PATH": "/mine/libtpu.so", "NEXT_PLUGGABLE_DEVICE_USE_C_API": "false"}
+    assert pjrt.variables(env=env, root=vm, libtpu=wheel) == {"TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/mine/libtpu.so"}
+    assert pjrt.set_variables(env=env, root=vm, libtpu=wheel) and env["NEXT_PLUGGABLE_DEVICE_USE_C_API"] == "false"
+    assert pjrt.variables(env=env, root=vm, libtpu=wheel) == {}
+
+
+def test_the_libtpu_wheel_is_found_without_importing_it(tmp_path, monkeypatch):
+    from tpu_llm.cli import pjrt
+
+    package = tmp_path / "site" / "libtpu"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    for name in ("sdk.so", "libtpu.so"):  # the wheel ships both: the runtime is libtpu.so
+        (package / name).touch()
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert pjrt.wheel_libtpu() == str(package / "libtpu.so") and "libtpu" not in sys.modules
+
+
+def test_tpu_llm_sets_the_pjrt_variables_before_a_command_runs(tmp_path, monkeypatch):
+    import os
+
+    from tpu_llm import cli
+    from tpu_llm.cli import pjrt
+
+    environ = {k: v for k, v in os.environ.items() if k not in PJRT + ("TPU_NAME", "TPU_LOAD_LIBRARY")}
+    monkeypatch.setattr(os, "environ", environ)  # a copy: this process's own environment stays as it is
+    monkeypatch.setattr(pjrt, "wheel_libtpu", lambda: "/site-packages/libtpu/libtpu.so")
+    seen = {}
+    monkeypatch.setattr(cli.COMMANDS["doctor"], "run", lambda **kw: seen.update({k: os.environ.get(k) for k in PJRT}))
+    assert cli.main(["doctor", "--tpu", "local", "--run_dir", str(tmp_path)]) == 0
+    assert seen == dict(zip(PJRT, ("true",) + ("/site-packages/libtpu/libtpu.so",) * 2))

@@ -12,6 +12,8 @@ names are checked against the config schema (tpu_llm/config.py) here, their valu
 TensorFlow's own start-up output (C++ log lines such as CUDA's `failed call to cuInit`, absl and
 Python warnings) is kept off the terminal unless `--verbose` (or TPU_LLM_VERBOSE=1) is given.
 A user mistake prints one line starting with "error:" and exits with status 2.
+
+On a TPU VM `main` points TensorFlow at libtpu (the PJRT variables, pjrt.py) before a command imports it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import sys
 
 from tpu_llm.cli import commands  # noqa: F401  (registers every command)
+from tpu_llm.cli import pjrt
 from tpu_llm.cli.parser import COMMANDS, Command, Flag, help_text, overview, parse
 from tpu_llm.cli.quiet import VERBOSE_ENV, NativeLogFilter, quiet_tensorflow
 from tpu_llm.errors import EXIT_USER_ERROR, RunStopped, UserError
@@ -31,6 +34,11 @@ def tensorflow_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("tensorflow") is not None
+
+
+def asked_tpu(kwargs: dict) -> str:
+    """The tpu= a command was given on its command line ('' if none; a config file's is read later)."""
+    return str(kwargs.get("tpu") or (kwargs.get("overrides") or {}).get("tpu") or "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if not tensorflow_installed():  # TensorFlow comes with an extra: one wheel per environment
             raise UserError("TensorFlow is not installed: pip install 'tpu-llm[cpu]' (CPU), 'tpu-llm[gpu]' (NVIDIA "
                             "GPUs) or 'tpu-llm[tpu]' (a Cloud TPU VM), one of them per environment")
+        pjrt.set_variables(asked_tpu(kwargs))  # before any command imports TensorFlow
         result = cmd.run(**kwargs)
         return result if isinstance(result, int) else 0
     except UserError as e:

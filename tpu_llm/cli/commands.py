@@ -144,16 +144,18 @@ def plan(config: str = "", overrides: dict | None = None, accelerator: str = "",
 @command("doctor", "first-contact check of this machine: PASS/FAIL per check, with numbers",
          "tpu-llm doctor --run_dir gs://my-bucket/doctor --tpu local", details="""
 Run it first on any new machine (TPU VM, pod worker 0, Colab/Kaggle TPU, GPU box, laptop); about two
-minutes on a v5e-8. Checks: devices and topology; a tiny run whose pipeline stages and tensor groups
-each keep their variables on their own device or TPU core; replicas' weights bit-identical; bfloat16
-loss close to float32; a checkpoint round trip in --run_dir (gs:// on a TPU); input pipeline faster
-than the step; measured step time against `tpu-llm plan`. Writes <run_dir>/doctor.json; exits 2 when
-a check fails, with what to do under each FAIL line (docs/doctor.md).""",
+minutes on a v5e-8. A tiny data-parallel run first (one replica per TPU core, GPU or logical CPU):
+devices; replicas' weights bit-identical; bfloat16 loss close to float32; a checkpoint round trip in
+--run_dir (gs:// on a TPU); input pipeline faster than the step; measured step time against `tpu-llm
+plan`; memory. Then, as its own line, the same model in pipeline stages x tensor groups sized to the
+devices found (2 x 2 where 4 divides their number, 2 x 1 on two, none on one): each stage on its own
+device or core, the same loss. Writes <run_dir>/doctor.json; exits 2 when a check fails, with what to
+do under each FAIL line (docs/doctor.md).""",
          run_dir="where doctor.json and the round-trip checkpoint go (gs:// on a TPU)",
          tpu="as train's tpu= ('' finds a Colab/Kaggle TPU or TPU_NAME, local on a TPU VM, a name or grpc://)",
          strategy="as train's strategy=", cpu_devices="logical CPU devices when there is no accelerator",
-         stages="pipeline stages of the tiny run (0 = chosen from the devices)",
-         tensor="tensor groups of the tiny run (0 = chosen from the devices)", steps="steps of each tiny run")
+         stages="pipeline stages of the model-parallel run (0 = chosen from the devices)",
+         tensor="tensor groups of the model-parallel run (0 = chosen from the devices)", steps="steps of each tiny run")
 def doctor(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu_devices: int = 8,
            stages: int = 0, tensor: int = 0, steps: int = 4):
     from tpu_llm.tools import doctor

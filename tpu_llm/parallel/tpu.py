@@ -236,8 +236,18 @@ def _standin_resolver(target: str):
     return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, master=target), spec.job_tasks("worker")
 
 
+# target -> (resolver, topology) of each TPU this process has initialized. A second strategy on the same
+# TPU (tpu-llm doctor's data-parallel run, then its model-parallel run) reuses the connection:
+# initialize_tpu_system again would wipe the TPU's memory, the first strategy's variables with it
+# (TF 2.20 tpu_strategy_util warns "Reinitializing the TPU can cause previously created variables on
+# TPU to be lost").
+_CONNECTED: dict = {}
+
+
 def _connect(tpu: str, env: Mapping[str, str], root: str, timeout: float):
     target, how = _target(tpu, env, root)
+    if target in _CONNECTED:
+        return (*_CONNECTED[target], target)
     standin = bool(env.get(STANDIN_ENV)) and target.startswith("grpc://")  # tests: no TPU system to initialize
     named = target != "local" and not target.startswith("grpc://")
     # TF's own resolver client (tensorflow/python/tpu/client) needs both, or it cannot look names up
@@ -257,6 +267,8 @@ def _connect(tpu: str, env: Mapping[str, str], root: str, timeout: float):
                 if target == "local" else "")
         raise UserError(f"no TPU reachable via {how}{hint}: {type(e).__name__}: {_one_line(e)}; "
                         + ALTERNATIVES) from e
+    if topology is not None:
+        _CONNECTED[target] = (resolver, topology)
     return resolver, topology, target
 
 

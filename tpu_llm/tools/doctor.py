@@ -4,26 +4,35 @@ Colab/Kaggle TPU, GPU box, laptop).
 It checks on the real hardware what the repository's tests cannot check offline, prints one PASS /
 FAIL / SKIP line per check with its numbers (and, under a failed line, what to do), writes
 `doctor.json` into the run directory, and ends with a one-line error (exit status 2) when a check
-failed:
+failed. First a data-parallel run (one replica per TPU core, GPU or logical CPU; no pipeline stages,
+no tensor groups), the best-proven path, and the lines measured on it:
 
-  devices     the strategy and devices found, and how (distribute.look_around, tpu.find_tpu)
-  placement   a tiny run with P pipeline stages (x T tensor groups): each stage's variables and AdamW
-              moments on its own device or logical core, adding up to `tpu-llm plan`'s per-stage
-              parameters; memory per device where TensorFlow reports it
-  replicas    every replica's copy of every weight and moment bit-identical after the steps
-  bfloat16    the mean loss under mixed_bfloat16 within 2% of float32's on the same batches
-  checkpoint  a checkpoint written to and read back from the run directory, bit-exact
-  input       the input pipeline's windows/s against what the measured step consumes
-  plan        the measured step time against `tpu-llm plan`'s prediction for the same config
-  memory      the chunked loss and blockwise attention (docs/memory.md) on this device: loss and
-              gradients equal to the dense ones, and where TF reports device memory (TPU, GPU) the
-              step's peak with and without them against `tpu-llm plan`'s
+  devices         the strategy and devices found, and how (distribute.look_around, tpu.find_tpu)
+  replicas        every replica's copy of every weight and moment bit-identical after the steps
+  bfloat16        the mean loss under mixed_bfloat16 within 2% of float32's on the same batches
+  checkpoint      a checkpoint written to and read back from the run directory, bit-exact
+  input           the input pipeline's windows/s against what the measured step consumes
+  plan            the measured step time against `tpu-llm plan`'s prediction for the same config
+  memory          the chunked loss and blockwise attention (docs/memory.md) on this device: loss and
+                  gradients equal to the dense ones, and where TF reports device memory (TPU, GPU) the
+                  step's peak with and without them against `tpu-llm plan`'s
 
-Two minutes on a v5e-8 by design: one TPU connection and one strategy for everything, a 2-block
-width-64 model (one block per stage), two training programs (float32 and bfloat16; each compiles once: the timed second
-call of the float32 run reuses its program), no evaluation, no samples. The float32 run's first call
-includes the compilation and is not timed.
-The memory line then compiles a one-block model's step twice (dense, and with both options) on the
+then, as its own check, the least proven path:
+
+  model parallel  the same model in P pipeline stages x T tensor groups per replica (`layout`: from
+                  the devices found, 2 x 2 where 4 divides their number, 2 x 1 on two, none on one):
+                  each stage's variables and AdamW moments on its own device or logical core, adding
+                  up to `tpu-llm plan`'s per-stage parameters; replicas bit-identical; the mean loss
+                  equal to the data-parallel run's on the same batches
+
+so a failing model-parallel run costs one line, never the others. A check that crashes is that
+check's FAIL, with its error; only a crash of the data-parallel run itself is the one `run` line.
+
+Two minutes on a v5e-8 by design: one TPU connection for everything (the model-parallel run's
+strategy reuses it: tpu._CONNECTED), a 2-block width-64 model, three training programs (float32 and
+bfloat16 data-parallel, float32 model-parallel; the timed second call of the float32 run reuses its
+program), no evaluation, no samples. The float32 run's first call includes the compilation and is not
+timed. The memory line compiles a one-block model's step twice (dense, and with both options) on the
 first device: seconds.
 """
 
@@ -57,9 +66,9 @@ PLAN_RATIO = (0.5, 200.0)  # measured / planned step time: below, the planner's 
 FIX = {
     "devices": "run `tpu-llm info`; on a TPU VM install tpu-llm[tpu] (tensorflow-tpu + libtpu) and set tpu=local; "
                "on a pod run on worker 0 with TPU_NAME set; see docs for the strategy options",
-    "placement": "a stage's variables are not on its own device: report this with doctor.json (pipeline and "
-                 "tensor parallelism would hold every weight on one core); train with "
-                 "parallel.pipeline_stages=1 parallel.tensor=1 meanwhile",
+    "model parallel": "model parallelism failed on this machine; the data-parallel lines above hold without it: "
+                      "train with parallel.pipeline_stages=1 parallel.tensor=1 here, run `tpu-llm doctor --stages 2 "
+                      "--tensor 1` to tell pipeline stages from tensor groups, and report it with doctor.json",
     "replicas": "replicas diverged: the all-reduce or the variable sync is broken on this runtime; report it "
                 "with doctor.json and do not train data-parallel here",
     "bfloat16": "bfloat16 loss is off: train with precision=float32 and report it with doctor.json",
@@ -67,13 +76,17 @@ FIX = {
                   "with the TPU's service account allowed to write), or choose another --run_dir",
     "input": "the input pipeline is slower than the step: pre-tokenize with `tpu-llm data prepare` and read "
              "TFRecords, use more files, or a larger model/batch per step",
-    "run": "the tiny run itself failed: read the error above and doctor.json; run `tpu-llm info` and a "
-           "`tpu-llm train --config configs/tiny.yaml` to see the full traceback",
+    "run": "the tiny data-parallel run itself failed: read the error above and doctor.json; run `tpu-llm info` "
+           "and a `tpu-llm train --config configs/tiny.yaml` to see the full traceback",
     "plan": "the step time is far from the planner's: check the devices line (a step on the host CPU?) and "
             "compare `tpu-llm plan --accelerator ...` with this machine's type",
     "memory": "train with train.loss_chunk=0 model.attention=dense if the results differ, and plan with a margin if "
               "the memory differs from the planner's; report it with doctor.json",
 }
+MODEL_PARALLEL_TOLERANCE = 0.01  # |model-parallel - data-parallel| / data-parallel mean loss, same weights and
+# batches: float32 sums in another order (a TPU's float32 matmuls run bfloat16 passes), far below the
+# effect of a stage or tensor group that computes or updates the wrong thing
+KINDS = {"tpu": "TPU core", "GPU": "GPU", "CPU": "logical CPU"}  # what one replica of the data-parallel run holds
 
 
 @dataclasses.dataclass
@@ -82,9 +95,10 @@ class Check:
     status: str  # PASS, FAIL or SKIP
     numbers: str  # what was measured, one line
     values: dict = dataclasses.field(default_factory=dict)  # the same as numbers, for doctor.json
+    fix: str = ""  # what to do when it failed, if more precise than FIX[name]
 
     def line(self) -> str:
-        return f"{self.status:<5} {self.name:<11} {self.numbers}"
+        return f"{self.status:<5} {self.name:<14} {self.numbers}"
 
 
 def _status(ok: bool) -> str:
@@ -92,12 +106,13 @@ def _status(ok: bool) -> str:
 
 
 def tiny_config(run_dir: str, tpu: str, strategy: str, cpu_devices: int, stages: int, tensor: int,
-                steps: int, precision: str = "float32", train: str = "") -> Config:
-    """The doctor's run: a GPT of one block per stage (at least 2), width 64, on `train` (default: the
-    embedded corpus), bytes, no eval or samples."""
+                steps: int, precision: str = "float32", train: str = "", layers: int = 0) -> Config:
+    """The doctor's run: a GPT of `layers` blocks (default: one per stage, at least 2), width 64, on
+    `train` (default: the embedded corpus), bytes, no eval or samples."""
     return load_config(None, {
         "run_dir": run_dir, "tpu": tpu, "strategy": strategy, "cpu_devices": cpu_devices, "precision": precision,
-        "model.n_layer": max(2, stages), "model.n_head": 4, "model.n_embd": 64, "model.max_len": 64, "model.dropout": 0.0,
+        "model.n_layer": layers or max(2, stages), "model.n_head": 4, "model.n_embd": 64, "model.max_len": 64,
+        "model.dropout": 0.0,
         "data.train": train, "data.tokenizer": "byte", "data.seq_len": 64, "data.shuffle_buffer": 64,
         "train.steps": steps, "train.steps_per_loop": max(steps // 2, 1), "train.warmup_steps": 1,
         "train.eval_every": 0, "checkpoint.every_steps": 0, "sample.num_samples": 0,
@@ -141,7 +156,41 @@ def check_devices(found: distribute.Found, name: str, reason: str, dist) -> Chec
     return Check("devices", _status(ok), f"{name} ({reason}); {dist.num_replicas} replica(s) x "
                  f"{dist.placement.stages * dist.placement.tensor} device(s); TF lists {listed}",
                  {"strategy": name, "reason": reason, "replicas": dist.num_replicas, "device_kind": dist.device_kind,
-                  "logical_devices": [d.name for d in logical], "tpu_evidence": found.tpu, "gpus": found.gpus})
+                  "logical_devices": [d.name for d in logical], "tpu_evidence": found.tpu, "gpus": found.gpus},
+                 fix="" if ok else devices_fix(found, name))
+
+
+def _tensorflow_tpus() -> int:
+    try:  # physical devices: listing them does not start the TPU runtime
+        return len(tf.config.list_physical_devices("TPU"))
+    except Exception:  # noqa: BLE001 - a broken plugin lists nothing
+        return 0
+
+
+def devices_fix(found: distribute.Found, name: str = "", remote: bool = False) -> str:
+    """What to do when the devices line failed, from what TensorFlow itself sees: the install advice
+    only when it sees no TPU where one was found."""
+    tpus = _tensorflow_tpus()
+    if found.tpu and name and name != "tpu":
+        return (f"a TPU is attached ({found.tpu}) but strategy={name} runs without it: use strategy=auto or tpu")
+    if found.gpus and name and name != "tpu":
+        return (f"TensorFlow lists {found.gpus} GPU(s) but the run used the CPU: use strategy=auto or mirrored, "
+                "and check `tpu-llm info`")
+    if found.tpu and tpus:
+        return (f"TensorFlow sees this TPU ({tpus} TPU device(s)), so its install is right: the error above is the "
+                "cause (another process holding the TPU? a TPU accepts one process at a time: stop it, or restart "
+                "the notebook's runtime)")
+    if found.tpu and remote:
+        return ("the TPU named is reached over the network: check its name, zone and this machine's credentials "
+                "(`gcloud compute tpus tpu-vm list`); on a pod run on worker 0 with TPU_NAME and TPU_LOAD_LIBRARY=0")
+    if found.tpu:
+        pjrt = os.environ.get("TF_PLUGGABLE_DEVICE_LIBRARY_PATH")
+        return ("TensorFlow lists no TPU device: install the TPU build (pip install 'tpu-llm[tpu]': "
+                "tensorflow-tpu 2.20.0 with libtpu 0.0.14, in place of the `tensorflow` wheel) and start tpu-llm "
+                "afresh (a notebook: restart its runtime), which points TensorFlow at libtpu before it starts ("
+                + (f"TF_PLUGGABLE_DEVICE_LIBRARY_PATH={pjrt} now" if pjrt else "no libtpu was found to point at")
+                + "); see docs/colab-kaggle.md")
+    return FIX["devices"]
 
 
 def check_placement(run) -> Check:
@@ -195,8 +244,7 @@ def check_placement(run) -> Check:
 def check_replicas(run) -> Check:
     replicas = run.dist.num_replicas
     if replicas < 2:
-        return Check("replicas", "SKIP", "one replica: nothing to compare (more devices, or parallel.tensor=1, "
-                     "give two)")
+        return Check("replicas", "SKIP", "one replica: nothing to compare")
     differ, total = [], 0
     for v in run.model.weights + run.optimizer.variables:
         copies = [c.numpy() for c in _copies(v)]
@@ -288,10 +336,15 @@ def check_plan(cfg: Config, dist, step_seconds: float) -> Check:
                   "ratio": ratio})
 
 
-# the memory check's model: one llama block (grouped-query attention) whose logits and scores are
-# most of its step's memory, small enough to compile in seconds anywhere
-MEMORY_PROBE = {"model.family": "llama", "model.n_layer": 1, "model.n_head": 4, "model.n_kv_head": 2,
-                "model.n_embd": 128, "model.max_len": 512, "data.seq_len": 512, "model.vocab_size": 8192,
+# the memory check's model: one llama block (grouped-query attention: 2 query heads share 1 key/value
+# head) whose logits and scores are most of its step's memory, small enough to compile in seconds
+# anywhere. Its head_dim (n_embd / n_head) is 128, as are or divide every other minor dimension (width
+# 256, sequence 512, vocabulary 8,192): a TPU lays arrays out in tiles of 128 lanes on the minor
+# dimension, so a head_dim of 32 (the probe's before) would be stored padded to 128, 4x the bytes the
+# planner counts for q, k, v and the attention output, and a healthy TPU could fail the 0.5-2x band.
+# With nothing to pad the band stays the same on every device (on CPU: 1.37x and 1.09x here).
+MEMORY_PROBE = {"model.family": "llama", "model.n_layer": 1, "model.n_head": 2, "model.n_kv_head": 1,
+                "model.n_embd": 256, "model.max_len": 512, "data.seq_len": 512, "model.vocab_size": 8192,
                 "model.bias": False, "model.dropout": 0.0, "train.batch_size": 1, "precision": "float32"}
 MEMORY_OPTIONS = {"train.loss_chunk": 128, "model.attention": "blockwise", "model.attention_block": 128}
 MEMORY_TOLERANCE = 0.02  # relative difference of the loss and the gradients: a TPU's float32 matmuls run
@@ -360,14 +413,108 @@ def check_memory(device: str) -> Check:
                  f"the plan (PASS within {MEMORY_PLAN_RATIO[0]:g}-{MEMORY_PLAN_RATIO[1]:g}x)", values)
 
 
-def layout(found: distribute.Found, cpu_devices: int, stages: int, tensor: int) -> tuple[int, int]:
-    """(stages, tensor groups): what was asked, else 2 x 2 where 8 devices give two replicas of it,
-    2 x 1 from 2 devices, 1 x 1 on one device."""
+def layout(devices: int, stages: int = 0, tensor: int = 0) -> tuple[int, int]:
+    """(pipeline stages, tensor groups) per replica of the model-parallel run on `devices` devices (TPU
+    cores, GPUs or logical CPUs): what was asked, else
+
+      4, 8, 16, ... (4 divides it)  2 x 2: both kinds of split in every replica (one replica on 4,
+                                    two on 8: v5e-4/v4-8 and v5e-8/v6e-8/v3-8 alike), all cores used
+      2                             2 x 1: the only split two cores allow (v5litepod-2)
+      1, or any other number        1 x 1: nothing to split (v5e-1, v6e-1: Colab and Kaggle); the
+                                    model-parallel line is a SKIP
+
+    On 4 cores 2 x 2 (one replica) rather than 2 x 1 (two): the data-parallel run has already checked
+    replicas over all 4 cores, so the model-parallel run spends them on what is unproven, stages and
+    tensor groups together. A TPU slice's cores come in 1, 2, 4, 8, ...; a number 4 does not divide
+    (3 or 6 GPUs) gets no default split, as a layout that leaves devices idle would say little.
+    """
     if stages and tensor:
         return stages, tensor
-    devices = cpu_devices if not (found.tpu or found.gpus) else (found.gpus or 8)  # a TPU: v5e-8/v6e-8 have 8
-    default = (2, 2) if devices >= 8 else (2, 1) if devices >= 2 else (1, 1)
+    default = (2, 2) if devices % 4 == 0 else (2, 1) if devices == 2 else (1, 1)
     return stages or default[0], tensor or default[1]
+
+
+def device_count(dist) -> int:
+    """Devices a replica of the model-parallel run may span: the data-parallel run has one replica per TPU
+    core, GPU or logical CPU. Multi-worker and parameter-server strategies keep one device per replica."""
+    return dist.num_replicas if dist.name in ("tpu", "mirrored", "default") else 1
+
+
+def _kind(dist) -> str:
+    return KINDS["tpu"] if dist.name == "tpu" else KINDS.get(dist.device_kind, "device")
+
+
+def fit_fix(devices: int, kind: str, stages: int, tensor: int, refused: bool = False) -> str:
+    """What to do when P x T per replica does not fit the machine's devices (or, `refused`, its topology)."""
+    k = stages * tensor
+    where = "this TPU" if kind == KINDS["tpu"] else "this machine"
+    if refused:
+        return (f"{where} has {devices} {kind}(s), but its topology cannot be cut into blocks of {k} neighbouring "
+                f"cores ({stages} x {tensor}; the line above lists the valid sizes): pass --stages/--tensor whose "
+                "product is one of them, or leave them at 0 for the layout doctor picks")
+    fits = [f"{p} x {t}" for p, t in ((2, 1), (2, 2), (4, 1), (4, 2)) if devices % (p * t) == 0]
+    return (f"{where} has {devices} {kind}(s); {stages} x {tensor} = {k} {kind}(s) per replica needs a multiple of "
+            f"{k}: pass --stages/--tensor whose product divides {devices}"
+            + (f" ({', '.join(fits)})" if fits else " (none: model parallelism needs 2 or more)")
+            + ", or leave them at 0 for the layout doctor picks")
+
+
+def check_model_parallel(make_cfg, found: distribute.Found, dist, stages: int, tensor: int, steps: int,
+                         reference_loss: float) -> Check:
+    """The same model in `stages` x `tensor` per replica, trained `steps` steps on the same batches as the
+    data-parallel run (`make_cfg(stages, tensor)` gives its config): placement, replicas, and the mean
+    loss against `reference_loss`, the data-parallel run's."""
+    devices, kind = device_count(dist), _kind(dist)
+    layout_text = f"{stages} stage(s) x {tensor} tensor group(s)"
+    if stages * tensor == 1:
+        why = (f"{devices} {kind}(s): nothing to split" if dist.name in ("tpu", "mirrored", "default") else
+               f"strategy {dist.name} runs one device per replica")
+        return Check("model parallel", "SKIP", f"{why} (pipeline stages and tensor groups need 2+ per replica; "
+                     "--stages/--tensor choose them)", {"devices": devices, "stages": stages, "tensor": tensor})
+    values = {"devices": devices, "kind": kind, "stages": stages, "tensor": tensor}
+    if devices % (stages * tensor):
+        return Check("model parallel", "FAIL", f"{layout_text} per replica do not fit {devices} {kind}(s)", values,
+                     fix=fit_fix(devices, kind, stages, tensor))
+    cfg = make_cfg(stages, tensor)
+    try:
+        mp_dist = distribute.get_strategy(cfg, found)
+    except UserError as e:  # e.g. tpu.device_assignment: the block does not fit this slice's topology
+        return Check("model parallel", "FAIL", f"{layout_text}: {e}", values,
+                     fix=fit_fix(devices, kind, stages, tensor, refused=True))
+    try:
+        run = controller.build_run(cfg, mp_dist)
+        loss = run_model_parallel(run, steps)
+        placement, replicas = check_placement(run), check_replicas(run)
+    except Exception as e:  # noqa: BLE001 - what broke on this machine is the finding
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return Check("model parallel", "FAIL", f"{layout_text} stopped: {type(e).__name__}: {first}", values)
+    rel = abs(loss - reference_loss) / abs(reference_loss) if reference_loss else float("inf")
+    values.update(loss=loss, data_parallel_loss=reference_loss, relative=rel, replicas=mp_dist.num_replicas,
+                  placement=placement.values, replicas_check=replicas.values)
+    problems = [c.numbers for c in (placement, replicas) if c.status == "FAIL"]
+    if not (np.isfinite(loss) and rel <= MODEL_PARALLEL_TOLERANCE):
+        problems.append(f"mean loss {loss:.4f} vs data-parallel {reference_loss:.4f} ({100 * rel:.2f}% apart, "
+                        f"tolerance {100 * MODEL_PARALLEL_TOLERANCE:g}%)")
+    if problems:
+        return Check("model parallel", "FAIL", f"{layout_text} x {mp_dist.num_replicas} replica(s): {problems[0]}",
+                     values)
+    return Check("model parallel", "PASS", f"{mp_dist.num_replicas} replica(s) on {devices} {kind}(s), "
+                 f"{placement.numbers}; {'replicas bit-identical' if replicas.status == 'PASS' else 'one replica'}; "
+                 f"mean loss {loss:.4f} vs data-parallel {reference_loss:.4f} ({100 * rel:.3f}%)", values)
+
+
+def run_model_parallel(run, steps: int) -> float:
+    """The model-parallel run's mean loss over `steps` steps (a seam for tests)."""
+    return run.trainer.run(run.train_iterator, steps, run.cfg.train.steps_per_loop)["loss"]
+
+
+def _guarded(name: str, check, *args) -> Check:
+    """check(*args), or that check's FAIL with the error when it crashes (the other lines still run)."""
+    try:
+        return check(*args)
+    except Exception as e:  # noqa: BLE001 - what broke on this machine is the doctor's finding
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return Check(name, "FAIL", f"the check stopped: {type(e).__name__}: {first}")
 
 
 def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu_devices: int = 8,
@@ -381,12 +528,14 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
 
     probe = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, 1, 1, steps)
     found = distribute.look_around(probe)
-    stages, tensor = layout(found, cpu_devices, stages, tensor)
-
+    try:
+        remote = bool(found.tpu) and tpus.is_remote(tpu)
+    except UserError:  # tpu=local without chips: the devices line says so
+        remote = False
     # a remote TPU (a pod from worker 0, tpu=<name>) reads its data from shared storage, never local files
-    train = stage_data(os.path.join(work, "data")) if found.tpu and tpus.is_remote(tpu) and \
-        tpus.shared_storage(run_dir) else ""
-    cfg = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, stages, tensor, steps, train=train)
+    train = stage_data(os.path.join(work, "data")) if remote and tpus.shared_storage(run_dir) else ""
+    # data parallel first: one replica per TPU core, GPU or logical CPU, no stages, no tensor groups
+    cfg = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, 1, 1, steps, train=train)
     checks: list[Check] = []
     say(f"doctor    tensorflow {tf.__version__}, keras {keras.__version__}; runs in {work}")
     for line in found.describe():
@@ -395,11 +544,24 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
         name, reason = distribute.choose(cfg, found)
         dist = distribute.get_strategy(cfg, found)
     except UserError as e:
-        checks.append(Check("devices", "FAIL", str(e)))
+        checks.append(Check("devices", "FAIL", str(e), fix=devices_fix(found, remote=remote)))
         return _finish(checks, run_dir, started, say)
     checks.append(check_devices(found, name, reason, dist))
-    batch = dist.num_replicas * cfg.parallel.microbatches * 4
+    devices = device_count(dist)
+    stages, tensor = layout(devices, stages, tensor)
+    layers = max(2, stages)  # both runs train the same model: one block per stage of the model-parallel run
+    cfg.model.n_layer = layers
+    # the same global batch in both runs, split evenly into either's replicas and micro-batches, so the
+    # two runs see the same windows (one input pipeline per host, cut into per-replica batches)
+    batch = devices * cfg.parallel.microbatches * 4
     cfg.train.batch_size = batch
+
+    def make_cfg(p: int, t: int, precision: str = "float32", where: str = "model-parallel") -> Config:
+        c = tiny_config(os.path.join(work, where), tpu, strategy, cpu_devices, p, t, steps, precision=precision,
+                        train=train, layers=layers)
+        c.train.batch_size = batch
+        return c
+
     try:
         f32 = controller.build_run(cfg, dist)
         half = steps // 2 or 1
@@ -408,24 +570,25 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
         second = f32.trainer.run(f32.train_iterator, steps - half, steps - half)
         step_seconds = (time.perf_counter() - start) / max(steps - half, 1)
         f32_loss = (first["loss"] * half + second["loss"] * (steps - half)) / steps
-        checks.append(check_placement(f32))
-        checks.append(check_replicas(f32))
-        bf16_cfg = tiny_config(os.path.join(work, "bfloat16"), tpu, strategy, cpu_devices, stages, tensor, steps,
-                               precision="mixed_bfloat16", train=train)
-        bf16_cfg.train.batch_size = batch
+    except Exception as e:  # noqa: BLE001 - what broke on this machine is the doctor's finding
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        checks.append(Check("run", "FAIL", f"the tiny data-parallel run stopped: {type(e).__name__}: {first_line}"))
+        return _finish(checks, run_dir, started, say)
+    checks.append(_guarded("replicas", check_replicas, f32))
+
+    def bfloat16() -> Check:
         try:
-            bf16 = controller.build_run(bf16_cfg, dist)
-            bf16_loss = bf16.trainer.run(bf16.train_iterator, steps, steps)["loss"]
+            bf16 = controller.build_run(make_cfg(1, 1, "mixed_bfloat16", "bfloat16"), dist)
+            return check_bfloat16(f32_loss, bf16.trainer.run(bf16.train_iterator, steps, steps)["loss"])
         finally:
             keras.mixed_precision.set_global_policy("float32")
-        checks.append(check_bfloat16(f32_loss, bf16_loss))
-        checks.append(check_checkpoint(f32))
-        checks.append(check_input(input_windows_per_second(f32), step_seconds, batch))
-        checks.append(check_plan(cfg, dist, step_seconds))
-        checks.append(check_memory(first_device(dist.strategy)))
-    except Exception as e:  # noqa: BLE001 - what broke on this machine is the doctor's finding
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        checks.append(Check("run", "FAIL", f"the tiny run stopped: {type(e).__name__}: {first}"))
+    checks.append(_guarded("bfloat16", bfloat16))
+    checks.append(_guarded("checkpoint", check_checkpoint, f32))
+    checks.append(_guarded("input", lambda: check_input(input_windows_per_second(f32), step_seconds, batch)))
+    checks.append(_guarded("plan", check_plan, cfg, dist, step_seconds))
+    checks.append(_guarded("memory", check_memory, first_device(dist.strategy)))
+    # the least proven path last, on its own line
+    checks.append(check_model_parallel(make_cfg, found, dist, stages, tensor, steps, f32_loss))
     return _finish(checks, run_dir, started, say)
 
 
@@ -433,7 +596,7 @@ def _finish(checks: list[Check], run_dir: str, started: float, say) -> list[Chec
     for check in checks:
         say(check.line())
         if check.status == "FAIL":
-            say(f"      fix: {FIX.get(check.name, 'see the line above')}")
+            say(f"      fix: {check.fix or FIX.get(check.name, 'see the line above')}")
     seconds = time.perf_counter() - started
     report = {"seconds": seconds, "tensorflow": tf.__version__, "keras": keras.__version__,
               "passed": all(c.status != "FAIL" for c in checks), "checks": [dataclasses.asdict(c) for c in checks]}

@@ -86,6 +86,9 @@ def set_precision(cfg: Config, dist: Distribution) -> str:
     precision = cfg.precision
     if precision == "auto":
         precision = "mixed_bfloat16" if dist.name == "tpu" else "float32"
+    if precision == "mixed_float16" and dist.name == "tpu":  # TPUs compute in bfloat16, without loss scaling
+        raise UserError("precision=mixed_float16 is for GPUs; a TPU computes in bfloat16: use "
+                        "precision=mixed_bfloat16 (or auto, which picks it on a TPU)")
     keras.mixed_precision.set_global_policy(precision)
     return precision
 
