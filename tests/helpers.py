@@ -244,43 +244,23 @@ def make_topology(mesh, host, shuffle=False):
     return tf.tpu.experimental.Topology(mesh_shape=mesh, device_coordinates=np.array(tasks, dtype=np.int32))
 
 
-class _Device:
-    def __init__(self, name):
-        self.name = name
+def offline_resolver(topology=None):
+    """tools/placement_audit.py's OfflineTPUResolver for a hand-built one-host `topology` (default: 4
+    cores, a v4-8's 2x2 chips), so TF's own TPUStrategy is built offline (no TPU needed). Imported on
+    use: nothing in this module may start TensorFlow at import."""
+    from tpu_llm.tools.placement_audit import OfflineTPUResolver
 
-
-class OfflineTPUResolver(tf.distribute.cluster_resolver.ClusterResolver):
-    """What TPUStrategy asks a resolver, answered for the TPU cores of a hand-built one-host `topology`
-    (default: 4 cores, a v4-8's 2x2 chips), so TF's own TPUStrategy is built offline (no TPU needed)."""
-
-    def __init__(self, topology=None):
-        self.topology = topology if topology is not None else make_topology([2, 2, 1, 1], [2, 2, 1, 1])
-        self.cores = self.topology.num_tasks * self.topology.num_tpus_per_task
-
-    def cluster_spec(self):
-        return tf.train.ClusterSpec({})
-
-    def master(self, *_, **__):
-        return ""
-
-    def num_accelerators(self, *_, **__):
-        return {"TPU": self.cores}
-
-    def get_tpu_system_metadata(self):
-        devices = [_Device(f"/job:localhost/replica:0/task:0/device:TPU:{i}") for i in range(self.cores)]
-        return tf.tpu.experimental.TPUSystemMetadata(
-            num_cores=self.cores, num_hosts=1, num_of_cores_per_host=self.cores, topology=self.topology,
-            devices=devices + [_Device("/job:localhost/replica:0/task:0/device:CPU:0")])
+    return OfflineTPUResolver(topology if topology is not None else make_topology([2, 2, 1, 1], [2, 2, 1, 1]))
 
 
 def offline_tpu(monkeypatch, topology=None) -> list:
     """Make tpu.connect / tpu.tpu_strategy (and so distribute.get_strategy with a TPU found) reach an
     offline TPU of `topology`'s cores: TF's own TPUStrategy and DeviceAssignment on an
-    OfflineTPUResolver, no connection, a fresh connection cache. Returns the list that records each
+    offline_resolver, no connection, a fresh connection cache. Returns the list that records each
     initialize_tpu_system call."""
     from tpu_llm.parallel import tpu
 
-    resolver, initialized = OfflineTPUResolver(topology), []
+    resolver, initialized = offline_resolver(topology), []
 
     def initialize(r):
         initialized.append(r)

@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import OfflineTPUResolver, tiny_config
+from helpers import offline_resolver, tiny_config
 from tensorflow.python.distribute import tpu_strategy as tf_tpu_strategy
 from tensorflow.python.eager import context
 
@@ -27,7 +27,7 @@ from tpu_llm.training.optimizer import make_optimizer
 
 
 def offline_tpu_strategy(cores_per_replica):
-    resolver = OfflineTPUResolver()
+    resolver = offline_resolver()
     return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=tpu.device_assignment(
         resolver.topology, cores_per_replica))
 

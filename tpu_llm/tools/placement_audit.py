@@ -53,10 +53,12 @@ class _Device:
 
 
 class OfflineTPUResolver(tf.distribute.cluster_resolver.ClusterResolver):
-    """What TPUStrategy asks a resolver, answered for `cores` TPU cores on one host (no TPU needed)."""
+    """What TPUStrategy asks a resolver, answered for the cores of a hand-built one-host `topology` (no
+    TPU needed). The tests build other topologies with it too (tests/helpers.py offline_resolver)."""
 
-    def __init__(self, cores: int):
-        self.cores, self.topology = cores, topology(cores)
+    def __init__(self, topology):
+        self.topology = topology
+        self.cores = topology.num_tasks * topology.num_tpus_per_task
 
     def cluster_spec(self):
         return tf.train.ClusterSpec({})
@@ -75,7 +77,7 @@ class OfflineTPUResolver(tf.distribute.cluster_resolver.ClusterResolver):
 
 
 def offline_tpu_strategy(cores_per_replica: int, cores: int) -> tf.distribute.TPUStrategy:
-    resolver = OfflineTPUResolver(cores)
+    resolver = OfflineTPUResolver(topology(cores))
     return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=tpu.device_assignment(
         resolver.topology, cores_per_replica))
 
