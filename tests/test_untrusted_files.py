@@ -93,6 +93,151 @@ def assert_one_line(err: str, *words: str) -> None:
         assert word in err, (word, err)
 
 
+# ---- safetensors: the defects --------------------------------------------------------------------------
+
+OFFSETS = [0, 300 * 32 * 4]  # WTE's place in write_gpt2's file: the first tensor
+DAMAGES = {  # what a downloaded header may hold -> a word the refusal names
+    "offsets-before-the-data": (with_entry(WTE, data_offsets=[-1000, OFFSETS[1] - 1000]), "data_offsets [-1000"),
+    "end-offset-2^62": (with_entry(WTE, data_offsets=[0, 2**62]), "outside the file"),
+    "offsets-past-the-data": (with_entry(WTE, data_offsets=[10**6, 10**6 + OFFSETS[1]]), "outside the file"),
+    "overlapping-tensors": (with_entry("transformer.wpe.weight", data_offsets=[0, 32 * 32 * 4]), "overlap"),
+    "size-not-the-shapes": (with_entry(WTE, shape=[300, 31]), "bytes"),
+    "negative-shape": (with_entry(WTE, shape=[-300, -32]), "shape"),
+    "float-shape": (with_entry(WTE, shape=[300.0, 32]), "shape"),
+    "bool-shape": (with_entry(WTE, shape=[True, 32]), "shape"),
+    "shape-not-a-list": (with_entry(WTE, shape="300x32"), "shape"),
+    "header-a-list": (lambda h: [1, 2], "not an object"),
+    "entry-a-string": (lambda h: {**h, WTE: "x"}, WTE),
+    "offsets-strings": (with_entry(WTE, data_offsets=[str(o) for o in OFFSETS]), "data_offsets"),
+    "three-offsets": (with_entry(WTE, data_offsets=[0, 0, OFFSETS[1]]), "data_offsets"),
+    "unknown-dtype": (with_entry(WTE, dtype="Q7"), "dtype"),
+    "dtype-not-text": (with_entry(WTE, dtype=["F32"]), "dtype"),
+    "no-dtype": (lambda h: {**h, WTE: {"shape": [300, 32], "data_offsets": OFFSETS}}, "dtype"),
+    "metadata-not-text": (lambda h: {**h, "__metadata__": {"format": 1}}, "__metadata__"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_header_is_refused_when_the_reader_is_made_naming_the_file_and_tensor(gpt2_dir, tmp_path, damage):
+    edit, word = DAMAGES[damage]
+    folder = damaged(copy_of(gpt2_dir, tmp_path / "src"), edit)
+    with time_limit(5), pytest.raises(UserError) as refused:
+        safetensors_io.Reader(str(folder))  # before any tensor is read: a bad offset never reaches a read
+    message = str(refused.value)
+    assert "\n" not in message and str(folder / "model.safetensors") in message and word in message, message
+    assert "download the file again" in message, message
+
+
+@pytest.mark.parametrize("damage", ["offsets-before-the-data", "overlapping-tensors", "float-shape", "header-a-list"])
+def test_import_refuses_a_damaged_header_in_one_line_and_writes_nothing(gpt2_dir, tmp_path, capsys, damage):
+    edit, word = DAMAGES[damage]
+    folder = damaged(copy_of(gpt2_dir, tmp_path / "src"), edit)
+    status, err = import_(folder, tmp_path / "run", capsys)
+    assert status == 2
+    assert_one_line(err, word, "model.safetensors")
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_leaves_an_empty_target_as_it_was_when_it_refuses_a_checkpoint(gpt2_dir, tmp_path, capsys):
+    folder = damaged(copy_of(gpt2_dir, tmp_path / "src"), DAMAGES["offsets-before-the-data"][0])
+    (tmp_path / "run").mkdir()
+    before = snapshot(tmp_path / "run")
+    status, err = import_(folder, tmp_path / "run", capsys)
+    assert status == 2 and snapshot(tmp_path / "run") == before
+    assert_one_line(err, "outside the file")
+
+
+@pytest.mark.parametrize("header_length", [0, 7, 1 << 40, 147_000])
+def test_a_header_length_past_the_file_or_the_cap_is_refused_before_reading(gpt2_dir, tmp_path, header_length):
+    folder = copy_of(gpt2_dir, tmp_path / "src")
+    path = folder / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", header_length) + path.read_bytes()[8:])
+    with time_limit(5), pytest.raises(UserError, match="not a safetensors file"):
+        safetensors_io.Reader(str(folder))
+
+
+def test_a_name_given_twice_in_a_header_is_refused(gpt2_dir, tmp_path):
+    folder = copy_of(gpt2_dir, tmp_path / "src")
+    path = folder / "model.safetensors"
+    header, data = read_file(path)
+    text = json.dumps(header)
+    entry = json.dumps({WTE: header[WTE]})[1:-1]
+    text = "{" + entry + ", " + text[1:]  # WTE twice: json keeps the last, hiding the first from the checks
+    path.write_bytes(struct.pack("<Q", len(text)) + text.encode() + data)
+    with pytest.raises(UserError, match="appears twice"):
+        safetensors_io.Reader(str(folder))
+
+
+@pytest.mark.slow
+def test_an_end_offset_of_2_to_the_62_is_one_line_not_a_segfault(gpt2_dir, tmp_path):
+    """Before: the import read (end - begin) bytes and the process died of SIGSEGV (exit 139)."""
+    folder = damaged(copy_of(gpt2_dir, tmp_path / "src"), with_entry(WTE, data_offsets=[0, 2**62]))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run([sys.executable, "-m", "tpu_llm", "import", "--from", str(folder), "--run_dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert_one_line(done.stderr, "data_offsets [0, 4611686018427387904]", "outside the file")
+
+
+# ---- the shard index --------------------------------------------------------------------------------------
+
+
+def sharded(folder: Path, shard: str) -> Path:
+    """`folder` with its one file named by an index as the shard `shard` (the file moved there when local)."""
+    with open(folder / safetensors_io.INDEX_FILE, "w") as f:
+        json.dump({"weight_map": {WTE: shard}}, f)
+    return folder
+
+
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "sub/../../outside.safetensors",
+                                   "C:/model.safetensors", "gs://bucket/model.safetensors", "", "."])
+def test_a_shard_index_names_files_inside_the_checkpoint_only(gpt2_dir, tmp_path, shard):
+    (tmp_path / "outside.safetensors").write_bytes((gpt2_dir / "model.safetensors").read_bytes())
+    folder = sharded(copy_of(gpt2_dir, tmp_path / "src"), shard)
+    with pytest.raises(UserError, match=r"model.safetensors.index.json names shard .*a shard is a file inside"):
+        safetensors_io.Reader(str(folder))
+
+
+def test_a_shard_that_links_out_of_the_checkpoint_is_refused(gpt2_dir, tmp_path):
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((gpt2_dir / "model.safetensors").read_bytes())
+    folder = sharded(copy_of(gpt2_dir, tmp_path / "src"), "model-00001-of-00001.safetensors")
+    (folder / "model-00001-of-00001.safetensors").symlink_to(outside)
+    with pytest.raises(UserError, match=r"is a link to .*outside.safetensors, outside .*copy the file itself"):
+        safetensors_io.Reader(str(folder))
+    os.remove(folder / safetensors_io.INDEX_FILE)  # the single file too
+    os.remove(folder / "model.safetensors")
+    (folder / "model.safetensors").symlink_to(outside)
+    with pytest.raises(UserError, match="is a link to"):
+        safetensors_io.Reader(str(folder))
+
+
+def test_a_hugging_face_cache_snapshot_links_into_its_blobs_and_is_read(gpt2_dir, tmp_path):
+    """huggingface_hub's cache: models--ORG--NAME/snapshots/REV/FILE -> ../../blobs/HASH."""
+    model = tmp_path / "hub" / "models--org--tiny"
+    (model / "blobs").mkdir(parents=True)
+    snapshot_dir = model / "snapshots" / "0123abc"
+    snapshot_dir.mkdir(parents=True)
+    (model / "blobs" / "f00d").write_bytes((gpt2_dir / "model.safetensors").read_bytes())
+    (snapshot_dir / "model.safetensors").symlink_to("../../blobs/f00d")
+    reader = safetensors_io.Reader(str(snapshot_dir))
+    assert reader.get(WTE).shape == (300, 32)
+
+
+def test_a_tensor_in_two_shards_or_an_index_of_the_wrong_shape_is_refused(gpt2_dir, tmp_path):
+    folder = copy_of(gpt2_dir, tmp_path / "src")
+    os.rename(folder / "model.safetensors", folder / "a.safetensors")
+    (folder / "b.safetensors").write_bytes((folder / "a.safetensors").read_bytes())
+    with open(folder / safetensors_io.INDEX_FILE, "w") as f:
+        json.dump({"weight_map": {WTE: "a.safetensors", "transformer.wpe.weight": "b.safetensors"}}, f)
+    with pytest.raises(UserError, match=f"tensor '{WTE}' is in both .*a.safetensors and .*b.safetensors"):
+        safetensors_io.Reader(str(folder))
+    for index in ("[1]", '{"weight_map": [1]}', '{"weight_map": {"x": 1}}', "{" * 100_000, "not json"):
+        (folder / safetensors_io.INDEX_FILE).write_text(index)
+        with pytest.raises(UserError, match="is not a shard index"):
+            safetensors_io.Reader(str(folder))
+
+
 # ---- the YAML config and its flags -------------------------------------------------------------------------
 
 
