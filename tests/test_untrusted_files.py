@@ -238,6 +238,91 @@ def test_a_tensor_in_two_shards_or_an_index_of_the_wrong_shape_is_refused(gpt2_d
             safetensors_io.Reader(str(folder))
 
 
+# ---- config.json ------------------------------------------------------------------------------------------
+
+
+def with_config(folder: Path, config) -> Path:
+    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("config, words", [
+    ({k: v for k, v in GPT2_CONFIG.items() if k != "n_embd"}, ["config.json has no n_embd"]),
+    ([GPT2_CONFIG], ["config.json is a JSON list, not an object"]),
+    ("{", ["config.json is not valid JSON"]),
+    ("[" * 100_000, ["config.json is not valid JSON (nested too deeply)"]),
+    ({**GPT2_CONFIG, "n_layer": "2"}, ['n_layer="2" is not an integer >= 1']),
+    ({**GPT2_CONFIG, "n_head": 0}, ["n_head=0 is not an integer >= 1"]),
+    ({**GPT2_CONFIG, "resid_pdrop": "x"}, ['resid_pdrop="x" is not a finite number']),
+    ({**GPT2_CONFIG, "architectures": 5}, ["architectures=5 is not supported"]),
+    ({**GPT2_CONFIG, "architectures": [{"a": 1}]}, ["architectures=[{\"a\": 1}] is not supported"]),
+    ({**GPT2_CONFIG, "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 2,
+      "num_hidden_layers": 1, "intermediate_size": 64, "max_position_embeddings": 32, "rope_scaling": "yes"},
+     ['rope_scaling="yes" is not an object']),
+])
+def test_a_config_json_tpu_llm_cannot_read_is_one_line(gpt2_dir, tmp_path, capsys, config, words):
+    folder = with_config(copy_of(gpt2_dir, tmp_path / "src"), config)
+    status, err = import_(folder, tmp_path / "run", capsys)
+    assert status == 2
+    assert_one_line(err, *words)
+
+
+@pytest.mark.parametrize("field, value, cap", [("n_layer", 10**9, "model.n_layer"), ("n_embd", 2**21, "model.n_embd"),
+                                               ("vocab_size", 10**8, "model.vocab_size"),
+                                               ("n_positions", 2**30, "model.max_len")])
+def test_sizes_in_config_json_are_capped_and_refused_at_once(gpt2_dir, tmp_path, capsys, field, value, cap):
+    """Before: n_layer 10^9 grew without bound (1.67 GB after 137 s, no output)."""
+    folder = with_config(copy_of(gpt2_dir, tmp_path / "src"), {**GPT2_CONFIG, field: value})
+    start = time.perf_counter()
+    with time_limit(10):
+        status, err = import_(folder, tmp_path / "run", capsys)
+    assert status == 2 and time.perf_counter() - start < 2
+    assert_one_line(err, f"config.json: {field}={value} is more than tpu-llm's cap of {CAPS[cap][0]:,}")
+
+
+def test_a_config_json_of_2e12_parameters_is_refused(gpt2_dir, tmp_path, capsys):
+    config = {**GPT2_CONFIG, "n_layer": 9000, "n_embd": 8192, "n_head": 64}  # 12 L C^2 = 7.2e12
+    with time_limit(10):  # before: building it, for hours
+        status, err = import_(with_config(copy_of(gpt2_dir, tmp_path / "src"), config), tmp_path / "run", capsys)
+    assert status == 2
+    assert_one_line(err, "parameters", f"more than the cap of {MAX_PARAMS:.0e}")
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"n_layer": 40}, ["the checkpoint lacks tensor transformer.h.2.ln_1.weight (456 missing)"]),
+    ({"n_embd": 64}, [f"tensor {WTE} has shape [300, 32], config.json implies [300, 64]"]),
+    ({"vocab_size": 512}, [f"tensor {WTE} has shape [300, 32], config.json implies [512, 32]"]),
+])
+def test_names_and_shapes_are_compared_with_config_json_before_a_model_is_built(gpt2_dir, tmp_path, capsys, monkeypatch,
+                                                                                change, words):
+    folder = with_config(copy_of(gpt2_dir, tmp_path / "src"), {**GPT2_CONFIG, **change})
+    monkeypatch.setattr(hf, "GPT", lambda *a, **k: pytest.fail("the model was built before the checks"))
+    status, err = import_(folder, tmp_path / "run", capsys)
+    assert status == 2
+    assert_one_line(err, *words)
+
+
+def test_an_integer_dtype_on_a_weight_is_refused_before_the_model_is_built(gpt2_dir, tmp_path, capsys, monkeypatch):
+    folder = damaged(copy_of(gpt2_dir, tmp_path / "src"), with_entry(WTE, dtype="I32"))  # same size: a valid file
+    monkeypatch.setattr(hf, "GPT", lambda *a, **k: pytest.fail("the model was built before the checks"))
+    status, err = import_(folder, tmp_path / "run", capsys)
+    assert status == 2
+    assert_one_line(err, f"tensor {WTE} has dtype I32; a weight is F32, BF16, F16")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_shapes_import_expects_are_the_built_models(family):
+    """hf.variable_shapes (what a checkpoint is compared with before building) against the variables."""
+    from helpers import LLAMA, tiny_model
+
+    model = tiny_model(n_layer=2, **(LLAMA if family == "llama" else {}))
+    model.cfg.vocab_size = model.vocab_size
+    shapes = hf.variable_shapes(model.cfg)
+    variables = hf._variables(model)
+    for _, path, _ in hf.weights(model.cfg):
+        assert tuple(variables[path].shape) == shapes[path.split("/", 1)[1] if path.startswith("block_") else path], path
+
+
 # ---- the YAML config and its flags -------------------------------------------------------------------------
 
 
