@@ -391,3 +391,53 @@ def test_a_yaml_config_over_1_mb_is_refused_before_it_is_parsed(tmp_path):
     path.write_text("# " + "x" * (1 << 20) + "\n")
     with time_limit(5), pytest.raises(UserError, match=r"big.yaml: 1,048,579 bytes, more than the 1,048,576"):
         load_config(str(path))
+
+
+# ---- tokenizer files ---------------------------------------------------------------------------------------
+
+
+def test_a_tokenizer_json_nested_100k_deep_is_one_line(gpt2_dir, tmp_path, capsys):
+    """Before: RecursionError, a traceback."""
+    from tpu_llm.tokenizers import load_hf_tokenizer
+
+    folder = copy_of(gpt2_dir, tmp_path / "src")
+    (folder / "tokenizer.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(UserError, match="tokenizer.json: Hugging Face's tokenizers .* cannot read it"):
+        load_hf_tokenizer(str(folder))
+    (folder / "tokenizer_config.json").write_text("[" * 100_000)
+    with pytest.raises(UserError, match=r"tokenizer_config.json is not valid JSON \(nested too deeply\)"):
+        load_hf_tokenizer(str(folder))
+
+
+def test_a_500_mb_tokenizer_json_is_refused_before_it_is_read(gpt2_dir, tmp_path, capsys):
+    """Before: read and parsed, 2.2 GB of memory. A sparse file: no disk used."""
+    folder = copy_of(gpt2_dir, tmp_path / "src")
+    with open(folder / "tokenizer.json", "r+b") as f:
+        f.truncate(500 << 20)
+    before = peak_rss_mb()
+    start = time.perf_counter()
+    status, err = import_(folder, tmp_path / "run", capsys)
+    assert status == 2 and time.perf_counter() - start < 5
+    assert_one_line(err, "tokenizer.json is 524,288,000 bytes, more than the 104,857,600 a tokenizer file may have")
+    assert peak_rss_mb() - before < 100
+
+
+@pytest.mark.parametrize("spec, words", [
+    ('{"kind": "char", "chars": ' * 50_000, ["is not a readable tokenizer file"]),
+    ('{"kind": "hf", "model": "../../../etc/passwd", "eos_token": "x"}', ["names the model file '../../../etc/passwd'"]),
+    ('{"kind": "sentencepiece", "model": "/etc/passwd"}', ["names the model file '/etc/passwd'"]),
+    ('{"kind": "hf", "model": ["x"], "eos_token": "x"}', ["model is not text"]),
+    ('{"kind": "hf", "model": "hf_tokenizer.json", "eos_token": 5}', ["eos_token is not text"]),
+    ('{"kind": "char", "chars": 12}', ["chars is not text"]),
+    ('{"kind": [[[]]]}', ["is not a readable tokenizer file"]),
+    ('["byte"]', ["is not a readable tokenizer file"]),
+])
+def test_our_tokenizer_spec_from_elsewhere_is_one_line(tmp_path, spec, words):
+    from tpu_llm.tokenizers import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text(spec)
+    (tmp_path / "hf_tokenizer.json").write_text("{}")
+    with time_limit(5), pytest.raises(UserError) as refused:
+        load_tokenizer(str(tmp_path))
+    message = str(refused.value)
+    assert "\n" not in message and all(word in message for word in words), message
