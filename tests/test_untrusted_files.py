@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import GPT2_CONFIG, peak_rss_mb, sample, snapshot, time_limit, write_gpt2
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from tpu_llm import cli
 from tpu_llm.config import CAPS, MAX_PARAMS, load_config
@@ -441,3 +443,291 @@ def test_our_tokenizer_spec_from_elsewhere_is_one_line(tmp_path, spec, words):
         load_tokenizer(str(tmp_path))
     message = str(refused.value)
     assert "\n" not in message and all(word in message for word in words), message
+
+
+# ---- properties: whatever the file holds, success or one UserError ---------------------------------------
+
+# Derandomized (the same examples on every run: CI is reproducible) and small: all of them take well
+# under 30 s. `deadline` flags a slow example; `bounded` below fails a hang or a large allocation.
+PROPERTY = settings(max_examples=200, deadline=3000, derandomize=True, database=None, print_blob=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+SECONDS, MEGABYTES = 10, 200  # per example: no input of a few KB may take more
+
+SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=12)
+           | st.sampled_from([0, 1, -1, 2, 2**31, 2**32, 2**62, 2**63, 2**64, 10**9, -2**63])
+           | st.floats(allow_nan=True, allow_infinity=True))
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                          max_size=4), max_leaves=10)
+
+
+def refused_or_done(call):
+    """Run `call`: its result, or the message of the one UserError it raised (one line); any other
+    exception fails the test, as do more than SECONDS or a peak memory MEGABYTES above the one before."""
+    before = peak_rss_mb()
+    try:
+        with time_limit(SECONDS):
+            result = call()
+        event("read")  # --hypothesis-show-statistics: how many examples were read, how many refused
+        return result
+    except UserError as e:
+        message = str(e)
+        assert "\n" not in message and 0 < len(message) < 4000, message
+        event("refused")
+        return message
+    finally:
+        assert peak_rss_mb() - before < MEGABYTES, f"{peak_rss_mb() - before:.0f} MB"
+
+
+def mutate(data, value, values=JSON):
+    """`value` (JSON) with one node, reached by a random walk from the root, replaced or deleted."""
+    if not isinstance(value, (dict, list)) or not value or data.draw(st.integers(0, 3)) == 0:
+        return data.draw(values)
+    key = data.draw(st.sampled_from(sorted(value) if isinstance(value, dict) else range(len(value))))
+    value = dict(value) if isinstance(value, dict) else list(value)
+    if data.draw(st.integers(0, 5)) == 0:
+        del value[key]
+    else:
+        value[key] = mutate(data, value[key], values)
+    return value
+
+
+def damage_bytes(data, raw: bytes) -> bytes:
+    """`raw` with a few bytes flipped, cut short, or with bytes appended."""
+    how = data.draw(st.sampled_from(["flip", "truncate", "append"]))
+    if how == "truncate":
+        return raw[:data.draw(st.integers(0, max(len(raw) - 1, 0)))]
+    if how == "append":
+        return raw + data.draw(st.binary(min_size=1, max_size=64))
+    out = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, len(out) - 1))
+        out[at] ^= data.draw(st.integers(1, 255))
+    return bytes(out)
+
+
+# -- safetensors
+
+NAMES = st.text(alphabet="abcxyz.0_", min_size=1, max_size=6)
+SHAPES = st.lists(st.integers(0, 5), max_size=3)
+
+
+def valid_file(data) -> tuple[bytes, dict]:
+    """A small valid safetensors file (our writer) and its tensors."""
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    codes = sorted(safetensors_io.DTYPES)
+    tensors = {name: sample(rng, data.draw(st.sampled_from(codes)), tuple(data.draw(SHAPES)))
+               for name in data.draw(st.lists(NAMES, min_size=1, max_size=4, unique=True))}
+    buffer = io.BytesIO()
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": safetensors_io.CODES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header).encode()
+    buffer.write(struct.pack("<Q", len(text)) + text + b"".join(a.tobytes() for a in tensors.values()))
+    return buffer.getvalue(), header
+
+
+ENTRY_VALUES = (JSON | st.sampled_from(sorted(safetensors_io.ITEMSIZES))
+                | st.lists(st.integers(-2**64, 2**64) | st.sampled_from([0, 1, 2**62]), max_size=3))
+
+
+def damaged_file(data) -> bytes:
+    raw, header = valid_file(data)
+    how = data.draw(st.sampled_from(["entry", "entry", "header", "bytes", "length"]))
+    body = raw[8 + struct.unpack("<Q", raw[:8])[0]:]
+    if how == "entry":  # one field of one entry: offsets, shape, dtype
+        name = data.draw(st.sampled_from(sorted(header)))
+        field = data.draw(st.sampled_from(["dtype", "shape", "data_offsets", "extra"]))
+        header[name] = {**header[name], field: data.draw(ENTRY_VALUES)}
+        if data.draw(st.booleans()):
+            header["__metadata__"] = data.draw(JSON)
+    elif how == "header":
+        header = mutate(data, header, ENTRY_VALUES)
+    elif how == "bytes":
+        return damage_bytes(data, raw)
+    else:  # the header length
+        text = json.dumps(header).encode()
+        return struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1))) + text + body
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + body
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("scratch")
+
+
+@PROPERTY
+@given(data=st.data())
+def test_property_the_safetensors_reader_reads_what_the_library_reads_or_refuses_in_one_line(scratch, data):
+    from safetensors.numpy import load_file
+
+    path = scratch / safetensors_io.SINGLE_FILE
+    path.write_bytes(damaged_file(data))
+
+    def read():
+        reader = safetensors_io.Reader(str(scratch))
+        return {n: reader.get(n) for n in reader.names() if reader.dtype(n) in safetensors_io.DTYPES}
+
+    ours = refused_or_done(read)
+    try:
+        theirs = load_file(str(path))
+    except BaseException as e:  # noqa: B036 (the library refuses, in its own way: no claim)
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise
+        return
+    if isinstance(ours, str):  # the library read it: we may refuse only what it does not check
+        assert "appears twice" in ours or "which safetensors does not define" in ours, ours
+        return
+    for name, array in ours.items():
+        assert array.dtype == theirs[name].dtype and array.shape == theirs[name].shape, name
+        assert array.tobytes() == theirs[name].tobytes(), name
+
+
+# -- config.json
+
+
+GPT2_FIELDS = sorted(GPT2_CONFIG) + ["scale_attn_weights", "tie_word_embeddings", "add_cross_attention"]
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
+                "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+                "attention_bias": False, "head_dim": 8}
+SIZES = st.integers(-2, 70) | st.sampled_from([0, 2**20, 2**20 + 1, 10**7, 10**9, 2**63]) | JSON
+
+
+def config_json(data) -> str:
+    how = data.draw(st.sampled_from(["field", "field", "field", "tree", "document", "text"]))
+    config = dict(data.draw(st.sampled_from([GPT2_CONFIG, LLAMA_CONFIG])))
+    if how == "field":  # sizes and switches, one to three of them
+        for _ in range(data.draw(st.integers(1, 3))):
+            key = data.draw(st.sampled_from(sorted(set(GPT2_FIELDS) | set(LLAMA_CONFIG))))
+            config[key] = data.draw(SIZES)
+    elif how == "tree":
+        config = mutate(data, config)
+    elif how == "document":
+        config = data.draw(JSON)
+    else:
+        return data.draw(st.text(max_size=200))
+    return json.dumps(config)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_property_a_config_json_maps_to_a_valid_config_or_one_userror(scratch, gpt2_reader, data):
+    (scratch / "config.json").write_text(config_json(data))
+
+    def check():
+        cfg = hf.run_config(hf.read_config(str(scratch)), str(scratch), str(scratch / "run"))
+        hf.check_tensors(gpt2_reader, cfg.model)  # the names and shapes of any config it accepts: no crash
+        return cfg
+
+    refused_or_done(check)
+
+
+@pytest.fixture(scope="module")
+def gpt2_reader(gpt2_dir):
+    return safetensors_io.Reader(str(gpt2_dir))
+
+
+# -- the YAML config
+
+KEYS = st.sampled_from(["model.n_layer", "model.n_embd", "model.n_head", "model.max_len", "model.vocab_size",
+                        "model.family", "model.dropout", "data.seq_len", "data.train", "train.batch_size",
+                        "train.grad_accum", "train.steps", "train.lr", "train.freeze", "train.seed", "parallel.tensor",
+                        "model.n_kv_head", "model.mlp_hidden", "cpu_devices", "sample.top_p", "model", "x.y", "model.x"])
+YAML_VALUES = (st.integers(-3, 300) | st.sampled_from([2**20 + 1, 10**12, 720720, "blocks:0-9999999999", "llama",
+                                                       ".nan", "1e999", "3e-4", "[a, b]"]) | JSON)
+
+
+def yaml_config(data) -> str:
+    how = data.draw(st.sampled_from(["values", "values", "tokens", "text"]))
+    if how == "text":
+        return data.draw(st.text(max_size=300))
+    config: dict = {}
+    for _ in range(data.draw(st.integers(0, 5))):
+        section, _, key = data.draw(KEYS).rpartition(".")
+        target = config.setdefault(section, {}) if section else config
+        if isinstance(target, dict):
+            target[key] = data.draw(YAML_VALUES)
+    text = yaml.safe_dump(config, allow_unicode=True)
+    if how == "tokens":  # YAML's own syntax where it does not belong: anchors, aliases, tags, flow brackets
+        for _ in range(data.draw(st.integers(1, 4))):
+            at = data.draw(st.integers(0, len(text)))
+            token = data.draw(st.sampled_from(["&a ", "*a", "!!python/object:os.system ", "!!binary ", "[", "{", ": ",
+                                               "\t", "- ", "? ", "!!set ", "'", '"', "\n  ", "%YAML 1.1\n---\n"]))
+            text = text[:at] + token + text[at:]
+    return text
+
+
+@PROPERTY
+@given(data=st.data())
+def test_property_a_yaml_config_loads_or_is_one_userror(scratch, data):
+    path = scratch / "config.yaml"
+    path.write_text(yaml_config(data), encoding="utf-8")
+    refused_or_done(lambda: load_config(str(path)))
+
+
+@PROPERTY
+@given(items=st.lists(st.tuples(KEYS, st.text(max_size=20) | st.integers(-2**70, 2**70).map(str)), max_size=4))
+def test_property_command_line_overrides_load_or_are_one_userror(items):
+    from tpu_llm.config import parse_set_args
+
+    refused_or_done(lambda: load_config(None, parse_set_args([f"{k}={v}" for k, v in items])))
+
+
+# -- tokenizer files
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(gpt2_dir) -> dict:
+    return json.loads((gpt2_dir / "tokenizer.json").read_text())
+
+
+@PROPERTY
+@given(data=st.data())
+def test_property_a_tokenizer_json_loads_and_encodes_or_is_one_userror(scratch, tokenizer_json, data):
+    from tpu_llm.tokenizers import load_hf_tokenizer
+
+    folder = scratch / "tok"
+    folder.mkdir(exist_ok=True)
+    how = data.draw(st.sampled_from(["tree", "tree", "tree", "bytes", "config"]))
+    text = json.dumps(tokenizer_json)
+    config = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
+    if how == "tree":
+        text = json.dumps(mutate(data, tokenizer_json))
+    elif how == "bytes":
+        text = damage_bytes(data, text.encode()).decode("utf-8", errors="replace")
+    else:
+        config = mutate(data, {**config, "added_tokens_decoder": {"0": {"content": "<|endoftext|>"}}})
+    (folder / "tokenizer.json").write_text(text, encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+    def load_and_use():
+        tokenizer = load_hf_tokenizer(str(folder))
+        ids = tokenizer.encode("Hello wörld, 日本")  # a tokenizer we accept also works
+        return tokenizer.decode(ids)
+
+    refused_or_done(load_and_use)
+
+
+SPEC = {"kind": "hf", "model": "hf_tokenizer.json", "eos_token": "<|endoftext|>", "bos_token": None}
+
+
+@PROPERTY
+@given(data=st.data())
+def test_property_our_tokenizer_spec_loads_or_is_one_userror(scratch, gpt2_dir, data):
+    from tpu_llm.tokenizers import load_tokenizer
+
+    folder = scratch / "spec"
+    folder.mkdir(exist_ok=True)
+    (folder / "hf_tokenizer.json").write_text((gpt2_dir / "tokenizer.json").read_text())
+    spec = data.draw(st.sampled_from([SPEC, {"kind": "char", "chars": "abc"}, {"kind": "byte"},
+                                      {"kind": "sentencepiece", "model": "tokenizer.model"}]))
+    text = json.dumps(mutate(data, spec, JSON | st.sampled_from(["hf", "char", "byte", "../x", "/etc/hostname"])))
+    if data.draw(st.booleans()):
+        text = damage_bytes(data, text.encode()).decode("utf-8", errors="replace")
+    (folder / "tokenizer.json").write_text(text, encoding="utf-8")
+    refused_or_done(lambda: load_tokenizer(str(folder)))
