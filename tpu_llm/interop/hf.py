@@ -292,6 +292,16 @@ def variable_shapes(m) -> dict[str, tuple[int, ...]]:
             "mlp/gate/kernel": (C, F), "mlp/up/kernel": (C, F), "mlp/down/kernel": (F, C)}
 
 
+def tensor_shapes(m) -> dict[str, tuple[int, ...]]:
+    """{Hugging Face tensor name: its shape in a checkpoint} for the model section `m`, in `weights` order."""
+    shapes = variable_shapes(m)
+    out = {}
+    for hf_name, path, transposed in weights(m):
+        shape = shapes[path.split("/", 1)[1] if path.startswith("block_") else path]
+        out[hf_name] = shape[::-1] if transposed else shape
+    return out
+
+
 WEIGHT_DTYPES = ("F32", "BF16", "F16")  # what import reads into float32 variables, exactly
 
 
@@ -314,15 +324,12 @@ def check_tensors(reader: safetensors_io.Reader, m) -> dict[str, str]:
     if missing:
         first = next(n for n, _, _ in wanted if n not in names_of)
         raise UserError(f"the checkpoint lacks tensor {first} ({len(missing)} missing); download every shard")
-    shapes = variable_shapes(m)
-    for hf_name, path, transposed in wanted:
+    for hf_name, shape in tensor_shapes(m).items():
         stored = names_of[hf_name]
         dtype = reader.dtype(stored)
         if dtype not in WEIGHT_DTYPES:
             raise UserError(f"tensor {stored} has dtype {dtype}; a weight is {', '.join(WEIGHT_DTYPES)}: is this a "
                             "checkpoint of a language model?")
-        shape = shapes[path.split("/", 1)[1] if path.startswith("block_") else path]
-        shape = shape[::-1] if transposed else shape
         if reader.shape(stored) != shape:
             raise UserError(f"tensor {stored} has shape {list(reader.shape(stored))}, config.json implies "
                             f"{list(shape)}; is config.json the one of these weights?")
