@@ -353,6 +353,11 @@ def test_every_capped_key_is_refused_one_past_its_cap(key):
         load_config(None, {key: cap + 1})
 
 
+def test_every_cap_is_in_the_configuration_reference():
+    caps = (ROOT / "docs" / "configuration.md").read_text().split("\n## Caps", 1)[-1]
+    assert [key for key in CAPS if f"`{key}`" not in caps] == []
+
+
 @pytest.mark.slow
 def test_the_config_command_answers_a_huge_width_in_under_a_few_seconds():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
