@@ -130,7 +130,8 @@ def read_header(path: str) -> tuple[dict, int]:
         raise _fail(path, f"the safetensors header is not valid JSON ({reason})") from None
     if not isinstance(header, dict):
         raise _fail(path, f"the safetensors header is a JSON {type(header).__name__}, not an object")
-    metadata = header.pop("__metadata__", {})
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null: none, as the reference reads it
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _fail(path, "its __metadata__ is not an object of text values")
     data_size = file_size - 8 - size
