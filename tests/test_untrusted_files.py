@@ -170,6 +170,14 @@ def test_a_name_given_twice_in_a_header_is_refused(gpt2_dir, tmp_path):
         safetensors_io.Reader(str(folder))
 
 
+def test_a_null_metadata_is_none_as_the_library_reads_it(gpt2_dir, tmp_path):
+    """Found by the property test below: the safetensors library reads `"__metadata__": null`."""
+    from safetensors.numpy import load_file
+
+    folder = damaged(copy_of(gpt2_dir, tmp_path / "src"), lambda h: {**h, "__metadata__": None})
+    assert safetensors_io.Reader(str(folder)).get(WTE).tobytes() == load_file(str(folder / "model.safetensors"))[WTE].tobytes()
+
+
 @pytest.mark.slow
 def test_an_end_offset_of_2_to_the_62_is_one_line_not_a_segfault(gpt2_dir, tmp_path):
     """Before: the import read (end - begin) bytes and the process died of SIGSEGV (exit 139)."""
@@ -464,6 +472,23 @@ SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_
            | st.floats(allow_nan=True, allow_infinity=True))
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                           max_size=4), max_leaves=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def examples_independent_of_other_tests():
+    """Hypothesis draws, one time in twenty, a constant found in the source of the project's modules
+    imported at that moment (`_get_local_constants`, cached per process and on disk in .hypothesis/):
+    a set that depends on which tests ran before in the process, so derandomized examples would too.
+    Without them every run draws the same examples (the strategies here hold their own edge values)."""
+    from hypothesis.internal.conjecture import providers
+
+    if not hasattr(providers, "_get_local_constants"):  # a Hypothesis without the feature: nothing to do
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(providers, "_get_local_constants", providers.Constants)  # none
+        patch.setattr(providers, "CONSTANTS_CACHE", {})  # nor those of a test run before
+        yield
 
 
 def refused_or_done(call):
