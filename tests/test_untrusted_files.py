@@ -106,6 +106,7 @@ DAMAGES = {  # what a downloaded header may hold -> a word the refusal names
     "size-not-the-shapes": (with_entry(WTE, shape=[300, 31]), "bytes"),
     "negative-shape": (with_entry(WTE, shape=[-300, -32]), "shape"),
     "float-shape": (with_entry(WTE, shape=[300.0, 32]), "shape"),
+    "empty-shape-too-large": (with_entry(WTE, shape=[0, 2**62], data_offsets=[0, 0]), "too large for any array"),
     "bool-shape": (with_entry(WTE, shape=[True, 32]), "shape"),
     "shape-not-a-list": (with_entry(WTE, shape="300x32"), "shape"),
     "header-a-list": (lambda h: [1, 2], "not an object"),

@@ -93,6 +93,8 @@ def _check_entry(path: str, name: str, entry, data_size: int) -> tuple[int, int]
             or not all(_is_int(d) and d >= 0 for d in shape)):
         raise _fail(path, f"{where} has shape {_short(shape)}; a shape is a list of at most {MAX_RANK} "
                           "non-negative integers")
+    if math.prod(max(d, 1) for d in shape) * ITEMSIZES[dtype] >= 2**63:  # numpy's strides: even with a 0 in it
+        raise _fail(path, f"{where} has shape {_short(shape)}, too large for any array")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
         raise _fail(path, f"{where} has data_offsets {_short(offsets)}; they are two integers [begin, end]")
     begin, end = offsets
