@@ -301,8 +301,8 @@ def test_a_config_json_of_2e12_parameters_is_refused(gpt2_dir, tmp_path, capsys)
 
 @pytest.mark.parametrize("change, words", [
     ({"n_layer": 40}, ["the checkpoint lacks tensor transformer.h.2.ln_1.weight (456 missing)"]),
-    ({"n_embd": 64}, [f"tensor {WTE} has shape [300, 32], config.json implies [300, 64]"]),
-    ({"vocab_size": 512}, [f"tensor {WTE} has shape [300, 32], config.json implies [512, 32]"]),
+    ({"n_embd": 64}, [f"model.safetensors: tensor {WTE} has shape [300, 32], config.json implies [300, 64]"]),
+    ({"vocab_size": 512}, [f"model.safetensors: tensor {WTE} has shape [300, 32], config.json implies [512, 32]"]),
 ])
 def test_names_and_shapes_are_compared_with_config_json_before_a_model_is_built(gpt2_dir, tmp_path, capsys, monkeypatch,
                                                                                 change, words):
@@ -318,7 +318,7 @@ def test_an_integer_dtype_on_a_weight_is_refused_before_the_model_is_built(gpt2_
     monkeypatch.setattr(hf, "GPT", lambda *a, **k: pytest.fail("the model was built before the checks"))
     status, err = import_(folder, tmp_path / "run", capsys)
     assert status == 2
-    assert_one_line(err, f"tensor {WTE} has dtype I32; a weight is F32, BF16, F16")
+    assert_one_line(err, f"model.safetensors: tensor {WTE} has dtype I32; a weight is F32, BF16, F16")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -328,11 +328,11 @@ def check_tensors(reader: safetensors_io.Reader, m) -> dict[str, str]:
         stored = names_of[hf_name]
         dtype = reader.dtype(stored)
         if dtype not in WEIGHT_DTYPES:
-            raise UserError(f"tensor {stored} has dtype {dtype}; a weight is {', '.join(WEIGHT_DTYPES)}: is this a "
-                            "checkpoint of a language model?")
+            raise UserError(f"{reader.file(stored)}: tensor {stored} has dtype {dtype}; a weight is "
+                            f"{', '.join(WEIGHT_DTYPES)}: is this a checkpoint of a language model?")
         if reader.shape(stored) != shape:
-            raise UserError(f"tensor {stored} has shape {list(reader.shape(stored))}, config.json implies "
-                            f"{list(shape)}; is config.json the one of these weights?")
+            raise UserError(f"{reader.file(stored)}: tensor {stored} has shape {list(reader.shape(stored))}, "
+                            f"config.json implies {list(shape)}; is config.json the one of these weights?")
     return names_of
 
 

@@ -203,6 +203,10 @@ class Reader:
     def names(self) -> list[str]:
         return sorted(self.where)
 
+    def file(self, name: str) -> str:
+        """The file that holds the tensor `name` (a shard's, or model.safetensors)."""
+        return self.where[name][0]
+
     def dtype(self, name: str) -> str:
         return self.where[name][1]["dtype"]
 
