@@ -42,6 +42,7 @@ from typing import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this process reads checkpoints with TensorFlow too
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the harness writes Hugging Face checkpoints with this tree's tpu_llm, as its processes run it
 STEPS, EVERY, LOOP = 24, 8, 4
 TIMEOUT = 240  # seconds for one process; a process still running then is a hang
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.max_len=32", "--model.dropout=0.1",
@@ -342,6 +343,67 @@ def truncated_shard(bench: Bench, run_dir: Path) -> list[str]:
             f"--train.steps={STEPS}"]
 
 
+def hf_checkpoint(bench: Bench, folder: Path) -> Path:
+    """A tiny GPT-2 checkpoint in the Hugging Face layout: config.json, model.safetensors (random
+    weights of the shapes config.json implies) and a byte-level BPE tokenizer trained on the corpus."""
+    import glob
+
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tpu_llm.config import ModelConfig
+    from tpu_llm.interop import hf, safetensors_io
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 320, "n_positions": 32,
+              "n_embd": 32, "n_layer": 2, "n_head": 2, "resid_pdrop": 0.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    tensors = {name: rng.normal(0, 0.02, shape).astype(np.float32)
+               for name, shape in hf.tensor_shapes(ModelConfig(**hf.model_config(config))).items()}
+    safetensors_io.write_all(str(folder / "model.safetensors"), tensors.items())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [Path(f).read_text(encoding="utf-8") for f in sorted(glob.glob(bench.corpus))]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
+
+
+def hf_import(damage: Callable[[Path], None]):
+    """`tpu-llm import` of a tiny checkpoint damaged by `damage` (the checkpoint directory)."""
+    def prepare(bench: Bench, run_dir: Path) -> list[str]:
+        source = hf_checkpoint(bench, run_dir.parent / "hf")
+        damage(source)
+        return ["import", "--from", str(source), "--run_dir", str(run_dir)]
+    return prepare
+
+
+def offsets_out_of_range(source: Path) -> None:
+    """model.safetensors with its first tensor's offsets moved 1,000 bytes before the data."""
+    path = source / "model.safetensors"
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    entry = header["transformer.wte.weight"]
+    entry["data_offsets"] = [offset - 1000 for offset in entry["data_offsets"]]
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+
+
+def config_json_of_a_billion_layers(source: Path) -> None:
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "n_layer": 10**9}))
+
+
+def sparse_tokenizer_json(source: Path) -> None:
+    with open(source / "tokenizer.json", "r+b") as f:  # 500 MB that take no disk
+        f.truncate(500 << 20)
+
+
 def nan_row(comm: list[str]):
     def run(bench: Bench, name: str) -> Outcome:
         run_dir = bench.dir(name) / "run"
@@ -442,6 +504,14 @@ ROWS = [
     Row("truncated-shard", "truncated TFRecord training shard (TF reads it as if it ended there)",
         "exit 2, one line naming the shard (its size differs from the one meta.json records); nothing written",
         refused_row(truncated_shard, "data-00000-of-00002.tfrecord")),
+    Row("hf-offsets", "`import` of a safetensors file whose first tensor starts 1,000 bytes before the data",
+        "exit 2, one line naming the file, the tensor and its offsets; nothing written",
+        refused_row(hf_import(offsets_out_of_range), "data_offsets [-1000, 39960], outside the file's")),
+    Row("hf-layers", "`import` of a config.json of 10^9 layers", "exit 2 at once, one line naming n_layer and its cap; "
+        "nothing written", refused_row(hf_import(config_json_of_a_billion_layers), "n_layer=1000000000 is more than")),
+    Row("hf-tokenizer-size", "`import` with a 500 MB tokenizer.json", "exit 2, one line naming the file and the "
+        "100 MB cap, before reading it; nothing written",
+        refused_row(hf_import(sparse_tokenizer_json), "a tokenizer file may have")),
     Row("full-disk", "full disk (640 KB tmpfs run directory)", "exit 2, one line (free space); the newest "
         "checkpoint readable", full_disk),
     *[Row(f"nan-{mode}", f"NaN gradients at step 4, 2 replicas, {mode}", "the step skipped, exit 0; every "

@@ -308,6 +308,24 @@ MUTATIONS = [
     M("freeze-ignored", "tpu_llm/training/optimizer.py",
       "        layer.trainable = False\n", "        layer.trainable = True\n",
       "tests/test_hf_finetune.py -k test_fine_tuning_an_imported_checkpoint"),
+    # ---- files from outside (issue 28) ----------------------------------------------------------------
+    M("safetensors-offsets-past-the-data", "tpu_llm/interop/safetensors_io.py",
+      "if not 0 <= begin <= end <= data_size:", "if not 0 <= begin <= end:",
+      "tests/test_untrusted_files.py::test_a_damaged_header_is_refused_when_the_reader_is_made_naming_the_file_and_tensor"
+      "[offsets-past-the-data]"),
+    M("safetensors-overlap-unchecked", "tpu_llm/interop/safetensors_io.py",
+      "        if begin < end:\n", "        if False:\n",
+      "tests/test_untrusted_files.py::test_a_damaged_header_is_refused_when_the_reader_is_made_naming_the_file_and_tensor"
+      "[overlapping-tensors]"),
+    M("shard-link-out-of-the-checkpoint", "tpu_llm/interop/safetensors_io.py",
+      "if os.path.commonpath([root, real]) != root:", "if False:",
+      "tests/test_untrusted_files.py::test_a_shard_that_links_out_of_the_checkpoint_is_refused"),
+    M("hf-weight-dtype-unchecked", "tpu_llm/interop/hf.py",
+      "if dtype not in WEIGHT_DTYPES:", "if False:",
+      "tests/test_untrusted_files.py::test_an_integer_dtype_on_a_weight_is_refused_before_the_model_is_built"),
+    M("config-caps-unchecked", "tpu_llm/config.py",
+      "    _validate_caps(cfg)  # first", "    pass  # first",
+      "tests/test_untrusted_files.py -k test_every_capped_key"),
     # ---- data at pod scale (issue 16) ---------------------------------------------------------------
     M("shards-balanced-by-nothing", "tpu_llm/data/prepare.py",
       "bounds = [(i + 1) * total // num_shards for i in range(num_shards)]",

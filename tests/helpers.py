@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import random
+import signal
 import socket
 from pathlib import Path
 
@@ -169,6 +170,30 @@ def assert_refused(r, message: str) -> None:
         assert r.before == r.after, f"{r.watch} changed:\n{r}"
 
 
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Fail the block with TimeoutError after `seconds`: a hang in Python code becomes a test failure, not
+    a stuck suite (SIGALRM, so the main thread only; code that holds the GIL in C runs to its end first)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux reports KB): what a test compares before
+    and after a call to bound the memory it took."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (at the time of the call)."""
     with socket.socket() as s:
@@ -293,3 +318,52 @@ def write_bpe_tokenizer(folder, vocab: int = 300) -> None:
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, f)
+
+
+# ---- safetensors files (tests/test_safetensors_io.py, tests/test_untrusted_files.py) ----------------------
+
+def sample(rng: random.Random, code: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An array of every bit pattern's kind (NaNs, infinities, subnormals included: bytes are compared)."""
+    from tpu_llm.interop import safetensors_io
+
+    dtype = safetensors_io.DTYPES[code]
+    gen = np.random.default_rng(rng.getrandbits(32))
+    if dtype == np.dtype(bool):
+        return gen.integers(0, 2, shape).astype(bool)
+    raw = gen.integers(0, 256, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+# ---- a GPT-2 checkpoint in the Hugging Face layout (tests/test_hf_finetune.py, test_untrusted_files.py) ----
+
+HF_VOCAB = 300  # the ids of write_bpe_tokenizer's BPE, the vocabulary of write_gpt2's checkpoint
+GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": HF_VOCAB, "n_positions": 32,
+               "n_embd": 32, "n_layer": 2, "n_head": 2, "n_inner": None, "activation_function": "gelu_new",
+               "resid_pdrop": 0.0, "layer_norm_epsilon": 1e-5}
+
+
+def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = False) -> None:
+    """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head);
+    `hub`: as the hub's gpt2 file, names without `transformer.` and the causal-mask buffers in it."""
+    from tpu_llm.config import ModelConfig
+    from tpu_llm.interop import safetensors_io
+    from tpu_llm.interop.hf import model_config, weights
+
+    os.makedirs(folder, exist_ok=True)
+    config = config or GPT2_CONFIG
+    m = ModelConfig(**model_config(config))
+    rng = np.random.default_rng(0)
+    shapes = {"wte": (HF_VOCAB, 32), "wpe": (32, 32), "qkv/kernel": (32, 96), "qkv/bias": (96,), "fc/kernel": (32, 128),
+              "fc/bias": (128,), "mlp/proj/kernel": (128, 32), "attn/proj/kernel": (32, 32)}
+    tensors = {}
+    for name, path, _ in weights(m):
+        shape = next((s for key, s in shapes.items() if key in path), (32,))
+        tensors[name] = (rng.normal(0, 0.05, shape) + (1.0 if path.endswith("gamma") else 0.0)).astype(np.float32)
+    tensors.pop(drop, None)
+    if hub:
+        tensors = {name.removeprefix("transformer."): value for name, value in tensors.items()}
+        tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 32, 32), np.float32)) for i in range(2)})
+    safetensors_io.write_all(os.path.join(folder, "model.safetensors"), tensors.items())
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    write_bpe_tokenizer(folder)

@@ -15,44 +15,11 @@ import shutil
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import snapshot, write_bpe_tokenizer, write_corpus
+from helpers import GPT2_CONFIG, snapshot, write_corpus, write_gpt2
 
 from tpu_llm import cli
-from tpu_llm.interop import safetensors_io
 
 pytest.importorskip("tokenizers", reason="the hf tokenizer kind needs tokenizers: pip install -e '.[hf]'")
-
-VOCAB = 300
-GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 32,
-               "n_embd": 32, "n_layer": 2, "n_head": 2, "n_inner": None, "activation_function": "gelu_new",
-               "resid_pdrop": 0.0, "layer_norm_epsilon": 1e-5}
-
-
-def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = False) -> None:
-    """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head);
-    `hub`: as the hub's gpt2 file, names without `transformer.` and the causal-mask buffers in it."""
-    from tpu_llm.config import ModelConfig
-    from tpu_llm.interop.hf import model_config, weights
-
-    os.makedirs(folder, exist_ok=True)
-    config = config or GPT2_CONFIG
-    m = ModelConfig(**model_config(config))
-    rng = np.random.default_rng(0)
-    shapes = {"wte": (VOCAB, 32), "wpe": (32, 32), "qkv/kernel": (32, 96), "qkv/bias": (96,), "fc/kernel": (32, 128),
-              "fc/bias": (128,), "mlp/proj/kernel": (128, 32), "attn/proj/kernel": (32, 32)}
-    tensors = {}
-    for name, path, _ in weights(m):
-        shape = next((s for key, s in shapes.items() if key in path), (32,))
-        tensors[name] = (rng.normal(0, 0.05, shape) + (1.0 if path.endswith("gamma") else 0.0)).astype(np.float32)
-    tensors.pop(drop, None)
-    if hub:
-        tensors = {name.removeprefix("transformer."): value for name, value in tensors.items()}
-        tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 32, 32), np.float32)) for i in range(2)})
-    safetensors_io.write_all(os.path.join(folder, "model.safetensors"), tensors.items())
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    write_bpe_tokenizer(folder)
-
 
 def run_cli(*argv) -> tuple[int, str]:
     out = io.StringIO()

@@ -17,6 +17,7 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import sample
 
 from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
@@ -26,16 +27,6 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 DTYPES = sorted(safetensors_io.DTYPES)  # F32, BF16, F16, I64, I32, U8, BOOL
-
-
-def sample(rng: random.Random, code: str, shape: tuple[int, ...]) -> np.ndarray:
-    """An array of every bit pattern's kind (NaNs, infinities, subnormals included: bytes are compared)."""
-    dtype = safetensors_io.DTYPES[code]
-    gen = np.random.default_rng(rng.getrandbits(32))
-    if dtype == np.dtype(bool):
-        return gen.integers(0, 2, shape).astype(bool)
-    raw = gen.integers(0, 256, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, dtype=np.uint8)
-    return raw.view(dtype).reshape(shape)
 
 
 def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]):

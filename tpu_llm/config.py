@@ -4,14 +4,21 @@ A run is configured by the dataclasses below, then a YAML file (`configs/*.yaml`
 overrides in dotted form (`--model.n_layer=6`, or `--set model.n_layer=6`), later layers winning.
 Unknown keys, wrong types and inconsistent values are rejected with a one-line `UserError` naming the
 key and the valid choices. `docs`-style help for every field is its comment here.
+
+A config may come from elsewhere (a copied run's config.yaml, a Hugging Face config.json mapped by
+tpu_llm/interop/hf.py), so reading it is bounded: a YAML file of at most MAX_CONFIG_BYTES, sizes and
+counts under CAPS and a model of at most MAX_PARAMS parameters (checked first), messages that echo a
+value cut short, and no message built unless its check fails.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
-from typing import Any
+import reprlib
+from typing import Any, Callable
 
 import yaml
 
@@ -29,6 +36,50 @@ COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
 FAMILIES = ("gpt2", "llama")
 ATTENTIONS = ("dense", "blockwise")
+
+# Upper bounds of sizes and counts, checked before anything else (validate): a value from a file or a
+# flag must not reach a loop, a message or an allocation that it would make run for hours. Each is far
+# above any real use: the largest published models have widths under 2^15, 126 layers, vocabularies of
+# 256K and contexts of 10M tokens; a step count of 10^9 is years of training.
+WIDTH, COUNT, LENGTH = 2**20, 10**9, 2**24
+CAPS: dict[str, tuple[int, str]] = {
+    "model.n_layer": (10_000, "layers: 10x the 1,000-layer DeepNet"),
+    "model.n_head": (WIDTH, "heads: 2^20, at most one per width unit"),
+    "model.n_kv_head": (WIDTH, "heads: 2^20, at most one per width unit"),
+    "model.n_embd": (WIDTH, "widths: 2^20; the widest published models are under 2^15"),
+    "model.mlp_hidden": (WIDTH, "widths: 2^20; the widest published models are under 2^15"),
+    "model.max_len": (LENGTH, "contexts: 2^24 tokens; the longest published one is 10M"),
+    "model.vocab_size": (10**7, "vocabularies: 10^7; the largest published ones are about 256K"),
+    "model.attention_block": (LENGTH, "contexts: 2^24 tokens"),
+    "data.seq_len": (LENGTH, "contexts: 2^24 tokens"),
+    "data.shuffle_buffer": (LENGTH, "windows held in memory: 2^24"),
+    "train.steps": (COUNT, "steps: 10^9"),
+    "train.batch_size": (WIDTH, "sequences per step: 2^20"),
+    "train.grad_accum": (WIDTH, "micro-steps: 2^20"),
+    "train.steps_per_loop": (COUNT, "steps: 10^9"),
+    "train.warmup_steps": (COUNT, "steps: 10^9"),
+    "train.decay_steps": (COUNT, "steps: 10^9"),
+    "train.eval_every": (COUNT, "steps: 10^9"),
+    "train.eval_steps": (COUNT, "steps: 10^9"),
+    "train.max_bad_steps": (COUNT, "steps: 10^9"),
+    "train.loss_chunk": (2**30, "tokens: 2^30"),
+    "train.seed": (2**32 - 1, "numpy's seeds: 0 to 2^32 - 1"),
+    "checkpoint.every_steps": (COUNT, "steps: 10^9"),
+    "checkpoint.keep": (COUNT, "checkpoints: 10^9"),
+    "sample.num_samples": (COUNT, "samples: 10^9"),
+    "sample.max_new_tokens": (LENGTH, "contexts: 2^24 tokens"),
+    "sample.top_k": (10**7, "vocabularies: 10^7"),
+    "sample.seed": (2**31 - 1, "seeds: 2^31 - 1"),
+    "cpu_devices": (1024, "logical CPU devices: 1024"),
+    "cluster.timeout_seconds": (COUNT, "seconds: 10^9"),
+    "parallel.pipeline_stages": (10_000, "stages: at most one per layer"),
+    "parallel.microbatches": (WIDTH, "micro-batches: 2^20"),
+    "parallel.tensor": (WIDTH, "tensor groups: 2^20"),
+    "comm.rank": (WIDTH, "ranks: 2^20"),
+    "comm.sync_every": (COUNT, "steps: 10^9"),
+}
+MAX_PARAMS = 2 * 10**12  # parameters a model section may describe: a 1T-parameter model is inside, twice over
+MAX_CONFIG_BYTES = 1 << 20  # a YAML config is a few KB; PyYAML parses about 1 MB a second
 
 
 @dataclasses.dataclass
@@ -214,7 +265,7 @@ def _parse_value(text: str) -> Any:
     """A YAML scalar (6, 0.5, true); anything else (a prompt like `def f():`, `[x`) stays the raw string."""
     try:
         value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer of over 4300 digits
         return text
     return value if isinstance(value, (str, int, float, bool)) else text
 
@@ -228,6 +279,10 @@ def _read_yaml(path: str) -> dict:
         here = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))[:8]
         hint = f", e.g. --config {os.path.join(path, here[0])} ({', '.join(here)})" if here else ""
         raise UserError(f"--config {path!r} is a directory; give a YAML file{hint}")
+    size = os.path.getsize(path)
+    if size > MAX_CONFIG_BYTES:
+        raise UserError(f"{path}: {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a config file may have; give a "
+                        "YAML config (a few KB)")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -240,7 +295,10 @@ def _read_yaml(path: str) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UserError(f"{path}: YAML syntax error{where}: {problem}; fix the file") from None
+        raise UserError(f"{path}: YAML syntax error{where}: {_short(problem)}; fix the file") from None
+    except (ValueError, RecursionError) as e:  # an integer of over 4300 digits; nesting thousands deep
+        what = "nested too deeply" if isinstance(e, RecursionError) else _short(str(e).splitlines()[0])
+        raise UserError(f"{path}: a value YAML cannot hold ({what}); fix the file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -257,7 +315,7 @@ def _apply(obj: Any, data: dict, source: str, prefix: str = "") -> None:
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise UserError(f"{source}: '{full}' is a section; give it keys such as "
+                raise UserError(f"{source}: {_quoted(full)} is a section; give it keys such as "
                                 f"{', '.join(f.name for f in dataclasses.fields(current))[:80]}")
             _apply(current, value, source, prefix=f"{full}.")
         else:
@@ -272,12 +330,29 @@ def _set_dotted(cfg: Config, key: str, value: Any, source: str) -> None:
     _apply(cfg, nested, source)
 
 
+def _short(value) -> str:
+    """`value` for a one-line message: a plain short string as it is, anything else by a repr cut to a
+    few levels and characters (a YAML document can nest aliases into an exponentially long value)."""
+    if isinstance(value, str) and len(value) <= 80 and value.isprintable():
+        return value
+    return _REPR.repr(value)
+
+
+def _quoted(key) -> str:
+    """A config key from a file in a message: 'model.n_layer', or a repr when it is no plain text."""
+    return f"'{key}'" if isinstance(key, str) and key == _short(key) else _short(key)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
+
+
 def _unknown_key_message(full: str, valid: list[str], prefix: str, source: str) -> str:
-    name = full[len(prefix):]
+    name = str(full)[len(prefix):]
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
     section = prefix.rstrip(".") or "the top level"
-    return f"{source}: unknown config key '{full}'; {hint}valid keys in {section}: {', '.join(valid)}"
+    return f"{source}: unknown config key {_quoted(full)}; {hint}valid keys in {section}: {', '.join(valid)}"
 
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
@@ -287,30 +362,54 @@ def _coerce(key: str, value: Any, type_name: Any, source: str) -> Any:
     expected = _TYPES[type_name if isinstance(type_name, str) else type_name.__name__]
     if expected is bool and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if expected is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:  # a str: YAML 1.1 reads 3e-4 (no dot) as a string
+            number = float(value)
+        except (ValueError, OverflowError):  # OverflowError: an int past float's range
+            number = None
+        if number is not None:
+            if not math.isfinite(number):
+                raise UserError(f"{source}: '{key}' must be a finite number, got {_REPR.repr(value)}")
+            return number
     if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    if expected is str and isinstance(value, (list, tuple)):  # a YAML list of files
+    if expected is str and isinstance(value, (list, tuple)) and all(  # a YAML list of files
+            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
         return ",".join(str(v) for v in value)
     if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
-        raise UserError(f"{source}: '{key}' must be {expected.__name__}, got {value!r} "
+        raise UserError(f"{source}: '{key}' must be {expected.__name__}, got {_REPR.repr(value)} "
                         f"({type(value).__name__})")
     return value
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str | Callable[[], str]) -> None:
+    """A UserError with `message` unless `ok`; a message that costs something to build (the divisors of a
+    number) is given as a function, called only on failure."""
     if not ok:
-        raise UserError(f"config: {message}")
+        raise UserError(f"config: {message() if callable(message) else message}")
+
+
+def approx_params(m: ModelConfig) -> int:
+    """The parameters of the model section `m`, from its sizes alone (norms and biases left out): what
+    MAX_PARAMS bounds. vocab_size 0 (the tokenizer's) counts no table."""
+    C, hd = m.n_embd, m.n_embd // max(m.n_head, 1)
+    attention = 2 * C * m.n_head * hd + 2 * C * m.kv_heads() * hd  # q and the output; k and v
+    mlp = (3 if m.family == "llama" else 2) * C * m.hidden()
+    tables = m.vocab_size * C * (1 if m.tie_embeddings else 2) + (m.max_len * C if m.family == "gpt2" else 0)
+    return m.n_layer * (attention + mlp) + tables
+
+
+def _validate_caps(cfg: Config) -> None:
+    for key, (cap, why) in CAPS.items():
+        section, _, name = key.rpartition(".")
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        _check(value <= cap, lambda: f"{key}={value if len(str(value)) <= 30 else f'a {len(str(value))}-digit number'} "
+                                     f"is more than its cap of {cap:,} ({why})")
 
 
 def validate(cfg: Config) -> None:
     m, d, t, c, s = cfg.model, cfg.data, cfg.train, cfg.checkpoint, cfg.sample
+    _validate_caps(cfg)  # first: every later check may loop over, or print, these sizes
     _check(cfg.strategy in STRATEGIES,
            f"strategy={cfg.strategy!r}; valid choices: {', '.join(STRATEGIES)}")
     _check(bool(cfg.run_dir), "run_dir is empty; give a local path or gs://bucket/path")
@@ -330,12 +429,12 @@ def validate(cfg: Config) -> None:
            f"parallel.pipeline_stages={p.pipeline_stages} must be between 1 and model.n_layer={cfg.model.n_layer}")
     _check(p.microbatches >= 1 and p.tensor >= 1, "parallel.microbatches and parallel.tensor must be >= 1")
     _check(p.tensor == 1 or cfg.model.n_head % p.tensor == 0,
-           f"parallel.tensor={p.tensor} must divide model.n_head={cfg.model.n_head} (each device takes whole "
-           f"attention heads); valid values: {', '.join(str(t) for t in _divisors(cfg.model.n_head))}")
+           lambda: f"parallel.tensor={p.tensor} must divide model.n_head={cfg.model.n_head} (each device takes "
+                   f"whole attention heads); valid values: {_divisors(cfg.model.n_head)}")
     kv = cfg.model.kv_heads()
     _check(p.tensor == 1 or kv % p.tensor == 0,
-           f"parallel.tensor={p.tensor} must divide model.n_kv_head={kv} (each device takes whole key/value "
-           f"head groups); valid values: {', '.join(str(t) for t in _divisors(kv))}")
+           lambda: f"parallel.tensor={p.tensor} must divide model.n_kv_head={kv} (each device takes whole "
+                   f"key/value head groups); valid values: {_divisors(kv)}")
     _check(p.tensor == 1 or cfg.model.hidden() % p.tensor == 0,
            f"parallel.tensor={p.tensor} must divide the MLP's hidden size {cfg.model.hidden()}; set "
            f"model.mlp_hidden to a multiple of {p.tensor}")
@@ -347,9 +446,12 @@ def validate(cfg: Config) -> None:
     for name in ("n_layer", "n_head", "n_embd", "max_len"):
         _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be >= 1")
     _check(m.n_embd % m.n_head == 0,
-           f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
-           f"valid n_head values: {', '.join(str(h) for h in _divisors(m.n_embd) if h <= 64)}")
+           lambda: f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+                   f"valid n_head values: {_divisors(m.n_embd, at_most=64)}")
     _validate_family(m)
+    _check(approx_params(m) <= MAX_PARAMS,
+           lambda: f"the model has about {approx_params(m):.2e} parameters (model.n_layer={m.n_layer}, "
+                   f"model.n_embd={m.n_embd}, model.vocab_size={m.vocab_size}), more than the cap of {MAX_PARAMS:.0e}")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (0 = the tokenizer's)")
     _check(m.attention in ATTENTIONS, f"model.attention={m.attention!r}; valid choices: {', '.join(ATTENTIONS)}")
@@ -374,8 +476,8 @@ def validate(cfg: Config) -> None:
     for name in ("steps", "batch_size", "grad_accum", "steps_per_loop", "eval_steps"):
         _check(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)} must be >= 1")
     _check(t.batch_size % t.grad_accum == 0,
-           f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
-           f"valid grad_accum values: {', '.join(map(str, _divisors(t.batch_size)))}")
+           lambda: f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
+                   f"valid grad_accum values: {_divisors(t.batch_size)}")
     for name in ("warmup_steps", "decay_steps", "eval_every"):
         _check(getattr(t, name) >= 0, f"train.{name}={getattr(t, name)} must be >= 0")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}), lr > 0")
@@ -386,6 +488,7 @@ def validate(cfg: Config) -> None:
     _check(c.every_minutes >= 0 and c.keep_every_hours >= 0,
            f"checkpoint.every_minutes ({c.every_minutes}) and checkpoint.keep_every_hours "
            f"({c.keep_every_hours}) must be >= 0 (0 = off)")
+    _check(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     _check(t.max_bad_steps >= 0, f"train.max_bad_steps={t.max_bad_steps} must be >= 0 (0 = stop at the first)")
     freeze_spec(t.freeze, m.n_layer)
     _check(t.on_bad_step in BAD_STEP_ACTIONS,
@@ -412,8 +515,8 @@ def _validate_family(m: ModelConfig) -> None:
         return
     _check(not m.bias, "model.bias=true: the llama family has no biases; set model.bias=false")
     _check(m.n_head % m.kv_heads() == 0,
-           f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}; "
-           f"valid values: {', '.join(str(k) for k in _divisors(m.n_head))}")
+           lambda: f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}; "
+                   f"valid values: {_divisors(m.n_head)}")
     _check((m.n_embd // m.n_head) % 2 == 0,
            f"model.n_embd / model.n_head = {m.n_embd // m.n_head} is odd: rotary embeddings rotate pairs of "
            "dimensions; choose an even head size")
@@ -466,5 +569,11 @@ def _validate_comm(cfg: Config) -> None:
                                      "(untested); set parallel.tensor=1 or drop the comm settings")
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def _divisors(n: int, at_most: int | None = None, shown: int = 24) -> str:
+    """The divisors of `n` (up to `at_most`) for a message, comma-separated: found in sqrt(n) steps, and
+    only the first `shown` of them listed."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    found = sorted(set(small + [n // k for k in small]))
+    found = [k for k in found if at_most is None or k <= at_most]
+    more = f" (and {len(found) - shown} more)" if len(found) > shown else ""
+    return ", ".join(map(str, found[:shown])) + more

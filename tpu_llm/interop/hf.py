@@ -10,6 +10,13 @@ model only (the first `train` in it starts a fresh optimizer). Every tensor is r
 assigned to its variable (safetensors_io), so the host holds the model plus one tensor. Everything is
 written into a temporary directory beside the target, renamed into place once complete.
 
+The model directory comes from outside (a download), so it is checked before anything is built, the
+cheapest first: config.json (at most MAX_CONFIG_JSON bytes, a JSON object, every field used of its type,
+sizes under tpu_llm/config.py's CAPS and MAX_PARAMS), every safetensors header (safetensors_io), the
+tensors' names, dtypes and shapes against config.json (`check_tensors`, from `variable_shapes`), then
+the tokenizer. Whatever it holds ends in success or one UserError line, in milliseconds, not after
+building a model of the size config.json claims.
+
 Export reads the run's newest checkpoint (as `generate` does) and writes config.json,
 model.safetensors, generation_config.json and the tokenizer files, in the dtype the run was imported
 from (or --dtype). Import then export gives back the same tensors bit for bit: the mapping moves and
@@ -22,12 +29,14 @@ Conv1D already stores (in, out)): see WEIGHTS below, and the variables in tpu_ll
 from __future__ import annotations
 
 import json
+import math
 import os
+import reprlib
 
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm.config import ModelConfig, config_from_dict
+from tpu_llm.config import CAPS, Config, ModelConfig, config_from_dict
 from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
@@ -49,14 +58,89 @@ _CODE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 # config.json <-> the model section
 
 
+MAX_CONFIG_JSON = 10 << 20  # bytes of config.json: a real one is a few KB
+_FIX = "give the config.json that came with the weights"
+
+
+def _shown(value) -> str:
+    """`value` as config.json writes it, for a message: cut short however long or deep it is."""
+    try:
+        text = json.dumps(value)
+    except (RecursionError, ValueError, TypeError):
+        text = reprlib.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _unsupported(field: str, value, supported: str) -> UserError:
-    return UserError(f"config.json: {field}={json.dumps(value)} is not supported by tpu-llm ({supported})")
+    return UserError(f"config.json: {field}={_shown(value)} is not supported by tpu-llm ({supported})")
+
+
+def read_config(source: str) -> dict:
+    """config.json of the Hugging Face model directory `source`, a JSON object of at most
+    MAX_CONFIG_JSON bytes, or a one-line UserError."""
+    path = os.path.join(source, "config.json")
+    if not tf.io.gfile.exists(path):
+        raise UserError(f"--from {source!r} has no config.json; give a Hugging Face model directory (e.g. "
+                        "`huggingface-cli download gpt2 --local-dir gpt2`)")
+    size = tf.io.gfile.stat(path).length
+    if size > MAX_CONFIG_JSON:
+        raise UserError(f"{path} is {size:,} bytes, more than the {MAX_CONFIG_JSON:,} a config.json may have; {_FIX}")
+    with tf.io.gfile.GFile(path, "rb") as f:
+        raw = f.read()
+    try:
+        hf = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested thousands deep
+        reason = str(e).splitlines()[0][:80] if isinstance(e, ValueError) else "nested too deeply"
+        raise UserError(f"{path} is not valid JSON ({reason}); {_FIX}") from None
+    if not isinstance(hf, dict):
+        raise UserError(f"{path} is a JSON {type(hf).__name__}, not an object; {_FIX}")
+    return hf
+
+
+_REQUIRED = object()
+
+
+def _int(hf: dict, field: str, cap_key: str | None = None, default=_REQUIRED, low: int = 1) -> int:
+    """The integer config.json gives `field`, at least `low` and at most the cap of the config key
+    `cap_key` (tpu_llm/config.py CAPS): a size from outside never reaches a loop or an allocation
+    unchecked."""
+    if field not in hf and default is _REQUIRED:
+        raise UserError(f"config.json has no {field}; {_FIX}")
+    value = hf.get(field, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise UserError(f"config.json: {field}={_shown(value)} is not an integer >= {low}; {_FIX}")
+    if cap_key and value > CAPS[cap_key][0]:
+        cap, why = CAPS[cap_key]
+        raise UserError(f"config.json: {field}={value} is more than tpu-llm's cap of {cap:,} ({why})")
+    return value
+
+
+def _float(hf: dict, field: str, default: float) -> float:
+    value = hf.get(field, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise UserError(f"config.json: {field}={_shown(value)} is not a finite number; {_FIX}")
+    return float(value)
+
+
+def _bool(hf: dict, field: str, default: bool) -> bool:
+    value = hf.get(field, default)
+    if not isinstance(value, bool):
+        raise UserError(f"config.json: {field}={_shown(value)} is not true or false; {_FIX}")
+    return value
+
+
+def _object(hf: dict, field: str) -> dict:
+    value = hf.get(field) or {}
+    if not isinstance(value, dict):
+        raise UserError(f"config.json: {field}={_shown(value)} is not an object; {_FIX}")
+    return value
 
 
 def model_config(hf: dict) -> dict:
     """The `model` section for a Hugging Face config.json; UserError naming the first field we cannot honour."""
     archs = hf.get("architectures") or []
-    family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    names = archs if isinstance(archs, list) else []
+    family = next((ARCHITECTURES[a] for a in names if isinstance(a, str) and a in ARCHITECTURES), None)
     if family is None:
         raise _unsupported("architectures", archs, "supported: " + ", ".join(ARCHITECTURES))
     if family == "gpt2":
@@ -66,27 +150,28 @@ def model_config(hf: dict) -> dict:
 
 def _expect(hf: dict, field: str, allowed: tuple, default, supported: str) -> None:
     value = hf.get(field, default)
-    if value not in allowed:
+    if value not in allowed:  # == on any JSON value: never raises
         raise _unsupported(field, value, supported)
 
 
 def _gpt2_config(hf: dict) -> dict:
-    C = hf["n_embd"]
+    C = _int(hf, "n_embd", "model.n_embd")
     _expect(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new", "the tanh GELU: gelu_new")
     _expect(hf, "n_inner", (None, 4 * C), None, f"4 x n_embd = {4 * C}")
     _expect(hf, "scale_attn_weights", (True,), True, "true")
     _expect(hf, "scale_attn_by_inverse_layer_idx", (False,), False, "false")
     _expect(hf, "add_cross_attention", (False,), False, "false: a decoder only")
     _expect(hf, "tie_word_embeddings", (True,), True, "true: GPT-2's head is its embedding table")
-    return {"family": "gpt2", "n_layer": hf["n_layer"], "n_head": hf["n_head"], "n_embd": C,
-            "max_len": hf["n_positions"], "dropout": float(hf.get("resid_pdrop", 0.1)), "bias": True,
-            "vocab_size": hf["vocab_size"], "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5))}
+    return {"family": "gpt2", "n_layer": _int(hf, "n_layer", "model.n_layer"), "n_head": _int(hf, "n_head", "model.n_head"),
+            "n_embd": C, "max_len": _int(hf, "n_positions", "model.max_len"), "dropout": _float(hf, "resid_pdrop", 0.1),
+            "bias": True, "vocab_size": _int(hf, "vocab_size", "model.vocab_size"),
+            "norm_eps": _float(hf, "layer_norm_epsilon", 1e-5)}
 
 
 def _rope(hf: dict) -> float:
     """rope_theta, from transformers 5's rope_parameters or the older rope_theta / rope_scaling."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
+    params = _object(hf, "rope_parameters")
+    scaling = _object(hf, "rope_scaling")
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "default":
@@ -94,21 +179,23 @@ def _rope(hf: dict) -> float:
     kind = params.get("rope_type", "default")
     if kind != "default":
         raise _unsupported("rope_parameters.rope_type", kind, "only default")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return _float(params, "rope_theta", _float(hf, "rope_theta", 10000.0))
 
 
 def _llama_config(hf: dict) -> dict:
-    C, H = hf["hidden_size"], hf["num_attention_heads"]
+    C, H = _int(hf, "hidden_size", "model.n_embd"), _int(hf, "num_attention_heads", "model.n_head")
     _expect(hf, "hidden_act", ("silu",), "silu", "silu (SwiGLU)")
     _expect(hf, "attention_bias", (False,), False, "false: no biases")
     _expect(hf, "mlp_bias", (False,), False, "false: no biases")
     _expect(hf, "head_dim", (None, C // H), None, f"hidden_size / num_attention_heads = {C // H}")
     _expect(hf, "pretraining_tp", (1,), 1, "1")
-    return {"family": "llama", "n_layer": hf["num_hidden_layers"], "n_head": H, "n_embd": C,
-            "max_len": hf["max_position_embeddings"], "dropout": float(hf.get("attention_dropout", 0.0)),
-            "bias": False, "vocab_size": hf["vocab_size"], "n_kv_head": hf.get("num_key_value_heads") or H,
-            "mlp_hidden": hf["intermediate_size"], "rope_theta": _rope(hf),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+    kv = _int(hf, "num_key_value_heads", "model.n_head") if hf.get("num_key_value_heads") not in (None, 0) else H
+    return {"family": "llama", "n_layer": _int(hf, "num_hidden_layers", "model.n_layer"), "n_head": H, "n_embd": C,
+            "max_len": _int(hf, "max_position_embeddings", "model.max_len"),
+            "dropout": _float(hf, "attention_dropout", 0.0), "bias": False,
+            "vocab_size": _int(hf, "vocab_size", "model.vocab_size"), "n_kv_head": kv,
+            "mlp_hidden": _int(hf, "intermediate_size", "model.mlp_hidden"), "rope_theta": _rope(hf),
+            "norm_eps": _float(hf, "rms_norm_eps", 1e-6), "tie_embeddings": _bool(hf, "tie_word_embeddings", False)}
 
 
 def _known_keys(model: dict) -> dict:
@@ -189,33 +276,79 @@ def _ignored(name: str, m) -> bool:
             or name == "lm_head.weight" and getattr(m, "tie_embeddings", True))
 
 
-def load_weights(model, reader: safetensors_io.Reader, m) -> str:
-    """Assign every tensor of `reader` to its variable of `model`; returns the checkpoint's dtype name."""
-    wanted = {hf_name: (path, transposed) for hf_name, path, transposed in weights(m)}
+def variable_shapes(m) -> dict[str, tuple[int, ...]]:
+    """The shape of every variable `weights(m)` names (its Keras path without `block_i/`), from the model
+    section alone (as tpu_llm/model/transformer.py builds them): the checkpoint is compared with them
+    before a model is built, so a mismatch costs milliseconds, not the building of a huge model."""
+    C, V, F = m.n_embd, m.vocab_size, m.hidden()
+    hd = C // m.n_head
+    q, kv = m.n_head * hd, m.kv_heads() * hd
+    return {"wte/embeddings": (V, C), "wpe/embeddings": (m.max_len, C), "lm_head/embeddings": (V, C),
+            "ln_f/gamma": (C,), "ln_f/beta": (C,), "ln_f/scale": (C,),
+            "ln1/gamma": (C,), "ln1/beta": (C,), "ln1/scale": (C,), "ln2/gamma": (C,), "ln2/beta": (C,), "ln2/scale": (C,),
+            "attn/qkv/kernel": (C, 3 * C), "attn/qkv/bias": (3 * C,), "attn/proj/kernel": (q, C), "attn/proj/bias": (C,),
+            "attn/q/kernel": (C, q), "attn/k/kernel": (C, kv), "attn/v/kernel": (C, kv),
+            "mlp/fc/kernel": (C, F), "mlp/fc/bias": (F,), "mlp/proj/kernel": (F, C), "mlp/proj/bias": (C,),
+            "mlp/gate/kernel": (C, F), "mlp/up/kernel": (C, F), "mlp/down/kernel": (F, C)}
+
+
+def tensor_shapes(m) -> dict[str, tuple[int, ...]]:
+    """{Hugging Face tensor name: its shape in a checkpoint} for the model section `m`, in `weights` order."""
+    shapes = variable_shapes(m)
+    out = {}
+    for hf_name, path, transposed in weights(m):
+        shape = shapes[path.split("/", 1)[1] if path.startswith("block_") else path]
+        out[hf_name] = shape[::-1] if transposed else shape
+    return out
+
+
+WEIGHT_DTYPES = ("F32", "BF16", "F16")  # what import reads into float32 variables, exactly
+
+
+def check_tensors(reader: safetensors_io.Reader, m) -> dict[str, str]:
+    """Compare the checkpoint's names, dtypes and shapes (its headers) with what the model section `m`
+    needs, before anything is built; {Hugging Face name: the name stored in the checkpoint}."""
     names = reader.names()
     if getattr(m, "family", "gpt2") == "gpt2" and not any(n.startswith("transformer.") for n in names):
         names_of = {f"transformer.{n}" if not n.startswith("lm_head") else n: n for n in names}  # the hub's gpt2
     else:
         names_of = {n: n for n in names}
-    unknown = [n for n in names_of if n not in wanted and not _ignored(n, m)]
+    wanted = weights(m)
+    known = {hf_name for hf_name, _, _ in wanted}
+    unknown = [n for n in names_of if n not in known and not _ignored(n, m)]
     if unknown:
         family = getattr(m, "family", "gpt2")
         raise UserError(f"the checkpoint has tensor {names_of[unknown[0]]}, which a {family} model of this "
                         f"config.json does not have ({len(unknown)} such); is config.json the one of these weights?")
-    missing = [n for n in wanted if n not in names_of]
+    missing = [n for n in known if n not in names_of]
     if missing:
-        raise UserError(f"the checkpoint lacks tensor {missing[0]} ({len(missing)} missing); download every shard")
+        first = next(n for n, _, _ in wanted if n not in names_of)
+        raise UserError(f"the checkpoint lacks tensor {first} ({len(missing)} missing); download every shard")
+    for hf_name, shape in tensor_shapes(m).items():
+        stored = names_of[hf_name]
+        dtype = reader.dtype(stored)
+        if dtype not in WEIGHT_DTYPES:
+            raise UserError(f"{reader.file(stored)}: tensor {stored} has dtype {dtype}; a weight is "
+                            f"{', '.join(WEIGHT_DTYPES)}: is this a checkpoint of a language model?")
+        if reader.shape(stored) != shape:
+            raise UserError(f"{reader.file(stored)}: tensor {stored} has shape {list(reader.shape(stored))}, "
+                            f"config.json implies {list(shape)}; is config.json the one of these weights?")
+    return names_of
+
+
+def load_weights(model, reader: safetensors_io.Reader, m) -> str:
+    """Assign every tensor of `reader` to its variable of `model`; returns the checkpoint's dtype name."""
+    names_of = check_tensors(reader, m)
     variables, dtypes = _variables(model), set()
-    for hf_name, (path, transposed) in wanted.items():
+    for hf_name, path, transposed in weights(m):
         stored = names_of[hf_name]
         dtypes.add(reader.dtype(stored))
         value = reader.get(stored).astype(np.float32)  # exact for bfloat16 and float16
         if transposed:
             value = value.T
         variable = variables[path]
-        if tuple(value.shape) != tuple(variable.shape):
-            raise UserError(f"tensor {stored} has shape {list(value.shape)}, config.json implies "
-                            f"{list(variable.shape)}; is config.json the one of these weights?")
+        if tuple(value.shape) != tuple(variable.shape):  # check_tensors' shapes and the model's disagree: a bug
+            raise AssertionError(f"{stored}: {list(value.shape)} read, the variable is {list(variable.shape)}")
         variable.assign(value)
     dtypes = sorted(_CODE_NAMES.get(d, d) for d in dtypes)
     return dtypes[0] if len(dtypes) == 1 else "float32"
@@ -237,37 +370,44 @@ def _write_tokenizer(tokenizer, output: str, max_len: int) -> list[str]:
 # Import
 
 
-def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
-    """Make the new run directory `run_dir` from the Hugging Face model directory `source`; `max_len`
-    (llama only) shortens the context, which sizes generation's KV cache (config.json's is often 128k)."""
-    import keras
-
-    source, run_dir = str(source).rstrip("/"), str(run_dir).rstrip("/")
-    config_path = os.path.join(source, "config.json")
-    if not tf.io.gfile.exists(config_path):
-        raise UserError(f"--from {source!r} has no config.json; give a Hugging Face model directory (e.g. "
-                        "`huggingface-cli download gpt2 --local-dir gpt2`)")
-    with tf.io.gfile.GFile(config_path) as f:
-        hf = json.load(f)
+def run_config(hf: dict, source: str, run_dir: str, max_len: int = 0) -> Config:
+    """The config of the new run `run_dir` for the config.json `hf` (of the model directory `source`):
+    the mapped model section, fine-tuning defaults for the rest, validated (tpu_llm/config.py: types
+    and caps)."""
     model = _known_keys(model_config(hf))
     if max_len and max_len != model["max_len"]:
         if model.get("family") != "llama" or not 0 < max_len < model["max_len"]:
             raise UserError(f"--max_len={max_len}: give a context shorter than config.json's {model['max_len']}, for a "
                             "llama model (a gpt2 model's learned position table fixes its own)")
         model["max_len"] = max_len
+    settings = {"run_dir": run_dir, "model": model,
+                "data": {"tokenizer": "hf", "seq_len": min(256, model["max_len"])},
+                # fine-tuning: a tenth of the from-scratch rate, short warmup, no dropout surprises
+                "train": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 20, "steps": 200, "weight_decay": 0.0},
+                "checkpoint": {"every_steps": 100}}
+    return config_from_dict(settings, source=os.path.join(source, "config.json"))
+
+
+def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
+    """Make the new run directory `run_dir` from the Hugging Face model directory `source`; `max_len`
+    (llama only) shortens the context, which sizes generation's KV cache (config.json's is often 128k).
+
+    Everything from `source` is checked before anything is built or written, cheapest first: config.json
+    (types, caps), every safetensors header, the tensors' names, dtypes and shapes against config.json,
+    then the tokenizer."""
+    import keras
+
+    source, run_dir = str(source).rstrip("/"), str(run_dir).rstrip("/")
+    hf = read_config(source)
+    cfg = run_config(hf, source, run_dir, max_len)
     check_run_dir_reachable(run_dir)
     check_run_dir_owner(run_dir)  # not another tool's directory ...
     if is_run_dir(run_dir):  # ... and never an existing run: import makes a new one
         raise UserError(f"run_dir {run_dir!r} already holds a tpu-llm run; import into a new --run_dir")
     reader = safetensors_io.Reader(source)  # the weights' headers: fail before anything is written
+    check_tensors(reader, cfg.model)
     tokenizer = load_hf_tokenizer(source)
     eos = getattr(tokenizer, "eos_id", None)
-    settings = {"run_dir": run_dir, "model": model,
-                "data": {"tokenizer": tokenizer.kind, "seq_len": min(256, model["max_len"])},
-                # fine-tuning: a tenth of the from-scratch rate, short warmup, no dropout surprises
-                "train": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 20, "steps": 200, "weight_decay": 0.0},
-                "checkpoint": {"every_steps": 100}}
-    cfg = config_from_dict(settings, source=config_path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer in {source} has {tokenizer.vocab_size} ids, config.json's vocab_size is "
                         f"{cfg.model.vocab_size}; are they from the same model?")
@@ -284,12 +424,13 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
             _write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
             _write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
             save_tokenizer(tokenizer, tmp)
-            meta = {"source": source, "architecture": hf["architectures"][0], "dtype": dtype, "config": hf}
+            architecture = next(a for a in hf["architectures"] if isinstance(a, str) and a in ARCHITECTURES)
+            meta = {"source": source, "architecture": architecture, "dtype": dtype, "config": hf}
             _write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
             Checkpointer(tmp, keep=cfg.checkpoint.keep, model=net).save(0)  # the model only: train adds the optimizer
     finally:
         keras.mixed_precision.set_global_policy(policy)
-    return {"run_dir": run_dir, "family": model.get("family", "gpt2"), "dtype": dtype, "eos_id": eos,
+    return {"run_dir": run_dir, "family": cfg.model.family, "dtype": dtype, "eos_id": eos,
             "params": net.num_params(), "tokenizer": tokenizer.kind}
 
 

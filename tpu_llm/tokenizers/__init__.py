@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 
 import tensorflow as tf
 
@@ -58,17 +59,22 @@ def save_tokenizer(tok: Tokenizer, run_dir: str) -> None:
 
 
 def load_tokenizer(run_dir: str) -> Tokenizer | None:
-    """The tokenizer saved in `run_dir`, or None if the directory has none."""
+    """The tokenizer saved in `run_dir`, or None if the directory has none. The spec may come from
+    elsewhere (a copied run or shard directory): its size, its JSON and its fields are checked, and the
+    model file it names must be a file of `run_dir`; each failure is one UserError naming the file."""
     path = os.path.join(run_dir, SPEC_FILE)
     if not tf.io.gfile.exists(path):
         return None
-    with tf.io.gfile.GFile(path, "r") as f:
-        text = f.read()
+    text = hf.read_text(path)
+    types = {"kind": str, "chars": str, "model": str, "eos_token": str}
     try:  # a file torn by a kill or a full disk mid-write must not become a traceback
-        spec = json.loads(text)
+        spec = hf.parse_json(text)
         needs = {"byte": (), "char": ("chars",), "sentencepiece": ("model",), "hf": ("model", "eos_token")}
         if spec["kind"] not in needs or any(key not in spec for key in needs[spec["kind"]]):
-            raise ValueError(f"kind {spec['kind']!r} without {needs.get(spec['kind'], ('a known kind',))}")
+            raise ValueError(f"kind {reprlib.repr(spec['kind'])} without {needs.get(spec['kind'], ('a known kind',))}")
+        wrong = next((k for k in needs[spec["kind"]] if not isinstance(spec[k], types[k])), None)
+        if wrong:
+            raise ValueError(f"{wrong} is not text")
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path} is not a readable tokenizer file ({str(e)[:80]}); restore it from a copy of the run "
                         "directory (or the shards' tokenizer.json), or move the run directory away to start "
@@ -79,5 +85,10 @@ def load_tokenizer(run_dir: str) -> Tokenizer | None:
         return CharTokenizer(spec["chars"])
     if spec["kind"] == "hf":
         return hf.from_spec(run_dir, spec, path)
-    with tf.io.gfile.GFile(os.path.join(run_dir, spec["model"]), "rb") as f:
-        return SentencePieceTokenizer(f.read(), source=os.path.join(run_dir, spec["model"]))
+    model = hf.model_file(run_dir, spec, path)
+    size = tf.io.gfile.stat(model).length
+    if size > hf.MAX_TOKENIZER_BYTES:
+        raise UserError(f"{model} is {size:,} bytes, more than the {hf.MAX_TOKENIZER_BYTES:,} a tokenizer file may "
+                        "have; restore it from a copy of the directory")
+    with tf.io.gfile.GFile(model, "rb") as f:
+        return SentencePieceTokenizer(f.read(), source=model)

@@ -18,6 +18,10 @@ Three functions make the interface that `tpu-llm import/export --format hf` uses
   load_hf_tokenizer(path)          an HF model directory or tokenizer.json -> HFTokenizer
   tokenizer.save_tokenizer / load_tokenizer   into / from a run or shard directory (hf_tokenizer.json)
   write_hf_tokenizer(tok, dir)     the HF files that `AutoTokenizer.from_pretrained(dir)` loads
+
+The files come from outside: each is at most MAX_TOKENIZER_BYTES (checked before it is read), and
+whatever it holds (not UTF-8, JSON nested too deeply, a tokenizer the library refuses or panics on, a
+spec naming a file outside its directory) ends in one UserError naming it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ HF_FILE = "hf_tokenizer.json"  # HF's tokenizer.json in a run/shard directory (i
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 SPECIAL_LISTS = ("additional_special_tokens", "extra_special_tokens")
 EOS_GUESSES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")  # when no config names one
+# Bytes of one tokenizer file, checked before it is read: the largest published tokenizer.json (Gemma 3's)
+# is 33 MB, and parsing takes about four times a file's size in memory.
+MAX_TOKENIZER_BYTES = 100 << 20
 
 
 def import_tokenizers():
@@ -49,22 +56,32 @@ def import_tokenizers():
     return tokenizers
 
 
+def _library_error(e: BaseException) -> str:
+    """What `tokenizers` said, for a message; re-raises what is no error of the input (Ctrl-C). The Rust
+    library raises a bare Exception with serde's message, or, where Rust panics, pyo3's PanicException,
+    which is a BaseException."""
+    if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+        raise e
+    lines = str(e).splitlines()
+    return (lines[0] if lines else type(e).__name__)[:100]
+
+
 def _parse(tokenizer_json: str, source: str):
     """A `tokenizers.Tokenizer` from the text of a tokenizer.json, or a one-line UserError naming `source`."""
     tokenizers = import_tokenizers()
     try:
         return tokenizers.Tokenizer.from_str(tokenizer_json)
-    except Exception as e:  # tokenizers raises a bare Exception with serde's message
+    except BaseException as e:  # noqa: B036 (see _library_error)
         raise UserError(f"{source or 'tokenizer.json'}: Hugging Face's tokenizers {tokenizers.__version__} cannot "
-                        f"read it ({str(e).splitlines()[0][:100]}); give the tokenizer.json that came with the "
+                        f"read it ({_library_error(e)}); give the tokenizer.json that came with the "
                         "checkpoint, or upgrade tokenizers") from None
 
 
 def _content(token) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(token, dict):
-        return token.get("content")
-    return token if isinstance(token, str) else None
+        token = token.get("content")
+    return token if isinstance(token, str) and token else None
 
 
 class HFTokenizer:
@@ -79,6 +96,15 @@ class HFTokenizer:
 
     def __init__(self, tokenizer_json: str, eos_token: str, bos_token: str | None = None, source: str = ""):
         self._tok = _parse(tokenizer_json, source)
+        try:
+            self._setup(eos_token, bos_token, source)
+        except UserError:
+            raise
+        except BaseException as e:  # noqa: B036 (a tokenizer the library read, then failed to run: _library_error)
+            raise UserError(f"{source or 'tokenizer.json'}: Hugging Face's tokenizers cannot encode with it "
+                            f"({_library_error(e)}); give the tokenizer.json that came with the checkpoint") from None
+
+    def _setup(self, eos_token: str, bos_token: str | None, source: str) -> None:
         self.json = self._tok.to_str()  # canonical: the same tokenizer gives the same text and checksum
         self.eos_token, self.bos_token = eos_token, bos_token
         self.eos_id = self._tok.token_to_id(eos_token)
@@ -148,14 +174,36 @@ class HFTokenizer:
 # An HF model directory
 
 
-def _read(path: str) -> str:
-    with tf.io.gfile.GFile(path, "r") as f:
-        return f.read()
+def read_text(path: str) -> str:
+    """The UTF-8 text of the tokenizer file `path`; refused in one line, before it is read, when it is
+    larger than MAX_TOKENIZER_BYTES, and when it is not UTF-8."""
+    size = tf.io.gfile.stat(path).length
+    if size > MAX_TOKENIZER_BYTES:
+        raise UserError(f"{path} is {size:,} bytes, more than the {MAX_TOKENIZER_BYTES:,} a tokenizer file may have "
+                        "(the largest published tokenizer.json is 33 MB); give the tokenizer files that came with the "
+                        "checkpoint")
+    with tf.io.gfile.GFile(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); give the tokenizer "
+                        "files that came with the checkpoint") from None
+
+
+
+def parse_json(text: str):
+    """json.loads, with ValueError for anything it cannot parse: nesting thousands deep is a
+    RecursionError in Python's parser."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _read_json(path: str) -> dict:
     try:
-        value = json.loads(_read(path))
+        value = parse_json(read_text(path))
     except ValueError as e:
         raise UserError(f"{path} is not valid JSON ({str(e)[:80]}); restore it from the checkpoint's files") from None
     if not isinstance(value, dict):
@@ -169,14 +217,14 @@ def _gpt2_from_vocab_merges(folder: str) -> str:
     from tokenizers import decoders, models, pre_tokenizers, processors
 
     vocab = _read_json(os.path.join(folder, "vocab.json"))
-    merges = [tuple(line.split(" ")) for line in _read(os.path.join(folder, "merges.txt")).splitlines()
+    merges = [tuple(line.split(" ")) for line in read_text(os.path.join(folder, "merges.txt")).splitlines()
               if line and not line.startswith("#version")]
     try:
         tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
                                               end_of_word_suffix="", fuse_unk=False))
-    except Exception as e:
+    except BaseException as e:  # noqa: B036 (see _library_error)
         raise UserError(f"{folder}: vocab.json and merges.txt do not make a BPE tokenizer "
-                        f"({str(e).splitlines()[0][:100]}); restore them from the checkpoint's files") from None
+                        f"({_library_error(e)}); restore them from the checkpoint's files") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -207,18 +255,29 @@ def _with_config_specials(tok, config: dict) -> str:
     return tok.to_str()
 
 
+def model_file(directory: str, spec: dict, path: str) -> str:
+    """The path of the model file that our spec `spec` (read from `path`) names: a plain file name in
+    `directory`, so a spec from elsewhere (a copied shard directory) cannot make us read another file."""
+    name = spec.get("model")
+    if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:
+        raise UserError(f"{path} names the model file {name!r}, which is not a file name in {directory}; restore it "
+                        "from a copy of the directory, or move the run directory away to start over")
+    model = os.path.join(directory, name)
+    if not tf.io.gfile.exists(model):
+        raise UserError(f"{path} names {name}, which is not in {directory}; restore it from a copy of the "
+                        "directory, or move the run directory away to start over")
+    return model
+
+
 def from_spec(directory: str, spec: dict, path: str) -> HFTokenizer:
     """The hf tokenizer that our spec `spec` (read from `path`, tokenizer.json) names in `directory`."""
-    if not isinstance(spec, dict) or "model" not in spec or "eos_token" not in spec:
+    if (not isinstance(spec, dict) or "model" not in spec or not isinstance(spec.get("eos_token"), str)
+            or not isinstance(spec.get("bos_token"), (str, type(None)))):
         raise UserError(f"{path} is not a readable tokenizer file (kind hf without model and eos_token); restore it "
                         "from a copy of the run directory (or the shards' tokenizer.json), or move the run directory "
                         "away to start over")
-    model = os.path.join(directory, spec["model"])
-    if not tf.io.gfile.exists(model):
-        raise UserError(f"{path} names {spec['model']}, which is not in {directory}; restore it from a copy of the "
-                        "directory, or move the run directory away to start over")
-    with tf.io.gfile.GFile(model, "r") as f:
-        return HFTokenizer(f.read(), spec["eos_token"], spec.get("bos_token"), source=model)
+    model = model_file(directory, spec, path)
+    return HFTokenizer(read_text(model), spec["eos_token"], spec.get("bos_token"), source=model)
 
 
 def load_hf_tokenizer(path: str) -> HFTokenizer:
@@ -245,15 +304,15 @@ def load_hf_tokenizer(path: str) -> HFTokenizer:
     if not file and tf.io.gfile.exists(os.path.join(folder, SPEC_FILE)):
         file = os.path.join(folder, SPEC_FILE)
     if file:
-        text = _read(file)
+        text = read_text(file)
         try:
-            ours = json.loads(text).get("kind") if text.lstrip().startswith("{") else None
+            ours = parse_json(text).get("kind") if text.lstrip().startswith("{") else None
         except (ValueError, AttributeError):
-            ours = None
+            ours = None  # not ours: the tokenizers library reads it, or says why it cannot
         if ours is not None:  # one of our run or shard directories
             if ours != "hf":
                 raise UserError(f"{file} is a tpu-llm tokenizer of kind {ours}, not hf; give an HF model directory")
-            return from_spec(folder, json.loads(text), file)
+            return from_spec(folder, parse_json(text), file)
     elif all(tf.io.gfile.exists(os.path.join(folder, name)) for name in ("vocab.json", "merges.txt")):
         text = _gpt2_from_vocab_merges(folder)
         file = os.path.join(folder, "vocab.json")
@@ -271,9 +330,9 @@ def load_hf_tokenizer(path: str) -> HFTokenizer:
     tok = _parse(text, file)
     try:
         text = _with_config_specials(tok, config)
-    except Exception as e:  # e.g. a template naming a token the vocabulary lacks
+    except BaseException as e:  # noqa: B036 (e.g. a template naming a token the vocabulary lacks; _library_error)
         raise UserError(f"{folder}: the special tokens of its tokenizer_config.json do not fit its tokenizer "
-                        f"({str(e).splitlines()[0][:100]}); restore the checkpoint's tokenizer files") from None
+                        f"({_library_error(e)}); restore the checkpoint's tokenizer files") from None
     vocab = tok.get_vocab(with_added_tokens=True)
     eos = _content(config.get("eos_token")) or next((t for t in EOS_GUESSES if t in vocab), None)
     if eos is None:
