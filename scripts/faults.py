@@ -445,6 +445,75 @@ def cluster_row(workers: int, ps: int, victim: str, expect_code: int, expect_tex
     return run
 
 
+def tasks_of(cluster: str) -> list[int]:
+    """The live processes whose TF_CONFIG holds this cluster (its ports): a launcher's tasks, wherever they went."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:  # a zombie's environ reads empty: gone
+            if entry.name.isdigit() and cluster.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def launcher_kill_row(ps: int):
+    """SIGKILL of `tpu-llm launch` itself mid-run: every task must be gone within 30 s (they get SIGTERM
+    from the kernel, tpu_llm/tether.py), the cluster having saved a checkpoint on its way out."""
+    def run(bench: Bench, name: str) -> Outcome:
+        run_dir = bench.dir(name) / "run"
+        args = ["launch", "--workers", "2", "--ps", str(ps), "--", *bench.train_args(run_dir, 4000), *CLUSTER,
+                "--checkpoint.every_steps=1000"]  # no checkpoint but the one the launcher's death asks for
+        p = Proc(bench.work / f"{name}.log", args)
+        text = p.wait_for(lambda t: progress(t) >= 12, "step 12")
+        cluster = json.dumps(json.loads(text.splitlines()[0].split(" on 127.0.0.1 (", 1)[1].rsplit("): ", 1)[0]))
+        up = len(tasks_of(cluster))
+        os.kill(p.proc.pid, signal.SIGKILL)  # the launcher alone: its tasks are left to the tether
+        p.proc.wait()
+        killed = time.time()
+        while tasks_of(cluster) and time.time() - killed < 30:
+            time.sleep(0.2)
+        left, seconds = tasks_of(cluster), time.time() - killed
+        for pid in left:  # this row's tasks only (their TF_CONFIG names its ports)
+            os.kill(pid, signal.SIGKILL)
+        latest, bad = checkpoint_finite(run_dir)
+        lost = "no" if latest and not bad else "YES: no checkpoint saved on the way out"
+        observed = (f"{up} tasks up; launcher killed: " + (f"{len(left)} task(s) still running after 30 s" if left
+                    else f"every task gone after {seconds:.1f} s") + f"; newest checkpoint "
+                    f"{Path(latest).name if latest else 'none'}")
+        return Outcome(observed, up == 2 + 2 * bool(ps) and not left and lost == "no", lost)
+    return run
+
+
+def corrupt_record_row(bench: Bench, name: str) -> Outcome:
+    """One flipped byte mid-shard (its size unchanged): a run that reaches it stops with one line naming
+    the shard, the checkpoints it saved before intact; the same command stops there again, changing nothing."""
+    run_dir = bench.dir(name) / "run"
+    shards = run_dir.parent / "shards"
+    Proc(bench.work / f"{name}-prepare.log", ["data", "prepare", "--input", bench.corpus, "--output", str(shards),
+                                              "--shards", "2"]).wait()
+    train, validation = sorted(shards.glob("*.tfrecord"))
+    data = bytearray(train.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x01
+    train.write_bytes(bytes(data))
+    args = ["train", f"--run_dir={run_dir}", f"--data.train={train}", f"--data.validation={validation}", *TINY,
+            "--train.steps=4000"]
+    p = Proc(bench.work / f"{name}.log", args)
+    code, text = p.wait(), p.text
+    line = error_line(text)
+    latest, bad = checkpoint_finite(run_dir)
+    before = tree_hash(run_dir / "checkpoints") if latest else ""
+    again = Proc(bench.work / f"{name}-again.log", args)
+    code_again, line_again = again.wait(), error_line(again.text)
+    same = latest is not None and tree_hash(run_dir / "checkpoints") == before and line_again == line
+    lost = "no" if latest and not bad and same else "YES: no readable checkpoint, or the second run changed them"
+    ok = (code == code_again == 2 and f"shard {train} has a corrupt record at byte" in line
+          and not has_traceback(text + again.text) and lost == "no")
+    observed = (f"exit {code}: {line or last_lines(text)}"[:300] + f"; again: exit {code_again}"
+                + (" (with a traceback)" if has_traceback(text + again.text) else ""))
+    return Outcome(observed, ok, lost)
+
+
 def full_disk(bench: Bench, name: str) -> Outcome:
     mount = bench.dir(f"{name}/disk")
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount)], capture_output=True,
@@ -473,6 +542,7 @@ class Row:
     fault: str
     expected: str
     run: Callable[[Bench, str], Outcome]
+    reference: bool = True  # compares with the uninterrupted run (trained first, only when a row needs it)
 
 
 SAME = "the same command then finishes equal to the uninterrupted run"
@@ -512,6 +582,9 @@ ROWS = [
     Row("hf-tokenizer-size", "`import` with a 500 MB tokenizer.json", "exit 2, one line naming the file and the "
         "100 MB cap, before reading it; nothing written",
         refused_row(hf_import(sparse_tokenizer_json), "a tokenizer file may have")),
+    Row("corrupt-record", "one flipped byte mid-way through a TFRecord training shard (its size unchanged)",
+        "exit 2, one line naming the shard and the byte; the checkpoints saved before it readable, unchanged by "
+        "running the same command again", corrupt_record_row, reference=False),
     Row("full-disk", "full disk (640 KB tmpfs run directory)", "exit 2, one line (free space); the newest "
         "checkpoint readable", full_disk),
     *[Row(f"nan-{mode}", f"NaN gradients at step 4, 2 replicas, {mode}", "the step skipped, exit 0; every "
@@ -527,6 +600,11 @@ ROWS = [
         cluster_row(1, 1, "worker 0", 4, "no worker is left to run steps", steps=4000)),
     Row("mw-worker", "SIGKILL of a multi-worker peer", "exit 4: every task stops",
         cluster_row(2, 0, "worker 1", 4, "exited with status -9: stopping every task", steps=4000)),
+    Row("launcher-kill-mw", "SIGKILL of `tpu-llm launch` (2 multi-worker tasks) after step 12",
+        "no task left after 30 s; a checkpoint saved on the way out", launcher_kill_row(0), reference=False),
+    Row("launcher-kill-ps", "SIGKILL of `tpu-llm launch` (chief, 2 workers, 1 ps) after step 12",
+        "no task left after 30 s; the chief saved a checkpoint on the way out", launcher_kill_row(1),
+        reference=False),
 ]
 
 
@@ -564,13 +642,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tpu-llm-faults-"))
     bench, start = Bench(work), time.time()
     print(f"faults    {len(rows)} rows; logs and run directories in {work}", flush=True)
-    reference = Proc(work / "reference.log", bench.train_args(work / "reference"))
-    if reference.wait():
-        print(f"error: the uninterrupted reference run failed: {last_lines(reference.text)}", file=sys.stderr)
-        return 1
-    bench.reference = logged(work / "reference")
-    print(f"faults    reference: {STEPS} steps, fingerprint {bench.reference[1]} ({time.time() - start:.0f} s)",
-          flush=True)
+    if any(r.reference for r in rows):
+        reference = Proc(work / "reference.log", bench.train_args(work / "reference"))
+        if reference.wait():
+            print(f"error: the uninterrupted reference run failed: {last_lines(reference.text)}", file=sys.stderr)
+            return 1
+        bench.reference = logged(work / "reference")
+        print(f"faults    reference: {STEPS} steps, fingerprint {bench.reference[1]} ({time.time() - start:.0f} s)",
+              flush=True)
     results = []
     with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("FAULTS_JOBS", "2"))) as pool:
         for row, outcome, seconds in pool.map(lambda r: run_row(bench, r), rows):

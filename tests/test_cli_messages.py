@@ -35,8 +35,10 @@ COMMANDS = list(cli.COMMANDS)  # every registered command, so a new one cannot g
 class Run:
     """`python [-X importtime] -m tpu_llm *args`; `watch` is the directory hashed before and after."""
 
-    def __init__(self, args: list[str], watch: Path | None = None, python_flags: tuple = ()):
-        self.args, self.watch, self.python_flags = [str(a) for a in args], watch, python_flags
+    def __init__(self, args: list, watch: Path | None = None, python_flags: tuple = ()):
+        # bytes stay bytes: an argument that is not UTF-8, as a Latin-1 terminal passes it
+        self.args = [a if isinstance(a, bytes) else str(a) for a in args]
+        self.watch, self.python_flags = watch, python_flags
         self.proc = None
 
     def start(self) -> "Run":
@@ -57,7 +59,7 @@ class Run:
         return self
 
     def __str__(self) -> str:
-        return (f"tpu_llm {' '.join(self.args)} -> exit {self.code}\n--- stdout\n{self.stdout[-3000:]}\n"
+        return (f"tpu_llm {' '.join(map(os.fsdecode, self.args))} -> exit {self.code}\n--- stdout\n{self.stdout[-3000:]}\n"
                 f"--- stderr\n{self.stderr[-3000:]}")
 
 
@@ -95,8 +97,39 @@ def commands(tmp_path_factory):
     assert runs["base"].code == 0, runs["base"]
     runs["generate typo"] = Run(["generate", "--run_dir", base, "--temprature", "0.5", "--max_new_tokens", "5"],
                                 watch=base, python_flags=("-X", "importtime"))
-    run_all([runs["generate typo"]])
+    (tmp / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    for case, flags, _ in GENERATE_REFUSED:
+        flags = [str(f).format(tmp=tmp) if isinstance(f, str) else f for f in flags]
+        runs[f"generate {case}"] = Run(["generate", "--run_dir", base, *flags], watch=base,
+                                       python_flags=("-X", "importtime"))
+    run_all([runs["generate typo"]] + [runs[f"generate {case}"] for case, _, _ in GENERATE_REFUSED])
     yield runs, tmp
+
+
+# generate's arguments that are refused before the model loads: (case, flags, the message)
+GENERATE_REFUSED = [
+    ("a billion tokens", ["--max_new_tokens", "1000000000"],
+     "error: --max_new_tokens=1000000000 must be between 1 and 1,000,000"),
+    ("no tokens", ["--max_new_tokens", "0"], "error: --max_new_tokens=0 must be between 1 and 1,000,000"),
+    ("infinite temperature", ["--temperature", "inf"], "error: --temperature=inf must be a finite number >= 0"),
+    ("nan temperature", ["--temperature=nan"], "error: --temperature=nan must be a finite number >= 0"),
+    ("negative temperature", ["--temperature", "-0.5"], "error: --temperature=-0.5 must be a finite number >= 0"),
+    ("top_p 0", ["--top_p", "0"], "error: --top_p=0.0 must be in (0, 1]"),
+    ("top_p above 1", ["--top_p", "1.5"], "error: --top_p=1.5 must be in (0, 1]"),
+    ("negative top_k", ["--top_k", "-1"], "error: --top_k=-1 must be >= 0"),
+    ("no samples", ["--num_samples", "0"], "error: --num_samples=0 must be between 1 and 1,000"),
+    ("a seed beyond 64 bits", ["--seed", str(2**63)], "error: --seed=9223372036854775808 must fit in 64 bits"),
+    ("a prompt not UTF-8", ["--prompt", b"caf\xe9"],  # Python gets a lone surrogate for the byte
+     "error: --prompt: 'caf\\xe9' is not UTF-8 text (byte 0xe9 at character 3); tpu-llm reads its arguments as "
+     "UTF-8: convert the text, or run from a terminal or script in a UTF-8 locale (e.g. LANG=C.UTF-8), or put the "
+     "text in a UTF-8 file and pass --prompt_file FILE"),
+    ("a prompt file not UTF-8", ["--prompt_file", "{tmp}/latin1.txt"],
+     "is not UTF-8 text (byte 0xe9 at offset 3); convert it to UTF-8 first"),
+    ("a missing prompt file", ["--prompt_file", "{tmp}/none.txt"],
+     "none.txt cannot be read (No such file or directory)"),
+    ("a prompt twice", ["--prompt", "a", "--prompt_file", "{tmp}/latin1.txt"],
+     "error: give --prompt or --prompt_file, not both"),
+]
 
 
 # 1. --help and -h for every command ------------------------------------------------------------------
@@ -129,6 +162,14 @@ def test_a_misspelt_flag_is_refused_before_tensorflow_loads(commands):
     r = commands[0]["generate typo"]
     assert_refused(r, "error: tpu-llm generate: unknown flag --temprature; did you mean --temperature?")
     assert "--- sample" not in r.stdout, r  # nothing was generated first
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "tpu_llm.cli" in imported and "tensorflow" not in imported, sorted(imported)
+
+
+@pytest.mark.parametrize("case, flags, message", GENERATE_REFUSED, ids=[c[0] for c in GENERATE_REFUSED])
+def test_generate_checks_its_arguments_before_tensorflow_loads(commands, case, flags, message):
+    r = commands[0][f"generate {case}"]
+    assert_refused(r, message)
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert "tpu_llm.cli" in imported and "tensorflow" not in imported, sorted(imported)
 

@@ -291,6 +291,66 @@ def test_write_shards_refuses_to_overwrite(tmp_path, corpus_files):
         "data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
 
 
+# TensorFlow's error for a gs:// path without a network (first of its lines; then 20 of retries)
+NO_NETWORK = ("Error executing an HTTP request: libcurl code 6 meaning 'Could not resolve hostname', error details: "
+              "Could not resolve host: www.googleapis.com\n\t when reading gs://my-bucket/shards")
+
+
+def test_an_output_bucket_out_of_reach_is_one_line_naming_it(tmp_path, corpus_files, monkeypatch, capsys):
+    from tpu_llm import cli
+
+    real_glob = tf.io.gfile.glob
+
+    def no_network(pattern):
+        if pattern.startswith("gs://"):
+            raise tf.errors.FailedPreconditionError(None, None, NO_NETWORK)
+        return real_glob(pattern)
+
+    monkeypatch.setattr(tf.io.gfile, "glob", no_network)
+    capsys.readouterr()
+    assert cli.main(["data", "prepare", "--input", corpus_files[0], "--output", "gs://my-bucket/shards"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --output 'gs://my-bucket/shards' cannot be reached or written (FailedPreconditionError: Error "
+        "executing an HTTP request: libcurl code 6 meaning 'Could not resolve hostname', error details: Could not "
+        "resolve host: www.googleapis.com); check the network, your credentials (gcloud auth application-default "
+        "login) and that the bucket gs://my-bucket exists (`python -m tpu_llm.cloud check gs://my-bucket/shards` "
+        "tests it); nothing was written")
+
+    def lost_half_way(*_args, **_kwargs):  # the network goes while the shards are written
+        raise tf.errors.UnavailableError(None, None, "Error executing an HTTP request: HTTP response code 503")
+
+    monkeypatch.setattr(tf.io.gfile, "rename", lost_half_way)
+    out = tmp_path / "shards"
+    with pytest.raises(UserError, match=rf"^--output '{out}' cannot be reached or written \(UnavailableError: Error "
+                                        r"executing an HTTP request: HTTP response code 503\); check the path and its "
+                                        r"permissions; a shard is renamed from its .tmp name only once complete; "
+                                        r"run the same command again with --overwrite$"):
+        prepare.write_shards(sources.Source(corpus_files, "text"), ByteTokenizer(), str(out), num_shards=2)
+    assert not glob.glob(str(out / "*.tfrecord"))  # no shard under its final name
+
+
+@pytest.mark.slow
+def test_data_prepare_without_a_network_is_one_line(tmp_path, corpus_files):
+    """The real thing: `tpu-llm data prepare --output gs://...` in a network namespace of its own, which
+    holds only a loopback interface, down."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare") or subprocess.run(
+            ["unshare", "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]), "true"]).returncode:
+        pytest.skip("this system gives no network namespace (unshare --net fails)")
+    done = subprocess.run(["unshare", "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]), sys.executable,
+                           "-m", "tpu_llm", "data", "prepare", "--input", corpus_files[0], "--output",
+                           "gs://tpu-llm-test-no-such-bucket-0/shards"], capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("error: --output 'gs://tpu-llm-test-no-such-bucket-0/shards' cannot be reached or "
+                               "written (FailedPreconditionError: ") and lines[0].endswith("; nothing was written")
+    assert "Could not resolve host" in lines[0] and "that the bucket gs://tpu-llm-test-no-such-bucket-0 exists" in \
+        lines[0]
+
+
 # --- resuming the training stream from a position --------------------------------------------------
 
 

@@ -414,6 +414,57 @@ def test_out_of_memory_is_one_line_and_leaves_the_checkpoints_as_they_were(base,
     assert snapshot(run_dir / "checkpoints") == before  # step 10's weights, never saved, are not saved now
 
 
+def test_a_corrupt_record_in_a_shard_is_one_line_naming_it_and_leaves_the_checkpoints_as_they_were(tmp_path,
+                                                                                                    capsys):
+    """One flipped byte inside a TFRecord shard (its size unchanged, so meta.json's check passes): its
+    record fails its checksum when the stream reaches it, mid-run, or in the check before the run."""
+    from helpers import write_corpus
+
+    from tpu_llm.data import prepare, sources
+    from tpu_llm.tokenizers import ByteTokenizer
+
+    files = write_corpus(tmp_path / "corpus", files=12)  # 12 records in 2 shards
+    prepare.write_shards(sources.Source(files, "text"), ByteTokenizer(), str(tmp_path / "shards"), num_shards=2)
+    shard, validation = sorted((tmp_path / "shards").glob("*.tfrecord"))
+    original = shard.read_bytes()
+
+    def flipped(at: int) -> None:
+        damaged = bytearray(original)
+        damaged[at] ^= 0x01
+        shard.write_bytes(bytes(damaged))
+
+    def train_(run_dir):
+        capsys.readouterr()
+        code = cli.main(["train", f"--run_dir={run_dir}", f"--data.train={shard}", f"--data.validation={validation}",
+                         "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.max_len=16",
+                         "--data.seq_len=8", "--train.batch_size=16", "--train.steps=400", "--train.steps_per_loop=10",
+                         "--checkpoint.every_steps=10", "--train.eval_every=0", "--sample.num_samples=0",
+                         "--execution=graph"])
+        return code, capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar's lines
+
+    at = len(original) * 3 // 4  # in a record's data: the stream reaches it after some checkpoints
+    flipped(at)
+    code, err = train_(tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    newest = tf.train.latest_checkpoint(str(checkpoints))
+    assert code == 2 and newest, err
+    assert err.startswith(f"error: training data ({shard}: 1 files): shard {shard} has a corrupt record at byte ")
+    assert err.endswith("its checksum does not match, so the file was damaged on disk or in a copy; copy the shard "
+                        "again, or re-run `tpu-llm data prepare` to write the shards anew; the newest checkpoint, "
+                        f"{newest}, is unchanged: run the same command again to resume from it")
+    offset = int(err.split("corrupt record at byte ")[1].split(":")[0].replace(",", ""))
+    assert offset <= at < offset + 4096  # TensorFlow's offset: the start of the record's data
+    before = snapshot(checkpoints)
+    code, again = train_(tmp_path / "run")  # resumed, the stream reaches the same record again
+    assert code == 2 and again == err and snapshot(checkpoints) == before
+
+    flipped(0)  # the first record's length: read by the check before the run, which writes nothing
+    code, err = train_(tmp_path / "new")
+    assert code == 2 and not (tmp_path / "new").exists()
+    assert err.startswith(f"error: training data ({shard}: 1 files): shard {shard} has a corrupt record at byte 0: ")
+    assert err.endswith("re-run `tpu-llm data prepare` to write the shards anew")
+
+
 def _write(path, content: bytes) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content)

@@ -144,6 +144,18 @@ def test_unknown_prompt_characters_are_an_error_in_generate(run_copy, capsys):
     assert r.stdout == "", r
 
 
+def test_a_prompt_file_is_the_prompt_verbatim_and_checked_like_one(run_copy, tmp_path, capsys):
+    run, _ = run_copy
+    (tmp_path / "prompt.txt").write_bytes("\ufeffThe quick\n".encode("utf-8"))  # a BOM (dropped), a final newline
+    r = InProcess(capsys, ["generate", "--run_dir", run, "--prompt_file", tmp_path / "prompt.txt",
+                           "--max_new_tokens", "5", "--temperature", "0"], watch=run)
+    assert r.code == 0 and r.stdout.startswith("--- sample 1 "), r
+    assert r.stdout.split("\n", 1)[1].startswith("The quick\n"), r  # the sample: the prompt, then what follows
+    (tmp_path / "prompt.txt").write_text(PROMPT, encoding="utf-8")
+    r = InProcess(capsys, ["generate", "--run_dir", run, "--prompt_file", tmp_path / "prompt.txt"], watch=run)
+    assert_refused(r, "error: --prompt_file " + MISSING)
+
+
 def test_unknown_prompt_characters_of_the_end_samples_are_refused_before_training(run_copy, tmp_path, capsys):
     _, flags = run_copy
     r = InProcess(capsys, ["train", f"--run_dir={tmp_path / 'new'}", *flags, "--sample.num_samples=1",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 
+from tpu_llm import tether
 from tpu_llm.cli import commands  # noqa: F401  (registers every command)
 from tpu_llm.cli import pjrt
 from tpu_llm.cli.parser import COMMANDS, Command, Flag, help_text, overview, parse
@@ -42,11 +43,14 @@ def asked_tpu(kwargs: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tethered = tether.as_child()  # a task of `tpu-llm launch`, a bench run; before any thread starts
     argv = list(sys.argv[1:] if argv is None else argv)
     own = argv[:argv.index("--")] if "--" in argv else argv
     verbose = "--verbose" in own or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
     quiet_tensorflow(verbose)
     native = None if verbose else NativeLogFilter()
+    if tethered:  # its output goes to the parent: stop and save unheard when the parent is gone
+        tether.outlive_reader()
     try:
         cmd, kwargs = parse(argv)
         if cmd is None:  # --help was printed

@@ -7,6 +7,8 @@ have been checked.
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 
 from tpu_llm.cli.parser import command, nearest
@@ -29,18 +31,36 @@ def train(config: str = "", overrides: dict | None = None):
     run(cfg)
 
 
+# generate's bounds, checked before TensorFlow loads (docs/cli.md): each new token is one step of the
+# model, milliseconds to a second each, so a million tokens already take hours; a larger number is a typo
+MAX_NEW_TOKENS = 1_000_000
+MAX_SAMPLES = 1_000
+MAX_PROMPT_BYTES = 16 << 20  # far beyond any model's context (128k tokens are ~0.5 MB of text)
+INT64 = 2**63
+
+
 @command("generate", "sample text from the newest checkpoint of a run",
          "tpu-llm generate --run_dir runs/tiny --prompt 'def ' --max_new_tokens 100 --temperature 0.7",
-         details="""
+         details=f"""
 A prompt character that the run's tokenizer cannot represent (a char vocabulary built from other
-text) is an error: the model never saw the unknown id it would become.""",
+text) is an error: the model never saw the unknown id it would become. Every flag is checked before
+the model loads: --max_new_tokens 1 to {MAX_NEW_TOKENS:,}, --num_samples 1 to {MAX_SAMPLES:,}, --temperature
+finite and >= 0, --top_p in (0, 1], --top_k >= 0, the prompt UTF-8 text.""",
          run_dir="the run directory of a `tpu-llm train` run", prompt="text to continue (default: start "
-         "after an end-of-text token)", max_new_tokens="tokens generated per sample",
+         "after an end-of-text token)", prompt_file="a UTF-8 text file holding the prompt, taken verbatim (a final "
+         "newline included); for long prompts, instead of --prompt",
+         max_new_tokens=f"tokens generated per sample (1 to {MAX_NEW_TOKENS:,})",
          temperature="sampling temperature; 0 = greedy", top_k="sample from the k most likely tokens; 0 = off",
          top_p="sample from the smallest set of tokens holding this probability; 1.0 = off",
-         seed="sample i draws with seed + i: the same seed gives the same text", num_samples="samples printed")
-def generate(run_dir: str, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1):
+         seed="sample i draws with seed + i: the same seed gives the same text",
+         num_samples=f"samples printed (1 to {MAX_SAMPLES:,})")
+def generate(run_dir: str, prompt: str = "", prompt_file: str = "", max_new_tokens: int = 200,
+             temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1):
+    prompt = _prompt(prompt, prompt_file)  # everything is checked before TensorFlow loads (seconds)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed, num_samples)
+    if "://" not in run_dir and not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
+                        "pass the --run_dir of a `tpu-llm train` run")
     from tpu_llm.config import config_from_dict
     from tpu_llm.tokenizers import check_covers
     from tpu_llm.training.checkpoint import load_for_generation
@@ -50,10 +70,52 @@ def generate(run_dir: str, prompt: str = "", max_new_tokens: int = 200, temperat
     sample = {"num_samples": num_samples, "max_new_tokens": max_new_tokens, "prompt": prompt,
               "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     cfg = config_from_dict({**cfg.to_dict(), "sample": sample}, source="command line")  # checks the values
-    check_covers(tokenizer, prompt, "--prompt")
+    check_covers(tokenizer, prompt, "--prompt_file" if prompt_file else "--prompt")
     for note in notes:  # e.g. an unreadable newest checkpoint skipped for the previous one
         print(f"warning   {note}", file=sys.stderr, flush=True)
     print_samples(model, tokenizer, cfg)
+
+
+def _prompt(prompt: str, prompt_file: str) -> str:
+    """The prompt: --prompt, or the text of --prompt_file (UTF-8, a byte-order mark dropped)."""
+    if not prompt_file:
+        return prompt  # (the parser refused one that is not UTF-8)
+    if prompt:
+        raise UserError("give --prompt or --prompt_file, not both")
+    try:
+        if os.path.getsize(prompt_file) > MAX_PROMPT_BYTES:
+            raise UserError(f"--prompt_file {prompt_file}: {os.path.getsize(prompt_file):,} bytes, more than "
+                            f"{MAX_PROMPT_BYTES:,}: far longer than any model's context; give the end of the text")
+        with open(prompt_file, "rb") as f:
+            data = f.read()
+    except IsADirectoryError:
+        raise UserError(f"--prompt_file {prompt_file} is a directory; give a UTF-8 text file") from None
+    except OSError as e:
+        raise UserError(f"--prompt_file {prompt_file} cannot be read ({e.strerror or e}); give a UTF-8 text file "
+                        "on this machine") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt_file {prompt_file} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                        f"{e.start}); convert it to UTF-8 first (e.g. iconv -f latin1 -t utf-8)") from None
+    return text.removeprefix("\ufeff")
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
+                    num_samples: int) -> None:
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"--max_new_tokens={max_new_tokens} must be between 1 and {MAX_NEW_TOKENS:,}: each token is "
+                        "one step of the model (a million already take hours)")
+    if not 1 <= num_samples <= MAX_SAMPLES:
+        raise UserError(f"--num_samples={num_samples} must be between 1 and {MAX_SAMPLES:,}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"--temperature={temperature} must be a finite number >= 0 (0 = greedy; 0.7-1.0 is usual)")
+    if not 0 < top_p <= 1:  # (nan fails too)
+        raise UserError(f"--top_p={top_p} must be in (0, 1] (1.0 = off)")
+    if top_k < 0:
+        raise UserError(f"--top_k={top_k} must be >= 0 (0 = off)")
+    if not -INT64 <= seed <= INT64 - num_samples:  # sample i draws with seed + i, a 64-bit integer
+        raise UserError(f"--seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1 - num_samples)")
 
 
 @command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights, or in the HF layout",

@@ -125,9 +125,34 @@ def _convert(flag: Flag, value: Any) -> Any:
         raise UserError(f"--{flag.name}={value!r} must be {what}") from None
 
 
+def _refuse_non_utf8(argv: list[str]) -> None:
+    """UserError for an argument that is not UTF-8 text. Python hands bytes that are not UTF-8 (a
+    terminal or a script in Latin-1) over as lone surrogates, which every later step (a prompt's
+    tokens, a path for TensorFlow) fails to encode, with a traceback."""
+    for i, arg in enumerate(argv):
+        bad = next((j for j, c in enumerate(arg) if "\ud800" <= c <= "\udfff"), None)
+        if bad is None:
+            continue
+        key, has_value, value = arg.partition("=")
+        if arg.startswith("--") and has_value:
+            name, bad = key, bad - len(key) - 1
+        else:
+            name, value = (argv[i - 1], arg) if i and argv[i - 1].startswith("--") and "=" not in argv[i - 1] \
+                else (f"argument {i + 1}", arg)
+        code = ord(value[bad])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        shown = value.encode("utf-8", "surrogateescape" if what.startswith("byte") else "backslashreplace")
+        shown = shown.decode("utf-8", "backslashreplace")
+        hint = ", or put the text in a UTF-8 file and pass --prompt_file FILE" if name == "--prompt" else ""
+        raise UserError(f"{name}: '{shown[:60]}' is not UTF-8 text ({what} at character {bad}); tpu-llm reads its "
+                        "arguments as UTF-8: convert the text, or run from a terminal or script in a UTF-8 locale "
+                        f"(e.g. LANG=C.UTF-8){hint}")
+
+
 def parse(argv: list[str]) -> tuple[Command | None, dict]:
     """(command, keyword arguments) for `argv` (without the program name); (None, {}) when help was
     printed. Raises UserError for anything wrong, before any work is done."""
+    _refuse_non_utf8(argv)
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":  # flags before the command
         i += 1

@@ -34,7 +34,10 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
     never leaves a truncated shard behind. Too few tokens for `num_shards`: a UserError naming the
     count that fits, before anything is written.
     """
-    existing = tf.io.gfile.glob(os.path.join(output, "*.tfrecord"))
+    try:  # before the input is read twice: a bucket out of reach is said at once, in one line
+        existing = tf.io.gfile.glob(os.path.join(output, "*.tfrecord"))
+    except (tf.errors.OpError, OSError) as e:
+        raise unreachable(output, e, "nothing was written") from None
     if existing and not overwrite:
         raise UserError(f"{output} already holds {len(existing)} shards; pass --overwrite to "
                         "replace them or choose another --output")
@@ -43,6 +46,30 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
     if total < num_shards:
         raise UserError(f"the input holds {total:,} tokens, too few for --shards={num_shards} (each shard must "
                         f"hold at least one); pass --shards={max(1, total)} or fewer, or add data")
+    try:
+        return _write(source, tokenizer, output, num_shards, existing, total, start, progress)
+    except (tf.errors.OpError, OSError) as e:  # the network or the bucket lost half-way
+        raise unreachable(output, e, "a shard is renamed from its .tmp name only once complete; run the same "
+                                     "command again with --overwrite") from None
+
+
+def unreachable(output: str, error: Exception, after: str) -> UserError:
+    """The one line for an --output that cannot be reached or written (TensorFlow's own error is 20
+    lines of HTTP retries): the bucket, the fix, and `after`, what became of the shards."""
+    said = (getattr(error, "message", "") or getattr(error, "strerror", "") or str(error)).strip()
+    said = (said.splitlines() or [""])[0][:160]
+    if "://" in output:
+        bucket = "/".join(output.split("/")[:3])
+        fix = (f"check the network, your credentials (gcloud auth application-default login) and that the bucket "
+               f"{bucket} exists (`python -m tpu_llm.cloud check {output}` tests it)")
+    else:
+        fix = "check the path and its permissions"
+    return UserError(f"--output {output!r} cannot be reached or written ({type(error).__name__}: {said}); {fix}; "
+                     f"{after}")
+
+
+def _write(source: Source, tokenizer, output: str, num_shards: int, existing: list[str], total: int, start: float,
+           progress) -> dict:
     tf.io.gfile.makedirs(output)
     names = [os.path.join(output, f"data-{i:05d}-of-{num_shards:05d}.tfrecord") for i in range(num_shards)]
     bounds = [(i + 1) * total // num_shards for i in range(num_shards)]  # shard i ends before token bounds[i]

@@ -16,6 +16,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import struct
 import sys
 import sysconfig
 
@@ -175,6 +177,75 @@ def check_shard_sizes(files: list[str], key: str) -> None:
                             "again, or re-run `tpu-llm data prepare`")
 
 
+# TensorFlow's DataLossError for a record whose checksum does not match names its byte offset, not its file
+_BAD_RECORD = re.compile(r"(corrupted|truncated) record at (\d+)")
+
+
+def corrupt_record(error: Exception, source: Source, split: str, in_run: bool = False,
+                   newest: str | None = None) -> UserError:
+    """The one line for a TFRecord shard that fails its checksum while it is read (one flipped byte:
+    a disk or a copy that damaged it; TensorFlow's own error is 30 lines naming neither the file nor
+    the fix). It names the shard, found by the offset TensorFlow gives, and the fix. `in_run`: read by
+    a running training (`newest`: its newest checkpoint, unchanged: nothing is saved on the way out)."""
+    message = str(getattr(error, "message", "") or error)
+    found = _BAD_RECORD.search(message)
+    offset = int(found.group(2)) if found else None
+    path = _shard_with_bad_record(source.files, offset) if offset is not None else None
+    if path:
+        where = f"shard {path} has a corrupt record at byte {offset:,}"
+    elif offset is not None:
+        where = f"one of its {len(source.files)} shard(s) has a corrupt record at byte {offset:,}"
+    else:  # TensorFlow's own words, the line that says what (not the graph node it happened in)
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        said = next((line for line in lines if "record" in line.lower()), lines[0] if lines else type(error).__name__)
+        where = f"one of its {len(source.files)} shard(s) cannot be read ({said[:160]})"
+    kept = "" if not in_run else (f"; the newest checkpoint, {newest}, is unchanged: run the same command again "
+                                  "to resume from it" if newest else "; no checkpoint was saved yet")
+    return UserError(f"{split} data ({source.description}): {where}: its checksum does not match, so the file "
+                     "was damaged on disk or in a copy; copy the shard again, or re-run `tpu-llm data prepare` to "
+                     f"write the shards anew{kept}")
+
+
+def _masked_crc(data: bytes) -> int | None:
+    try:
+        import google_crc32c  # comes with google-cloud-storage
+    except ImportError:
+        return None
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _shard_with_bad_record(files: list[str], offset: int) -> str | None:
+    """The file among `files` whose record at `offset` fails its CRC32C. A TFRecord is a length (u64),
+    its masked CRC (u32), the data and the data's masked CRC (u32); TensorFlow gives the offset of the
+    part that failed: the record's start for its length, 12 bytes on for its data. Each file is walked
+    from the start by its record headers, so only a file with a record there is a candidate."""
+    for path in files:
+        try:
+            if tf.io.gfile.stat(path).length <= offset:
+                continue
+            with tf.io.gfile.GFile(path, "rb") as f:
+                position, header = 0, b""
+                while position <= offset:
+                    f.seek(position)
+                    header = f.read(12)
+                    if len(header) < 12 or offset in (position, position + 12):
+                        break
+                    position += 12 + struct.unpack("<Q", header[:8])[0] + 4
+                if len(header) < 12 or offset not in (position, position + 12):
+                    continue
+                length, crc = struct.unpack("<QI", header)
+                expected = _masked_crc(header[:8])
+                if expected is None or expected != crc:
+                    return path  # (without a crc32c module: the first file with a record there)
+                data, footer = f.read(min(length, 1 << 30)), f.read(4)
+                if len(data) < length or len(footer) < 4 or _masked_crc(data) != struct.unpack("<I", footer)[0]:
+                    return path
+        except (tf.errors.OpError, OSError):
+            continue
+    return None
+
+
 def check_text_file(path: str, key: str) -> None:
     """Raise UserError unless the start of `path` is UTF-8 text."""
     with tf.io.gfile.GFile(path, "rb") as f:
@@ -234,7 +305,11 @@ def check_holds_a_batch(source: Source, tokenizer, batch_size: int, seq_len: int
     repeats the data, but a corpus smaller than one batch would be the same few windows over and over.
     Run before training, so that the run directory is left alone (controller.build_run)."""
     window = seq_len + 1
-    if count_tokens(source, tokenizer, stop_at=batch_size * window) < batch_size * window:
+    try:
+        held = count_tokens(source, tokenizer, stop_at=batch_size * window)
+    except tf.errors.DataLossError as e:  # a damaged shard among the first records, before anything is written
+        raise corrupt_record(e, source, split) from None
+    if held < batch_size * window:
         raise UserError(f"{split} data ({source.description}) holds less than one batch of {batch_size} x "
                         f"{window} tokens; add data or lower train.batch_size / data.seq_len")
 

@@ -27,7 +27,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import socket
+import threading
 import time
 from typing import Callable
 
@@ -461,5 +463,48 @@ def serve_if_cluster_server(cfg: Config) -> bool:
                                   config=config, protocol="grpc", start=True)
     print(f"serving   {task[0]} {task[1]} of a parameter-server cluster at {cluster[task[0]][task[1]]}; "
           "the chief drives training", flush=True)
+    _stop_after_the_chief(cluster["chief"][0])
     server.join()
     return True
+
+
+SERVE_AFTER_SIGNAL_SECONDS = 20  # how long a worker or ps task, asked to stop, serves on for the chief
+
+
+def _stop_after_the_chief(chief: str) -> None:
+    """From now on SIGTERM or SIGINT ends this worker or ps task only once the chief has stopped (its
+    address no longer takes connections), or after SERVE_AFTER_SIGNAL_SECONDS. A job is stopped by
+    signalling every task at once (`tpu-llm launch` on SIGTERM or Ctrl-C, or when the launcher dies,
+    tpu_llm/tether.py): the chief then finishes the round of steps in flight on the workers and saves
+    the variables the ps tasks hold; a task that died at once would leave it nothing to save from.
+    A second signal of the same kind ends the task at once. The main thread is blocked in the
+    server's join(), where Python handlers never run: the C-level handler wakes a thread through
+    `signal.set_wakeup_fd`."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)  # (a Python handler, or the wake-up byte is never written)
+    host, _, port = chief.rpartition(":")
+
+    def chief_running() -> bool:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def wait() -> None:
+        first = os.read(read, 1)[0]
+        deadline = time.time() + SERVE_AFTER_SIGNAL_SECONDS
+        os.set_blocking(read, False)
+        while time.time() < deadline and chief_running():
+            try:
+                if first in os.read(read, 64):
+                    break  # asked twice: now
+            except BlockingIOError:
+                pass
+            time.sleep(0.2)
+        os._exit(128 + first)  # 143 / 130, as a task stopped by that signal
+
+    threading.Thread(target=wait, name="stop-after-the-chief", daemon=True).start()

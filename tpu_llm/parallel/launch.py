@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 
+from tpu_llm import tether
 from tpu_llm.errors import UserError
 
 STOP_GRACE_SECONDS = 30  # a task stopped by SIGTERM saves a checkpoint first (tpu_llm/training/fault.py)
@@ -76,12 +77,13 @@ def tf_config(cluster: dict, kind: str, index: int) -> str:
 
 
 class _Task:
-    def __init__(self, kind: str, index: int, command: list[str], cluster: dict, out, lock):
+    def __init__(self, kind: str, index: int, command: list[str], cluster: dict, out, lock, enter: list[str]):
         self.name = f"{kind} {index}"
         env = {**os.environ, "TF_CONFIG": tf_config(cluster, kind, index), "PYTHONUNBUFFERED": "1"}
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+        # tethered: a task gets SIGTERM (and saves) when the launcher dies, even by SIGKILL (tpu_llm/tether.py)
+        self.proc = tether.Popen(command, enter=enter, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
         self.reader = threading.Thread(target=self._copy, args=(out, lock), daemon=True)
         self.reader.start()
 
@@ -118,10 +120,10 @@ def launch(workers: int, ps: int, args: list[str], out=None, program: list[str] 
         _say(out, lock, f"launch    warning: the cluster's ports are open to the network ({why_open}): TensorFlow's "
                         "gRPC servers listen on 0.0.0.0 without authentication, and its distributed runtime "
                         "requires a trusted network")
-    command = (namespace.enter if namespace else []) + (program or [sys.executable, "-m", "tpu_llm"]) + list(args)
+    command = (program or [sys.executable, "-m", "tpu_llm"]) + list(args)
     try:
-        tasks = [_Task(kind, i, command, cluster, out, lock) for kind, addresses in cluster.items()
-                 for i in range(len(addresses))]
+        tasks = [_Task(kind, i, command, cluster, out, lock, namespace.enter if namespace else [])
+                 for kind, addresses in cluster.items() for i in range(len(addresses))]
         return _run(tasks, ps, out, lock)
     finally:
         if namespace:

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+from tpu_llm import tether
 from tpu_llm.config import load_config, parse_set_args
 from tpu_llm.data import corpora
 from tpu_llm.errors import UserError
@@ -106,7 +107,7 @@ def _run_case(name: str, prefix: list[str], config: str, steps: int, flags: list
     print(f"bench     {name}: {' '.join(command[1:])}", flush=True)
     start = time.time()
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = tether.run(command, capture_output=True, text=True)  # it stops (and saves) if this process is killed
         if done.returncode != 0:
             tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
             raise UserError(f"benchmark case {name!r} failed (exit {done.returncode}): {' | '.join(tail)}")

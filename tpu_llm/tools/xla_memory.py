@@ -14,10 +14,10 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
+from tpu_llm import tether
 from tpu_llm.config import Config, config_from_dict
 
 
@@ -28,8 +28,9 @@ def measure(cfgs: list[Config], vocab: int, timeout: float = 1800) -> list[dict]
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()}
         specs = json.dumps([{"cfg": cfg.to_dict(), "vocab": vocab} for cfg in cfgs])
-        done = subprocess.run([sys.executable, "-m", "tpu_llm.tools.xla_memory", dump], input=specs, env=env, text=True,
-                              capture_output=True, timeout=timeout)
+        # tethered: a compile of minutes ends with this process, however it ends
+        done = tether.run([sys.executable, "-m", "tpu_llm.tools.xla_memory", dump], input=specs, env=env, text=True,
+                           capture_output=True, timeout=timeout)
         if done.returncode:
             raise RuntimeError(f"XLA compile failed: {done.stderr[-2000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])

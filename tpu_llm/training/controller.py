@@ -402,6 +402,8 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                                     "/ data.seq_len") from None
                 except tf.errors.ResourceExhaustedError as e:  # nothing of this call is saved
                     raise out_of_memory(e, run, step) from None
+                except tf.errors.DataLossError as e:  # a damaged shard: one line naming it (nothing saved)
+                    raise sources.corrupt_record(e, run.sources[0], "training", True, run.checkpointer.latest) from None
                 n = out["steps"]
                 if n:
                     loss, grad_norm = out["loss"], out["grad_norm"]
@@ -429,6 +431,9 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
                         val_loss = evaluate(run)
                     except tf.errors.ResourceExhaustedError as e:
                         raise out_of_memory(e, run, step, "evaluating") from None
+                    except tf.errors.DataLossError as e:
+                        raise sources.corrupt_record(e, run.sources[1], "validation", True,
+                                                     run.checkpointer.latest) from None
                     log.write("validation", step, {"loss": val_loss})
                     progress.message(f"eval      step {step}: validation loss {val_loss:.4f}")
                 guard.checkpoint(step, due=boundary and (step == t.steps or bool(
