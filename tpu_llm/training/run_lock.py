@@ -61,6 +61,15 @@ class LocalLock:
         self.note = ""
 
     def acquire(self) -> None:
+        try:
+            self._acquire()
+        except (UserError, BlockingIOError):
+            raise
+        except OSError as e:  # a read-only or full disk: one line, as check_run_dir_usable says it
+            raise UserError(f"run_dir {self.run_dir!r} is not writable ({e.strerror or e}: its lock file "
+                            f"{LOCK_FILE}); fix its permissions or free space, or choose another --run_dir") from None
+
+    def _acquire(self) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         # O_NOFOLLOW: a link planted at the lock's name is refused, not written through
         fd = _open_lock_file(self.path, os.O_RDWR | os.O_CREAT)
@@ -73,9 +82,14 @@ class LocalLock:
         except OSError:
             os.close(fd)
             raise
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps({"host": HOST, "pid": os.getpid(), "since": _now()}) + "\n").encode(), 0)
+        except OSError:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise
         self.fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps({"host": HOST, "pid": os.getpid(), "since": _now()}) + "\n").encode(), 0)
 
     def check(self) -> None:
         """Nothing can take a held flock away."""
