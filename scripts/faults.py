@@ -17,6 +17,7 @@ the exit status is 1 if any row is not.
     python scripts/faults.py                 # every row, two at a time (FAULTS_JOBS=N to change)
     python scripts/faults.py -k nan -k sigterm   # rows whose name contains one of the words
     python scripts/faults.py --list
+    python scripts/faults.py -k symlink -k two-trainers   # the run-directory rows of issue 28
 
 Needs Linux; the full-disk row mounts a small tmpfs and is skipped (with the reason) when this user
 may not mount one. It is not part of `make test`: it runs ~60 TensorFlow processes.
@@ -81,6 +82,25 @@ def poisoned(self, inputs, targets):
     nan = tf.constant(float("nan"))
     return tf.where(bad, nan, loss), [tf.where(bad, nan, g) for g in grads]
 Trainer._loss_and_grads_fn = poisoned
+from tpu_llm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+# Runs tpu_llm's CLI held before its second host call until the file PAUSE_UNTIL exists: a trainer
+# surely still running (and holding its run directory) while another process is started on it.
+PAUSED = """
+import os, sys, time
+from tpu_llm.training.trainer import Trainer
+real, calls = Trainer.run, []
+def paused(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        print("paused", flush=True)
+        while not os.path.exists(os.environ["PAUSE_UNTIL"]):
+            time.sleep(0.05)
+    return real(self, *args, **kwargs)
+Trainer.run = paused
 from tpu_llm.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -536,6 +556,76 @@ def full_disk(bench: Bench, name: str) -> Outcome:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+def symlink_row(name: str):
+    """`name` in a run stopped at ckpt-16 replaced by a symbolic link to a file or directory outside it
+    (for ckpt-16.index a file that is no index: the run would fall back to ckpt-8 and save ckpt-16
+    through the link). The next run must refuse in one line naming the link, and neither the run
+    directory nor the link's target may change."""
+    def run(bench: Bench, name_: str) -> Outcome:
+        run_dir = bench.dir(name_) / "run"
+        code = Proc(bench.work / f"{name_}-prepare.log", bench.train_args(run_dir, 2 * EVERY)).wait()
+        if code:
+            return Outcome(f"preparing the run failed (exit {code})", False, "-")
+        inside, outside = run_dir / name, bench.dir(name_) / "outside"
+        if name.endswith(".index"):
+            outside.write_text("precious: any file the link names")
+            inside.unlink()
+        else:  # the link leads to what was there
+            shutil.move(str(inside), str(outside))
+        inside.symlink_to(outside)
+
+        def state() -> tuple[str, str]:
+            return tree_hash(run_dir), tree_hash(outside) if outside.is_dir() else hashlib.sha256(
+                outside.read_bytes()).hexdigest()
+        before = state()
+        p = Proc(bench.work / f"{name_}.log", bench.train_args(run_dir))
+        code = p.wait()
+        text, line = p.text, error_line(p.text)
+        lost = "no" if state() == before and inside.is_symlink() else "YES: written through the link"
+        ok = code == 2 and f"symbolic link, {name} -> " in line and not has_traceback(text) and lost == "no"
+        return Outcome(f"exit {code}: {line or last_lines(text)}"[:300], ok, lost)
+    return run
+
+
+def two_trainers(bench: Bench, name: str) -> Outcome:
+    """A second `tpu-llm train` (another learning rate) on the run directory of one still training: it
+    must be refused (exit 2, one line naming the first's pid), the first finish equal to the reference."""
+    run_dir, go = bench.dir(name) / "run", bench.dir(name) / "go"
+    first = Proc(bench.work / f"{name}-first.log", bench.train_args(run_dir), code=PAUSED,
+                 env={"PAUSE_UNTIL": str(go)})
+    try:
+        first.wait_for(lambda t: "paused" in t, "the first trainer's second host call")
+        second = Proc(bench.work / f"{name}-second.log", bench.train_args(run_dir, STEPS, "--train.lr=1e-3"))
+        code = second.wait()
+        line = error_line(second.text)
+    finally:
+        go.write_text("")
+    first_code = first.wait()
+    lost = bench.compare(run_dir) if first_code == 0 else "YES: the first trainer did not finish"
+    ok = (code == 2 and "is in use by another tpu-llm process" in line and f"pid {first.proc.pid}," in line
+          and not has_traceback(second.text) and first_code == 0 and lost == "no")
+    return Outcome(f"second: exit {code}: {line or last_lines(second.text)}; first: exit {first_code}"[:300], ok, lost)
+
+
+def export_symlink(bench: Bench, name: str) -> Outcome:
+    """`export --overwrite --output LINK`, LINK a symbolic link to a directory holding an export: refused
+    in one line; the export it names intact (it was deleted, then the rename failed: issue 28)."""
+    run_dir, real, link = bench.dir(name) / "run", bench.dir(name) / "real", bench.dir(name) / "link"
+    code = Proc(bench.work / f"{name}-prepare.log", bench.train_args(run_dir, EVERY)).wait()
+    code = code or Proc(bench.work / f"{name}-export.log", ["export", "--run_dir", str(run_dir), "--output",
+                                                            str(real)]).wait()
+    if code:
+        return Outcome(f"preparing the run and its export failed (exit {code})", False, "-")
+    link.symlink_to(real)
+    before = tree_hash(real)
+    p = Proc(bench.work / f"{name}.log", ["export", "--run_dir", str(run_dir), "--output", str(link), "--overwrite"])
+    code = p.wait()
+    text, line = p.text, error_line(p.text)
+    lost = "no" if tree_hash(real) == before and link.is_symlink() else "YES: the export behind the link changed"
+    ok = code == 2 and "symbolic link" in line and not has_traceback(text) and lost == "no"
+    return Outcome(f"exit {code}: {line or last_lines(text)}"[:300], ok, lost)
+
+
 @dataclasses.dataclass
 class Row:
     name: str
@@ -587,6 +677,17 @@ ROWS = [
         "running the same command again", corrupt_record_row, reference=False),
     Row("full-disk", "full disk (640 KB tmpfs run directory)", "exit 2, one line (free space); the newest "
         "checkpoint readable", full_disk),
+    Row("symlink-index", "ckpt-16.index a symbolic link to a file outside the run directory",
+        "exit 2, one line naming the link; nothing written through it", symlink_row("checkpoints/ckpt-16.index")),
+    Row("symlink-metrics", "metrics.jsonl a symbolic link to a file outside the run directory",
+        "exit 2, one line naming the link; nothing written through it", symlink_row("metrics.jsonl")),
+    Row("symlink-logs", "logs/train a symbolic link to a directory outside the run directory",
+        "exit 2, one line naming the link; nothing written through it", symlink_row("logs/train")),
+    Row("two-trainers", "a second trainer (another learning rate) on the run directory of one still training",
+        "the second: exit 2, one line naming the first's pid; the first finishes equal to the uninterrupted run",
+        two_trainers),
+    Row("export-symlink", "export --overwrite to a symbolic link to a directory holding an export",
+        "exit 2, one line (a symbolic link); the export behind it intact", export_symlink),
     *[Row(f"nan-{mode}", f"NaN gradients at step 4, 2 replicas, {mode}", "the step skipped, exit 0; every "
           "checkpoint tensor finite", nan_row(flags)) for mode, flags in {
         "allreduce": [], "bf16": ["--comm.compression=bf16"], "powersgd": ["--comm.compression=powersgd",

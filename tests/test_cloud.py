@@ -7,6 +7,7 @@ one-line errors for a missing bucket and missing credentials.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -25,12 +26,53 @@ from tpu_llm.errors import UserError
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# gcp-storage-emulator with Cloud Storage's generation preconditions, which it ignores: a write or
+# delete with ifGenerationMatch=G is refused (412) unless the object's generation is G (0: it must not
+# exist). The run-directory lock on gs:// rests on them; the emulator's handlers are wrapped before
+# its server builds its routes from them.
+EMULATOR = """
+import sys
+from http import HTTPStatus
+from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import objects
+
+def object_name(request):
+    if "object_id" in request.params:
+        return request.params["object_id"]
+    if "name" in request.query:
+        return request.query["name"][0]
+    data = request.data if isinstance(request.data, dict) else {}
+    return (data.get("meta") or data).get("name")
+
+def preconditioned(handler):
+    def checked(request, response, storage, *args, **kwargs):
+        wanted = request.query.get("ifGenerationMatch")
+        if wanted and "upload_id" not in request.query:
+            try:
+                current = storage.get_file_obj(request.params["bucket_name"], object_name(request))["generation"]
+            except NotFound:
+                current = "0"
+            if str(current) != wanted[0]:
+                response.status = HTTPStatus.PRECONDITION_FAILED
+                response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you "
+                                                                 "specified did not hold."}})
+                return None
+        return handler(request, response, storage, *args, **kwargs)
+    return checked
+
+objects.insert, objects.delete = preconditioned(objects.insert), preconditioned(objects.delete)
+from gcp_storage_emulator.__main__ import main
+main(sys.argv[1:])
+"""
+
+
 @pytest.fixture(scope="module")
 def emulator():
-    """STORAGE_EMULATOR_HOST of a gcp-storage-emulator process that lives as long as this module's tests."""
+    """STORAGE_EMULATOR_HOST of a gcp-storage-emulator process that lives as long as this module's tests
+    (with generation preconditions: EMULATOR)."""
     pytest.importorskip("gcp_storage_emulator", reason="the dev extra installs gcp-storage-emulator")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-c", EMULATOR, "start", "--host", "127.0.0.1",
                              "--port", str(port), "--in-memory"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while True:
@@ -237,3 +279,58 @@ def test_missing_credentials_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
     with pytest.raises(UserError, match="application-default login"):
         cloud.check_bucket_writable("gs://some-bucket/runs/x")
+
+
+# ---- the run directory's lock on gs:// (tpu_llm/training/run_lock.py) -------------------------------------
+
+
+@pytest.mark.slow
+def test_emulator_honours_generation_preconditions(bucket):
+    from google.api_core.exceptions import PreconditionFailed
+
+    blob = cloud.storage_client().bucket(bucket).blob("x")
+    blob.upload_from_string(b"one", if_generation_match=0)
+    with pytest.raises(PreconditionFailed):
+        cloud.storage_client().bucket(bucket).blob("x").upload_from_string(b"two", if_generation_match=0)
+    with pytest.raises(PreconditionFailed):
+        blob.delete(if_generation_match=blob.generation + 1)
+    assert cloud.storage_client().bucket(bucket).blob("x").download_as_bytes() == b"one"
+
+
+@pytest.mark.slow
+def test_gs_lock_one_writer_a_lease_kept_alive_and_a_stale_lock_taken_over(bucket):
+    """Issue 28 #2 on gs://: a lock object created only if none exists (ifGenerationMatch=0), naming its
+    holder, its lease renewed by a heartbeat; a second writer is refused while the lease runs, and
+    takes over (saying so) once it ran out: a holder killed without releasing it (a preempted VM)."""
+    from tpu_llm.training import run_lock
+
+    url = f"gs://{bucket}/runs/tiny"
+    first = run_lock.GcsLock(url, lease_seconds=1.5)
+    first.acquire()
+    holder = json.loads(cloud.storage_client().bucket(bucket).blob("runs/tiny/.tpu-llm-lock").download_as_bytes())
+    assert holder["pid"] == os.getpid() and holder["host"] == run_lock.HOST and holder["lease_seconds"] == 1.5
+    time.sleep(2.5)  # longer than the lease: the heartbeat renewed it
+    with pytest.raises(UserError) as refused:
+        run_lock.GcsLock(url, lease_seconds=1.5).acquire()
+    message = str(refused.value)
+    assert message.startswith(f"run_dir {url!r} is in use by another tpu-llm process (host {run_lock.HOST}, pid "
+                              f"{os.getpid()}, since {holder['since']}; its lease was renewed ") and "\n" not in message
+    assert message.endswith("s ago); wait for it to finish or stop it, or use another --run_dir (a holder that "
+                            "died without releasing it loses the lock when its lease of 1.5 s runs out)"), message
+    with pytest.raises(UserError, match="is in use by another tpu-llm process"):
+        run_lock.check_unlocked(url)
+    first.check()
+
+    first.stop_heartbeat()  # as if killed: the lock stays, its lease runs out
+    time.sleep(2)
+    second = run_lock.GcsLock(url, lease_seconds=1.5)
+    second.acquire()
+    assert second.note.startswith(f"took over the lock of {url} from host {run_lock.HOST}, pid {os.getpid()}, since "
+                                  f"{holder['since']}: its lease of 1.5 s ran out "), second.note
+    with pytest.raises(UserError, match=f"lost the lock on run_dir {url!r}"):
+        first.check()  # the old holder, were it alive, stops writing
+    first.release()  # deletes nothing of the new holder's
+    assert cloud.storage_client().bucket(bucket).get_blob("runs/tiny/.tpu-llm-lock") is not None
+    second.release()
+    assert cloud.storage_client().bucket(bucket).get_blob("runs/tiny/.tpu-llm-lock") is None
+    run_lock.check_unlocked(url)

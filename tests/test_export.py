@@ -13,13 +13,14 @@ import contextlib
 import io
 import json
 import os
+import shutil
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 import yaml
-from helpers import tiny_config
+from helpers import snapshot, tiny_config
 
 from tpu_llm.model.sampling import Sampler
 
@@ -182,3 +183,44 @@ def test_run_without_checkpoints_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run" / "export").exists()
     assert cli.main(["export", "--run_dir", str(tmp_path / "nothing")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_overwrite_through_a_symlink_is_refused_and_the_target_kept(exported, tmp_path, capsys):
+    """Issue 28 #3: `--output` a link to a directory holding an export: --overwrite deleted the target's
+    contents, then the rename failed ("Not a directory"), exit 2: the old export gone, no new one."""
+    from tpu_llm import cli
+
+    real = tmp_path / "real"
+    shutil.copytree(exported["output"], real)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    before = snapshot(real)
+    assert cli.main(["export", "--run_dir", exported["run_dir"], "--output", str(link), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: writing the export to {str(link)!r} refused: it is a symbolic link (to {real}), and "
+                   f"replacing it would delete through the link; pass the real path ({real}) or another "
+                   "location\n"), err
+    assert snapshot(real) == before and link.is_symlink()
+
+
+def test_overwrite_replaces_never_destroys(exported, tmp_path, monkeypatch, capsys):
+    """The old export goes only once the new one is in place: a failure to move the new one in
+    (here, the rename) leaves the old one as it was, and no temporary directory."""
+    from tpu_llm import cli
+
+    out = tmp_path / "out"
+    shutil.copytree(exported["output"], out)
+    before = snapshot(out)
+    real_rename = tf.io.gfile.rename
+
+    def failing(src, dst, overwrite=False):
+        if ".tmp-" in str(src):  # the new export moving into place
+            raise tf.errors.PermissionDeniedError(None, None, f"{dst}; Permission denied")
+        return real_rename(src, dst, overwrite)
+
+    monkeypatch.setattr(tf.io.gfile, "rename", failing)
+    assert cli.main(["export", "--run_dir", exported["run_dir"], "--output", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: writing the export to {str(out)!r} failed (") and err.count("\n") == 1, err
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .tmp-* or .old-* beside it

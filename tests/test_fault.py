@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import keras
@@ -25,7 +26,7 @@ from tpu_llm.errors import RunStopped, UserError
 from tpu_llm.model import GPT
 from tpu_llm.parallel.distribute import get_strategy
 from tpu_llm.training import fault
-from tpu_llm.training.checkpoint import Checkpointer
+from tpu_llm.training.checkpoint import Checkpointer, scratch_directory
 from tpu_llm.training.controller import train
 from tpu_llm.training.optimizer import make_optimizer
 from tpu_llm.training.trainer import Trainer
@@ -328,16 +329,20 @@ def test_time_based_checkpoints_and_a_failed_save_that_leaves_the_checkpoints_as
         (ckpts / "ckpt-12_temp").mkdir()
         (ckpts / "ckpt-12_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"x")
         (ckpts / "ckpt-12.index").write_bytes(b"half")
-        raise tf.errors.ResourceExhaustedError(None, None, "ckpt-12.index; No space left on device")
+        raise tf.errors.ResourceExhaustedError(None, None, "{{function_node __wrapped__SaveV2_dtypes_95_device_/job:"
+                                               f"localhost/replica:0/task:0/device:CPU:0}}}} {ckpts}/ckpt-12_temp/part-"
+                                               "00000-of-00001.data-00000-of-00001.tempstate1; No space left on "
+                                               "device [Op:SaveV2]")  # as TF words it
 
     monkeypatch.setattr(tf.train.CheckpointManager, "save", disk_full_at_12)
     cfg = cfg_for(tmp_path, **{"train.steps": 12, "checkpoint.every_steps": 0, "checkpoint.every_minutes": 1e-6,
                                "checkpoint.keep": 2, "checkpoint.keep_every_hours": 1e-6})
     with pytest.raises(UserError) as error:  # every host call (2 steps) is past the time: a save at 10, 12
         train(cfg, say=quiet)
-    assert str(error.value) == (f"saving checkpoint ckpt-12 in {ckpts} failed (ckpt-12.index; No space left on "
-                                f"device); the newest usable checkpoint is {ckpts / 'ckpt-10'}; free space or fix "
-                                "permissions in the run directory, then run the same command to resume")
+    # issue 28 #4: the line named TF's internal function and never said the disk was full
+    assert str(error.value) == (f"saving checkpoint ckpt-12 in {ckpts} failed: the disk is full (No space left on "
+                                f"device); earlier checkpoints are intact, the newest is {ckpts / 'ckpt-10'}; free "
+                                "space on the run directory's disk, then run the same command to resume")
     assert snapshot(ckpts) == before  # the partial files are gone, the rest as it was
     # keep=2 names the newest two; ckpt-4, older, is kept for good (keep_every_hours)
     assert {p.name for p in ckpts.glob("*.index")} == {"ckpt-4.index", "ckpt-8.index", "ckpt-10.index"}
@@ -387,6 +392,39 @@ def test_a_failed_save_on_a_worker_leaves_the_chiefs_checkpoints_alone(tmp_path,
     os.makedirs(os.path.join(worker.scratch, "ckpt-30_temp"))  # a worker killed while saving leaves this:
     Checkpointer(run_dir, 3, scratch="worker-1-of-2", cluster=True, weights=weights)
     assert not os.path.exists(worker.scratch)  # removed when the worker starts again
+
+
+def test_a_workers_scratch_directory_is_its_own_and_a_planted_link_is_never_followed(tmp_path, monkeypatch):
+    """Issue 28 #4: a non-chief worker deleted a predictable /tmp/tpu-llm-scratch-<hash>-<worker> at start:
+    a symbolic link planted there had another directory's contents deleted. Each save now writes into
+    a new private directory (mkdtemp); leftovers of killed workers go only if they are real directories
+    of this user, never through a link."""
+    run_dir = str(tmp_path / "run")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    prefix = scratch_directory(run_dir, "worker-1-of-2")
+    planted = [Path(prefix), Path(f"{prefix}-planted")]  # the old fixed name, and one the leftovers' pattern matches
+    for link in planted:
+        link.symlink_to(victim)
+    try:
+        weights = tf.Variable([1.0])
+        worker = Checkpointer(run_dir, 3, scratch="worker-1-of-2", cluster=True, weights=weights)
+        seen = []
+        real_save = tf.train.CheckpointManager.save
+
+        def watched(self, *args, **kwargs):
+            seen.append((self.directory, os.stat(self.directory).st_mode & 0o777))
+            return real_save(self, *args, **kwargs)
+
+        monkeypatch.setattr(tf.train.CheckpointManager, "save", watched)
+        worker.save(10)
+        assert (victim / "keep.txt").read_text() == "precious" and all(link.is_symlink() for link in planted)
+        assert len(seen) == 1 and seen[0][0].startswith(f"{prefix}-") and seen[0][1] == 0o700  # private, unpredictable
+        assert not os.path.exists(seen[0][0])  # deleted straight after the save
+    finally:
+        for link in planted:
+            link.unlink()
 
 
 def test_out_of_memory_is_one_line_and_leaves_the_checkpoints_as_they_were(base, tmp_path, monkeypatch, capsys):

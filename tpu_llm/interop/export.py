@@ -20,7 +20,9 @@ plain graph so that any TensorFlow build (and TF Serving) can run it. Logits are
 tokenizer's ids: a vocabulary padded past it (model.vocab_size) is never sampled, as in `generate`.
 
 The export is written to a temporary directory beside `output` and renamed into place, so a failed
-export never leaves a half-written one, and an existing export is replaced only with --overwrite.
+export never leaves a half-written one, and an existing export is replaced only with --overwrite:
+renamed aside, the new one renamed in, and only then deleted (`staged_directory`). An `output` that
+is a symbolic link is refused: replacing it would delete through the link.
 """
 
 from __future__ import annotations
@@ -202,15 +204,29 @@ EXPORT_FIX = "fix the path's permissions or space, or pass another --output"
 @contextlib.contextmanager
 def staged_directory(target: str, what: str, fix: str):
     """Write a directory in full before it appears: yields a temporary directory beside `target`, which
-    replaces `target` (an existing one only then) when the block completes. A failed write never
-    touches `target` and leaves no temporary directory: an OS or TensorFlow file error becomes one
-    line, "writing {what} failed (reason); {fix}", and anything else propagates as it is."""
-    tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+    replaces `target` when the block completes. Replace, never destroy: an existing `target` is renamed
+    aside, the new one renamed in, and the old one deleted only then (put back if the new one could not
+    be moved in). A failed write never touches `target` and leaves no temporary directory: an OS or
+    TensorFlow file error becomes one line, "writing {what} failed (reason); {fix}", and anything else
+    propagates as it is. A `target` that is a symbolic link is refused before anything is written (its
+    contents would have been deleted through it, then the rename failed: issue 28)."""
+    if "://" not in target and os.path.islink(target):
+        raise UserError(f"writing {what} refused: it is a symbolic link (to {os.readlink(target)}), and replacing it "
+                        f"would delete through the link; pass the real path ({os.path.realpath(target)}) or another "
+                        "location")
+    tmp, old = f"{target}.tmp-{uuid.uuid4().hex[:8]}", None
     try:
         yield tmp
         if tf.io.gfile.exists(target):
-            tf.io.gfile.rmtree(target)
-        tf.io.gfile.rename(tmp, target)
+            old = f"{target}.old-{uuid.uuid4().hex[:8]}"
+            tf.io.gfile.rename(target, old)
+        try:
+            tf.io.gfile.rename(tmp, target)
+        except BaseException:
+            if old is not None:  # the old one back where it was
+                tf.io.gfile.rename(old, target)
+                old = None
+            raise
     except (tf.errors.OpError, OSError) as e:
         _remove_quietly(tmp)
         reason = (getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)).splitlines()[0][:200]
@@ -218,6 +234,8 @@ def staged_directory(target: str, what: str, fix: str):
     except BaseException:
         _remove_quietly(tmp)
         raise
+    if old is not None:
+        _remove_quietly(old)  # the new one is in place: only now does the old one go
 
 
 def _remove_quietly(path: str) -> None:

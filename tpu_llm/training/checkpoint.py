@@ -8,18 +8,31 @@
   checkpoints/         tf.train.CheckpointManager: model, optimizer, step, dropout RNG, data position
   logs/train, logs/validation   TensorBoard summaries
   metrics.jsonl        one JSON line per logged loop and evaluation (appended; a resume drops the lines after its step)
+  .tpu-llm-lock        the writer's lock (training/run_lock.py): one `tpu-llm train` at a time
 
 Re-using a run directory resumes it. `check_run_dir` refuses a non-empty directory that is not a
 tpu-llm run and a run made by another model; `record_run` writes the marker, config and tokenizer,
 only once every check of the run passed (controller.build_run). A refused run leaves the directory
 untouched. A run directory of an earlier version (config.yaml, tokenizer.json and checkpoints/, no
 marker) is accepted, and gets its marker when it is resumed.
+
+A local run directory is a guarded space: `check_no_links` refuses a symbolic link at any name
+tpu-llm reads or writes in it (checkpoints/ and everything in it, logs/ likewise, metrics.jsonl,
+config.yaml, the tokenizer files, the marker and the lock), at the start and again before each save
+and each metrics line: TensorFlow's writers follow links, so a planted `ckpt-N.index` link had the
+next save write a checkpoint index into whatever file it named. The run directory itself may be a
+link (a disk mounted elsewhere); gs:// has no links.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
+import re
+import shutil
+import stat
 import tempfile
 import uuid
 
@@ -31,11 +44,62 @@ from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.tokenizers import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
+from tpu_llm.training.run_lock import LOCK_FILE
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
+LOGS_DIR = "logs"
+METRICS_FILE = "metrics.jsonl"
 MARKER_FILE = ".tpu-llm-run"
-_OWN_TEMPORARY = (".write-test-", ".scratch-")  # probes and workers' scratch: not content of their own
+# probes, workers' scratch and the lock (taken just before the marker is written): not content of their own
+_OWN_TEMPORARY = (".write-test-", ".scratch-", LOCK_FILE)
+# top-level names tpu-llm reads or writes (with their temporary siblings, e.g. metrics.jsonl.tmp): never links
+_GUARDED = (CONFIG_FILE, "tokenizer", "hf_tokenizer", METRICS_FILE, ".tpu-llm-", "import.json", CHECKPOINT_DIR,
+            LOGS_DIR)
+
+
+def check_no_links(run_dir: str, trees: tuple[str, ...] = (CHECKPOINT_DIR, LOGS_DIR), top: bool = True) -> None:
+    """Refuse (UserError) a symbolic link among the files tpu-llm reads or writes in a local `run_dir`:
+    the top-level names of `_GUARDED` (with `top`) and everything under `trees`. A few directory reads;
+    gs:// has no links. (The run directory itself may be one.)"""
+    if "://" in run_dir:
+        return
+    if top:
+        try:
+            with os.scandir(run_dir) as entries:
+                for entry in entries:
+                    if entry.name.startswith(_GUARDED) and entry.is_symlink():
+                        raise link_error(run_dir, entry.name)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+    for tree in trees:
+        _check_tree(run_dir, tree)
+
+
+def _check_tree(run_dir: str, rel: str) -> None:
+    path = os.path.join(run_dir, rel)
+    if os.path.islink(path):
+        raise link_error(run_dir, rel)
+    try:
+        with os.scandir(path) as entries:
+            children = list(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in children:
+        if entry.is_symlink():  # from the directory entry: no extra system call
+            raise link_error(run_dir, os.path.join(rel, entry.name))
+        if entry.is_dir(follow_symlinks=False):
+            _check_tree(run_dir, os.path.join(rel, entry.name))
+
+
+def link_error(run_dir: str, rel: str) -> UserError:
+    try:
+        target = os.readlink(os.path.join(run_dir, rel))
+    except OSError:
+        target = "?"
+    return UserError(f"run_dir {run_dir!r} holds a symbolic link, {rel} -> {target}; tpu-llm never reads or writes a "
+                     "run's files through a link (it could lead anywhere): replace the link with the file or "
+                     "directory itself, or use another --run_dir")
 
 
 def read_saved_config(run_dir: str) -> dict | None:
@@ -147,6 +211,7 @@ def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> None:
 def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
     """train.init_from: load the weights (only) of the newest readable checkpoint of the run `source` into
     `model`, made with the same model section and tokenizer; returns that checkpoint's path."""
+    check_no_links(source)  # its files are read
     saved = read_saved_config(source)
     if saved is None:
         raise UserError(f"train.init_from={source!r} is not a run directory (no {CONFIG_FILE}); give the --run_dir of "
@@ -160,7 +225,7 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
         raise UserError(f"train.init_from={source!r} was trained with another tokenizer ({theirs.kind}) than this "
                         f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
                         f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
-    checkpointer = Checkpointer(source, keep=1, io_device=io_device, model=model)
+    checkpointer = Checkpointer(source, keep=1, io_device=io_device, model_config=current, model=model)
     path = checkpointer.restore_latest()  # the newest readable one; UserError if none can be read
     if path is None:
         raise UserError(f"train.init_from={source!r} has no checkpoint in {CHECKPOINT_DIR}/ yet")
@@ -168,11 +233,13 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
 
 
 def _model_differences(saved: dict, current: ModelConfig) -> list[str]:
-    out = []
-    for key, value in vars(current).items():
-        if key in saved and saved[key] != value:
-            out.append(f"model.{key}={saved[key]} (this config has {value})")
-    return out
+    return [f"model.{key}={theirs} (this config has {ours})" for key, theirs, ours in _model_changes(saved, current)]
+
+
+def _model_changes(saved: dict, current: ModelConfig) -> list[tuple]:
+    """(key, saved value, current value) of every key both hold with different values: a key one of
+    them lacks (added by a later version, with the earlier behaviour as its default) is no difference."""
+    return [(key, saved[key], value) for key, value in vars(current).items() if key in saved and saved[key] != value]
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -199,26 +266,41 @@ class Checkpointer:
 
     Under multi_worker every worker must take part in a save (TF's rule: saving may need its
     collectives); only the chief writes the run's checkpoints, the others (`scratch` = a worker name)
-    write to a scratch directory on their own local disk (`scratch_directory`), deleted straight
-    after, so a gs:// run directory is not written twice. All of them restore from the run's. In a
+    write to a new private scratch directory on their own local disk for each save (`scratch_directory`,
+    made by mkdtemp), deleted straight after, so a gs:// run directory is not written twice. All of
+    them restore from the run's. In a
     cluster (`cluster`), a save that fails because a task was lost (the save's collectives) raises
     that error, for the caller to stop the whole job (fault.Guard.call: exit 4).
 
     `io_device` (a remote TPU: tpu.CLIENT_IO) makes this process read and write the files: otherwise
     TensorFlow runs each variable's save and restore on the host that owns it, a TPU host whose
     credentials and view of the filesystem are not the ones `check_run_dir_usable` checked here.
+
+    `model_config` (the run's model section) is saved in every checkpoint, and a checkpoint made with
+    another model section is refused on restore (`restore`), naming the key: the same tensor shapes
+    hold other models (model.n_head), so an edited config.yaml resumed silently with another model.
+    `save_counter` (the number of saves in the run's history) is restored with the checkpoint. `lock`
+    (run_lock.acquire's handle) is checked before each save: a run that lost its lock writes no more.
     """
 
-    NOT_RESTORED = ("data_position",)
+    NOT_RESTORED = ("data_position", "model_config")
 
     def __init__(self, run_dir: str, keep: int, scratch: str = "", keep_every_hours: float = 0.0,
-                 cluster: bool = False, io_device: str = "", **trackables):
+                 cluster: bool = False, io_device: str = "", model_config: ModelConfig | None = None, **trackables):
         self.options = tf.train.CheckpointOptions(experimental_io_device=io_device or None)
-        self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
+        self.run_dir, self.directory = run_dir, os.path.join(run_dir, CHECKPOINT_DIR)
         self.keep, self.keep_every_hours, self.cluster = keep, keep_every_hours, cluster
-        self.scratch = scratch_directory(run_dir, scratch) if scratch else ""
-        if self.scratch:  # left behind by a worker that died while saving
-            _remove(self.scratch)
+        self.worker = scratch
+        self.scratch = ""  # the directory of this worker's newest save (gone once it is done)
+        if scratch:  # what workers killed while saving left behind (never through a link: _remove_scratch)
+            prefix = scratch_directory(run_dir, scratch)
+            for leftover in [prefix, *tf.io.gfile.glob(f"{prefix}-*")]:
+                _remove_scratch(leftover)
+        self.model_config = model_config
+        if model_config is not None:
+            trackables["model_config"] = tf.Variable(model_section(model_config), trainable=False, dtype=tf.string)
+        self.lock = None
+        self.saves: int | None = None  # save_counter of the checkpoint restored
         self.notes: list[str] = []  # warnings for the log
         self.trackables: dict = {}
         self.add(**trackables)
@@ -227,6 +309,8 @@ class Checkpointer:
         """Save these too (objects made after the restore, such as the position variable)."""
         self.trackables.update(trackables)
         self.checkpoint = tf.train.Checkpoint(**self.trackables)
+        if self.saves is not None:
+            self.checkpoint.save_counter.assign(self.saves)
         self.manager = self._manager()
 
     def _manager(self) -> tf.train.CheckpointManager | None:
@@ -241,7 +325,7 @@ class Checkpointer:
 
     @property
     def latest(self) -> str | None:
-        if self.scratch:  # the chief saves the run's checkpoints: this manager's list is from start-up
+        if self.worker:  # the chief saves the run's checkpoints: this manager's list is from start-up
             try:
                 state = tf.train.get_checkpoint_state(self.directory)
                 if state and state.model_checkpoint_path:
@@ -282,18 +366,53 @@ class Checkpointer:
         UserError; one that cannot be read raises `Unreadable`."""
         try:
             held = self.held(path)
+            if self.model_config is not None and "model_config" in held:  # (none before issue 28, or imported)
+                self._check_model(path)
             # the optimizer too if the checkpoint has one: `tpu-llm import` saves the model alone (step 0)
             objects = {k: v for k, v in self.trackables.items()
                        if k not in self.NOT_RESTORED and (k in held or k == "model")}
             status = tf.train.Checkpoint(**objects).restore(path, options=self.options)
             status.assert_existing_objects_matched()
             status.expect_partial()  # what is left (the position, an old iterator) is read elsewhere or unused
+            saves = self.read(path, "save_counter")  # into the run's own Checkpoint, which writes the next save
+            if saves is not None:
+                self.saves = int(saves)
+                self.checkpoint.save_counter.assign(self.saves)
         except (AssertionError, ValueError) as e:
             first = str(e).strip().splitlines()[0][:160]
             raise UserError(f"checkpoint {path} does not fit this model ({first}); resume with the "
                             "config it was made with, or use another --run_dir") from None
         except (tf.errors.OpError, IndexError) as e:  # IndexError: TF's reader on a truncated data file
             raise Unreadable(f"{type(e).__name__}: {_first_line(e)}") from None
+
+    def _check_model(self, path: str) -> None:
+        text = self.read(path, "model_config")
+        try:
+            saved = json.loads(text.decode() if isinstance(text, bytes) else str(text))
+        except ValueError:
+            raise Unreadable(f"its model_config is not JSON ({str(text)[:60]!r})") from None
+        changes = _model_changes(saved, self.model_config)
+        if changes:
+            key, theirs, ours = changes[0]
+            raise UserError(f"checkpoint {path} does not fit this model (it was made with model.{key}={theirs}, this "
+                            f"config has {ours}): the model section changed since it was saved (an edited "
+                            "config.yaml?); resume with the model section it was made with, or use another --run_dir")
+
+    def remove_unfinished(self) -> list[str]:
+        """Delete the `ckpt-N_temp/` directories in checkpoints/ that no checkpoint state records: what a
+        save killed mid-write (SIGKILL, power loss) leaves, never read by anyone. Only the writer (the
+        chief, holding the lock) calls it, before its first save; returns what went (also in `notes`)."""
+        recorded = {os.path.basename(p) for p in self.manager.checkpoints} if self.manager else set()
+        gone = []
+        for path in sorted(tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*_temp"))):
+            match = re.fullmatch(r"(ckpt-\d+)_temp", os.path.basename(path.rstrip("/")))
+            if match and match.group(1) not in recorded and tf.io.gfile.isdir(path):
+                _remove(path)
+                gone.append(path)
+        if gone:
+            self.notes.append(f"removed {', '.join(gone)}: unfinished saves of a killed run (no checkpoint state "
+                              "names them)")
+        return gone
 
     def restore_latest(self) -> str | None:
         """Restore the newest readable checkpoint, if any; returns its path. Each unreadable newer one
@@ -317,38 +436,75 @@ class Checkpointer:
 
     def save(self, step: int) -> str:
         """Save at `step`. A failure (disk full, permissions, bucket gone) is a UserError naming the
-        checkpoint still usable; the partial files of the failed save are removed."""
+        checkpoint still usable; the partial files of the failed save are removed. Before it: the lock
+        is still this run's, and no link has appeared in checkpoints/ (TF's writers would follow it)."""
+        if self.lock is not None:
+            self.lock.check()
+        if not self.worker:
+            check_no_links(self.run_dir, trees=(CHECKPOINT_DIR,), top=False)
         try:
-            if not self.scratch:
+            if not self.worker:
                 if self.manager is None:  # the state file names no checkpoint: this save writes a new one
                     _remove(os.path.join(self.directory, "checkpoint"))
                     self.manager = self._manager()
                     if self.manager is None:
                         raise OSError(f"cannot replace the empty checkpoint state file in {self.directory}")
                 return self.manager.save(checkpoint_number=step, options=self.options)
+            # a new private directory (mode 0700, a name nobody can guess or take first) for each save
+            self.scratch = tempfile.mkdtemp(prefix=f"{os.path.basename(scratch_directory(self.run_dir, self.worker))}-",
+                                            dir=tempfile.gettempdir())
             path = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(step, options=self.options)
-            tf.io.gfile.rmtree(self.scratch)
+            _remove_scratch(self.scratch)
             return path
         except (tf.errors.OpError, OSError) as e:
-            if self.scratch:  # a worker's own scratch save: never touch the chief's checkpoints
-                _remove(self.scratch)
+            if self.worker:  # a worker's own scratch save: never touch the chief's checkpoints
+                _remove_scratch(self.scratch)
             elif self.manager and f"ckpt-{step}" not in {os.path.basename(p) for p in self.manager.checkpoints}:
                 for pattern in (f"ckpt-{step}.*", f"ckpt-{step}_temp*"):  # TF writes into *_temp first
                     for leftover in tf.io.gfile.glob(os.path.join(self.directory, pattern)):
                         _remove(leftover)
             if self.cluster and isinstance(e, CLUSTER_ERRORS):  # a peer is gone, not a disk problem
                 raise
-            latest = self.latest or "none yet"
+            latest = self.latest
+            if _disk_full(e):  # TF's words name an internal function and a temporary file: say what happened
+                kept = (f"earlier checkpoints are intact, the newest is {latest}" if latest
+                        else "no checkpoint was saved before")
+                raise UserError(f"saving checkpoint ckpt-{step} in {self.directory} failed: the disk is full (No space "
+                                f"left on device); {kept}; free space on the run directory's disk, then run the same "
+                                "command to resume") from None
             raise UserError(f"saving checkpoint ckpt-{step} in {self.directory} failed ({_first_line(e)}); "
-                            f"the newest usable checkpoint is {latest}; free space or fix permissions in the "
-                            "run directory, then run the same command to resume") from None
+                            f"the newest usable checkpoint is {latest or 'none yet'}; free space or fix permissions "
+                            "in the run directory, then run the same command to resume") from None
+
+
+def model_section(model: ModelConfig) -> str:
+    """The model section as a checkpoint records it (JSON, keys sorted)."""
+    return json.dumps(vars(model), sort_keys=True)
 
 
 def scratch_directory(run_dir: str, worker: str) -> str:
-    """Where a multi-worker non-chief writes its throwaway part of every save: its own local disk (a
-    fixed name per run and worker, so the next start removes what a killed worker left)."""
+    """The prefix of a multi-worker non-chief's scratch directories (each save writes its throwaway part
+    into a new one, `<prefix>-XXXXXXXX` made by mkdtemp, on the worker's own local disk): fixed per run
+    and worker, so the next start finds what a killed worker left."""
     run = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
     return os.path.join(tempfile.gettempdir(), f"tpu-llm-scratch-{run}-{worker}")
+
+
+def _remove_scratch(path: str) -> None:
+    """Delete a scratch directory only if it is a real directory of this user: /tmp is shared, and a
+    link planted at its name would have had another directory's contents deleted. shutil.rmtree
+    follows no link inside it either."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _disk_full(error: Exception) -> bool:
+    return getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(
+        getattr(error, "message", None) or error)
 
 
 class Unreadable(Exception):
@@ -362,7 +518,9 @@ def _checkpoint_number(prefix: str) -> int:
 
 def _first_line(error: Exception) -> str:
     text = getattr(error, "message", None) or getattr(error, "strerror", None) or str(error)
-    return (str(text).strip().splitlines() or [""])[0][:200]
+    # TF's prefix naming its internal function ({{function_node __wrapped__SaveV2_...}}) and op suffix say nothing
+    text = re.sub(r"\s*\[Op:\w+\]\s*$", "", re.sub(r"^\s*\{\{function_node [^}]*\}\}\s*", "", str(text)))
+    return (text.strip().splitlines() or [""])[0][:200]
 
 
 def _remove(path: str) -> None:
@@ -379,6 +537,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
     checkpoint's path with `with_checkpoint`, plus with `with_notes` the warnings to show (an unreadable
     newest checkpoint is skipped for the one before: the caller must say so, as `train` does)."""
+    check_no_links(run_dir)  # generate and export read a run's files, never through a link
     saved = read_saved_config(run_dir)
     tokenizer = load_tokenizer(run_dir) if saved else None
     if saved is None or tokenizer is None:
@@ -386,7 +545,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
                         "pass the --run_dir of a `tpu-llm train` run")
     cfg = config_from_dict(saved, source=os.path.join(run_dir, "config.yaml"))
     model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
-    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model=model)
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
     if path is None:
         raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")

@@ -7,6 +7,7 @@ checkpoints, resume, and the samples printed at the end. The compiled loops live
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -26,9 +27,10 @@ from tpu_llm.parallel import comm, pipeline, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy, serve_if_cluster_server
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
-from tpu_llm.training import fault
-from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir, check_run_dir_owner, check_run_dir_reachable,
-                                         record_run, resolve_tokenizer, restore_init_from)
+from tpu_llm.training import fault, run_lock
+from tpu_llm.training.checkpoint import (LOGS_DIR, METRICS_FILE, Checkpointer, check_no_links, check_run_dir,
+                                         check_run_dir_owner, check_run_dir_reachable, link_error, record_run,
+                                         resolve_tokenizer, restore_init_from)
 from tpu_llm.training.optimizer import freeze, make_optimizer
 from tpu_llm.training.trainer import Trainer
 
@@ -51,6 +53,12 @@ class Run:
     data_resume: str  # how the data position was restored on resume
     comm: comm.Comm | None = None  # gradient compression or local SGD (None: the plain all-reduce)
     initialised_from: str | None = None  # train.init_from: the checkpoint whose weights a new run started from
+    lock: run_lock.Handle | None = None  # the chief's: the run directory's writer lock, until `release`
+
+    def release(self) -> None:
+        """Let go of the run directory's lock (train does, at its end; a process's exit does too)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def setup_tokenizer(cfg: Config, train_src: sources.Source, val_src: sources.Source):
@@ -114,8 +122,10 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
 
         tpu.check_remote_data(cfg, (train_src, val_src))
     check_run_dir_reachable(cfg.run_dir)  # before the tokenizer is looked for in it
-    if dist.is_chief:  # not another tool's directory (the other workers of a cluster write nothing)
+    check_no_links(cfg.run_dir)  # nothing in it is read or written through a symbolic link
+    if dist.is_chief:  # not another tool's directory (the other workers of a cluster write nothing) ...
         check_run_dir_owner(cfg.run_dir)
+        run_lock.check_unlocked(cfg.run_dir)  # ... nor one another trainer is writing (its lock: taken below)
     tokenizer = setup_tokenizer(cfg, train_src, val_src)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tokenizer.vocab_size
@@ -163,37 +173,49 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
                                 cluster=bool(dist.task or dist.asynchronous), io_device=dist.io_device,
-                                model=model, optimizer=optimizer, rng=rng,
+                                model_config=cfg.model, model=model, optimizer=optimizer, rng=rng,
                                 **(communication.trackables() if communication else {}))
     resumed_from = checkpointer.restore_latest()  # a UserError if none of the checkpoints can be read
     initialised_from = None
     if resumed_from is None and cfg.train.init_from:  # a new run from another run's weights (fine-tuning)
         initialised_from = restore_init_from(cfg.train.init_from, cfg.model, model, tokenizer, dist.io_device)
-    if dist.is_chief:  # every check passed: only now is the run directory written
-        record_run(cfg, tokenizer)
-    if communication:  # each replica's own residuals / weights, which a plain restore cannot give
-        communication.restore(resumed_from)
-    step = int(optimizer.iterations.numpy())
-    start = checkpointer.read(resumed_from, "data_position") if resumed_from else None
-    train_dataset, fn = dataset(train_src, True, start=start, skip_steps=step)
-    data_resume = {"position": "data position restored", "replay": f"data stream replayed to step {step}",
-                   "files": "the training files changed since the checkpoint: the data stream starts over on "
-                            f"the {len(train_src.files)} files of data.train"}.get(fn.resumed, "")
-    position = None
-    if dist.asynchronous:
-        data_resume = "asynchronous workers draw a new data order"
-    else:  # each replica writes its pipeline's row; reading (and saving) sums them
-        with dist.strategy.scope():
-            position = tf.Variable(
-                tf.zeros([fn.rows, len(data.POSITION_FIELDS)], tf.int64), trainable=False, name="data_position",
-                synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
-        checkpointer.add(data_position=position)
-    pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat,
-                             cfg.train.loss_chunk)
-    trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication, position)
-    return Run(cfg, dist, tokenizer, model, optimizer, trainer, iter(train_dataset),
-               dataset(val_src, training=False)[0], checkpointer, (train_src, val_src), resumed_from,
-               data_resume, communication, initialised_from)
+    # every check passed: only now is the run directory written, by one writer at a time (the chief,
+    # holding the lock until train ends, Run.release, or this process does)
+    lock = run_lock.acquire(cfg.run_dir) if dist.is_chief else None
+    try:
+        if lock is not None:
+            checkpointer.lock = lock
+            if lock.note:  # a stale gs:// lock taken over
+                checkpointer.notes.append(lock.note)
+            checkpointer.remove_unfinished()  # ckpt-N_temp/ of a save that was killed
+            record_run(cfg, tokenizer)
+        if communication:  # each replica's own residuals / weights, which a plain restore cannot give
+            communication.restore(resumed_from)
+        step = int(optimizer.iterations.numpy())
+        start = checkpointer.read(resumed_from, "data_position") if resumed_from else None
+        train_dataset, fn = dataset(train_src, True, start=start, skip_steps=step)
+        data_resume = {"position": "data position restored", "replay": f"data stream replayed to step {step}",
+                       "files": "the training files changed since the checkpoint: the data stream starts over on "
+                                f"the {len(train_src.files)} files of data.train"}.get(fn.resumed, "")
+        position = None
+        if dist.asynchronous:
+            data_resume = "asynchronous workers draw a new data order"
+        else:  # each replica writes its pipeline's row; reading (and saving) sums them
+            with dist.strategy.scope():
+                position = tf.Variable(
+                    tf.zeros([fn.rows, len(data.POSITION_FIELDS)], tf.int64), trainable=False, name="data_position",
+                    synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
+            checkpointer.add(data_position=position)
+        pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat,
+                                 cfg.train.loss_chunk)
+        trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication, position)
+        return Run(cfg, dist, tokenizer, model, optimizer, trainer, iter(train_dataset),
+                   dataset(val_src, training=False)[0], checkpointer, (train_src, val_src), resumed_from,
+                   data_resume, communication, initialised_from, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def say_now(text: str) -> None:
@@ -211,12 +233,16 @@ class MetricsLog:
     over it); TensorBoard's event files are rewritten likewise, keeping the events up to S.
     """
 
-    def __init__(self, run_dir: str, enabled: bool = True, resume_step: int | None = None, device: str = ""):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.logs = os.path.join(run_dir, "logs")
-        self.enabled, self.writers = enabled, {}
+    def __init__(self, run_dir: str, enabled: bool = True, resume_step: int | None = None, device: str = "",
+                 lock: run_lock.Handle | None = None):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.logs = os.path.join(run_dir, LOGS_DIR)
+        self.enabled, self.writers, self.lock = enabled, {}, lock
         # a remote TPU: the writers (and their ops) on this process, not on the TPU host (tpu.CLIENT_IO)
         self.device = device
+        if enabled:  # TF's summary writers follow links: none under logs/ (nor at metrics.jsonl)
+            check_no_links(run_dir)
         self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
         with tf.device(device or None):
             self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
@@ -228,6 +254,7 @@ class MetricsLog:
         if not self.enabled:
             return 0
         self.flush()
+        check_no_links(self.run_dir)  # it rewrites metrics.jsonl and the event files
         dropped = 0
         if tf.io.gfile.exists(self.path):
             with tf.io.gfile.GFile(self.path) as f:
@@ -243,12 +270,31 @@ class MetricsLog:
     def write(self, split: str, step: int, values: dict) -> None:
         if not self.enabled:
             return
+        if self.lock is not None:  # a run that lost its lock writes no more
+            self.lock.check()
+        if "://" not in self.run_dir:  # the writers' files are open already: their directories, three lstat calls
+            for rel in (LOGS_DIR, *(os.path.join(LOGS_DIR, s) for s in self.writers)):
+                if os.path.islink(os.path.join(self.run_dir, rel)):
+                    raise link_error(self.run_dir, rel)
         if split in self.writers:  # the end-of-run summary goes to metrics.jsonl only
             with tf.device(self.device or None), self.writers[split].as_default(step=step):
                 for key, value in values.items():
                     tf.summary.scalar(key, value)
-        with tf.io.gfile.GFile(self.path, "a") as f:
-            f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
+        self._append(json.dumps({"split": split, "step": step, **values}) + "\n")
+
+    def _append(self, line: str) -> None:
+        if "://" in self.path:
+            with tf.io.gfile.GFile(self.path, "a") as f:
+                f.write(line)
+            return
+        try:  # O_NOFOLLOW: a link at metrics.jsonl is refused, whenever it appeared
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise link_error(self.run_dir, METRICS_FILE) from None
+            raise
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(line)
 
     def flush(self) -> None:
         with tf.device(self.device or None):
@@ -363,6 +409,14 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
         return {}
     say = say or say_now
     run = build_run(cfg)
+    try:
+        return _train(run, say, samples)
+    finally:
+        run.release()  # the run directory's lock (the process's end would release it too)
+
+
+def _train(run: Run, say, samples: bool) -> dict:
+    cfg = run.cfg
     tell = say  # the lines every process prints, chief or not
     if not run.dist.is_chief:  # the chief prints and logs for the whole cluster
         say(f"worker    {run.dist.task}: training in step with the chief, which prints the progress")
@@ -379,7 +433,7 @@ def train(cfg: Config, say=None, samples: bool = True) -> dict:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
 
     log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief, resume_step=step,
-                     device=run.dist.io_device)  # drops entries past `step`
+                     device=run.dist.io_device, lock=run.lock)  # drops entries past `step`
     if log.dropped:
         say(f"metrics   dropped {log.dropped} entries logged after step {step} (metrics.jsonl and TensorBoard): "
             "the steps after the checkpoint are done again")
