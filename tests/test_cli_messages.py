@@ -202,3 +202,12 @@ def test_info_prints_nothing_but_its_own_lines(commands):
 def test_training_stderr_holds_only_our_lines(commands):
     r = commands[0]["base"]
     assert all(line.startswith(("step ", "eval ")) for line in r.stderr.splitlines()), r
+
+
+def test_help_into_a_pipe_closed_early_is_no_error():
+    """`tpu-llm --help | head -0`: the reader has left before help is written; no BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "tpu_llm", "train", "--help"], cwd=REPO, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the interpreter has even started: the first write meets a closed pipe
+    err = p.stderr.read()
+    assert p.wait(timeout=TIMEOUT) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
