@@ -27,8 +27,9 @@ def train(config: str = "", overrides: dict | None = None):
 
     cfg = load_config(config or None, overrides)
     from tpu_llm.training.controller import train as run  # TensorFlow loads only once the config is valid
+    from tpu_llm.training.goodput import process_started
 
-    run(cfg)
+    run(cfg, started=process_started())  # the interpreter's and TensorFlow's start-up count as the run's
 
 
 # generate's bounds, checked before TensorFlow loads (docs/cli.md): each new token is one step of the

@@ -404,12 +404,13 @@ def _next_boundary(step: int, every: int, total: int) -> int:
     return min(total, (step // every + 1) * every) if every > 0 else total
 
 
-def train(cfg: Config, say=None, samples: bool = True) -> dict:
-    """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary."""
+def train(cfg: Config, say=None, samples: bool = True, started: float | None = None) -> dict:
+    """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary. `started`:
+    the Unix time this run's wall time counts from (goodput.py; `tpu-llm train`: its process's start)."""
     if serve_if_cluster_server(cfg):  # a parameter-server cluster's worker or ps task: serves, never returns
         return {}
     say = say or say_now
-    started = goodput.run_started()  # the run's time counts from the process's start (its first run)
+    started = started or time.time()
     run = build_run(cfg)
     ledger = goodput.Ledger(cfg.run_dir, started, int(run.optimizer.iterations.numpy()), run.dist.is_chief, run.lock)
     try:

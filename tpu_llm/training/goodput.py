@@ -61,18 +61,6 @@ def process_started() -> float:
         return _IMPORTED
 
 
-_first_run_in_process = [True]
-
-
-def run_started() -> float:
-    """When the time of a `train` call starts counting: the process's start for its first run (imports and
-    TensorFlow's start-up are that run's cost), the call itself for any later run in the same process (a
-    notebook, the test suite)."""
-    if _first_run_in_process[0]:
-        _first_run_in_process[0] = False
-        return process_started()
-    return time.time()
-
 
 # ---- recording ------------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
 import tensorflow as tf
 
@@ -103,3 +104,40 @@ class StepProfiler:
         """Stop a trace still running (the run ended early): what it caught is written."""
         if self.active:
             self.stop()
+
+
+def read_trace(path: str) -> dict:
+    """What a trace file holds, read with the XSpace protobuf that TensorBoard's profile plugin reads:
+    {"planes": names, "events": count, "host_calls": executions of the training loop (`_train_loop`)}.
+    Raises ValueError when the file is not an XSpace."""
+    from google.protobuf.message import DecodeError
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with tf.io.gfile.GFile(path, "rb") as f:
+        try:
+            space.ParseFromString(f.read())
+        except DecodeError as e:
+            raise ValueError(f"{path} is not a profiler trace (XSpace): {e}") from None
+    events, calls = 0, 0
+    for plane in space.planes:
+        names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        for line in plane.lines:
+            events += len(line.events)
+            calls += sum(1 for e in line.events if names.get(e.metadata_id, "").startswith("EagerLocalExecute: ")
+                         and "_train_loop" in names[e.metadata_id])
+    return {"planes": [p.name for p in space.planes], "events": events, "host_calls": calls}
+
+
+def capture(run, steps: int) -> tuple[str, float, dict]:
+    """Trace one host call of `steps` training steps of a built run (tpu-llm doctor's first-contact trace);
+    returns the trace file, the seconds the call and the writing took, and `read_trace` of it."""
+    logdir = profile_dir(run.cfg.run_dir)
+    before = set(trace_files(logdir))
+    began = time.perf_counter()
+    start_trace(logdir)
+    try:
+        run.trainer.run(run.train_iterator, steps, steps)
+    finally:
+        path = stop_trace(logdir, before)
+    return path, time.perf_counter() - began, read_trace(path)
