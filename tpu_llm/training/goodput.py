@@ -40,6 +40,8 @@ import socket
 import statistics
 import time
 
+from tpu_llm.errors import UserError
+
 GOODPUT_FILE = "goodput.jsonl"
 CATEGORIES = ("productive", "compile", "evaluation", "checkpoint", "profiling", "sampling", "startup", "restart",
               "other")
@@ -96,7 +98,13 @@ class Ledger:
             self.add(kind, time.perf_counter() - began, step)
 
     def close(self) -> None:
-        self._write({"kind": "end", "t": time.time()})
+        """The `end` record, on the way out of `train` whatever ended it. It never replaces the error
+        that did: a run that lost its lock, or whose goodput.jsonl became a link, writes no end (and
+        is accounted as if killed)."""
+        try:
+            self._write({"kind": "end", "t": time.time()})
+        except (UserError, OSError):
+            pass
 
     def figures(self) -> dict:
         return account(self.records)
