@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
-from helpers import TINY, tiny_config
+from helpers import PAUSED, TINY, tiny_config
 
 from tpu_llm import cli
 from tpu_llm.config import load_config
@@ -31,23 +31,6 @@ REPO = Path(__file__).resolve().parent.parent
 RUN = {"train.steps": 8, "train.steps_per_loop": 2, "checkpoint.every_steps": 4, "execution": "graph"}
 TOLERANCE = 1.0  # seconds: the test's clock reads around the fork and the return, against the ledger's
 
-# tpu-llm's CLI, held before its 4th host call (steps 1-6 done, ckpt-4 saved) until it is killed
-HELD = """
-import sys, time
-from tpu_llm.training.trainer import Trainer
-real, calls = Trainer.run, []
-def held(self, *args, **kwargs):
-    calls.append(1)
-    if len(calls) == 4:
-        print("held", flush=True)
-        time.sleep(3600)
-    return real(self, *args, **kwargs)
-Trainer.run = held
-from tpu_llm.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("goodput")
@@ -57,16 +40,17 @@ def resumed(tmp_path_factory):
     log = root / "killed.log"
     began = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", HELD, "train", *flags], cwd=REPO, stdout=out,
+        # held before its 4th host call (steps 1-6 done, ckpt-4 saved) until it is killed
+        proc = subprocess.Popen([sys.executable, "-c", PAUSED, "train", *flags], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PAUSE_AT_CALL": "4",
                                      "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     try:
         deadline = time.time() + 300
-        while "held" not in log.read_text() and time.time() < deadline:
+        while "paused" not in log.read_text() and time.time() < deadline:
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.05)
-        assert "held" in log.read_text(), log.read_text()[-3000:]
+        assert "paused" in log.read_text(), log.read_text()[-3000:]
         time.sleep(0.5)  # the killed process's unrecorded end: at least this long
     finally:
         proc.send_signal(signal.SIGKILL)
