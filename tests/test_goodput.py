@@ -10,6 +10,7 @@ killed process's unrecorded end and the second start-up must be attributed to th
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 from helpers import PAUSED, TINY, tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tpu_llm import cli
 from tpu_llm.config import load_config
@@ -177,3 +180,22 @@ def test_bad_profile_steps_are_one_line_errors(value, message):
 def test_a_profile_range_on_the_command_line_stays_text():
     assert load_config(None, cli.parser.parse(["train", "--train.profile_steps=10:20"])[1]["overrides"]
                        ).train.profile_steps == "10:20"
+
+
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.text(max_size=3),
+                   st.lists(st.integers(), max_size=2))
+RECORDS = st.lists(st.fixed_dictionaries(
+    {"kind": st.sampled_from(["start", "steps", "end", *goodput.TIMED, "other"]), "t": st.floats(0, 1e4)},
+    optional={k: VALUES for k in ("started", "step", "seconds", "from", "to")}), max_size=12)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(records=RECORDS, tail=st.binary(max_size=40))
+def test_property_any_goodput_file_is_accounted_or_skipped_line_by_line(tmp_path_factory, records, tail):
+    """goodput.jsonl is read from a run directory (copied, edited, torn by a kill): whatever its lines
+    hold, reading and accounting never raise, and every category is a finite number."""
+    path = tmp_path_factory.mktemp("ledger") / goodput.GOODPUT_FILE
+    path.write_bytes("".join(json.dumps(r) + "\n" for r in records).encode() + tail)
+    figures = goodput.account(goodput.read_records(str(path)))
+    assert all(math.isfinite(figures[c]) for c in (*goodput.CATEGORIES, "total", "goodput"))
+    goodput.table(figures), goodput.summary(figures), goodput.metrics(figures)

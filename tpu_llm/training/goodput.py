@@ -35,6 +35,7 @@ import collections
 import contextlib
 import errno
 import json
+import math
 import os
 import socket
 import statistics
@@ -164,7 +165,13 @@ def read_records(path: str) -> list[dict]:
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # (not NaN)
+    """A finite JSON number of a sane size (a record from elsewhere may hold anything)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and abs(value) < 1e15
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 # ---- accounting -----------------------------------------------------------------------------------
@@ -236,7 +243,7 @@ def _processes(records: list[dict]) -> list[tuple[dict, list[dict]]]:
     """[(start record, the records after it)], one per process, in order; records before any start skipped."""
     out = []
     for r in records:
-        if r["kind"] == "start" and _number(r.get("started")):
+        if r["kind"] == "start" and _number(r.get("started")) and _number(r.setdefault("step", 0)):
             out.append((r, []))
         elif out and (r["kind"] != "steps" or all(_number(r.get(k)) for k in ("seconds", "from", "to"))):
             out[-1][1].append(r)
