@@ -86,7 +86,8 @@ def test_goodput_adds_up_to_the_wall_time_of_a_killed_and_resumed_run(resumed):
     assert resumed["began"] <= first["started"] < first["t"] and first["step"] == 0
     assert second["started"] == pytest.approx(resumed["started"], abs=0.05) and second["step"] == 4
     assert records[-1]["kind"] == "end" and sum(r["kind"] == "end" for r in records) == 1  # the killed one wrote none
-    assert 0 < figures["productive"] and 0 < figures["compile"] and figures["checkpoint"] > 0
+    assert 0 < figures["productive"] and 0 < figures["compile"] and figures["checkpoint"] > 0 < figures["evaluation"]
+    assert figures["other"] < 0.2 * figures["total"], figures  # (0.8% here: logging, host work between calls)
     done = [line for line in resumed["lines"] if line.startswith("done")]
     assert len(done) == 1 and f"goodput {100 * figures['goodput']:.0f}% of" in done[0] and "restart" in done[0], done
 

@@ -412,7 +412,7 @@ def train(cfg: Config, say=None, samples: bool = True, started: float | None = N
     say = say or say_now
     started = started or time.time()
     run = build_run(cfg)
-    ledger = goodput.Ledger(cfg.run_dir, started, int(run.optimizer.iterations.numpy()), run.dist.is_chief, run.lock)
+    ledger = goodput.Ledger(cfg.run_dir, started, run.dist.is_chief, run.lock)
     try:
         return _train(run, say, samples, ledger)
     finally:
@@ -449,6 +449,7 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
     timings = []  # (steps, seconds) of each call
     last = {"loss": float("nan")}
     val_loss = None
+    ledger.start(step)  # the start-up ends here (goodput.py)
     with fault.Guard(run, say, log) as guard:  # signals, non-finite steps, lost tasks, time-based saves
         try:
             while step < t.steps:

@@ -71,12 +71,17 @@ def process_started() -> float:
 class Ledger:
     """A training process's records in <run_dir>/goodput.jsonl (the chief's; others record nothing)."""
 
-    def __init__(self, run_dir: str, started: float, step: int, enabled: bool = True, lock=None):
+    def __init__(self, run_dir: str, started: float, enabled: bool = True, lock=None):
         self.path = os.path.join(run_dir, GOODPUT_FILE)
-        self.run_dir, self.enabled, self.lock = run_dir, enabled, lock
+        self.run_dir, self.started, self.enabled, self.lock = run_dir, started, enabled, lock
         self.records = read_records(self.path) if enabled else []
-        self._write({"kind": "start", "started": started, "t": time.time(), "step": step, "pid": os.getpid(),
+        self.open = False
+
+    def start(self, step: int) -> None:
+        """Training starts now, at `step`: the time since `started` was the process's start-up."""
+        self._write({"kind": "start", "started": self.started, "t": time.time(), "step": step, "pid": os.getpid(),
                      "host": socket.gethostname()})
+        self.open = True
 
     def steps(self, first: int, n: int, seconds: float) -> None:
         """A host call that ran steps first+1 .. first+n in `seconds`."""
@@ -102,6 +107,9 @@ class Ledger:
         """The `end` record, on the way out of `train` whatever ended it. It never replaces the error
         that did: a run that lost its lock, or whose goodput.jsonl became a link, writes no end (and
         is accounted as if killed)."""
+        if not self.open:  # it stopped before training started: nothing to end (its time is the next one's)
+            return
+        self.open = False
         try:
             self._write({"kind": "end", "t": time.time()})
         except (UserError, OSError):
