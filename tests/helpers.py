@@ -126,6 +126,26 @@ TINY_FLAGS = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--m
               "--train.warmup_steps=1", "--train.eval_steps=1", "--sample.num_samples=0"]
 
 
+# `python -c PAUSED train ...` runs the CLI held before its host call number PAUSE_AT_CALL (environment)
+# until the file PAUSE_UNTIL appears (never, if unset): a run surely still running, or one killed
+# between two host calls. It prints "paused" when it holds.
+PAUSED = """
+import os, sys, time
+from tpu_llm.training.trainer import Trainer
+real, calls = Trainer.run, []
+def paused(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == int(os.environ["PAUSE_AT_CALL"]):
+        print("paused", flush=True)
+        while not os.path.exists(os.environ.get("PAUSE_UNTIL", "")):
+            time.sleep(0.05)
+    return real(self, *args, **kwargs)
+Trainer.run = paused
+from tpu_llm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def metrics(run_dir, split="train") -> list[dict]:
     """The lines of the run's metrics.jsonl for `split` (train, val, summary)."""
     return [line for line in map(json.loads, open(Path(run_dir) / "metrics.jsonl")) if line["split"] == split]

@@ -162,7 +162,8 @@ def test_train(cli):
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["split"] == "train"] == [2, 4]
     assert [m["step"] for m in metrics if m["split"] == "validation"] == [4]
-    assert all(0 < m["loss"] < 20 for m in metrics if m["split"] != "summary")
+    assert all(0 < m["loss"] < 20 for m in metrics if m["split"] in ("train", "validation"))
+    assert [m["step"] for m in metrics if m["split"] == "goodput"] == [4]  # with the checkpoint (docs/goodput.md)
     assert [m["step"] for m in metrics if m["split"] == "summary"] == [4]
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import keras
 import numpy as np
@@ -41,7 +42,7 @@ def test_a_failing_model_parallel_run_leaves_every_data_parallel_line_measured(t
     assert code == 2 and err.strip().startswith("error: doctor: model parallel failed"), err
     assert len(err.strip().splitlines()) == 1
     lines = line_of(out)
-    assert list(lines) == ["devices", "replicas", "bfloat16", "checkpoint", "input", "plan", "memory",
+    assert list(lines) == ["devices", "replicas", "bfloat16", "checkpoint", "input", "plan", "profile", "memory",
                            "model parallel"], out
     assert [n for n, line in lines.items() if not line.startswith("PASS")] == ["model parallel"], out
     assert "2 stage(s) x 2 tensor group(s) stopped: RuntimeError: staged run broken on purpose" in \
@@ -53,6 +54,9 @@ def test_a_failing_model_parallel_run_leaves_every_data_parallel_line_measured(t
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["model parallel"]["values"] == {"devices": 4, "kind": "logical CPU", "stages": 2, "tensor": 2}
     assert checks["checkpoint"]["values"]["exact"] and checks["input"]["values"]["ratio"] >= 1
+    profile = checks["profile"]["values"]  # the first-contact trace: one host call, where TensorBoard looks
+    assert profile["host_calls"] == 1 and profile["path"].endswith(".xplane.pb") and os.path.isfile(profile["path"])
+    assert f"view: tensorboard --logdir {tmp_path / 'doc'}" in lines["profile"]
     assert doctor.PLAN_RATIO[0] <= checks["plan"]["values"]["ratio"] <= doctor.PLAN_RATIO[1]
     assert abs(checks["bfloat16"]["values"]["relative"]) < 0.02
     memory = checks["memory"]["values"]  # float32 on a CPU: the same sums in another order

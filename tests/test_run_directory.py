@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 import yaml
-from helpers import metrics, quiet, snapshot, tiny_config
+from helpers import PAUSED, metrics, quiet, snapshot, tiny_config
 
 from tpu_llm import cli
 from tpu_llm.errors import UserError
@@ -161,25 +161,6 @@ def test_one_process_may_open_its_run_directory_twice(tmp_path):
     assert (tmp_path / "run" / run_lock.LOCK_FILE).read_text() == ""
 
 
-# Holds the CLI at its second host call until the file PAUSE_UNTIL appears: a run that is surely
-# still running while another process is started on its run directory.
-PAUSED = """
-import os, sys, time
-from tpu_llm.training.trainer import Trainer
-real, calls = Trainer.run, []
-def paused(self, *args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:
-        print("paused", flush=True)
-        while not os.path.exists(os.environ["PAUSE_UNTIL"]):
-            time.sleep(0.05)
-    return real(self, *args, **kwargs)
-Trainer.run = paused
-from tpu_llm.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def start(log: Path, args: list[str], code: str | None = None, **env) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, *(["-c", code] if code else ["-m", "tpu_llm"]), *args], cwd=REPO,
@@ -199,7 +180,7 @@ def test_two_trainers_on_one_run_directory_the_second_is_refused_and_a_killed_on
     """Issue 28 #2: two `tpu-llm train` on one run_dir both exited 0, every step logged twice (or, with
     other settings, the first run's checkpoints silently replaced by the second's)."""
     run = tmp_path / "run"
-    first = start(tmp_path / "first.log", train_args(base, run, 8), PAUSED, PAUSE_UNTIL=str(tmp_path / "go"))
+    first = start(tmp_path / "first.log", train_args(base, run, 8), PAUSED, PAUSE_AT_CALL="2", PAUSE_UNTIL=str(tmp_path / "go"))
     try:
         wait_for(first, tmp_path / "first.log", "paused")  # it holds the lock, between steps 2 and 3
         second = subprocess.run([sys.executable, "-m", "tpu_llm", *train_args(base, run, 8), "--train.lr=1e-3"],
@@ -216,7 +197,7 @@ def test_two_trainers_on_one_run_directory_the_second_is_refused_and_a_killed_on
     assert [m["step"] for m in metrics(run)] == [2, 4, 6, 8]  # each step once: the second run wrote nothing
 
     # a holder killed with SIGKILL (no clean-up at all): the kernel releases its lock
-    killed = start(tmp_path / "killed.log", train_args(base, run, 12), PAUSED, PAUSE_UNTIL=str(tmp_path / "never"))
+    killed = start(tmp_path / "killed.log", train_args(base, run, 12), PAUSED, PAUSE_AT_CALL="2", PAUSE_UNTIL=str(tmp_path / "never"))
     try:
         wait_for(killed, tmp_path / "killed.log", "paused")
         killed.send_signal(signal.SIGKILL)

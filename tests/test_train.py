@@ -143,12 +143,12 @@ def test_a_resume_logs_every_step_once_in_metrics_and_tensorboard(tmp_path):
     said = []
     train(cfg, say=said.append)
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [(m["split"], m["step"]) for m in lines] == [("train", 2), ("validation", 2), ("train", 4),
-                                                         ("validation", 4), ("summary", 4)]
-    for split in ("train", "validation"):
+    assert [(m["split"], m["step"]) for m in lines] == [("train", 2), ("validation", 2), ("goodput", 2), ("train", 4),
+                                                         ("validation", 4), ("goodput", 4), ("summary", 4)]
+    for split in ("train", "validation", "goodput"):  # (goodput: with each checkpoint)
         steps = [event.step for path in sorted((tmp_path / "run" / "logs" / split).glob("events.out.tfevents.*"))
                  for event in tf.compat.v1.train.summary_iterator(str(path))
-                 if any(value.tag == "loss" for value in event.summary.value)]
+                 if any(value.tag in ("loss", "goodput") for value in event.summary.value)]
         assert steps == [2, 4], (split, steps)
     assert any(line.startswith("resumed   from") for line in said)
-    assert any(line.startswith("metrics   dropped 3 entries logged after step 2") for line in said), said
+    assert any(line.startswith("metrics   dropped 4 entries logged after step 2") for line in said), said

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import reprlib
 from typing import Any, Callable
 
@@ -149,6 +150,8 @@ class TrainConfig:
     freeze: str = ""  # layers kept as they are, comma-separated, e.g. embeddings,blocks:0-7; "" = train all
     init_from: str = ""  # a run directory (e.g. from `tpu-llm import`) whose newest weights start a new run; "" = random init
     loss_chunk: int = 0  # tokens per chunk of the head and loss (no B x T x vocab logits); 0 = off (docs/memory.md)
+    # START:END: a TensorFlow profiler trace of steps START to END (1 = the first step), in logs/train/plugins/profile
+    profile_steps: str = ""  # e.g. 10:20; whole host calls, cut at START-1 and END (docs/profiling.md); "" = off
 
 
 @dataclasses.dataclass
@@ -263,6 +266,8 @@ def parse_set_args(items: list[str] | str | None) -> dict[str, Any]:
 
 def _parse_value(text: str) -> Any:
     """A YAML scalar (6, 0.5, true); anything else (a prompt like `def f():`, `[x`) stays the raw string."""
+    if re.fullmatch(r"\s*\d+(:\d+)+\s*", text):  # YAML 1.1 reads 10:20 as the base-60 number 620
+        return text.strip()
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer of over 4300 digits
@@ -491,6 +496,7 @@ def validate(cfg: Config) -> None:
     _check(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     _check(t.max_bad_steps >= 0, f"train.max_bad_steps={t.max_bad_steps} must be >= 0 (0 = stop at the first)")
     freeze_spec(t.freeze, m.n_layer)
+    profile_range(t.profile_steps, t.steps)
     _check(t.on_bad_step in BAD_STEP_ACTIONS,
            f"train.on_bad_step={t.on_bad_step!r}; valid choices: {', '.join(BAD_STEP_ACTIONS)}")
     _check(s.temperature >= 0, f"sample.temperature={s.temperature} must be >= 0 (0 = greedy)")
@@ -537,6 +543,20 @@ def freeze_spec(text: str, n_layer: int) -> tuple[set, set]:
                f"block numbers from 0 to model.n_layer - 1 = {n_layer - 1}")
         blocks.update(range(low, high + 1))
     return named, blocks
+
+
+def profile_range(text: str, steps: int) -> tuple[int, int] | None:
+    """train.profile_steps as (START, END), steps counted from 1 as the logs count them; None when off."""
+    if not text.strip():
+        return None
+    match = re.fullmatch(r"\s*(\d{1,10})\s*:\s*(\d{1,10})\s*", text, re.ASCII)  # (10 digits: above train.steps' cap)
+    start, end = (int(match[1]), int(match[2])) if match else (0, 0)
+    base60 = " (in a YAML file, quote it: profile_steps: \"10:20\"; unquoted, YAML reads 10:20 as 620)" \
+        if text.strip().isdigit() else ""
+    _check(bool(match) and 1 <= start <= end, f"train.profile_steps={_REPR.repr(text)}; give START:END with 1 <= START "
+                                              f"<= END, e.g. 10:20 (steps counted from 1; \"\" = off){base60}")
+    _check(end <= steps, f"train.profile_steps={text.strip()} ends after train.steps={steps}; give an END <= {steps}")
+    return start, end
 
 
 def _validate_comm(cfg: Config) -> None:

@@ -27,8 +27,9 @@ def train(config: str = "", overrides: dict | None = None):
 
     cfg = load_config(config or None, overrides)
     from tpu_llm.training.controller import train as run  # TensorFlow loads only once the config is valid
+    from tpu_llm.training.goodput import process_started
 
-    run(cfg)
+    run(cfg, started=process_started())  # the interpreter's and TensorFlow's start-up count as the run's
 
 
 # generate's bounds, checked before TensorFlow loads (docs/cli.md): each new token is one step of the
@@ -390,3 +391,17 @@ def launch(workers: int = 2, ps: int = 0, network: str = "auto", task_args: list
     if network not in ("auto", "open"):
         raise UserError(f"tpu-llm launch: --network={network!r}; choose auto or open")
     return launch.launch(workers, ps, task_args or [], network=network)
+
+
+@command("report", "where a run's wall time went (goodput by category, across resumes) and its loss curve",
+         "tpu-llm report --run_dir runs/tiny", details="""
+Reads <run_dir>/goodput.jsonl (what each training process of the run recorded) and metrics.jsonl, and
+prints the wall time split into productive steps, compilation, evaluation, checkpoints, profiling,
+sampling, start-up, restarts (start-up of resumed processes, steps done twice, killed processes'
+unrecorded ends) and the rest, with the goodput (productive / wall time). Where matplotlib is
+importable it also writes a PNG of the loss curves and the time per category (docs/goodput.md).""",
+         run_dir="the run directory of a `tpu-llm train` run", plot="the PNG to write (default: <run_dir>/report.png)")
+def report(run_dir: str, plot: str = ""):
+    from tpu_llm.tools.report import report as make_report  # no TensorFlow for a local run directory
+
+    make_report(run_dir, plot)

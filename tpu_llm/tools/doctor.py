@@ -13,6 +13,7 @@ no tensor groups), the best-proven path, and the lines measured on it:
   checkpoint      a checkpoint written to and read back from the run directory, bit-exact
   input           the input pipeline's windows/s against what the measured step consumes
   plan            the measured step time against `tpu-llm plan`'s prediction for the same config
+  profile         a TensorFlow profiler trace of two steps, in <run>/logs/train/plugins/profile
   memory          the chunked loss and blockwise attention (docs/memory.md) on this device: loss and
                   gradients equal to the dense ones, and where TF reports device memory (TPU, GPU) the
                   step's peak with and without them against `tpu-llm plan`'s
@@ -57,7 +58,7 @@ from tpu_llm.parallel import distribute
 from tpu_llm.parallel import tpu
 from tpu_llm.parallel import tpu as tpus
 from tpu_llm.tools import plan, xla_memory
-from tpu_llm.training import controller
+from tpu_llm.training import controller, profiler
 
 BF16_TOLERANCE = 0.02  # |bf16 - f32| / f32 of the mean loss (tests/test_pipeline.py uses the same)
 PLAN_RATIO = (0.5, 200.0)  # measured / planned step time: below, the planner's FLOPs or peak are wrong;
@@ -80,6 +81,8 @@ FIX = {
            "and a `tpu-llm train --config configs/tiny.yaml` to see the full traceback",
     "plan": "the step time is far from the planner's: check the devices line (a step on the host CPU?) and "
             "compare `tpu-llm plan --accelerator ...` with this machine's type",
+    "profile": "TensorFlow's profiler cannot trace here: train without train.profile_steps, and report it with "
+               "doctor.json",
     "memory": "train with train.loss_chunk=0 model.attention=dense if the results differ, and plan with a margin if "
               "the memory differs from the planner's; report it with doctor.json",
 }
@@ -284,6 +287,16 @@ def check_checkpoint(run) -> Check:
     return Check("checkpoint", _status(same), f"{path}: {size / 2**20:.1f} MiB written in {saved:.2f} s, read "
                  f"back {'bit-exact' if same else 'DIFFERENT'} in {read:.2f} s",
                  {"path": path, "bytes": size, "write_seconds": saved, "read_seconds": read, "exact": same})
+
+
+def check_profile(run, steps: int = 2) -> Check:
+    """One short profiler trace of the tiny run (after its timed calls: compiled already), where
+    TensorBoard's profile plugin finds it; PASS when the trace holds the host call of the steps."""
+    path, seconds, trace = profiler.capture(run, steps)
+    logs = os.path.dirname(profiler.profile_dir(run.cfg.run_dir))
+    return Check("profile", _status(trace["host_calls"] >= 1), f"{steps} steps traced in {seconds:.1f} s: {path} "
+                 f"({trace['events']:,} events, {len(trace['planes'])} planes); view: tensorboard --logdir {logs}",
+                 {"path": path, "seconds": seconds, **trace})
 
 
 def input_windows_per_second(run, batches: int = 10) -> float:
@@ -586,6 +599,7 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
     checks.append(_guarded("checkpoint", check_checkpoint, f32))
     checks.append(_guarded("input", lambda: check_input(input_windows_per_second(f32), step_seconds, batch)))
     checks.append(_guarded("plan", check_plan, cfg, dist, step_seconds))
+    checks.append(_guarded("profile", check_profile, f32))
     checks.append(_guarded("memory", check_memory, first_device(dist.strategy)))
     # the least proven path last, on its own line
     checks.append(check_model_parallel(make_cfg, found, dist, stages, tensor, steps, f32_loss))

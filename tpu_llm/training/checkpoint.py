@@ -44,6 +44,7 @@ from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.tokenizers import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
+from tpu_llm.training.goodput import GOODPUT_FILE
 from tpu_llm.training.run_lock import LOCK_FILE
 
 CONFIG_FILE = "config.yaml"
@@ -55,7 +56,7 @@ MARKER_FILE = ".tpu-llm-run"
 _OWN_TEMPORARY = (".write-test-", ".scratch-", LOCK_FILE)
 # top-level names tpu-llm reads or writes (with their temporary siblings, e.g. metrics.jsonl.tmp): never links
 _GUARDED = (CONFIG_FILE, "tokenizer", "hf_tokenizer", METRICS_FILE, ".tpu-llm-", "import.json", CHECKPOINT_DIR,
-            LOGS_DIR)
+            LOGS_DIR, GOODPUT_FILE)
 
 
 def check_no_links(run_dir: str, trees: tuple[str, ...] = (CHECKPOINT_DIR, LOGS_DIR), top: bool = True) -> None:

@@ -27,11 +27,12 @@ from tpu_llm.parallel import comm, pipeline, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy, serve_if_cluster_server
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
-from tpu_llm.training import fault, run_lock
+from tpu_llm.training import fault, goodput, run_lock
 from tpu_llm.training.checkpoint import (LOGS_DIR, METRICS_FILE, Checkpointer, check_no_links, check_run_dir,
                                          check_run_dir_owner, check_run_dir_reachable, link_error, record_run,
                                          resolve_tokenizer, restore_init_from)
 from tpu_llm.training.optimizer import freeze, make_optimizer
+from tpu_llm.training.profiler import StepProfiler
 from tpu_llm.training.trainer import Trainer
 
 
@@ -246,7 +247,7 @@ class MetricsLog:
         self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
         with tf.device(device or None):
             self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
-                            for split in ("train", "validation")} if enabled else {}
+                            for split in ("train", "validation", "goodput")} if enabled else {}
 
     def truncate(self, step: int) -> int:
         """Drop the entries logged after `step` from metrics.jsonl and the event files; returns how
@@ -403,19 +404,23 @@ def _next_boundary(step: int, every: int, total: int) -> int:
     return min(total, (step // every + 1) * every) if every > 0 else total
 
 
-def train(cfg: Config, say=None, samples: bool = True) -> dict:
-    """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary."""
+def train(cfg: Config, say=None, samples: bool = True, started: float | None = None) -> dict:
+    """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary. `started`:
+    the Unix time this run's wall time counts from (goodput.py; `tpu-llm train`: its process's start)."""
     if serve_if_cluster_server(cfg):  # a parameter-server cluster's worker or ps task: serves, never returns
         return {}
     say = say or say_now
+    started = started or time.time()
     run = build_run(cfg)
+    ledger = goodput.Ledger(cfg.run_dir, started, run.dist.is_chief, run.lock)
     try:
-        return _train(run, say, samples)
+        return _train(run, say, samples, ledger)
     finally:
+        ledger.close()  # (a killed process writes no end: the next one accounts for it)
         run.release()  # the run directory's lock (the process's end would release it too)
 
 
-def _train(run: Run, say, samples: bool) -> dict:
+def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
     cfg = run.cfg
     tell = say  # the lines every process prints, chief or not
     if not run.dist.is_chief:  # the chief prints and logs for the whole cluster
@@ -438,15 +443,20 @@ def _train(run: Run, say, samples: bool) -> dict:
         say(f"metrics   dropped {log.dropped} entries logged after step {step} (metrics.jsonl and TensorBoard): "
             "the steps after the checkpoint are done again")
     progress = perf.Progress(t.steps, initial=step, label="step ", quiet=not run.dist.is_chief)
+    profiler = StepProfiler(t.profile_steps, cfg.run_dir, t.steps, trace=run.dist.is_chief)  # cuts calls on every worker
+    if profiler.missed(step):
+        say(f"profile   train.profile_steps={t.profile_steps} was done before step {step}: no trace this time")
     timings = []  # (steps, seconds) of each call
     last = {"loss": float("nan")}
     val_loss = None
+    ledger.start(step)  # the start-up ends here (goodput.py)
     with fault.Guard(run, say, log) as guard:  # signals, non-finite steps, lost tasks, time-based saves
         try:
             while step < t.steps:
                 end = min(step + t.steps_per_loop * run.dist.loops_per_call(),
                           _next_boundary(step, t.eval_every, t.steps),
-                          _next_boundary(step, cfg.checkpoint.every_steps, t.steps))
+                          _next_boundary(step, cfg.checkpoint.every_steps, t.steps), profiler.boundary(step))
+                profiler.before_call(step)
                 start = time.perf_counter()
                 try:  # waits for the steps; a signal may end the call early (out["steps"] < end - step)
                     out = guard.call(lambda: run.trainer.run(run.train_iterator, end - step, t.steps_per_loop))
@@ -459,6 +469,7 @@ def _train(run: Run, say, samples: bool) -> dict:
                 except tf.errors.DataLossError as e:  # a damaged shard: one line naming it (nothing saved)
                     raise sources.corrupt_record(e, run.sources[0], "training", True, run.checkpointer.latest) from None
                 n = out["steps"]
+                ledger.steps(step, n, time.perf_counter() - start)
                 if n:
                     loss, grad_norm = out["loss"], out["grad_norm"]
                     seconds = time.perf_counter() - start
@@ -477,12 +488,17 @@ def _train(run: Run, say, samples: bool) -> dict:
                     progress.update(step, f"loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
                                           f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%{stale}")
                     step = guard.after_call(out, step)
+                if profiler.stops_at(step):
+                    with ledger.timed("profiling", step):
+                        trace = profiler.stop()
+                    say(f"profile   steps {t.profile_steps} traced: {trace} (tensorboard --logdir {cfg.run_dir}/logs)")
                 boundary = step == end  # all steps asked for were done (no signal, no rollback)
                 if boundary and step == t.steps:  # local SGD: the final model is the synchronised one
                     run.trainer.synchronise()
                 if boundary and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
                     try:
-                        val_loss = evaluate(run)
+                        with ledger.timed("evaluation", step):
+                            val_loss = evaluate(run)
                     except tf.errors.ResourceExhaustedError as e:
                         raise out_of_memory(e, run, step, "evaluating") from None
                     except tf.errors.DataLossError as e:
@@ -490,9 +506,14 @@ def _train(run: Run, say, samples: bool) -> dict:
                                                      run.checkpointer.latest) from None
                     log.write("validation", step, {"loss": val_loss})
                     progress.message(f"eval      step {step}: validation loss {val_loss:.4f}")
-                guard.checkpoint(step, due=boundary and (step == t.steps or bool(
-                    cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)))
+                due = boundary and (step == t.steps or bool(
+                    cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0))
+                with ledger.timed("checkpoint", step):
+                    guard.checkpoint(step, due=due)
+                if due:  # goodput so far, with each saved step (metrics.jsonl and TensorBoard)
+                    log.write("goodput", step, goodput.metrics(ledger.figures()))
         finally:
+            profiler.close()
             progress.close()
             log.flush()
 
@@ -513,7 +534,8 @@ def _train(run: Run, say, samples: bool) -> dict:
             + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
             + f"; {perf.format_count(summary['tokens_per_sec'])} tok/s, {summary['ms_per_step']:.1f} ms/step, "
               f"MFU {100 * summary['mfu']:.1f}% "
-            + ("(after the first, compiling, call)" if len(timings) > 1 else "(one call, compilation included)"))
+            + ("(after the first, compiling, call)" if len(timings) > 1 else "(one call, compilation included)")
+            + f"; {goodput.summary(ledger.figures())}")
     # equal on every worker of a synchronous cluster: a check that they trained the same model
     summary["fingerprint"] = weights_fingerprint(run.model)
     if run.dist.task:
@@ -521,7 +543,8 @@ def _train(run: Run, say, samples: bool) -> dict:
     if timings:
         log.write("summary", step, {k: v for k, v in summary.items() if k != "run_dir"})
     if samples and run.dist.is_chief and cfg.sample.num_samples and cfg.sample.max_new_tokens:
-        print_samples(local_copy(run.model, cfg), run.tokenizer, cfg, say)
+        with ledger.timed("sampling", step):
+            print_samples(local_copy(run.model, cfg), run.tokenizer, cfg, say)
     return summary
 
 

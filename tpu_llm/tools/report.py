@@ -1,0 +1,110 @@
+"""`tpu-llm report --run_dir R`: where a run's wall time went (training/goodput.py), and its losses.
+
+Prints the goodput table of all the processes that trained the run (from <run_dir>/goodput.jsonl)
+and the newest losses (from metrics.jsonl). Where matplotlib is importable it also draws the loss
+curves and the time per category into one PNG (<run_dir>/report.png unless --plot says otherwise);
+matplotlib is not a dependency of tpu-llm, and without it the report says so and prints the table only.
+A local run directory is read without TensorFlow; a gs:// one through tf.io.gfile.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+from tpu_llm.errors import UserError
+from tpu_llm.training import goodput
+
+METRICS_FILE = "metrics.jsonl"  # (training/checkpoint.py's name; importing it would load TensorFlow)
+
+
+def _read_text(path: str) -> str | None:
+    if "://" in path:
+        import tensorflow as tf
+
+        if not tf.io.gfile.exists(path):
+            return None
+        with tf.io.gfile.GFile(path) as f:
+            return f.read()
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UserError(f"{path} cannot be read ({e.strerror or e})") from None
+
+
+def losses(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """{"train": [(step, loss)], "validation": [...]} from metrics.jsonl (torn or foreign lines skipped)."""
+    out: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
+    for line in (_read_text(os.path.join(run_dir, METRICS_FILE)) or "").splitlines():
+        try:
+            entry = json.loads(line)
+            split, step, loss = entry["split"], int(entry["step"]), float(entry["loss"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if split in out:
+            out[split].append((step, loss))
+    return out
+
+
+def plot(figures: dict, curves: dict, path: str) -> str | None:
+    """Draw the loss curves and the seconds per category into the PNG `path`; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for split, points in curves.items():
+        if points:
+            left.plot(*zip(*points), label=split, marker="." if len(points) < 30 else None)
+    left.set(xlabel="step", ylabel="loss", title="loss")
+    left.legend()
+    shown = [c for c in goodput.CATEGORIES if figures[c] > 0]
+    right.barh(shown[::-1], [figures[c] for c in shown][::-1], color=["tab:green" if c == "productive" else "tab:gray"
+                                                                     for c in shown][::-1])
+    right.set(xlabel="seconds", title=f"goodput {100 * figures['goodput']:.0f}% of {figures['total']:.0f} s")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    if "://" in path:
+        import tensorflow as tf
+
+        with tf.io.gfile.GFile(path, "wb") as f:
+            f.write(buffer.getvalue())
+    else:
+        with open(path, "wb") as f:
+            f.write(buffer.getvalue())
+    return path
+
+
+def report(run_dir: str, plot_path: str = "", say=print) -> dict:
+    """Print the goodput table and the newest losses of `run_dir`; draw the PNG where matplotlib is
+    importable. Returns the goodput figures."""
+    records = goodput.read_records(os.path.join(run_dir, goodput.GOODPUT_FILE))
+    curves = losses(run_dir)
+    if not records and not any(curves.values()):
+        there = "" if "://" in run_dir or os.path.isdir(run_dir) else " (no such directory)"
+        raise UserError(f"{run_dir!r} holds no {goodput.GOODPUT_FILE} and no {METRICS_FILE}{there}; pass the --run_dir "
+                        "of a `tpu-llm train` run")
+    figures = goodput.account(records)
+    say(f"report    {run_dir}")
+    if records:
+        for line in goodput.table(figures):
+            say(f"          {line}")
+        say(f"goodput   {100 * figures['goodput']:.1f}% (productive step time / wall time; docs/goodput.md)")
+    else:
+        say(f"goodput   no {goodput.GOODPUT_FILE}: the run was trained by a tpu-llm without goodput records")
+    for split, points in curves.items():
+        if points:
+            step, loss = points[-1]
+            say(f"loss      {split}: {loss:.4f} at step {step}")
+    written = plot(figures, curves, plot_path or os.path.join(run_dir, "report.png"))
+    say(f"plot      {written}" if written else "plot      skipped: matplotlib is not installed (pip install matplotlib)")
+    return figures
