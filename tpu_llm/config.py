@@ -231,10 +231,29 @@ class Config:
 # Loading and validation
 
 
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")  # package data (the wheel has it)
+
+
+def presets() -> dict[str, str]:
+    """{name: file} of the configs shipped in the package (tpu_llm/presets/*.yaml; configs/ links to them)."""
+    files = sorted(f for f in os.listdir(PRESETS_DIR) if f.endswith(".yaml")) if os.path.isdir(PRESETS_DIR) else []
+    return {f[:-len(".yaml")]: os.path.join(PRESETS_DIR, f) for f in files}
+
+
+def config_file(path: str) -> str:
+    """The file `--config path` means: the path itself if it exists, else the preset of that name (`tiny`,
+    `gpt2_125m`, `tiny.yaml`), so a pip-installed tpu-llm runs `--config tiny` from any directory."""
+    if os.path.exists(path) or os.sep in path or "/" in path:
+        return path
+    name = path[:-len(".yaml")] if path.endswith(".yaml") else path
+    return presets().get(name, path)
+
+
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults <- YAML file at `path` <- dotted `overrides`; validated."""
+    """Defaults <- YAML file at `path` (or a preset's name) <- dotted `overrides`; validated."""
     cfg = Config()
     if path:
+        path = config_file(path)
         _apply(cfg, _read_yaml(path), source=path)
     for key, value in (overrides or {}).items():
         _set_dotted(cfg, key, value, source="command line")
@@ -277,9 +296,12 @@ def _parse_value(text: str) -> Any:
 
 def _read_yaml(path: str) -> dict:
     if not os.path.exists(path):
-        here = sorted(os.listdir("configs")) if os.path.isdir("configs") else []
-        hint = f"; available: {', '.join(here)}" if here else ""
-        raise UserError(f"config file {path!r} not found{hint}")
+        name = os.path.basename(path)
+        name = name[:-len(".yaml")] if name.endswith(".yaml") else name
+        close = difflib.get_close_matches(name, list(presets()), n=1, cutoff=0.6)
+        hint = f"--config {close[0]} (a preset) or " if close else ""
+        raise UserError(f"config file {path!r} not found; give {hint}a YAML file's path; presets: "
+                        f"{', '.join(presets())} (`tpu-llm config --list`)")
     if os.path.isdir(path):
         here = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))[:8]
         hint = f", e.g. --config {os.path.join(path, here[0])} ({', '.join(here)})" if here else ""

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 
+from tpu_llm import __version__
 from tpu_llm.cli.parser import command, nearest
 from tpu_llm.errors import UserError
 
@@ -238,7 +239,7 @@ def info(config: str = "", overrides: dict | None = None):
     from tpu_llm.parallel import distribute
 
     found = distribute.look_around(cfg)
-    print(f"tensorflow {tf.__version__}, keras {__import__('keras').__version__}")
+    print(f"tpu-llm {__version__}, tensorflow {tf.__version__}, keras {__import__('keras').__version__}")
     for line in found.describe():
         print(line)
     name, reason = distribute.choose(cfg, found)
@@ -246,11 +247,16 @@ def info(config: str = "", overrides: dict | None = None):
 
 
 @command("config", "print the effective config (defaults <- --config <- overrides) as YAML",
-         "tpu-llm config --config configs/tiny.yaml --model.n_layer=6", config=True,
-         reference="print every config key with its default and meaning instead")
-def config_(config: str = "", overrides: dict | None = None, reference: bool = False):
-    from tpu_llm.config import load_config
+         "tpu-llm config --config tiny --model.n_layer=6", config=True,
+         reference="print every config key with its default and meaning instead",
+         list="list the presets shipped in the package (--config NAME) with what each is for")
+def config_(config: str = "", overrides: dict | None = None, reference: bool = False, list_: bool = False):
+    from tpu_llm.config import load_config, presets
 
+    if list_:
+        for name, path in presets().items():
+            print(f"{name:<24} {_preset_summary(path)}")
+        return
     cfg = load_config(config or None, overrides)
     if reference:
         from tpu_llm.tools.config_reference import reference as make_reference
@@ -258,6 +264,18 @@ def config_(config: str = "", overrides: dict | None = None, reference: bool = F
         print(make_reference(), end="")
     else:
         print(cfg.to_yaml(), end="")
+
+
+def _preset_summary(path: str) -> str:
+    """The first sentence of a preset file's leading comment: what it is for."""
+    words = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            words += line.lstrip("#").split()
+    text = " ".join(words)
+    return text.split(". ", 1)[0].rstrip(".")
 
 
 BENCH_SUITES = ("shakespeare_char", "strategies", "modes", "pipeline", "comm", "families", "memory", "data",

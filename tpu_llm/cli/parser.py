@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import keyword
 import textwrap
 from typing import Any, Callable
 
@@ -57,14 +56,15 @@ def command(name: str, summary: str, example: str, config: bool = False, positio
     """Register the decorated function as `tpu-llm <name>`; its parameters are the flags, `flag_help`
     says what each one means. Config commands receive `config` (the file) and `overrides` (a dict)."""
     def register(fn: Callable) -> Callable:
-        flags = {}
+        flags, renamed = {}, {}
         for p in inspect.signature(fn).parameters.values():
             if p.name in ("config", "overrides") and config or p.name == "task_args":  # not flags (launch: after --)
                 continue
-            flag = p.name.rstrip("_") if keyword.iskeyword(p.name.rstrip("_")) else p.name  # from_: --from
+            flag = p.name[:-1] if p.name.endswith("_") else p.name  # from_: --from, list_: --list
             assert flag in flag_help, f"{name}: --{flag} needs a help text"
             flags[flag] = Flag(flag, None if p.default is inspect.Parameter.empty else p.default, flag_help[flag])
-        renamed = {f"{k}_": k for k in flags if keyword.iskeyword(k)}
+            if flag != p.name:
+                renamed[p.name] = flag
 
         def run(**kwargs):
             return fn(**{k if k not in renamed.values() else f"{k}_": v for k, v in kwargs.items()})

@@ -34,21 +34,21 @@ import tempfile
 import time
 
 from tpu_llm import tether
-from tpu_llm.config import load_config, parse_set_args
+from tpu_llm.config import load_config, parse_set_args, presets
 from tpu_llm.data import corpora
 from tpu_llm.errors import UserError
 
 TARGET_TOKENS_PER_SEC = 14_000
 TARGET_VAL_LOSS = 1.88
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ lives beside tpu_llm/
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where tpu_llm/ is
 
 
 def config_path(config: str) -> str:
-    """`config` as given if it exists, else the same relative path in the checkout (configs/...)."""
+    """`config` as given if it exists, else the preset of its file's name (configs/tiny.yaml: tiny), which
+    the package ships, so every suite runs from any working directory."""
     if os.path.exists(config) or os.path.isabs(config):
         return config
-    in_checkout = os.path.join(CHECKOUT, config)
-    return in_checkout if os.path.exists(in_checkout) else config
+    return presets().get(os.path.basename(config).removesuffix(".yaml"), config)
 
 
 def shakespeare_char(data: str = "", steps: int = 2000, config: str = "configs/shakespeare_char.yaml",

@@ -49,6 +49,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tpu_llm import __version__
 from tpu_llm.config import Config, load_config
 from tpu_llm.data import dataset as data
 from tpu_llm.data import sources
@@ -612,7 +613,7 @@ def _finish(checks: list[Check], run_dir: str, started: float, say) -> list[Chec
         if check.status == "FAIL":
             say(f"      fix: {check.fix or FIX.get(check.name, 'see the line above')}")
     seconds = time.perf_counter() - started
-    report = {"seconds": seconds, "tensorflow": tf.__version__, "keras": keras.__version__,
+    report = {"seconds": seconds, "tpu_llm": __version__, "tensorflow": tf.__version__, "keras": keras.__version__,
               "passed": all(c.status != "FAIL" for c in checks), "checks": [dataclasses.asdict(c) for c in checks]}
     tf.io.gfile.makedirs(run_dir)
     path = os.path.join(run_dir, "doctor.json")
