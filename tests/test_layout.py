@@ -22,6 +22,7 @@ LAYERS = [
     {"parallel"},
     {"training"},
     {"interop", "tools"},
+    {"api"},  # tpu_llm.load and tpu_llm.train, what the CLI calls too
     {"cli", "__main__"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}

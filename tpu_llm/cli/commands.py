@@ -27,10 +27,10 @@ def train(config: str = "", overrides: dict | None = None):
     from tpu_llm.config import load_config
 
     cfg = load_config(config or None, overrides)
-    from tpu_llm.training.controller import train as run  # TensorFlow loads only once the config is valid
+    from tpu_llm import api  # TensorFlow loads only once the config is valid
     from tpu_llm.training.goodput import process_started
 
-    run(cfg, started=process_started())  # the interpreter's and TensorFlow's start-up count as the run's
+    api.train(cfg, started=process_started())  # the interpreter's and TensorFlow's start-up count as the run's
 
 
 # generate's bounds, checked before TensorFlow loads (docs/cli.md): each new token is one step of the
@@ -63,19 +63,14 @@ def generate(run_dir: str, prompt: str = "", prompt_file: str = "", max_new_toke
     if "://" not in run_dir and not os.path.isfile(os.path.join(run_dir, "config.yaml")):
         raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
                         "pass the --run_dir of a `tpu-llm train` run")
-    from tpu_llm.config import config_from_dict
-    from tpu_llm.tokenizers import check_covers
-    from tpu_llm.training.checkpoint import load_for_generation
-    from tpu_llm.training.controller import print_samples
+    from tpu_llm import api
+    from tpu_llm.training.controller import say_now
 
-    model, tokenizer, cfg, notes = load_for_generation(run_dir, with_notes=True)
-    sample = {"num_samples": num_samples, "max_new_tokens": max_new_tokens, "prompt": prompt,
-              "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-    cfg = config_from_dict({**cfg.to_dict(), "sample": sample}, source="command line")  # checks the values
-    check_covers(tokenizer, prompt, "--prompt_file" if prompt_file else "--prompt")
-    for note in notes:  # e.g. an unreadable newest checkpoint skipped for the previous one
+    run = api.load(run_dir)
+    for note in run.notes:  # e.g. an unreadable newest checkpoint skipped for the previous one
         print(f"warning   {note}", file=sys.stderr, flush=True)
-    print_samples(model, tokenizer, cfg)
+    run.samples(prompt, num_samples, max_new_tokens, temperature, top_k, top_p, seed, say=say_now,
+                prompt_source="--prompt_file" if prompt_file else "--prompt")
 
 
 def _prompt(prompt: str, prompt_file: str) -> str:
