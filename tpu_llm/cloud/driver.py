@@ -106,7 +106,7 @@ class Launcher:
     def save_outputs(self) -> Outputs | None:
         status, text = self.runner.capture(self.terraform("output", "-json"))
         if self.dry:
-            return self.outputs(required=False)
+            return self.outputs(required=True)  # a preview from terraform.tfvars when nothing was applied yet
         if status != 0:
             raise LaunchError(explain_failure(["terraform"], status, text, {}))
         with open(self.outputs_path, "w", encoding="utf-8") as f:

@@ -30,7 +30,7 @@ PID_FILE = "~/tpu-llm-train.pid"
 LOG_DIR = "logs"  # under the run directory: train-YYYYMMDDTHHMMSSZ.log, one per `make train`
 LOG_COPY_SECONDS = 30
 # Copies the log to Cloud Storage while the run ($0) lives, then once more (the workers' service
-# account has objectAdmin on the bucket; gcloud comes with the TPU VM images). Detached like the
+# account has objectUser on the bucket; gcloud comes with the TPU VM images). Detached like the
 # run, so a dropped ssh does not stop it; a preemption loses at most the last LOG_COPY_SECONDS.
 LOG_COPY = ("nohup bash -c 'while kill -0 \"$0\" 2>/dev/null; do gcloud storage cp --quiet "
             f"{TRAIN_LOG} \"$1\" >/dev/null 2>&1; sleep {LOG_COPY_SECONDS}; done; gcloud storage cp --quiet "
