@@ -230,6 +230,23 @@ def test_a_running_agent_without_the_key_gets_it_before_the_first_copy(tmp_path)
     assert add < first_scp
 
 
+def test_a_missing_key_is_made_and_added_before_the_first_copy(tmp_path):
+    bin_dir, env = agent_tools(tmp_path, add_status=0)
+    key = Path(env["HOME"]) / ".ssh" / "google_compute_engine"
+    key.unlink()
+    (bin_dir / "ssh-keygen").write_text(f"""#!/bin/sh
+if [ "$1" = "-lf" ]; then echo '3072 SHA256:mine me@host (RSA)'; exit 0; fi
+echo "ssh-keygen $*" >> {tmp_path / "calls.log"}
+echo KEY > {key}
+""")
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "train"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=clean_env(PATH=bin_dir, DATA=f"{BUCKET}/shards/*.tfrecord", **env))
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls.index(f"ssh-keygen -t rsa -N  -f {key} -q") < calls.index(f"ssh-add {key}") < \
+        next(i for i, c in enumerate(calls) if " scp " in c)
+
+
 def test_an_agent_that_refuses_the_key_stops_with_the_command_before_copying(tmp_path):
     bin_dir, env = agent_tools(tmp_path, add_status=1)
     done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "train"], capture_output=True, text=True, timeout=120,

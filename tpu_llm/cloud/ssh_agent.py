@@ -33,8 +33,17 @@ def ensure_key_in_agent(runner: Runner, key: str = KEY) -> None:
     if runner.dry_run:
         print(f"DRY_RUN: (with an ssh-agent running that lacks {key}: ssh-add {key})", flush=True)
         return
-    if not os.environ.get("SSH_AUTH_SOCK") or not os.path.exists(path):
-        return  # no agent: gcloud only warns; no key yet: gcloud makes it (and no agent check then matters)
+    if not os.environ.get("SSH_AUTH_SOCK"):
+        return  # no agent: gcloud only warns
+    if not os.path.exists(path):
+        # The first `make tpu-up`: gcloud would make the key inside the --worker=all command and then
+        # find it missing from the agent. Make it the way gcloud does (RSA, no passphrase, same file).
+        print(f"ssh-agent: creating gcloud's key {key}", flush=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        status, out = _run(["ssh-keygen", "-t", "rsa", "-N", "", "-f", path, "-q"])
+        if status != 0 or not os.path.exists(path):
+            raise LaunchError(f"could not create {key} (ssh-keygen: {out.strip()[-160:] or f'exit {status}'}): run "
+                              f"`gcloud compute tpus tpu-vm ssh TPU --worker=0` once, then `ssh-add {key}`")
     status, out = _run(["ssh-keygen", "-lf", path])
     fields = out.split()
     if status != 0 or len(fields) < 2:
