@@ -17,6 +17,8 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 #   INPUT=GLOB SHARDS=N OVERWRITE=1   data-upload: text to tokenize, shard count (default 32, balanced by tokens), replace old shards
 #   TRAIN_ON=auto|tpu|local   where `make train` runs (auto: the TPU if `make tpu-up` made one)
 #   WORKER=N LOGS=train|gcs|setup LOG_LINES=N PORT=6006 DESTROY_BUCKET=1 YES=1 TPU_SSH=iap|internal TPU_WAIT_MINUTES=30
+#   KEEP_QUEUED=1    tpu-up: keep a queued resource waiting past TPU_WAIT_MINUTES (default: delete it then)
+#   DOWN_AFTER=1     train: `make tpu-down` once the run on the TPU ended
 CONFIG ?= configs/tiny.yaml
 TPU := $(PYTHON) -m tpu_llm.cloud
 
@@ -25,7 +27,7 @@ TPU := $(PYTHON) -m tpu_llm.cloud
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: train test test-fast faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tensorboard data-upload infra-check
+.PHONY: train test test-fast faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tpu-stop tensorboard data-upload infra-check
 
 # One TensorFlow wheel per environment, chosen by extra (pyproject.toml): here the CPU one, with
 # tensorflow-text for SentencePiece, Hugging Face interop (hf), the test tools and the reference
@@ -86,6 +88,9 @@ tpu-ssh:  ## ssh to a TPU worker (WORKER=0)
 
 tpu-logs:  ## follow the training log on worker 0, or its copy on Cloud Storage once the TPU is gone (LOGS=setup: set-up logs)
 	@$(TPU) logs
+
+tpu-stop:  ## stop the training run on the TPU (SIGTERM: it saves a checkpoint first); the TPU stays until `make tpu-down`
+	@$(TPU) stop
 
 tensorboard: $(STAMP)  ## TensorBoard on the bucket's run directories, at http://localhost:6006
 	@$(BIN)/python -m tpu_llm.cloud tensorboard

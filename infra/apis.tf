@@ -3,13 +3,14 @@
 
 locals {
   services = [
-    "compute.googleapis.com",    # VPC, subnet, router, NAT, firewall
-    "iam.googleapis.com",        # the workers' service account
-    "iap.googleapis.com",        # ssh to workers without external IPs (--tunnel-through-iap)
-    "logging.googleapis.com",    # worker logs, VPC flow logs, NAT logs
-    "monitoring.googleapis.com", # worker metrics
-    "storage.googleapis.com",    # the bucket
-    "tpu.googleapis.com",        # the TPU VM or queued resource, and the plan-time zone checks
+    "cloudresourcemanager.googleapis.com", # the project IAM bindings (iam.tf) go through it
+    "compute.googleapis.com",              # VPC, subnet, router, NAT, firewall
+    "iam.googleapis.com",                  # the workers' service account
+    "iap.googleapis.com",                  # ssh to workers without external IPs (--tunnel-through-iap)
+    "logging.googleapis.com",              # worker logs, VPC flow logs, NAT logs
+    "monitoring.googleapis.com",           # worker metrics
+    "storage.googleapis.com",              # the bucket
+    "tpu.googleapis.com",                  # the TPU VM or queued resource, and the plan-time zone checks
   ]
 }
 

@@ -15,13 +15,12 @@ resource "google_service_account" "tpu" {
 }
 
 locals {
-  project_roles = [
-    "roles/logging.logWriter",
-    "roles/monitoring.metricWriter",
-    "roles/tpu.viewer",
-  ]
+  # tpu.viewer only for a pod: its worker 0 resolves the TPU by name through the TPU API; a single
+  # host trains with tpu=local and never asks.
+  project_roles = concat(["roles/logging.logWriter", "roles/monitoring.metricWriter"],
+  local.multi_host ? ["roles/tpu.viewer"] : [])
   bucket_roles = [
-    "roles/storage.objectAdmin",        # read data, write checkpoints and logs, rotate old checkpoints
+    "roles/storage.objectUser",         # read data, write checkpoints and logs, delete old checkpoints (no IAM on objects)
     "roles/storage.legacyBucketReader", # bucket metadata: the pre-flight "bucket exists" check
   ]
 }

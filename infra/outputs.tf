@@ -32,13 +32,28 @@ output "accelerator_type" {
 }
 
 output "runtime_version" {
-  description = "TPU VM software image."
+  description = "TPU VM software image (chosen by infra/runtime; the plan stops when none fits)."
   value       = local.runtime_version
+
+  precondition {
+    condition     = !var.tpu_enabled || module.runtime.problem == ""
+    error_message = "runtime image: ${module.runtime.problem}."
+  }
+}
+
+output "runtime_choice" {
+  description = "The image and why it was chosen (`make tpu-up` prints it)."
+  value       = "${local.runtime_version}: ${module.runtime.reason}"
+}
+
+output "libtpu" {
+  description = "Which libtpu runs: the pinned wheel from the venv (venv, single host) or the pod image's (image)."
+  value       = module.runtime.libtpu_from
 }
 
 output "worker_count" {
-  description = "Hosts (TPU VM workers) in the slice."
-  value       = local.worker_count
+  description = "Hosts (TPU VM workers) in the slice: the TPU API's network endpoints once the VM exists, else the plan's estimate."
+  value       = try(length(google_tpu_v2_vm.tpu[0].network_endpoints), local.worker_count)
 }
 
 output "multi_host" {

@@ -21,6 +21,8 @@ locals {
     tensorflow_version = local.tensorflow_version
     tpu_name           = local.tpu_name
     multi_host         = local.multi_host ? "true" : "false"
+    libtpu_version     = local.libtpu_version
+    lock_sha256        = sha256(local.worker_requirements)
     bucket_url         = "gs://${local.bucket_name}"
   })
 
@@ -57,15 +59,17 @@ data "google_tpu_v2_runtime_versions" "available" {
   depends_on = [google_project_service.apis]
 
   lifecycle {
-    postcondition {
-      condition     = contains(self.versions, local.runtime_version)
-      error_message = "runtime image ${local.runtime_version} is not offered in zone ${var.zone}${var.runtime_version == "" ? " (no TensorFlow ${local.tensorflow_version} image for ${local.accelerator_family} there)" : ""}; TensorFlow images there: ${join(", ", [for v in self.versions : v if startswith(v, "tpu-vm-tf-")])}. Set runtime_version in infra/terraform.tfvars to one with TensorFlow ${local.tensorflow_version}, or change zone."
-    }
-    postcondition {
-      condition     = !local.multi_host || local.runtime_tensorflow == local.tensorflow_version
-      error_message = "a pod slice's TensorFlow servers run the runtime image's TensorFlow (${local.runtime_version}), and the client on worker 0 runs tensorflow-tpu ${local.tensorflow_version} (infra/worker-requirements.txt); they must match: set runtime_version = \"tpu-vm-tf-${local.tensorflow_version}-pod-pjrt\" or regenerate the requirements for the image's version."
-    }
+    # The image checks live in ./runtime (a postcondition here that read the choice would be a cycle).
   }
+}
+
+module "runtime" {
+  source             = "./runtime"
+  versions           = try(data.google_tpu_v2_runtime_versions.available[0].versions, [])
+  tensorflow_version = local.tensorflow_version
+  accelerator_family = local.accelerator_family
+  multi_host         = local.multi_host
+  override           = var.runtime_version
 }
 
 resource "google_tpu_v2_vm" "tpu" {
@@ -110,6 +114,10 @@ resource "google_tpu_v2_vm" "tpu" {
     # ssh re-added them. OS Login alone would not stop gcloud from writing the key.
     ignore_changes = [metadata["ssh-keys"]]
 
+    precondition {
+      condition     = module.runtime.problem == ""
+      error_message = "runtime image: ${module.runtime.problem}."
+    }
     precondition {
       condition     = !(var.spot && var.reserved)
       error_message = "spot and reserved exclude each other; set one of them to false."

@@ -113,13 +113,13 @@ def test_train_single_host_on_the_vm_with_pjrt(single):
             'a run is already training on worker 0 (pid $(cat ~/tpu-llm-train.pid))" >&2; exit 2; fi')
     assert install == [*SSH, "--worker=all", "--tunnel-through-iap",
                         f"--command={busy}; rm -rf ~/tpu-llm && mkdir -p ~/tpu-llm && tar -xzf ~/tpu-llm-src.tar.gz "
-                        "-C ~/tpu-llm && sudo /opt/tpu-llm/setup.sh ~/tpu-llm"]
+                        "-C ~/tpu-llm && sudo bash ~/tpu-llm/tpu-llm-setup.sh ~/tpu-llm"]
     assert launch[:-1] == [*SSH, "--worker=0", "--tunnel-through-iap"]
     script = remote(launch)
     assert script[:3] == ["set -e", "cd ~/tpu-llm",
                           f"/opt/tpu-llm/venv/bin/python -m tpu_llm.cloud preflight --run_dir={BUCKET}/runs/tiny"]
-    assert ("nohup env NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/lib/libtpu.so "
-            "TPU_LIBRARY_PATH=/lib/libtpu.so /opt/tpu-llm/venv/bin/tpu-llm train --config configs/tiny.yaml --strategy=tpu --tpu=local "
+    assert ("nohup env NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so "
+            "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so /opt/tpu-llm/venv/bin/tpu-llm train --config configs/tiny.yaml --strategy=tpu --tpu=local "
             f"--run_dir={BUCKET}/runs/tiny > ~/tpu-llm-train.log 2>&1 < /dev/null &") in script
     assert script[3] == busy  # the run is checked for again right before it starts
     assert script[4] == f"log_url={BUCKET}/runs/tiny/logs/train-$(date -u +%Y%m%dT%H%M%SZ).log"
@@ -203,7 +203,7 @@ def test_tpu_up_applies_then_waits_for_every_worker(request, tfvars, slice_):
     done = make("tpu-up", TF_OUTPUTS=outputs, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert "creates billable resources" in done.stdout and "make tpu-down" in done.stdout
-    init, apis, describe, apply, output, describe2, wait = commands(done.stdout)
+    init, apis, describe, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
     assert init == [*TF, "init", "-input=false"]
     # the APIs first: the plan reads the zone's accelerator types and images from the TPU API
     assert apis == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}",
@@ -211,6 +211,9 @@ def test_tpu_up_applies_then_waits_for_every_worker(request, tfvars, slice_):
     assert describe == describe2 == DESCRIBE
     assert apply == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"]
     assert output == [*TF, "output", "-json"]
+    assert hosts == [*DESCRIBE[:-1], "--format=json(networkEndpoints)"]  # hosts from the API
+    assert copy == [*SCP, "build/tpu-llm-setup.sh", f"{NAME}:tpu-llm-setup.sh", *IAP, "--worker=all",
+                    "--tunnel-through-iap"]  # the current set-up script, for a worker set up for an older lock
     assert wait[:-1] == [*SSH, "--worker=all", "--tunnel-through-iap"]
     assert "/opt/tpu-llm/ready" in wait[-1] and "/opt/tpu-llm/failed" in wait[-1]
     assert "is READY" in done.stdout
@@ -233,7 +236,7 @@ QUEUED_CREATE = [*QUEUED, "create", f"{NAME}-queued", f"--node-id={NAME}", "--ac
                  "--internal-ips", "--service-account=sa@my-proj.iam.gserviceaccount.com",
                  "--scopes=https://www.googleapis.com/auth/cloud-platform",
                  "--metadata-from-file=startup-script=build/tpu-llm-setup.sh", f"--tags={NAME}",
-                 "--labels=app=tpu-llm,managed-by=terraform", "--spot", *IAP]
+                 "--labels=app=tpu-llm,managed-by=terraform", "--spot", "--valid-until-duration=1800s", *IAP]
 
 
 @pytest.fixture
@@ -257,7 +260,8 @@ def test_tpu_up_creates_the_queued_resource_with_gcloud_as_the_project_service_a
     after_apply = cmds[cmds.index([*TF, "output", "-json"]) + 1:]
     assert after_apply[:2] == [QUEUED_DESCRIBE, QUEUED_CREATE]
     assert after_apply[2:4] == [QUEUED_DESCRIBE, DESCRIBE]  # then it waits for READY and the set-up
-    assert not any(c[:6] == SCP[:6] for c in cmds)  # the start-up script is metadata, not copied over ssh
+    # the start-up script is metadata; the only copy is the one a worker with an older lock runs
+    assert [c[6] for c in cmds if c[:6] == SCP[:6]] == ["build/tpu-llm-setup.sh"]
     # an ACTIVE one is left alone
     done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars)
     assert QUEUED_CREATE not in commands(done.stdout) and QUEUED_DELETE not in commands(done.stdout)

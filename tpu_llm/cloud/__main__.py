@@ -6,7 +6,7 @@ checkpoints, preflight: storage.py) and `lock`, which regenerates infra/worker-r
 
 import sys
 
-DRIVER = ("up", "down", "status", "train", "ssh", "logs", "tensorboard", "data-upload")
+DRIVER = ("up", "down", "status", "train", "ssh", "logs", "tensorboard", "data-upload", "stop")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,7 @@ Settings come from the environment (the Makefile passes its variables through):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -47,11 +48,12 @@ import time
 
 from tpu_llm.cloud.shell import (EXIT_ERROR, LaunchError, Outputs, Runner, check_application_default, check_gcloud_auth,
                                  check_tool, explain_failure, tfvars_project)
-from tpu_llm.cloud.worker_plan import (INSTALL, LOG_DIR, SOURCE_ARCHIVE, STATE_DIR, TRAIN_LOG, TrainPlan,
-                                       default_run_dir, env, flag, pack_source, source_paths)
+from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
+from tpu_llm.cloud.worker_plan import (INSTALL, LOG_DIR, PID_FILE, SETUP_SCRIPT, SOURCE_ARCHIVE, STATE_DIR, TRAIN_LOG,
+                                       TrainPlan, default_run_dir, env, flag, pack_source, source_paths)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
-POLL_SECONDS = 20
+LOCK = os.path.join("infra", "worker-requirements.txt")
 
 
 class Launcher:
@@ -64,6 +66,8 @@ class Launcher:
         self.iap = env("TPU_SSH", "iap") != "internal"
         self.wait_minutes = float(env("TPU_WAIT_MINUTES", "30"))
         self.fake_queued = os.environ.get("DRY_RUN_QUEUED_STATE", "ACTIVE").strip()
+        self.poll_seconds = float(env("TPU_POLL_SECONDS", "20"))
+        self.last_run_path = env("TF_LAST_RUN", os.path.join(self.tf_dir, ".last-run.json"))
 
     # ---------------------------------------------------------------------------------------------
     # Building blocks
@@ -90,6 +94,10 @@ class Launcher:
 
     def outputs(self, required: bool = True) -> Outputs | None:
         if not os.path.exists(self.outputs_path):
+            if self.dry and required:
+                print(f"DRY_RUN: (no {self.outputs_path}: names from {self.tfvars}, <...> for what only exists after "
+                      "`make tpu-up`)", flush=True)
+                return Outputs.preview(read_tfvars(self.tfvars))
             if required:
                 raise LaunchError(f"no Cloud TPU outputs ({self.outputs_path} not found): run `make tpu-up` first")
             return None
@@ -98,7 +106,7 @@ class Launcher:
     def save_outputs(self) -> Outputs | None:
         status, text = self.runner.capture(self.terraform("output", "-json"))
         if self.dry:
-            return self.outputs(required=False)
+            return self.outputs(required=True)  # a preview from terraform.tfvars when nothing was applied yet
         if status != 0:
             raise LaunchError(explain_failure(["terraform"], status, text, {}))
         with open(self.outputs_path, "w", encoding="utf-8") as f:
@@ -144,11 +152,7 @@ class Launcher:
         Engine default one), spot or reserved, no external IP, the start-up script as metadata."""
         if o["spot"] and o.get("reserved"):
             raise LaunchError("spot and reserved exclude each other; set one of them to false in infra/terraform.tfvars")
-        script = os.path.join("build", "tpu-llm-setup.sh")
-        if not self.dry:
-            os.makedirs("build", exist_ok=True)
-            with open(script, "w", encoding="utf-8") as f:
-                f.write(o["startup_script"])
+        script = self.write_setup_script(o)
         labels = ",".join(f"{k}={v}" for k, v in sorted(dict(o.get("labels") or {}).items()))
         argv = self.queued_args(
             o, "create", f"--node-id={o['tpu_name']}", f"--accelerator-type={o['accelerator_type']}",
@@ -156,7 +160,9 @@ class Launcher:
             f"--subnetwork={o['subnetwork']}", "--internal-ips", f"--service-account={o['service_account_email']}",
             "--scopes=https://www.googleapis.com/auth/cloud-platform", f"--metadata-from-file=startup-script={script}",
             f"--tags={o['tpu_name']}", *([f"--labels={labels}"] if labels else []),
-            *(["--spot"] if o["spot"] else []), *(["--reserved"] if o.get("reserved") else []))
+            *(["--spot"] if o["spot"] else []), *(["--reserved"] if o.get("reserved") else []),
+            # the request ends with the wait: never a TPU hours later that nobody waits for
+            f"--valid-until-duration={max(60, int(self.wait_minutes * 60))}s")
         print(f"tpu-up: requesting {o['accelerator_type']} through queued resource {queued_name(o)}; it waits for "
               "capacity", flush=True)
         self.runner.stream(argv, {**o.context(), "what": "queued resource"})
@@ -220,7 +226,11 @@ class Launcher:
                 queued = ""
             if not queued:
                 self.create_queued(o)
+        if o.get("runtime_choice"):
+            print(f"tpu-up: runtime image {o['runtime_choice']}", flush=True)
         self.wait_ready(o)
+        self.hosts_from_api(o)
+        ensure_key_in_agent(self.runner)  # before the first --worker=all command
         self.wait_setup(o)
         print(f"tpu-up: {o['tpu_name']} ({o['accelerator_type']}, {o['worker_count']} worker(s)) is READY in "
               f"{o['zone']}; bucket {o['bucket_url']}. Next: `make train` (or `make data-upload` first for a "
@@ -245,24 +255,61 @@ class Launcher:
                 print(f"tpu-up: TPU {o['tpu_name']} is {shown}; waiting for READY", flush=True)
                 last = shown
             if time.monotonic() > deadline:
-                raise LaunchError(f"TPU {o['tpu_name']} is still {shown} after {self.wait_minutes:g} minutes; "
-                                  "run `make tpu-up` again to keep waiting (a queued resource waits for "
-                                  "capacity), or `make tpu-down` to give up")
-            time.sleep(POLL_SECONDS)
+                waited = f"TPU {o['tpu_name']} is still {shown} after {self.wait_minutes:g} minutes"
+                if o["use_queued_resource"] and not flag("KEEP_QUEUED"):
+                    self.delete_queued(o, "tpu-up: gave up waiting")
+                    raise LaunchError(f"{waited}; the queued resource was deleted, so no TPU comes up unattended "
+                                      "later (KEEP_QUEUED=1 keeps it waiting until its valid-until time); `make "
+                                      "tpu-up` requests it again, TPU_WAIT_MINUTES=N waits longer")
+                if o["use_queued_resource"]:
+                    raise LaunchError(f"{waited}; KEEP_QUEUED=1: the queued resource keeps waiting until its "
+                                      "valid-until time and may become a billed TPU: `make tpu-status` shows it, "
+                                      "`make tpu-down` deletes it")
+                raise LaunchError(f"{waited}; run `make tpu-up` again to keep waiting, or `make tpu-down` to give up")
+            time.sleep(self.poll_seconds)
+
+    def write_setup_script(self, o: Outputs) -> str:
+        """The current start-up script (Terraform's rendering of the lock) as build/tpu-llm-setup.sh."""
+        script = os.path.join("build", SETUP_SCRIPT)
+        if not self.dry:
+            os.makedirs("build", exist_ok=True)
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(o["startup_script"])
+        return script
 
     def wait_setup(self, o: Outputs) -> None:
+        """Wait for the boot-time set-up on every worker; a worker set up for another lock (metadata is
+        updated in place and never re-runs) or a failed one runs the current script, copied first."""
         rounds = max(1, int(self.wait_minutes * 6))
+        lock = lock_sha256(self.tf_dir)
+        self.runner.stream(self.scp(o, self.write_setup_script(o), SETUP_SCRIPT, worker="all"), o.context())
         command = (f"for i in $(seq {rounds}); do "
-                   f"if [ -f {STATE_DIR}/ready ]; then exit 0; fi; "
-                   f"if [ -f {STATE_DIR}/failed ]; then echo \"set-up failed on $(hostname); running it again\"; "
-                   f"sudo {STATE_DIR}/setup.sh && exit 0; tail -n 20 /var/log/tpu-llm-setup.log; exit 1; fi; "
-                   f"sleep 10; done; echo \"set-up still running on $(hostname)\"; exit 1")
-        print(f"tpu-up: waiting for the set-up script on {o['worker_count']} worker(s)", flush=True)
+                   f"if [ -f {STATE_DIR}/ready ] || [ -f {STATE_DIR}/failed ]; then break; fi; sleep 10; done; "
+                   f"if grep -qx 'lock={lock}' {STATE_DIR}/ready 2>/dev/null; then exit 0; fi; "
+                   f"if [ ! -f {STATE_DIR}/ready ] && [ ! -f {STATE_DIR}/failed ]; then "
+                   f"echo \"set-up still running on $(hostname)\"; exit 1; fi; "
+                   f"echo \"set-up on $(hostname) failed or is for another lock; running the current one\"; "
+                   f"sudo bash ~/{SETUP_SCRIPT} && exit 0; tail -n 20 /var/log/tpu-llm-setup.log; exit 1")
+        print(f"tpu-up: waiting for the set-up script (lock {lock[:12]}) on {o['worker_count']} worker(s)", flush=True)
         try:
             self.runner.stream(self.ssh(o, "all", command), o.context())
         except LaunchError as e:
             raise LaunchError(f"the worker set-up did not finish ({e}); `make tpu-logs LOGS=setup` shows its "
                               "log, and `make tpu-up` retries it") from None
+
+    def hosts_from_api(self, o: Outputs) -> None:
+        """The host count from the node's network endpoints (one per worker), not the plan's estimate."""
+        argv = ["gcloud", "compute", "tpus", "tpu-vm", "describe", str(o["tpu_name"]), f"--zone={o['zone']}",
+                f"--project={o['project_id']}", "--format=json(networkEndpoints)"]
+        status, out = self.runner.capture(argv, dry_result="{}")
+        try:
+            endpoints = json.loads(out).get("networkEndpoints") or [] if status == 0 and out.strip() else []
+        except ValueError:
+            endpoints = []
+        if endpoints and len(endpoints) != o["worker_count"]:
+            print(f"tpu-up: the TPU API lists {len(endpoints)} hosts ({o['worker_count']} estimated); using "
+                  f"{len(endpoints)}", flush=True)
+            o["worker_count"] = len(endpoints)
 
     def down(self) -> None:
         self.check_cloud(terraform=True)
@@ -356,8 +403,23 @@ class Launcher:
         logs = sorted(line.strip() for line in out.splitlines() if line.strip().startswith("gs://")) if status == 0 else []
         return logs[-1] if logs else ""
 
+    def watched_run_dir(self, o: Outputs) -> str:
+        """RUN_DIR / RUN / CONFIG when given, else the run `make train` last started, else the default."""
+        if any(env(k) for k in ("RUN_DIR", "RUN", "CONFIG")) or not os.path.exists(self.last_run_path):
+            return default_run_dir(o)
+        try:
+            with open(self.last_run_path, encoding="utf-8") as f:
+                return str(json.load(f)["run_dir"])
+        except (OSError, ValueError, KeyError):
+            return default_run_dir(o)
+
+    def record_run(self, plan: TrainPlan) -> None:
+        with open(self.last_run_path, "w", encoding="utf-8") as f:
+            json.dump({"run_dir": plan.run_dir, "config": plan.config,
+                       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+
     def print_log_tail(self, o: Outputs, lines: int, url: str | None = None) -> None:
-        run_dir = default_run_dir(o)
+        run_dir = self.watched_run_dir(o)
         url = self.newest_log(o, run_dir) if url is None else url
         if not url:
             if not self.dry:
@@ -412,18 +474,34 @@ class Launcher:
                               f"`make train` resumes from the last checkpoint in {plan.run_dir}")
         if state != "READY":
             raise LaunchError(f"TPU {o['tpu_name']} is {state or 'missing'}, not READY: run `make tpu-up`")
+        setup = self.write_setup_script(o)
         if self.dry:
-            print(f"DRY_RUN: (would pack {', '.join(source_paths(plan.config))} into {SOURCE_ARCHIVE})")
+            print(f"DRY_RUN: (would pack {', '.join(source_paths(plan.config))} and {setup} into {SOURCE_ARCHIVE})")
         else:
-            pack_source(SOURCE_ARCHIVE, plan.config)
+            pack_source(SOURCE_ARCHIVE, plan.config, setup)
+        ensure_key_in_agent(self.runner)  # before the first --worker=all command
         context = o.context()
         self.runner.stream(self.scp(o, SOURCE_ARCHIVE, "tpu-llm-src.tar.gz", worker="all"), context)
         self.runner.stream(self.ssh(o, "all", INSTALL), context)
         launch = self.ssh(o, "0", plan.remote_script())
         self.runner.show(launch)
+        if not self.dry:
+            self.record_run(plan)
+        down_after = flag("DOWN_AFTER")
         if self.dry:
+            if down_after:
+                print("DRY_RUN: (DOWN_AFTER=1: when the run ends, `make tpu-down` follows:)", flush=True)
+                self.down()
             return 0
         status = _run_attached(launch)
+        if status is None:  # detached: the run goes on
+            if down_after:
+                print("train: DOWN_AFTER=1 is not honoured after a detach: the run goes on and the TPU bills; "
+                      "`make tpu-down` when it ends", flush=True)
+            return 0
+        if down_after:
+            print(f"train: the run ended (exit status {status}); DOWN_AFTER=1: deleting the TPU", flush=True)
+            self.down()
         if status != 0:
             raise LaunchError(f"training on worker 0 stopped with exit status {status} (its output is above; "
                               f"`make tpu-logs` shows the log); the run directory {plan.run_dir} keeps its "
@@ -432,6 +510,20 @@ class Launcher:
 
     # ---------------------------------------------------------------------------------------------
     # tpu-ssh / tpu-logs / tensorboard / data-upload
+
+    def stop(self) -> int:
+        """Stop the training run on worker 0 with SIGTERM (it saves a checkpoint at the next step, then
+        exits; tpu_llm/training/fault.py) and wait for it; every host's TF servers stay up."""
+        o = self.outputs()
+        self.check_cloud(terraform=False)
+        command = (f"if [ -f {PID_FILE} ] && kill -0 \"$(cat {PID_FILE})\" 2>/dev/null; then pid=$(cat {PID_FILE}); "
+                   "kill -TERM \"$pid\"; echo \"tpu-stop: SIGTERM sent to $pid; waiting for its checkpoint\"; "
+                   "for i in $(seq 600); do kill -0 \"$pid\" 2>/dev/null || { echo 'tpu-stop: the run stopped'; "
+                   "exit 0; }; sleep 1; done; echo 'tpu-stop: still running after 10 minutes' >&2; exit 1; "
+                   "else echo 'tpu-stop: no run is training on worker 0'; fi")
+        self.runner.stream(self.ssh(o, "0", command), o.context())
+        print("tpu-stop: the TPU still exists and bills: `make tpu-down` deletes it", flush=True)
+        return 0
 
     def ssh_session(self) -> int:
         o = self.outputs()
@@ -453,7 +545,7 @@ class Launcher:
             if state == "READY":
                 return self.runner.interactive(self.ssh(o, env("WORKER", "0"), f"tail -n 200 -F {TRAIN_LOG}"))
             print(f"tpu-logs: TPU {o['tpu_name']} is {state or 'gone'}; the training log from Cloud Storage:", flush=True)
-        run_dir = default_run_dir(o)
+        run_dir = self.watched_run_dir(o)
         url = self.newest_log(o, run_dir)
         if not url and not self.dry:
             raise LaunchError(f"no training log in {run_dir}/{LOG_DIR}/: `make train` writes one there; RUN=NAME or "
@@ -490,8 +582,9 @@ class Launcher:
         return 0
 
 
-def _run_attached(argv: list[str]) -> int:
-    """Run the launch ssh (already shown) with the terminal attached; its exit status. Ctrl-C detaches."""
+def _run_attached(argv: list[str]) -> int | None:
+    """Run the launch ssh (already shown) with the terminal attached; its exit status, None when Ctrl-C
+    detached."""
     import subprocess
 
     try:
@@ -500,10 +593,17 @@ def _run_attached(argv: list[str]) -> int:
         raise LaunchError(f"{argv[0]} not found on PATH") from None
     except KeyboardInterrupt:
         print("\ntrain: detached; training goes on on worker 0 (`make tpu-logs` follows it)", flush=True)
-        return 0
+        return None
 
 
 DEFAULT_ZONE = "us-central1-a"  # infra/variables.tf
+
+
+def lock_sha256(tf_dir: str) -> str:
+    """sha256 of worker-requirements.txt, as Terraform's sha256() puts it in the workers' ready marker."""
+    path = os.path.join(tf_dir, "worker-requirements.txt")
+    with open(path if os.path.exists(path) else LOCK, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def queued_name(o: Outputs) -> str:
@@ -550,12 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tpu_llm.cloud",
                                      description="Cloud TPU glue (see the Makefile's tpu-* targets)")
     parser.add_argument("command", choices=["up", "down", "status", "train", "ssh", "logs", "tensorboard",
-                                            "data-upload"])
+                                            "data-upload", "stop"])
     parser.add_argument("--local-command", default="", help="train: the command for a local run (ARGS is appended)")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     launcher = Launcher()
-    actions = {"up": launcher.up, "down": launcher.down, "status": launcher.status, "ssh": launcher.ssh_session,
+    actions = {"up": launcher.up, "down": launcher.down, "status": launcher.status, "ssh": launcher.ssh_session, "stop": launcher.stop,
                "logs": launcher.logs,
                "tensorboard": launcher.tensorboard, "data-upload": launcher.data_upload,
                "train": lambda: launcher.train(args.local_command)}

@@ -203,7 +203,8 @@ def terraform_condition(output: str) -> str:
     """
     lines = output.splitlines()
     start = next((i for i, line in enumerate(lines)
-                  if re.search(r"Error: (Resource (pre|post)condition failed|Invalid value for variable)", line)), None)
+                  if re.search(r"Error: (Resource (pre|post)condition failed|Module output value precondition failed|"
+                            r"Invalid value for variable)", line)), None)
     if start is None:
         return ""
     paragraphs, current = [], []  # Terraform wraps the message at the terminal width: join its lines
@@ -260,6 +261,25 @@ class Outputs(dict):
             raise LaunchError(f"{path} lacks the output(s) {', '.join(missing)}; run `make tpu-up` to refresh "
                               "it from infra/")
         return values
+
+    @classmethod
+    def preview(cls, tfvars: dict[str, str]) -> "Outputs":
+        """What `make tpu-up` would write, from terraform.tfvars alone (DRY_RUN before any apply): names
+        that follow from the variables, <placeholders> for what only the cloud decides."""
+        project, prefix = tfvars.get("project_id", "<project_id>"), tfvars.get("name_prefix", "tpu-llm")
+        accelerator = tfvars.get("accelerator_type", "v5litepod-8")
+        workers = max(1, -(-int(accelerator.split("-")[1]) // 8)) if accelerator.split("-")[-1].isdigit() else 1
+        bucket = "gs://" + (tfvars.get("bucket_name") or f"{project}-{prefix}")
+        queued = tfvars.get("use_queued_resource") == "true"
+        return cls({"project_id": project, "zone": tfvars.get("zone", "us-central1-a"), "tpu_enabled": True,
+                    "tpu_name": f"{prefix}-tpu", "queued_resource_name": f"{prefix}-tpu-queued" if queued else "",
+                    "accelerator_type": accelerator, "worker_count": workers, "multi_host": workers > 1,
+                    "use_queued_resource": queued, "spot": tfvars.get("spot", "true") == "true",
+                    "reserved": tfvars.get("reserved") == "true", "bucket_url": bucket, "data_url": f"{bucket}/shards",
+                    "runs_url": f"{bucket}/runs", "log_bucket_url": "", "runtime_version": "<chosen by the plan>",
+                    "runtime_choice": "", "network": f"{prefix}-vpc", "subnetwork": f"{prefix}-subnet",
+                    "service_account_email": f"{prefix}-tpu@{project}.iam.gserviceaccount.com", "labels": {},
+                    "startup_script": "#!/bin/bash\n# <rendered by terraform from infra/startup.sh.tftpl>\n"})
 
     @property
     def family(self) -> str:

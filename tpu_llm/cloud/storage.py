@@ -83,7 +83,7 @@ def _user_error(what: str, e: Exception, url: str = "") -> UserError:
                          "bucket) or fix the URL")
     if isinstance(e, (gexc.Forbidden, gexc.Unauthorized)):
         return UserError(f"{what}: permission denied on {bucket} ({_first_line(e)}); grant this identity "
-                         "roles/storage.objectAdmin on the bucket (infra/iam.tf does it for the TPU workers)")
+                         "roles/storage.objectUser on the bucket (infra/iam.tf does it for the TPU workers)")
     if isinstance(e, gexc.GoogleAPIError):
         return UserError(f"{what}: Cloud Storage said {_first_line(e)}; retry, or check the bucket in the console")
     if isinstance(e, (ConnectionError, OSError)) or "Connection" in name:

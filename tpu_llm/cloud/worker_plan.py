@@ -23,32 +23,35 @@ from tpu_llm.cloud.shell import LaunchError, Outputs
 STATE_DIR = "/opt/tpu-llm"  # where infra/startup.sh.tftpl installs (state_dir and venv in infra/tpu.tf)
 VENV = f"{STATE_DIR}/venv"
 SOURCE_ARCHIVE = "build/tpu-llm-src.tar.gz"
+SETUP_SCRIPT = "tpu-llm-setup.sh"  # the current rendering of infra/startup.sh.tftpl (outputs startup_script)
 SOURCE_FILES = ("pyproject.toml", "README.md", "tpu_llm", "configs")
 TRAIN_LOG = "~/tpu-llm-train.log"
 PID_FILE = "~/tpu-llm-train.pid"
 LOG_DIR = "logs"  # under the run directory: train-YYYYMMDDTHHMMSSZ.log, one per `make train`
 LOG_COPY_SECONDS = 30
 # Copies the log to Cloud Storage while the run ($0) lives, then once more (the workers' service
-# account has objectAdmin on the bucket; gcloud comes with the TPU VM images). Detached like the
+# account has objectUser on the bucket; gcloud comes with the TPU VM images). Detached like the
 # run, so a dropped ssh does not stop it; a preemption loses at most the last LOG_COPY_SECONDS.
 LOG_COPY = ("nohup bash -c 'while kill -0 \"$0\" 2>/dev/null; do gcloud storage cp --quiet "
             f"{TRAIN_LOG} \"$1\" >/dev/null 2>&1; sleep {LOG_COPY_SECONDS}; done; gcloud storage cp --quiet "
             f"{TRAIN_LOG} \"$1\"' \"$pid\" \"$log_url\" >/dev/null 2>&1 < /dev/null &")
-# Single host: PJRT through the runtime image's libtpu. TPU_LIBRARY_PATH makes TensorFlow's own
-# import-time load take that same matching library, not the pip `libtpu` beside tensorflow-tpu (the tpu
-# extra pins 0.0.14, the release tensorflow-tpu 2.20.0 names; newer ones, e.g. 0.0.52, make `import
-# tensorflow` abort: "ConfigureDistributedTpuOp_DoWork not available in this library"); the image's
-# system TensorFlow finds /lib/libtpu.so the same way.
-PJRT_ENV = {"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/lib/libtpu.so",
-            "TPU_LIBRARY_PATH": "/lib/libtpu.so"}
+# Single host: PJRT through the pinned libtpu wheel of the venv (tensorflow-tpu 2.20.0 declares
+# libtpu~=0.0.14; the lock pins 0.0.14; newer ones, e.g. 0.0.52, make `import tensorflow` abort:
+# "ConfigureDistributedTpuOp_DoWork not available in this library"). The set-up checks its version and
+# links it at LIBTPU; TPU_LIBRARY_PATH makes TensorFlow's own import-time load take that file too.
+# The single-host image is the family's base image, which has no TensorFlow (docs/cloud-tpu.md).
+LIBTPU = f"{STATE_DIR}/libtpu.so"
+PJRT_ENV = {"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": LIBTPU,
+            "TPU_LIBRARY_PATH": LIBTPU}
 
 
 # Refuse to start (or to reinstall under) a run while one is training on worker 0.
 BUSY_CHECK = (f"if [ -f {PID_FILE} ] && kill -0 \"$(cat {PID_FILE})\" 2>/dev/null; then "
               f"echo \"error: a run is already training on worker 0 (pid $(cat {PID_FILE}))\" >&2; exit 2; fi")
-# On every worker: unpack the copied source and install it (infra/startup.sh.tftpl with a directory).
+# On every worker: unpack the copied source and install it with the set-up script packed beside it, the
+# current lock's (not the copy the worker booted with: a changed lock rebuilds the venv).
 INSTALL = (f"{BUSY_CHECK}; rm -rf ~/tpu-llm && mkdir -p ~/tpu-llm && "
-           f"tar -xzf ~/tpu-llm-src.tar.gz -C ~/tpu-llm && sudo {STATE_DIR}/setup.sh ~/tpu-llm")
+           f"tar -xzf ~/tpu-llm-src.tar.gz -C ~/tpu-llm && sudo bash ~/tpu-llm/{SETUP_SCRIPT} ~/tpu-llm")
 
 
 def env(name: str, default: str = "") -> str:
@@ -157,11 +160,13 @@ def source_paths(config: str) -> list[str]:
     return [*SOURCE_FILES] + ([] if inside else [os.path.normpath(config)])
 
 
-def pack_source(archive: str, config: str) -> None:
-    """source_paths() as a .tar.gz, without caches."""
+def pack_source(archive: str, config: str, setup_script: str | None = None) -> None:
+    """source_paths() (and the set-up script, as SETUP_SCRIPT) as a .tar.gz, without caches."""
     os.makedirs(os.path.dirname(archive), exist_ok=True)
     with tarfile.open(archive, "w:gz") as tar:
         for top in source_paths(config):
             if os.path.exists(top):
                 tar.add(top, filter=lambda info: None if "__pycache__" in info.name or info.name.endswith(".pyc")
                         else info)
+        if setup_script:
+            tar.add(setup_script, arcname=SETUP_SCRIPT)
