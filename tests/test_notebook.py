@@ -64,7 +64,7 @@ def test_notebook_runs_end_to_end_on_the_cpu(tmp_path):
     assert "already importable" in everything
     assert "strategy  default (strategy=auto: one CPU device" in everything
     # one CPU device: no replicas to compare, nothing for model parallelism to split
-    assert "doctor    6 passed, 0 failed, 2 skipped" in everything
+    assert "doctor    7 passed, 0 failed, 2 skipped" in everything
     assert "SKIP  model parallel 1 logical CPU(s): nothing to split" in everything
     assert "done      step 4: train loss" in everything
     assert "2 training and 1 validation points" in everything
