@@ -26,6 +26,7 @@ def train(config: str = "", overrides: dict | None = None):
     from tpu_llm.config import load_config
 
     cfg = load_config(config or None, overrides)
+    print("starting  loading TensorFlow ...", flush=True)  # the import takes 10-30 s (training/progress.py)
     from tpu_llm.training.controller import train as run  # TensorFlow loads only once the config is valid
 
     run(cfg)
