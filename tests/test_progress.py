@@ -105,3 +105,48 @@ def test_absl_info_lines_are_silenced_at_their_source():
     assert "connected" in runs["loud"].stdout and "connected" in runs["quiet"].stdout, runs["quiet"].stderr
     assert "Compiled cluster using XLA!" in runs["loud"].stderr and "SessionOptions:" in runs["loud"].stderr
     assert runs["quiet"].stderr == ""
+
+
+def test_machine_peak_is_measured_once_and_cached(tmp_path):
+    from tpu_llm import peak
+
+    path, measured, said = str(tmp_path / "cache" / "peak.json"), [], []
+    first = peak.machine_peak("/CPU:0", lambda: measured.append(1) or 5e10, lambda: said.append("measuring"), path)
+    second = peak.machine_peak("/CPU:0", lambda: measured.append(1) or 1e9, lambda: said.append("measuring"), path)
+    assert measured == [1] and said == ["measuring"]  # the second process reads the first one's number
+    assert first[0] == second[0] == 5e10
+    assert first[1].startswith("measured now, once per machine, cached in ")
+    assert second[1].startswith("measured once on this machine ") and "UTC, cached in " in second[1]
+    assert peak.machine_peak("/GPU:0", lambda: 7e12, None, path)[0] == 7e12  # a key per device
+
+
+@pytest.mark.parametrize("cluster, task, expected", [
+    ({}, None, (1, 1)),
+    # `tpu-llm launch --workers 2`: two processes on one machine share its peak (the issue's 94% MFU)
+    ({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, ("worker", 1), (2, 1)),
+    # parameter server: chief, 2 workers and a ps here; steps run on the workers only
+    ({"chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"], "ps": ["localhost:4"]}, ("chief", 0), (4, 1)),
+    # one worker per machine on two machines: twice the machine's peak
+    ({"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}, ("worker", 0), (1, 2)),
+])
+def test_processes_of_a_run_share_their_machine_peak(cluster, task, expected):
+    from tpu_llm import peak
+
+    assert peak.sharing(cluster, task) == expected
+
+
+def test_two_local_workers_get_one_machine_peak(monkeypatch, tmp_path):
+    """Each of two local workers divides the run's throughput by the one machine peak (not by a
+    half-machine measurement of its own)."""
+    import json
+
+    from tpu_llm import perf as perf_module
+    from tpu_llm.parallel.distribute import Distribution
+
+    monkeypatch.setattr(perf_module, "measured_matmul_flops", lambda *_: 8e10)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    dist = Distribution(strategy=None, name="multi_worker", reason="", device_kind="CPU")
+    flops, how = dist.peak_flops()
+    assert flops == 8e10 and "its 2 processes of this run share it" in how and "this machine's CPU" in how

@@ -428,7 +428,8 @@ def _train(run: Run, say, samples: bool) -> dict:
     step = int(run.optimizer.iterations.numpy())
     tokens_per_step = t.batch_size * d.seq_len
     flops_per_token = run.model.flops_per_token(d.seq_len)
-    peak, peak_how = run.dist.peak_flops()
+    peak, peak_how = run.dist.peak_flops(
+        lambda: say("starting  measuring the MFU peak (once per machine: a float32 matmul, a few seconds) ..."))
 
     for line in describe_run(run, step, peak, peak_how):
         say(line)
