@@ -143,7 +143,7 @@ def test_two_local_workers_get_one_machine_peak(monkeypatch, tmp_path):
     from tpu_llm import perf as perf_module
     from tpu_llm.parallel.distribute import Distribution
 
-    monkeypatch.setattr(perf_module, "measured_matmul_flops", lambda *_: 8e10)
+    monkeypatch.setattr(perf_module, "measured_matmul_flops", lambda *_, **__: 8e10)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                                                 "task": {"type": "worker", "index": 0}}))

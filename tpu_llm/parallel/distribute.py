@@ -308,14 +308,19 @@ class Distribution:
             chips = self.chips or self.num_replicas
             return tpu * chips, f"{self.device_kind} bf16 peak (published) x {chips} chips"
         if self.device_kind == "GPU":
-            flops, how = peak.machine_peak("/GPU:0", lambda: perf.measured_matmul_flops("/GPU:0"), on_measure)
+            flops, how = peak.machine_peak("/GPU:0", lambda: perf.measured_matmul_flops("/GPU:0", repeats=MACHINE_PEAK_REPEATS), on_measure)
             return flops * self.num_replicas, f"float32 matmul of one GPU, {how}; x {self.num_replicas} GPUs"
         # logical CPU devices and the local processes of a cluster share the same cores: one machine peak
-        flops, how = peak.machine_peak("/CPU:0", lambda: perf.measured_matmul_flops("/CPU:0"), on_measure)
+        flops, how = peak.machine_peak("/CPU:0", lambda: perf.measured_matmul_flops("/CPU:0", repeats=MACHINE_PEAK_REPEATS), on_measure)
         local, hosts = peak.sharing(*read_tf_config())
         shared = f"; its {local} processes of this run share it" if local > 1 else ""
         machines = f"; x {hosts} machines (assumed alike)" if hosts > 1 else ""
         return flops * hosts, f"this machine's CPU float32 matmul, {how}{shared}{machines}"
+
+
+# best of this many matmuls (~3 s on 2 cores): measured once per machine, so a longer window is
+# affordable and more likely to catch the machine free of other work
+MACHINE_PEAK_REPEATS = 16
 
 
 def _accepts_connections(address: str) -> bool:
