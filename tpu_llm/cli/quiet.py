@@ -9,7 +9,7 @@ import re
 import sys
 import threading
 
-from tpu_llm.native_log import VERBOSE_ENV, quiet_absl
+from tpu_llm.native_log import VERBOSE_ENV, quiet_absl  # noqa: F401  (quiet_absl: for main, after parsing)
 
 
 def quiet_tensorflow(verbose: bool) -> None:
@@ -23,7 +23,6 @@ def quiet_tensorflow(verbose: bool) -> None:
     import warnings
 
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    quiet_absl()  # absl's INFO lines: XLA's compile notice, a parameter-server task's ConfigProto dump
     for name in ("tensorflow", "absl", "keras"):
         logging.getLogger(name).setLevel(logging.ERROR)
     for module in ("tensorflow", "keras", "tf_keras", "absl", "google.protobuf", "h5py", "tensorflow_text"):
