@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before anything imports TensorFlow
+# the MFU peak's machine-wide cache (tpu_llm/peak.py): one per test process, never the user's own
+os.environ["XDG_CACHE_HOME"] = __import__("tempfile").mkdtemp(prefix="tpu-llm-test-cache-")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -214,3 +214,16 @@ def test_repeated_set_flags_all_apply(monkeypatch, capsys):
     assert code == 2 and capsys.readouterr().err == "error: stop here\n"
     assert seen == [("c.yaml", {"model.n_layer": 2, "train.lr": "3e-4", "sample.prompt": "def main(): 'x'",
                                 "data.seq_len": 8})]
+
+
+@pytest.mark.slow
+def test_stderr_holds_only_tpu_llms_lines(cli):
+    """docs/cli.md: without --verbose no native log line reaches stderr (issue 30: SentencePiece's
+    `normalizer.cc(51) LOG(INFO)` line showed in data prepare); train starts by saying what it loads."""
+    results, _ = cli
+    ours = ("step ", "eval ", "files ")  # the progress bars' lines and the eval lines beside them
+    for name in ("train", "tokenizer", "prepare"):
+        r = results[name]
+        assert r.returncode == 0, r
+        assert [line for line in r.stderr.splitlines() if not line.startswith(ours)] == [], r
+    assert results["train"].stdout.splitlines()[0] == "starting  loading TensorFlow ...", results["train"]

@@ -308,7 +308,7 @@ def test_resume_is_exact(tmp_path_factory, runs, mode, monkeypatch):
     """Resumed from step 15 (local SGD: between syncs, every replica holding its own weights and
     moments) by `train`: the same loss and the same per-replica state as the uninterrupted run."""
     run_dir = tmp_path_factory.getbasetemp() / f"{mode}-at-15"
-    monkeypatch.setattr(perf, "measured_matmul_flops", lambda *_: 1e11)  # the MFU peak: not needed here
+    monkeypatch.setattr(perf, "measured_matmul_flops", lambda *_, **__: 1e11)  # the MFU peak: not needed here
     log = []
     summary = train(config(run_dir.parent, mode, run_dir=str(run_dir)), say=log.append, samples=False)
     straight_losses, straight = runs[mode]

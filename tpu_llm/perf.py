@@ -63,13 +63,17 @@ class Progress:
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.start = time.perf_counter()
 
-    def update(self, done: int, text: str) -> None:
+    def update(self, done: int, text: str, eta: float | None | str = "rate") -> None:
+        """`eta`: seconds left as the caller measured them, None for not known yet (shown `--`), or by
+        default from the mean rate since the start."""
         frac = done / max(self.total, 1)
-        elapsed = time.perf_counter() - self.start
-        rate = (done - self.initial) / elapsed if elapsed > 0 else 0
-        eta = (self.total - done) / rate if rate > 0 else 0
+        if eta == "rate":
+            elapsed = time.perf_counter() - self.start
+            rate = (done - self.initial) / elapsed if elapsed > 0 else 0
+            eta = (self.total - done) / rate if rate > 0 else 0
         bar = "#" * int(frac * self.width) + "-" * (self.width - int(frac * self.width))
-        line = f"{self.label}{done:>{len(str(self.total))}}/{self.total} [{bar}] {text} | eta {format_seconds(eta)}"
+        left = "--" if eta is None else format_seconds(eta)
+        line = f"{self.label}{done:>{len(str(self.total))}}/{self.total} [{bar}] {text} | eta {left}"
         if self.tty:
             self.stream.write("\r\033[K" + line)
         else:

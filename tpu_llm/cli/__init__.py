@@ -25,7 +25,7 @@ from tpu_llm import tether
 from tpu_llm.cli import commands  # noqa: F401  (registers every command)
 from tpu_llm.cli import pjrt
 from tpu_llm.cli.parser import COMMANDS, Command, Flag, help_text, overview, parse
-from tpu_llm.cli.quiet import VERBOSE_ENV, NativeLogFilter, quiet_tensorflow
+from tpu_llm.cli.quiet import VERBOSE_ENV, NativeLogFilter, quiet_absl, quiet_tensorflow
 from tpu_llm.errors import EXIT_USER_ERROR, RunStopped, UserError
 
 __all__ = ["COMMANDS", "Command", "Flag", "help_text", "main", "overview", "parse"]
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("TensorFlow is not installed: pip install 'tpu-llm[cpu]' (CPU), 'tpu-llm[gpu]' (NVIDIA "
                             "GPUs) or 'tpu-llm[tpu]' (a Cloud TPU VM), one of them per environment")
         pjrt.set_variables(asked_tpu(kwargs))  # before any command imports TensorFlow
+        if not verbose:  # absl's INFO lines (XLA's compile notice, a ps task's ConfigProto dump); ~0.1 s,
+            quiet_absl()  # so only once the arguments are valid
         result = cmd.run(**kwargs)
         return result if isinstance(result, int) else 0
     except UserError as e:

@@ -27,6 +27,7 @@ def train(config: str = "", overrides: dict | None = None):
     from tpu_llm.config import load_config
 
     cfg = load_config(config or None, overrides)
+    print("starting  loading TensorFlow ...", flush=True)  # the import takes 10-30 s (training/progress.py)
     from tpu_llm import api  # TensorFlow loads only once the config is valid
     from tpu_llm.training.goodput import process_started
 

@@ -35,7 +35,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tpu_llm import perf, tf_compat
+from tpu_llm import peak, perf, tf_compat
 from tpu_llm.config import Config
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import tpu
@@ -300,16 +300,27 @@ class Distribution:
                 raise tf.errors.UnavailableError(None, None, f"no worker is left: {tasks} accepted no connection "
                                                              f"for {self.worker_timeout:.0f} s")
 
-    def peak_flops(self) -> tuple[float, str]:
-        """(peak FLOP/s of all replicas together, how it was obtained)."""
+    def peak_flops(self, on_measure: Callable | None = None) -> tuple[float, str]:
+        """(peak FLOP/s of all replicas together, how it was obtained). CPUs and GPUs: the machine's
+        measured peak, cached once per machine (tpu_llm/peak.py); `on_measure()` runs before a measurement."""
         tpu = perf.tpu_peak_flops(self.device_kind) if self.device_kind.startswith("TPU") else None
         if tpu:
             chips = self.chips or self.num_replicas
             return tpu * chips, f"{self.device_kind} bf16 peak (published) x {chips} chips"
         if self.device_kind == "GPU":
-            return perf.measured_matmul_flops("/GPU:0") * self.num_replicas, "measured /GPU:0 float32 matmul"
-        # logical CPU devices share the same cores: the measured matmul already uses all of them
-        return perf.measured_matmul_flops("/CPU:0"), "measured CPU float32 matmul of this process"
+            flops, how = peak.machine_peak("/GPU:0", lambda: perf.measured_matmul_flops("/GPU:0", repeats=MACHINE_PEAK_REPEATS), on_measure)
+            return flops * self.num_replicas, f"float32 matmul of one GPU, {how}; x {self.num_replicas} GPUs"
+        # logical CPU devices and the local processes of a cluster share the same cores: one machine peak
+        flops, how = peak.machine_peak("/CPU:0", lambda: perf.measured_matmul_flops("/CPU:0", repeats=MACHINE_PEAK_REPEATS), on_measure)
+        local, hosts = peak.sharing(*read_tf_config())
+        shared = f"; its {local} processes of this run share it" if local > 1 else ""
+        machines = f"; x {hosts} machines (assumed alike)" if hosts > 1 else ""
+        return flops * hosts, f"this machine's CPU float32 matmul, {how}{shared}{machines}"
+
+
+# best of this many matmuls (~3 s on 2 cores): measured once per machine, so a longer window is
+# affordable and more likely to catch the machine free of other work
+MACHINE_PEAK_REPEATS = 16
 
 
 def _accepts_connections(address: str) -> bool:

@@ -28,6 +28,7 @@ import os
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
+from tpu_llm.native_log import SENTENCEPIECE_INFO, dropping_native_lines
 
 SPEC_FILE = "tokenizer.json"
 SP_MODEL_FILE = "tokenizer.model"
@@ -146,7 +147,8 @@ class SentencePieceTokenizer:
     def encode_tf(self, texts: tf.Tensor) -> tf.RaggedTensor:
         if self._tf is None:  # eagerly (init_scope), so that every graph can capture it
             tf_text = import_tensorflow_text()
-            with tf.init_scope():
+            # its SentencePiece copy logs `normalizer.cc(51) LOG(INFO) ...` as the op is built
+            with tf.init_scope(), dropping_native_lines(SENTENCEPIECE_INFO):
                 self._tf = tf_text.SentencepieceTokenizer(model=self.model_proto, out_type=tf.int32)
         return self._tf.tokenize(texts)
 

@@ -28,6 +28,7 @@ from tpu_llm.parallel.distribute import Distribution, get_strategy, serve_if_clu
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
 from tpu_llm.training import fault, goodput, run_lock
+from tpu_llm.training import progress as phases
 from tpu_llm.training.checkpoint import (LOGS_DIR, METRICS_FILE, Checkpointer, check_no_links, check_run_dir,
                                          check_run_dir_owner, check_run_dir_reachable, link_error, record_run,
                                          resolve_tokenizer, restore_init_from)
@@ -387,8 +388,9 @@ def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
     elif comm.active(cfg.comm):
         lines.append("comm      off: one replica, nothing to exchange")
     m = cfg.model
-    lines += [f"model     {run.model.num_params():,} parameters ({m.family}: {m.n_layer} layers, {m.n_head} heads, width "
-              f"{m.n_embd}); {perf.format_count(run.model.flops_per_token(d.seq_len))}FLOP/token",
+    frozen = f"; frozen: {phases.frozen_layers(t.freeze, m.n_layer)}" if t.freeze else ""
+    lines += [f"model     {phases.parameters_text(run.model)} ({m.family}: {m.n_layer} layers, {m.n_head} heads, width "
+              f"{m.n_embd}{frozen}); {perf.format_count(run.model.flops_per_token(d.seq_len))}FLOP/token",
               f"batch     {t.batch_size} x {d.seq_len} tokens = {t.batch_size * d.seq_len:,} per step; "
               f"{t.steps_per_loop} steps per host call; MFU peak: {perf.format_count(peak)}FLOP/s ({peak_how})"]
     # e.g. an unreadable newest checkpoint skipped for the previous one
@@ -411,6 +413,7 @@ def train(cfg: Config, say=None, samples: bool = True, started: float | None = N
         return {}
     say = say or say_now
     started = started or time.time()
+    say(phases.STARTING)
     run = build_run(cfg)
     ledger = goodput.Ledger(cfg.run_dir, started, run.dist.is_chief, run.lock)
     try:
@@ -430,7 +433,8 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
     step = int(run.optimizer.iterations.numpy())
     tokens_per_step = t.batch_size * d.seq_len
     flops_per_token = run.model.flops_per_token(d.seq_len)
-    peak, peak_how = run.dist.peak_flops()
+    peak, peak_how = run.dist.peak_flops(
+        lambda: say("starting  measuring the MFU peak (once per machine: a float32 matmul, a few seconds) ..."))
 
     for line in describe_run(run, step, peak, peak_how):
         say(line)
@@ -447,6 +451,7 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
     if profiler.missed(step):
         say(f"profile   train.profile_steps={t.profile_steps} was done before step {step}: no trace this time")
     timings = []  # (steps, seconds) of each call
+    eta, eval_phase = phases.Eta(), phases.EvalPhase()
     last = {"loss": float("nan")}
     val_loss = None
     ledger.start(step)  # the start-up ends here (goodput.py)
@@ -457,6 +462,8 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
                           _next_boundary(step, t.eval_every, t.steps),
                           _next_boundary(step, cfg.checkpoint.every_steps, t.steps), profiler.boundary(step))
                 profiler.before_call(step)
+                if not timings:
+                    say(phases.compile_line(cfg.execution, run.dist.jit_compile, end - step))
                 start = time.perf_counter()
                 try:  # waits for the steps; a signal may end the call early (out["steps"] < end - step)
                     out = guard.call(lambda: run.trainer.run(run.train_iterator, end - step, t.steps_per_loop))
@@ -474,7 +481,10 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
                     loss, grad_norm = out["loss"], out["grad_norm"]
                     seconds = time.perf_counter() - start
                     step += n
+                    if not timings:
+                        say(phases.compiled_line(seconds, n))
                     timings.append((n, seconds))
+                    eta.record(n, seconds)
                     tok_s = n * tokens_per_step / seconds
                     mfu = tok_s * flops_per_token / peak
                     lr = float(run.optimizer.learning_rate)
@@ -486,7 +496,8 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
                         stale = f" | stale {out['staleness']:.1f} (max {out['staleness_max']:.0f})"
                     log.write("train", step, last)
                     progress.update(step, f"loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
-                                          f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%{stale}")
+                                          f"{perf.format_count(tok_s)} tok/s | MFU {100 * mfu:.1f}%{stale}",
+                                    eta=eta.seconds_left(t.steps - step))
                     step = guard.after_call(out, step)
                 if profiler.stops_at(step):
                     with ledger.timed("profiling", step):
@@ -496,6 +507,9 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
                 if boundary and step == t.steps:  # local SGD: the final model is the synchronised one
                     run.trainer.synchronise()
                 if boundary and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
+                    if line := eval_phase.line(t.eval_steps):
+                        progress.message(line)
+                    began = time.perf_counter()
                     try:
                         with ledger.timed("evaluation", step):
                             val_loss = evaluate(run)
@@ -504,6 +518,7 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
                     except tf.errors.DataLossError as e:
                         raise sources.corrupt_record(e, run.sources[1], "validation", True,
                                                      run.checkpointer.latest) from None
+                    eval_phase.took(time.perf_counter() - began)
                     log.write("validation", step, {"loss": val_loss})
                     progress.message(f"eval      step {step}: validation loss {val_loss:.4f}")
                 due = boundary and (step == t.steps or bool(
@@ -543,6 +558,7 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
     if timings:
         log.write("summary", step, {k: v for k, v in summary.items() if k != "run_dir"})
     if samples and run.dist.is_chief and cfg.sample.num_samples and cfg.sample.max_new_tokens:
+        say(phases.sampling_line(cfg.sample.num_samples, cfg.sample.max_new_tokens))
         with ledger.timed("sampling", step):
             print_samples(local_copy(run.model, cfg), run.tokenizer, cfg, say)
     return summary

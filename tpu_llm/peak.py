@@ -1,0 +1,104 @@
+"""The MFU denominator on CPUs and GPUs: one peak per machine, measured once, cached, and shared by the
+processes of a run on that machine.
+
+Each process used to measure its own matmul at start-up. Two workers launched together on one 2-core
+machine measured at the same moment, each got about half the cores, and each divided the run's whole
+throughput by that half: MFU 94%. Now the first process to need the peak measures it while holding a
+file lock (the other processes of the run wait instead of measuring at the same time), writes it to
+the cache ($XDG_CACHE_HOME/tpu-llm/peak.json, else ~/.cache/tpu-llm/peak.json), and every later process
+and run on the machine reads it. The run's peak is the machine's times the machines that run its steps
+(the processes on one machine share its peak; other machines are assumed alike). Delete the file to
+measure again (e.g. if it was measured while the machine was busy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import platform
+from typing import Callable
+
+CACHE_FILE = "peak.json"
+LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0"}
+
+
+def cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tpu-llm", CACHE_FILE)
+
+
+def machine_key(device: str) -> str:
+    """What the measured number depends on: the device, the machine and its CPU, TensorFlow's version."""
+    import tensorflow as tf
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{device} on {platform.node()}: {cpu}, {os.cpu_count()} CPUs, TensorFlow {tf.__version__}"
+
+
+def machine_peak(device: str, measure: Callable[[], float], on_measure: Callable[[], None] | None = None,
+                 path: str | None = None) -> tuple[float, str]:
+    """(FLOP/s of `device` on this machine, how it was obtained): from the cache, or measured now by
+    `measure()` (after `on_measure()`, which says so) and cached for the other processes and runs."""
+    path = path or cache_path()
+    key = machine_key(device)
+    shown = path.replace(os.path.expanduser("~"), "~", 1)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = open(path + ".lock", "a")
+    except OSError as e:
+        if on_measure:
+            on_measure()
+        return measure(), f"measured by this process: the cache {shown} cannot be written ({e.strerror or e})"
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process of the run measuring: wait for its number
+        entries = _read(path)
+        entry = entries.get(key)
+        if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+            return float(entry["flops"]), f"measured once on this machine {entry.get('measured', '')}, cached in {shown}"
+        if on_measure:
+            on_measure()
+        flops = measure()
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        entries[key] = {"flops": flops, "measured": when}
+        with contextlib.suppress(OSError):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(entries, f, indent=1)
+            os.replace(tmp, path)
+        return flops, f"measured now, once per machine, cached in {shown}"
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+        return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def sharing(cluster: dict, task: tuple[str, int] | None) -> tuple[int, int]:
+    """(processes of the cluster on this machine, machines that run its steps) from TF_CONFIG's cluster
+    and this process's task. Steps run on the workers, and on the chief unless there are ps tasks (a
+    parameter-server chief only schedules). A task shares this machine when its host is this task's
+    host or a loopback name."""
+    if not cluster or not task:
+        return 1, 1
+    mine = _host(cluster[task[0]][task[1]])
+    here = LOOPBACK | {mine}
+    local = sum(_host(address) in here for addresses in cluster.values() for address in addresses)
+    jobs = ["worker"] + ([] if "ps" in cluster else ["chief"])
+    hosts = {"here" if _host(a) in here else _host(a) for job in jobs for a in cluster.get(job, [])}
+    return max(local, 1), max(len(hosts), 1)
+
+
+def _host(address: str) -> str:
+    return str(address).rpartition(":")[0] or str(address)
