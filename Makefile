@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 # Cloud TPU (infra/ and tpu_llm/cloud/driver.py, run as `python -m tpu_llm.cloud`; see infra/README.md).
@@ -30,13 +31,18 @@ TOOLS_STAMP := $(TOOLS)/.installed
 .PHONY: train test test-fast faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tpu-stop tensorboard data-upload infra-check
 
 # One TensorFlow wheel per environment, chosen by extra (pyproject.toml): here the CPU one, with
-# tensorflow-text for SentencePiece, Hugging Face interop (hf), the test tools and the reference
-# implementation the import/export tests compare with (reference: torch CPU and transformers).
+# tensorflow-text for SentencePiece and Hugging Face interop (hf): what training needs, all `make train`
+# installs. `make test` adds the test tools (dev) and the reference implementation the import/export
+# tests compare with (reference: torch CPU and transformers, ~1 GB that training never uses).
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[cpu,sentencepiece,hf,dev,reference]'
+	$(BIN)/python -m pip install --quiet -e '.[cpu,sentencepiece,hf]'
 	@touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[cpu,sentencepiece,hf,dev,reference]'
+	@touch $(DEV_STAMP)
 
 $(TOOLS_STAMP):
 	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
@@ -48,19 +54,19 @@ train: export CONFIG := $(CONFIG)
 train: $(STAMP)  ## on the Cloud TPU when `make tpu-up` made one, else configs/tiny.yaml on this machine
 	@$(BIN)/python -m tpu_llm.cloud train --local-command '$(BIN)/tpu-llm train --config $(CONFIG)'
 
-test: $(STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks), two pytest-xdist workers
+test: $(DEV_STAMP) $(TOOLS_STAMP)  ## the CPU test suite (with the offline infra/ checks), two pytest-xdist workers
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
-test-fast: $(STAMP)  ## the suite without the tests marked slow (subprocesses, local clusters, the notebook, infra/ checks)
+test-fast: $(DEV_STAMP)  ## the suite without the tests marked slow (subprocesses, local clusters, the notebook, infra/ checks)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
-faults: $(STAMP)  ## fault injection into tiny real runs (signals, kills, torn files, NaN, full disk); docs/faults.md
+faults: $(DEV_STAMP)  ## fault injection into tiny real runs (signals, kills, torn files, NaN, full disk); docs/faults.md
 	$(BIN)/python scripts/faults.py
 
-mutants: $(STAMP)  ## curated mutations of the core, each against the tests that must catch it (docs/development.md); not part of `make test`
+mutants: $(DEV_STAMP)  ## curated mutations of the core, each against the tests that must catch it (docs/development.md); not part of `make test`
 	$(BIN)/python scripts/mutants.py
 
-bench: $(STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, families, memory, data, placement
+bench: $(DEV_STAMP)  ## benchmarks (docs/benchmarks.md): shakespeare_char, strategies, execution modes, pipeline, comm, families, memory, data, placement
 	$(BIN)/tpu-llm bench
 	$(BIN)/tpu-llm bench strategies
 	$(BIN)/tpu-llm bench modes
@@ -98,5 +104,5 @@ tensorboard: $(STAMP)  ## TensorBoard on the bucket's run directories, at http:/
 data-upload: $(STAMP)  ## tokenize INPUT into TFRecord shards and upload them to the bucket
 	@$(BIN)/python -m tpu_llm.cloud data-upload
 
-infra-check: $(STAMP) $(TOOLS_STAMP)  ## offline checks of infra/: terraform fmt, HCL structure, checkov, shellcheck
+infra-check: $(DEV_STAMP) $(TOOLS_STAMP)  ## offline checks of infra/: terraform fmt, HCL structure, checkov, shellcheck
 	$(BIN)/python -m pytest -q tests/test_infra.py
