@@ -82,11 +82,7 @@ def read_config(source: str) -> dict:
     if not tf.io.gfile.exists(path):
         raise UserError(f"--from {source!r} has no config.json; give a Hugging Face model directory (e.g. "
                         "`huggingface-cli download gpt2 --local-dir gpt2`)")
-    size = tf.io.gfile.stat(path).length
-    if size > MAX_CONFIG_JSON:
-        raise UserError(f"{path} is {size:,} bytes, more than the {MAX_CONFIG_JSON:,} a config.json may have; {_FIX}")
-    with tf.io.gfile.GFile(path, "rb") as f:
-        raw = f.read()
+    raw = safetensors_io.read_capped(path, MAX_CONFIG_JSON, "a config.json", _FIX)
     try:
         hf = json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: nested thousands deep

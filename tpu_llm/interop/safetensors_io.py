@@ -227,13 +227,18 @@ class Reader:
         return np.frombuffer(raw, dtype=DTYPES[entry["dtype"]].newbyteorder("<")).reshape(entry["shape"])
 
 
+def read_capped(path: str, cap: int, what: str, fix: str) -> bytes:
+    """The bytes of `path` (local or gs://), refused in one line before reading when over `cap` bytes."""
+    size = tf.io.gfile.stat(path).length
+    if size > cap:
+        raise UserError(f"{path} is {size:,} bytes, more than the {cap:,} {what} may have; {fix}")
+    with tf.io.gfile.GFile(path, "rb") as f:
+        return f.read()
+
+
 def _weight_map(index: str) -> dict[str, str]:
     """The weight_map of the shard index `index` (tensor name -> shard file), checked for its shape."""
-    size = tf.io.gfile.stat(index).length
-    if size > MAX_INDEX:
-        raise UserError(f"{index} is {size:,} bytes, more than the {MAX_INDEX:,} an index may have; download it again")
-    with tf.io.gfile.GFile(index, "rb") as f:
-        raw = f.read()
+    raw = read_capped(index, MAX_INDEX, "an index", "download it again")
     try:
         weight_map = json.loads(raw).get("weight_map", {})
     except (ValueError, RecursionError, AttributeError):
