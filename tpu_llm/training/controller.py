@@ -111,9 +111,10 @@ def check_batch_split(batch_size: int, replicas: int, grad_accum: int, microbatc
                         f"train.grad_accum={grad_accum} micro-batches{pipe}; nearest valid values: {nearest}")
 
 
-def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
-    """`dist`: a distribution to reuse (tpu-llm doctor builds several runs on one TPU connection)."""
-    dist = dist or get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
+def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tuple, object]:
+    """Every check of a run that needs no model: batch split, data, tokenizer against the data and the
+    run directory (owner, lock, same model); writes nothing. Returns ((train, validation) sources,
+    tokenizer). `unstated`: what the command line left to defaults (check_run_dir)."""
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = sources.resolve_sources(cfg.data)
@@ -139,8 +140,14 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     if cfg.sample.num_samples and cfg.sample.max_new_tokens:
         check_covers(tokenizer, cfg.sample.prompt, "sample.prompt")
     if dist.is_chief:
-        check_run_dir(cfg)
+        check_run_dir(cfg, unstated)
+    return (train_src, val_src), tokenizer
 
+
+def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "") -> Run:
+    """`dist`: a distribution to reuse (tpu-llm doctor builds several runs on one TPU connection)."""
+    dist = dist or get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
+    (train_src, val_src), tokenizer = check_run(cfg, dist, unstated)
     precision = set_precision(cfg, dist)
     tf.config.run_functions_eagerly(cfg.execution == "eager")
     local_sgd = comm.check(cfg.comm, dist)  # local SGD: per-replica copies of the weights and moments
@@ -403,12 +410,12 @@ def _next_boundary(step: int, every: int, total: int) -> int:
     return min(total, (step // every + 1) * every) if every > 0 else total
 
 
-def train(cfg: Config, say=None, samples: bool = True) -> dict:
+def train(cfg: Config, say=None, samples: bool = True, unstated: str = "") -> dict:
     """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary."""
     if serve_if_cluster_server(cfg):  # a parameter-server cluster's worker or ps task: serves, never returns
         return {}
     say = say or say_now
-    run = build_run(cfg)
+    run = build_run(cfg, unstated=unstated)
     try:
         return _train(run, say, samples)
     finally:
