@@ -225,6 +225,11 @@ def run_step(step: Step, env: dict) -> tuple[int, str, str]:
         argv = words[1:]
         if "dry-run" in step.marks and argv[:1] == ["train"] and "--dry_run" not in argv:
             argv.append("--dry_run")
+        if not skip and any(a.startswith("--cpu_devices") for a in argv):
+            # TensorFlow's devices are fixed once it has started: logical CPUs need a fresh process
+            r = subprocess.run([sys.executable, "-m", "tpu_llm", *argv], capture_output=True, text=True, env=env,
+                               timeout=600)
+            return r.returncode, r.stdout + r.stderr, "process"
         code, output = run_tpu_llm(argv, parse_only=skip)
         return code, output, "parsed" if skip else "ran"
     if words[:2] == ["python", "-m"] and words[2:3] == ["tpu_llm"] and not skip:

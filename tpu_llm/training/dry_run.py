@@ -11,9 +11,24 @@ import re
 import tensorflow as tf
 
 from tpu_llm.config import Config
+from tpu_llm.parallel import pipeline
 from tpu_llm.parallel.distribute import get_strategy
 from tpu_llm.training.checkpoint import CHECKPOINT_DIR
 from tpu_llm.training.controller import check_run
+
+
+def layout(cfg: Config, dist, vocab_size: int) -> list[str]:
+    """The pipeline or tensor lines of the start-up header (controller.describe_run), from the partition,
+    which needs no model."""
+    p = cfg.parallel
+    if p.pipeline_stages > 1:
+        stages = pipeline.partition(cfg.model, vocab_size, cfg.data.seq_len, p.pipeline_stages)
+        return [f"pipeline  GPipe, {p.pipeline_stages} stages x {p.microbatches} micro-batches (bubble "
+                f"{pipeline.gpipe_bubble(p.pipeline_stages, p.microbatches):.0%}){', remat' if p.remat else ''}; "
+                f"{dist.placement.describe()}"] + [f"          {line}" for line in pipeline.describe(stages)]
+    if p.tensor > 1:
+        return [f"tensor    heads and MLP units split {p.tensor} ways; {dist.placement.describe()}"]
+    return []
 
 
 def newest_checkpoint(run_dir: str) -> tuple[str, int] | None:
@@ -31,11 +46,14 @@ def dry_run(cfg: Config, say=print, unstated: str = "") -> list[str]:
     """Check `cfg` as `train` would before its first step and print what it would do; returns the lines."""
     dist = get_strategy(cfg)
     (train_src, val_src), tokenizer = check_run(cfg, dist, unstated)
-    m, t, d = cfg.model, cfg.train, cfg.data
+    m, t, d, p = cfg.model, cfg.train, cfg.data, cfg.parallel
+    xla = dist.xla if cfg.execution == "xla" else f"off (execution={cfg.execution})"
     lines = [f"run_dir   {cfg.run_dir}",
-             f"strategy  {dist.name} ({dist.reason}); {dist.num_replicas} replica(s)",
+             f"strategy  {dist.name} ({dist.reason}); {dist.num_replicas} replica(s)"
+             + (f" per step, {dist.num_workers} workers" if dist.asynchronous else "") + f"; XLA: {xla}",
              f"data      train: {train_src.description}; validation: {val_src.description}",
              f"tokenizer {tokenizer.kind}, {tokenizer.vocab_size} ids",
+             *layout(cfg, dist, cfg.model.vocab_size),
              f"model     {m.family}: {m.n_layer} layers, {m.n_head} heads, width {m.n_embd} (not built: --dry_run)",
              f"batch     {t.batch_size} x {d.seq_len} tokens = {t.batch_size * d.seq_len:,} per step"]
     newest = newest_checkpoint(cfg.run_dir)
