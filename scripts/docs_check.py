@@ -286,6 +286,8 @@ def main(argv=None) -> int:
                 failures.append(Failure(step, problem))
                 status = "FAIL"
         print(f"{status:4} {how:7} {time.time() - t0:5.1f}s {step.page}:{step.line}: {step.command[:90]}", flush=True)
+        if status == "FAIL":  # at once too: a long check can be read (or stopped) while it runs
+            print("\n".join(f"     {f.what}" for f in failures if f.step is step), flush=True)
     print(f"\n{len(plan)} commands ({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}) in "
           f"{time.time() - start:.0f} s; {len(failures)} failure(s)")
     for f in failures:
