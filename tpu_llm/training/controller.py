@@ -369,18 +369,23 @@ def out_of_memory(error: tf.errors.ResourceExhaustedError, run: Run, step: int, 
                      f"--accelerator ...`; {kept}")
 
 
+def setup_lines(cfg: Config, dist: Distribution, srcs, tokenizer) -> list[str]:
+    """The header's first lines: run directory, strategy, data and tokenizer (train and --dry_run)."""
+    xla = dist.xla if cfg.execution == "xla" else f"off (execution={cfg.execution})"
+    return [f"run_dir   {cfg.run_dir}",
+            f"strategy  {dist.name} ({dist.reason}); {dist.num_replicas} replica(s)"
+            + (f" per step, {dist.num_workers} workers" if dist.asynchronous else "") + f"; XLA: {xla}",
+            f"data      train: {srcs[0].description}; validation: {srcs[1].description}",
+            f"tokenizer {tokenizer.kind}, {tokenizer.vocab_size} ids"]
+
+
 def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
     """The start-up header of a run: where it writes, how it is distributed, its data, model and batch,
     and where it starts (resumed, initialised from another run, or new)."""
     cfg, t, d, dist = run.cfg, run.cfg.train, run.cfg.data, run.dist
     p = cfg.parallel
-    xla = dist.xla if cfg.execution == "xla" else f"off (execution={cfg.execution})"
-    lines = [f"run_dir   {cfg.run_dir}",
-             f"strategy  {dist.name} ({dist.reason}); {dist.num_replicas} replica(s)"
-             + (f" per step, {dist.num_workers} workers" if dist.asynchronous else "") + f"; XLA: {xla}",
-             f"data      train: {run.sources[0].description}; validation: {run.sources[1].description}",
-             f"tokenizer {run.tokenizer.kind}, {run.tokenizer.vocab_size} ids",
-             f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}"]
+    lines = setup_lines(cfg, dist, run.sources, run.tokenizer) + [
+        f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}"]
     if p.pipeline_stages > 1:
         lines.append(f"pipeline  GPipe, {p.pipeline_stages} stages x {p.microbatches} micro-batches (bubble "
                      f"{pipeline.gpipe_bubble(p.pipeline_stages, p.microbatches):.0%}){', remat' if p.remat else ''}; "

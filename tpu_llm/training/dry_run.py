@@ -14,7 +14,7 @@ from tpu_llm.config import Config
 from tpu_llm.parallel import pipeline
 from tpu_llm.parallel.distribute import get_strategy
 from tpu_llm.training.checkpoint import CHECKPOINT_DIR
-from tpu_llm.training.controller import check_run
+from tpu_llm.training.controller import check_run, setup_lines
 
 
 def layout(cfg: Config, dist, vocab_size: int) -> list[str]:
@@ -45,14 +45,9 @@ def newest_checkpoint(run_dir: str) -> tuple[str, int] | None:
 def dry_run(cfg: Config, say=print, unstated: str = "") -> list[str]:
     """Check `cfg` as `train` would before its first step and print what it would do; returns the lines."""
     dist = get_strategy(cfg)
-    (train_src, val_src), tokenizer = check_run(cfg, dist, unstated)
-    m, t, d, p = cfg.model, cfg.train, cfg.data, cfg.parallel
-    xla = dist.xla if cfg.execution == "xla" else f"off (execution={cfg.execution})"
-    lines = [f"run_dir   {cfg.run_dir}",
-             f"strategy  {dist.name} ({dist.reason}); {dist.num_replicas} replica(s)"
-             + (f" per step, {dist.num_workers} workers" if dist.asynchronous else "") + f"; XLA: {xla}",
-             f"data      train: {train_src.description}; validation: {val_src.description}",
-             f"tokenizer {tokenizer.kind}, {tokenizer.vocab_size} ids",
+    srcs, tokenizer = check_run(cfg, dist, unstated)
+    m, t, d = cfg.model, cfg.train, cfg.data
+    lines = [*setup_lines(cfg, dist, srcs, tokenizer),
              *layout(cfg, dist, cfg.model.vocab_size),
              f"model     {m.family}: {m.n_layer} layers, {m.n_head} heads, width {m.n_embd} (not built: --dry_run)",
              f"batch     {t.batch_size} x {d.seq_len} tokens = {t.batch_size * d.seq_len:,} per step"]
