@@ -3,6 +3,7 @@ blocks and markers, what it compares, and (fast, in every `make test`) that ever
 in README.md and docs/*.md is accepted by the command-line parser."""
 
 import contextlib
+import importlib.util
 import io
 import shlex
 import sys
@@ -11,8 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import docs_check  # noqa: E402
+_spec = importlib.util.spec_from_file_location("docs_check", ROOT / "scripts" / "docs_check.py")
+docs_check = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = docs_check  # (dataclasses look their module up there)
+_spec.loader.exec_module(docs_check)
 
 PAGE = """Intro.
 
