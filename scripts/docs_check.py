@@ -189,7 +189,9 @@ def compare(step: Step, output: str) -> list[str]:
             continue
         hit = next((i for i, a in candidates if i >= at and numbers_match(want, a, tolerance)), None)
         if hit is None:
-            near = next((a for i, a in candidates if i >= at), candidates[-1][1])
+            # the nearest: a line of the same shape (numbers aside), else the next one with that first word
+            near = next((a for i, a in candidates if numbers_match(want, a, None)),
+                        next((a for i, a in candidates if i >= at), candidates[-1][1]))
             problems.append(f"expected: {want}\n    got:      {near}")
         else:
             at = hit + 1
