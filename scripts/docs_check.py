@@ -202,7 +202,7 @@ def run_tpu_llm(argv: list[str], parse_only: bool) -> tuple[int, str]:
     from tpu_llm import cli
     from tpu_llm.errors import UserError
 
-    out, err = io.StringIO(), io.StringIO()
+    out = err = io.StringIO()  # one stream, in the order the lines were printed (as on a terminal)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         if parse_only:
             try:
@@ -213,7 +213,7 @@ def run_tpu_llm(argv: list[str], parse_only: bool) -> tuple[int, str]:
                 code = 2
         else:
             code = cli.main(argv)
-    return code, out.getvalue() + err.getvalue()
+    return code, out.getvalue()
 
 
 def run_step(step: Step, env: dict) -> tuple[int, str, str]:
@@ -229,9 +229,9 @@ def run_step(step: Step, env: dict) -> tuple[int, str, str]:
             argv.append("--dry_run")
         if not skip and any(a.startswith("--cpu_devices") for a in argv):
             # TensorFlow's devices are fixed once it has started: logical CPUs need a fresh process
-            r = subprocess.run([sys.executable, "-m", "tpu_llm", *argv], capture_output=True, text=True, env=env,
-                               timeout=600)
-            return r.returncode, r.stdout + r.stderr, "process"
+            r = subprocess.run([sys.executable, "-m", "tpu_llm", *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
+            return r.returncode, r.stdout, "process"
         code, output = run_tpu_llm(argv, parse_only=skip)
         return code, output, "parsed" if skip else "ran"
     if words[:2] == ["python", "-m"] and words[2:3] == ["tpu_llm"] and not skip:
@@ -241,8 +241,9 @@ def run_step(step: Step, env: dict) -> tuple[int, str, str]:
     if words and words[0] == "make" and "run" not in step.marks.split():
         # make installs environments and runs suites or Cloud TPUs: never by accident
         return 1, "a `make` command: mark its block `<!-- docs-check: skip REASON -->` or `run`", "refused"
-    r = subprocess.run(["bash", "-c", step.command], capture_output=True, text=True, env=env, timeout=600)
-    return r.returncode, r.stdout + r.stderr, "ran"
+    r = subprocess.run(["bash", "-c", step.command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=env, timeout=600)
+    return r.returncode, r.stdout, "ran"
 
 
 def scratch_copy() -> Path:
