@@ -28,7 +28,7 @@ TPU := $(PYTHON) -m tpu_llm.cloud
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: train test test-fast faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tpu-stop tensorboard data-upload infra-check
+.PHONY: train test test-fast faults mutants bench clean tpu-up tpu-down tpu-status tpu-ssh tpu-logs tpu-stop tensorboard data-upload infra-check docs-check
 
 # One TensorFlow wheel per environment, chosen by extra (pyproject.toml): here the CPU one, with
 # tensorflow-text for SentencePiece and Hugging Face interop (hf): what training needs, all `make train`
@@ -106,3 +106,6 @@ data-upload: $(STAMP)  ## tokenize INPUT into TFRecord shards and upload them to
 
 infra-check: $(DEV_STAMP) $(TOOLS_STAMP)  ## offline checks of infra/: terraform fmt, HCL structure, checkov, shellcheck
 	$(BIN)/python -m pytest -q tests/test_infra.py
+
+docs-check: $(STAMP)  ## run the command blocks of README.md and docs/*.md in a scratch copy, compare outputs (scripts/docs_check.py)
+	$(BIN)/python scripts/docs_check.py

@@ -37,12 +37,13 @@ def _overrides(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def train(config: str | Config | None = None, *, say: Callable[[str], None] | None = None, samples: bool = True,
-          started: float | None = None, **overrides: Any) -> dict:
+          started: float | None = None, unstated: str = "", **overrides: Any) -> dict:
     """Train `config` (a preset's name such as "tiny", a YAML file, or a Config) with `overrides`, resuming
     the run in its run_dir if there is one; returns the summary (steps, losses, tokens/s, MFU, goodput, ...).
 
     `say` receives each line the CLI would print (default: printed); `samples=False` skips the samples
-    at the end; `started` is the Unix time the run's wall time counts from (default: now).
+    at the end; `started` is the Unix time the run's wall time counts from (default: now); `unstated`
+    (for the CLI) names what the command left out ("no --run_dir"), should the run directory refuse.
     """
     if isinstance(config, Config) and not overrides:
         cfg = config
@@ -57,7 +58,7 @@ def train(config: str | Config | None = None, *, say: Callable[[str], None] | No
         cfg = config_from_dict(data, source="tpu_llm.train")
     else:
         cfg = load_config(config, _overrides(overrides))
-    return controller.train(cfg, say=say, samples=samples, started=started or time.time())
+    return controller.train(cfg, say=say, samples=samples, started=started or time.time(), unstated=unstated)
 
 
 @dataclasses.dataclass

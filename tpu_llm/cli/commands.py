@@ -22,16 +22,29 @@ from tpu_llm.errors import UserError
 Trains to train.steps, evaluating and checkpointing on the way, then prints samples. Re-using a
 --run_dir resumes that run from its newest readable checkpoint. Everything that can be checked (the
 config, the data, the tokenizer against the data, the run directory, the checkpoints) is checked
-before the first step and before anything in the run directory is written.""")
-def train(config: str = "", overrides: dict | None = None):
+before anything in the run directory is written. --dry_run does those checks only and says what the
+run would do ("resumes from ckpt-500 at step 500", "starts a new run"): no model, no compile.""",
+         dry_run="check config, data, tokenizer, run directory and strategy, print what the run would do, "
+                 "and exit without building the model or writing anything")
+def train(config: str = "", overrides: dict | None = None, dry_run: bool = False):
     from tpu_llm.config import load_config
 
+    overrides = overrides or {}
     cfg = load_config(config or None, overrides)
+    # named in a refusal of the run directory: a command without them lands on an earlier run's directory
+    unstated = " and ".join(f"no --{flag}" for flag, given in (("config", bool(config)),
+                                                                ("run_dir", "run_dir" in overrides)) if not given)
+    if dry_run:
+        from tpu_llm.training.dry_run import dry_run as check
+
+        check(cfg, unstated=unstated)
+        return
     print("starting  loading TensorFlow ...", flush=True)  # the import takes 10-30 s (training/progress.py)
     from tpu_llm import api  # TensorFlow loads only once the config is valid
     from tpu_llm.training.goodput import process_started
 
-    api.train(cfg, started=process_started())  # the interpreter's and TensorFlow's start-up count as the run's
+    # the interpreter's and TensorFlow's start-up count as the run's
+    api.train(cfg, started=process_started(), unstated=unstated)
 
 
 # generate's bounds, checked before TensorFlow loads (docs/cli.md): each new token is one step of the
@@ -178,7 +191,11 @@ def import_(from_: str, run_dir: str, max_len: int = 0):
     print(f"imported  {from_} ({result['family']}, {result['params']:,} parameters, {result['dtype']}) "
           f"into {result['run_dir']} at step 0")
     print(f"next      tpu-llm generate --run_dir {result['run_dir']} --prompt 'Hello'")
-    print(f"          tpu-llm train --config {result['run_dir']}/config.yaml --data.train=FILES  (fine-tune)")
+    # the hf tokenizer trains on shards only: the fine-tune hint tokenizes first (both lines work as printed)
+    shards = f"{result['run_dir'].rstrip('/')}-shards"
+    print(f"          tpu-llm data prepare --input 'corpus/*.txt' --output {shards} --tokenizer hf "
+          f"--tokenizer_model {result['run_dir']}  (tokenize your text for fine-tuning)")
+    print(f"          tpu-llm train --config {result['run_dir']}/config.yaml {train_flags(shards, 'hf')}  (fine-tune)")
 
 
 @command("plan", "memory per chip and step time of a config on a TPU type, without training",
@@ -370,8 +387,19 @@ def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tok
                                     i, f"{perf.format_count(tokens)} tokens"))
     bar.close()
     print(f"wrote {meta['tokens']:,} tokens in {meta['records']:,} records to {output} "
-          f"({meta['shards']} shards, {meta['seconds']} s); train with "
-          f"--data.train='{output.rstrip('/')}/*.tfrecord' --data.tokenizer={tok.kind}")
+          f"({meta['shards']} shards, {meta['seconds']} s); train with {train_flags(output, tok.kind)}")
+
+
+def train_flags(shard_dir: str, kind: str) -> str:
+    """The `train` flags that read shards written by `data prepare` (a hint that must work as printed:
+    sentencepiece needs its model file, which prepare saved beside the shards)."""
+    shard_dir = shard_dir.rstrip("/")
+    flags = f"--data.train='{shard_dir}/*.tfrecord' --data.tokenizer={kind}"
+    if kind == "sentencepiece":
+        from tpu_llm.tokenizers import SP_MODEL_FILE
+
+        flags += f" --data.tokenizer_model='{shard_dir}/{SP_MODEL_FILE}'"
+    return flags
 
 
 @command("tokenizer train", "train a SentencePiece tokenizer (BPE with byte fallback)",

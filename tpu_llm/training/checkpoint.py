@@ -177,17 +177,22 @@ def check_run_dir_owner(run_dir: str) -> None:
                         f"{shown}); choose a new or empty --run_dir")
 
 
-def check_run_dir(cfg: Config) -> None:
+def check_run_dir(cfg: Config, unstated: str = "") -> None:
     """Everything `record_run` will need, checked without writing: the directory is a tpu-llm run (or
-    new or empty), made by the same model (`cfg.model.vocab_size` already resolved)."""
+    new or empty), made by the same model (`cfg.model.vocab_size` already resolved). `unstated`: what
+    the command line left to defaults (e.g. "no --run_dir"), named in the refusal because a newcomer's
+    command without --run_dir lands on the default run directory of an earlier run."""
     run_dir = cfg.run_dir
     check_run_dir_owner(run_dir)
     saved = read_saved_config(run_dir)
     if saved is not None:
         differences = _model_differences(saved.get("model", {}), cfg.model)
         if differences:
-            raise UserError(f"run_dir {run_dir!r} holds a run made with {differences[0]}; use the same "
-                            "model settings to resume it, or another --run_dir for a new run")
+            why = f" and this command gave {unstated}" if unstated else ""
+            fresh = f"{run_dir.rstrip('/')}-2" if not run_dir.endswith("-2") else f"{run_dir}x"
+            raise UserError(f"run_dir {run_dir!r} holds a run made with {differences[0]}{why}; for a new run add "
+                            f"`--run_dir {fresh}`, to resume that run use its config: "
+                            f"`--config {os.path.join(run_dir, CONFIG_FILE)}`")
 
 
 def record_run(cfg: Config, tokenizer: Tokenizer) -> None:

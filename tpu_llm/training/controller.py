@@ -113,9 +113,10 @@ def check_batch_split(batch_size: int, replicas: int, grad_accum: int, microbatc
                         f"train.grad_accum={grad_accum} micro-batches{pipe}; nearest valid values: {nearest}")
 
 
-def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
-    """`dist`: a distribution to reuse (tpu-llm doctor builds several runs on one TPU connection)."""
-    dist = dist or get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
+def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tuple, object]:
+    """Every check of a run that needs no model: batch split, data, tokenizer against the data and the
+    run directory (owner, lock, same model); writes nothing. Returns ((train, validation) sources,
+    tokenizer). `unstated`: what the command line left to defaults (check_run_dir)."""
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = sources.resolve_sources(cfg.data)
@@ -141,8 +142,14 @@ def build_run(cfg: Config, dist: Distribution | None = None) -> Run:
     if cfg.sample.num_samples and cfg.sample.max_new_tokens:
         check_covers(tokenizer, cfg.sample.prompt, "sample.prompt")
     if dist.is_chief:
-        check_run_dir(cfg)
+        check_run_dir(cfg, unstated)
+    return (train_src, val_src), tokenizer
 
+
+def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "") -> Run:
+    """`dist`: a distribution to reuse (tpu-llm doctor builds several runs on one TPU connection)."""
+    dist = dist or get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
+    (train_src, val_src), tokenizer = check_run(cfg, dist, unstated)
     precision = set_precision(cfg, dist)
     tf.config.run_functions_eagerly(cfg.execution == "eager")
     local_sgd = comm.check(cfg.comm, dist)  # local SGD: per-replica copies of the weights and moments
@@ -364,18 +371,23 @@ def out_of_memory(error: tf.errors.ResourceExhaustedError, run: Run, step: int, 
                      f"--accelerator ...`; {kept}")
 
 
+def setup_lines(cfg: Config, dist: Distribution, srcs, tokenizer) -> list[str]:
+    """The header's first lines: run directory, strategy, data and tokenizer (train and --dry_run)."""
+    xla = dist.xla if cfg.execution == "xla" else f"off (execution={cfg.execution})"
+    return [f"run_dir   {cfg.run_dir}",
+            f"strategy  {dist.name} ({dist.reason}); {dist.num_replicas} replica(s)"
+            + (f" per step, {dist.num_workers} workers" if dist.asynchronous else "") + f"; XLA: {xla}",
+            f"data      train: {srcs[0].description}; validation: {srcs[1].description}",
+            f"tokenizer {tokenizer.kind}, {tokenizer.vocab_size} ids"]
+
+
 def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
     """The start-up header of a run: where it writes, how it is distributed, its data, model and batch,
     and where it starts (resumed, initialised from another run, or new)."""
     cfg, t, d, dist = run.cfg, run.cfg.train, run.cfg.data, run.dist
     p = cfg.parallel
-    xla = dist.xla if cfg.execution == "xla" else f"off (execution={cfg.execution})"
-    lines = [f"run_dir   {cfg.run_dir}",
-             f"strategy  {dist.name} ({dist.reason}); {dist.num_replicas} replica(s)"
-             + (f" per step, {dist.num_workers} workers" if dist.asynchronous else "") + f"; XLA: {xla}",
-             f"data      train: {run.sources[0].description}; validation: {run.sources[1].description}",
-             f"tokenizer {run.tokenizer.kind}, {run.tokenizer.vocab_size} ids",
-             f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}"]
+    lines = setup_lines(cfg, dist, run.sources, run.tokenizer) + [
+        f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}"]
     if p.pipeline_stages > 1:
         lines.append(f"pipeline  GPipe, {p.pipeline_stages} stages x {p.microbatches} micro-batches (bubble "
                      f"{pipeline.gpipe_bubble(p.pipeline_stages, p.microbatches):.0%}){', remat' if p.remat else ''}; "
@@ -406,15 +418,16 @@ def _next_boundary(step: int, every: int, total: int) -> int:
     return min(total, (step // every + 1) * every) if every > 0 else total
 
 
-def train(cfg: Config, say=None, samples: bool = True, started: float | None = None) -> dict:
+def train(cfg: Config, say=None, samples: bool = True, started: float | None = None, unstated: str = "") -> dict:
     """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary. `started`:
-    the Unix time this run's wall time counts from (goodput.py; `tpu-llm train`: its process's start)."""
+    the Unix time this run's wall time counts from (goodput.py; `tpu-llm train`: its process's start);
+    `unstated`: what the command left out (no --config, no --run_dir), named if the run directory refuses."""
     if serve_if_cluster_server(cfg):  # a parameter-server cluster's worker or ps task: serves, never returns
         return {}
     say = say or say_now
     started = started or time.time()
     say(phases.STARTING)
-    run = build_run(cfg)
+    run = build_run(cfg, unstated=unstated)
     ledger = goodput.Ledger(cfg.run_dir, started, run.dist.is_chief, run.lock)
     try:
         return _train(run, say, samples, ledger)

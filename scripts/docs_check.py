@@ -1,0 +1,303 @@
+"""Executable docs: run the shell command blocks of README.md and docs/*.md, in document order, in a
+scratch copy of the repository, and fail on a non-zero exit or on output that no longer matches what
+the page shows. `make docs-check`; docs/development.md ("Docs that run") describes the markers.
+
+A block (``` fence without a language, or bash/sh/console) is a command block when its lines start
+with `$ ` (each command followed by its expected output) or its first line starts with a known
+command (tpu-llm, make, python, ...): one command per line, `# comments` and `\\` continuations
+allowed. An HTML comment on the line(s) before a fence changes how it is checked:
+
+  <!-- docs-check: skip REASON -->    not run here (Cloud, TPU, downloads, long runs); `tpu-llm`
+                                       commands are still parsed (the CLI must refuse nothing)
+  <!-- docs-check: dry-run -->        `tpu-llm train` commands run with --dry_run (no model, no compile)
+  <!-- docs-check: output -->         this block is the expected output of the previous block's last command
+  <!-- docs-check: machine-dependent lines=step,done -->   numbers not compared; only lines starting
+                                       with these words compared (an output block)
+  <!-- docs-check: tolerance 5% -->   numbers compared within 5% (default 2%)
+  <!-- docs-check: skip ...; `make train` runs `tpu-llm train --config configs/tiny.yaml` -->
+                                       that command instead of `make train` (the rest of the block skipped)
+  <!-- docs-check: exit 2 -->         the commands are expected to exit with this status (a refusal)
+Markers combine: `<!-- docs-check: dry-run exit 2 -->`.
+
+Expected lines are matched in order against the command's stdout+stderr lines that start with the
+same first word; lines of `...` and lines whose first word the command never printed at all are
+failures too (a section that disappeared). `tpu-llm` commands run in this process (cli.main), so
+TensorFlow starts once for the whole check; other commands run in bash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND_WORDS = ("tpu-llm", "make", "python", "python3", ".venv/bin/tpu-llm", "pip", "cd", "ls", "cat",
+                 "huggingface-cli", "gcloud", "terraform", "tensorboard", "time", "export", "DRY_RUN=1", "rm", "mkdir")
+MARKER = re.compile(r"<!--\s*docs-check:\s*(.*?)\s*-->")
+# numbers that measure this machine, never compared: throughput, MFU, time left, step time, peak FLOP/s
+MACHINE = re.compile(r"[\d.]+[kMG]? tok/s|MFU [\d.]+%|eta \S+|[\d.]+ ms/step|[\d.]+[kMGT]?FLOP/s|[\d.]+ s\b")
+NUMBER = re.compile(r"[-+]?\d[\d,]*\.?\d*(?:e[-+]?\d+)?")
+
+
+@dataclasses.dataclass
+class Step:
+    page: str
+    line: int
+    command: str
+    expected: list[str]
+    marks: str  # the block's marker text ('' for none)
+    output_marks: str = ""
+
+
+@dataclasses.dataclass
+class Failure:
+    step: Step
+    what: str
+
+    def __str__(self):
+        return f"{self.step.page}:{self.step.line}: $ {self.step.command}\n    {self.what}"
+
+
+def blocks(text: str):
+    """(first line number, language, marker text, lines) of each fenced block."""
+    lines = text.splitlines()
+    i, marks = 0, ""
+    while i < len(lines):
+        found = MARKER.search(lines[i])
+        if found:
+            marks = found.group(1)
+        elif lines[i].startswith("```"):
+            lang, start, body = lines[i][3:].strip(), i + 1, []
+            i += 1
+            while i < len(lines) and not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            yield start + 1, lang, marks, body
+            marks = ""
+        elif lines[i].strip():
+            marks = ""  # a marker applies to the fence right after it (blank lines allowed)
+        i += 1
+
+
+def steps(page: str, text: str) -> list[Step]:
+    out: list[Step] = []
+    for line, lang, marks, body in blocks(text):
+        if lang not in ("", "bash", "sh", "console", "shell"):
+            continue
+        if marks.startswith("output") or marks.startswith("machine-dependent"):
+            # the output of the previous block's last command that runs (or runs a stand-in)
+            target = next((s for s in reversed(out) if not s.marks.startswith("skip")
+                           or f"`{s.command}` runs `" in s.marks), None)
+            if target:
+                target.expected += [b for b in body if b.strip()]
+                target.output_marks = marks
+            continue
+        if any(b.startswith("$ ") for b in body):
+            for j, b in enumerate(body):
+                if b.startswith("$ "):
+                    out.append(Step(page, line + j, strip_comment(b[2:]).strip(), [], marks))
+                elif out and out[-1].line >= line and b.strip():
+                    out[-1].expected.append(b)
+            continue
+        first = next((b.split()[0] for b in body if b.strip()), "")
+        if first not in COMMAND_WORDS and not re.match(r"[A-Z_]+=", first):
+            continue
+        joined = ""
+        for j, b in enumerate(body):
+            part = b.strip() if joined else b.rstrip()
+            joined += part[:-1].rstrip() + " " if part.endswith("\\") else part
+            if not b.rstrip().endswith("\\"):
+                command = strip_comment(joined).strip()
+                if command:
+                    out.append(Step(page, line + j, command, [], marks))
+                joined = ""
+    return out
+
+
+def empty_tables(page: str, text: str) -> list[Failure]:
+    """A Markdown table with its header and no row (its rows lost in an edit) is a failure."""
+    lines, found = text.splitlines(), []
+    for i in range(1, len(lines)):
+        if re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[i].strip()) and lines[i - 1].lstrip().startswith("|") and \
+                not (i + 1 < len(lines) and lines[i + 1].lstrip().startswith("|")):
+            found.append(Failure(Step(page, i, lines[i - 1].strip()[:80], [], ""), "a table with no rows"))
+    return found
+
+
+def strip_comment(command: str) -> str:
+    """`command` without a trailing `# comment` (a # inside quotes or a word is kept)."""
+    quote = ""
+    for i, c in enumerate(command):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or command[i - 1].isspace()):
+            return command[:i].rstrip()
+    return command
+
+
+def numbers_match(expected: str, actual: str, tolerance: float | None) -> bool:
+    """Same text with numbers masked, and each number within `tolerance` (None: not compared)."""
+    expected, actual = MACHINE.sub("~", expected), MACHINE.sub("~", actual)
+    shape, got = NUMBER.sub("N", " ".join(expected.split())), NUMBER.sub("N", " ".join(actual.split()))
+    if "..." in shape:  # the page shortened the line: its parts, in order
+        if not re.fullmatch(".*".join(re.escape(part) for part in shape.split("...")), got):
+            return False
+        return True  # numbers of a shortened line are compared by its shape only
+    if shape != got:
+        return False
+    if tolerance is None:
+        return True
+    for e, a in zip(NUMBER.findall(expected), NUMBER.findall(actual)):
+        e_value, a_value = float(e.replace(",", "")), float(a.replace(",", ""))
+        if abs(e_value - a_value) > tolerance * max(abs(e_value), abs(a_value)) + 1e-12:
+            return False
+    return True
+
+
+def compare(step: Step, output: str) -> list[str]:
+    marks = step.output_marks or step.marks
+    tolerance = None if "machine-dependent" in marks else 0.02
+    found = re.search(r"tolerance (\d+(?:\.\d+)?)%", marks)
+    if found:
+        tolerance = float(found.group(1)) / 100
+    words = re.search(r"lines=([\w,:.-]+)", marks)
+    only = set(words.group(1).split(",")) if words else None
+    actual = [line for line in output.splitlines() if line.strip()]
+    problems, at = [], 0
+    for want in step.expected:
+        if want.strip() in ("...", "…"):
+            continue
+        word = want.split()[0]
+        if only is not None and word not in only:
+            continue
+        candidates = [(i, a) for i, a in enumerate(actual) if a.split() and a.split()[0] == word]
+        if not candidates:
+            problems.append(f"expected a line starting with {word!r}: {want}\n    got no such line")
+            continue
+        hit = next((i for i, a in candidates if i >= at and numbers_match(want, a, tolerance)), None)
+        if hit is None:
+            # the nearest: a line of the same shape (numbers aside), else the next one with that first word
+            near = next((a for i, a in candidates if numbers_match(want, a, None)),
+                        next((a for i, a in candidates if i >= at), candidates[-1][1]))
+            problems.append(f"expected: {want}\n    got:      {near}")
+        else:
+            at = hit + 1
+    return problems
+
+
+def run_tpu_llm(argv: list[str], parse_only: bool) -> tuple[int, str]:
+    from tpu_llm import cli
+    from tpu_llm.errors import UserError
+
+    out = err = io.StringIO()  # one stream, in the order the lines were printed (as on a terminal)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        if parse_only:
+            try:
+                cli.parse(argv)
+                code = 0
+            except UserError as e:
+                print(f"error: {e}", file=sys.stderr)
+                code = 2
+        else:
+            code = cli.main(argv)
+    return code, out.getvalue()
+
+
+def run_step(step: Step, env: dict) -> tuple[int, str, str]:
+    """(exit code, output, how it ran)."""
+    words = shlex.split(step.command)
+    skip = step.marks.startswith("skip")
+    stand_in = re.search(r"`" + re.escape(step.command) + r"` runs `([^`]+)`", step.marks)
+    if stand_in:  # e.g. `make train` runs `tpu-llm train --config configs/tiny.yaml` here, minus the install
+        words, skip = shlex.split(stand_in.group(1)), False
+    if words and words[0] in ("tpu-llm", ".venv/bin/tpu-llm") and not any(c in step.command for c in "|;&>"):
+        argv = words[1:]
+        if "dry-run" in step.marks and argv[:1] == ["train"] and "--dry_run" not in argv:
+            argv.append("--dry_run")
+        if not skip and any(a.startswith("--cpu_devices") for a in argv):
+            # TensorFlow's devices are fixed once it has started: logical CPUs need a fresh process
+            r = subprocess.run([sys.executable, "-m", "tpu_llm", *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
+            return r.returncode, r.stdout, "process"
+        code, output = run_tpu_llm(argv, parse_only=skip)
+        return code, output, "parsed" if skip else "ran"
+    if words[:2] == ["python", "-m"] and words[2:3] == ["tpu_llm"] and not skip:
+        return (*run_tpu_llm(words[3:], parse_only=False), "ran")
+    if skip:
+        return 0, "", "skipped"
+    if words and words[0] == "make" and "run" not in step.marks.split():
+        # make installs environments and runs suites or Cloud TPUs: never by accident
+        return 1, "a `make` command: mark its block `<!-- docs-check: skip REASON -->` or `run`", "refused"
+    r = subprocess.run(["bash", "-c", step.command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=env, timeout=600)
+    return r.returncode, r.stdout, "ran"
+
+
+def scratch_copy() -> Path:
+    where = Path(tempfile.mkdtemp(prefix="docs-check-"))
+    shutil.copytree(ROOT, where / "repo", ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__",
+                                                                        "*.egg-info", "site"))
+    return where / "repo"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pages", nargs="*", help="pages to check (default: README.md and docs/*.md)")
+    parser.add_argument("--list", action="store_true", help="list the commands and how each would be checked")
+    args = parser.parse_args(argv)
+    pages = args.pages or ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+    plan = [s for page in pages for s in steps(page, (ROOT / page).read_text())]
+    if args.list:
+        for s in plan:
+            print(f"{s.page}:{s.line}: [{s.marks or 'run'}] {s.command}")
+        return 0
+    repo = scratch_copy()
+    os.chdir(repo)
+    sys.path.insert(0, str(repo))
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", PYTHONPATH=str(repo))
+    failures = [f for page in pages for f in empty_tables(page, (ROOT / page).read_text())]
+    counts, start = {}, time.time()
+    for step in plan:
+        t0 = time.time()
+        try:
+            code, output, how = run_step(step, env)
+        except Exception as e:  # the checker's own trouble with one command: report it, go on
+            code, output, how = -1, f"{type(e).__name__}: {e}", "ran"
+        counts[how] = counts.get(how, 0) + 1
+        status = "ok"
+        wanted = re.search(r"exit (\d+)", step.marks)
+        wanted = int(wanted.group(1)) if wanted and step.command.startswith(("tpu-llm", ".venv/bin/tpu-llm")) else 0
+        if code != wanted:
+            last = [line for line in output.splitlines() if line.strip()][-3:]
+            failures.append(Failure(step, f"exit {code} (the page expects {wanted}): " + " | ".join(last)))
+            status = "FAIL"
+        else:
+            for problem in compare(step, output):
+                failures.append(Failure(step, problem))
+                status = "FAIL"
+        print(f"{status:4} {how:7} {time.time() - t0:5.1f}s {step.page}:{step.line}: {step.command[:90]}", flush=True)
+        if status == "FAIL":  # at once too: a long check can be read (or stopped) while it runs
+            print("\n".join(f"     {f.what}" for f in failures if f.step is step), flush=True)
+    print(f"\n{len(plan)} commands ({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}) in "
+          f"{time.time() - start:.0f} s; {len(failures)} failure(s)")
+    for f in failures:
+        print(f"\n{f}")
+    shutil.rmtree(repo.parent, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

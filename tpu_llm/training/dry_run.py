@@ -1,0 +1,66 @@
+"""`tpu-llm train --dry_run`: every check of a run that needs no model (config, data, tokenizer against
+the data, run directory, strategy), the start-up header, and what the run would do (resume from which
+checkpoint, or start a new run), without building the model, compiling or writing anything. Users run
+it before paying for a TPU hour; scripts/docs_check.py runs the docs' long trainings this way."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import tensorflow as tf
+
+from tpu_llm.config import Config
+from tpu_llm.parallel import pipeline
+from tpu_llm.parallel.distribute import get_strategy
+from tpu_llm.training.checkpoint import CHECKPOINT_DIR
+from tpu_llm.training.controller import check_run, setup_lines
+
+
+def layout(cfg: Config, dist, vocab_size: int) -> list[str]:
+    """The pipeline or tensor lines of the start-up header (controller.describe_run), from the partition,
+    which needs no model."""
+    p = cfg.parallel
+    if p.pipeline_stages > 1:
+        stages = pipeline.partition(cfg.model, vocab_size, cfg.data.seq_len, p.pipeline_stages)
+        return [f"pipeline  GPipe, {p.pipeline_stages} stages x {p.microbatches} micro-batches (bubble "
+                f"{pipeline.gpipe_bubble(p.pipeline_stages, p.microbatches):.0%}){', remat' if p.remat else ''}; "
+                f"{dist.placement.describe()}"] + [f"          {line}" for line in pipeline.describe(stages)]
+    if p.tensor > 1:
+        return [f"tensor    heads and MLP units split {p.tensor} ways; {dist.placement.describe()}"]
+    return []
+
+
+def newest_checkpoint(run_dir: str) -> tuple[str, int] | None:
+    """(name, step) of the newest checkpoint file in `run_dir` (by its step number; its readability is
+    checked only when training restores it), or None."""
+    steps = []
+    for index in tf.io.gfile.glob(os.path.join(run_dir, CHECKPOINT_DIR, "ckpt-*.index")):
+        match = re.fullmatch(r"ckpt-(\d+)\.index", os.path.basename(index))
+        if match:
+            steps.append(int(match.group(1)))
+    return (f"ckpt-{max(steps)}", max(steps)) if steps else None
+
+
+def dry_run(cfg: Config, say=print, unstated: str = "") -> list[str]:
+    """Check `cfg` as `train` would before its first step and print what it would do; returns the lines."""
+    dist = get_strategy(cfg)
+    srcs, tokenizer = check_run(cfg, dist, unstated)
+    m, t, d = cfg.model, cfg.train, cfg.data
+    lines = [*setup_lines(cfg, dist, srcs, tokenizer),
+             *layout(cfg, dist, cfg.model.vocab_size),
+             f"model     {m.family}: {m.n_layer} layers, {m.n_head} heads, width {m.n_embd} (not built: --dry_run)",
+             f"batch     {t.batch_size} x {d.seq_len} tokens = {t.batch_size * d.seq_len:,} per step"]
+    newest = newest_checkpoint(cfg.run_dir)
+    if newest and newest[1] >= t.steps:
+        plan = f"nothing to do: {newest[0]} is at step {newest[1]} of train.steps={t.steps}"
+    elif newest:
+        plan = f"resumes from {newest[0]} at step {newest[1]}, trains to step {t.steps}"
+    elif t.init_from:
+        plan = f"starts a new run from the weights of {t.init_from} (train.init_from), trains {t.steps} steps"
+    else:
+        plan = f"starts a new run, trains {t.steps} steps"
+    lines.append(f"dry run   all checks passed; would: {plan}")
+    for line in lines:
+        say(line)
+    return lines
