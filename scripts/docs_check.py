@@ -46,7 +46,8 @@ COMMAND_WORDS = ("tpu-llm", "make", "python", "python3", ".venv/bin/tpu-llm", "p
                  "huggingface-cli", "gcloud", "terraform", "tensorboard", "time", "export", "DRY_RUN=1", "rm", "mkdir")
 MARKER = re.compile(r"<!--\s*docs-check:\s*(.*?)\s*-->")
 # numbers that measure this machine, never compared: throughput, MFU, time left, step time, peak FLOP/s
-MACHINE = re.compile(r"[\d.]+[kMG]? tok/s|MFU [\d.]+%|eta \S+|[\d.]+ ms/step|[\d.]+[kMGT]?FLOP/s|[\d.]+ s\b")
+MACHINE = re.compile(r"[\d.]+[kMG]? tok/s|MFU [\d.]+%|eta \S+|[\d.]+ ms/step|[\d.]+[kMGT]?FLOP/s|[\d.]+ s\b"
+                     r"|goodput \d+% of [^;]*")  # goodput: its shares of wall time vary by machine too
 NUMBER = re.compile(r"[-+]?\d[\d,]*\.?\d*(?:e[-+]?\d+)?")
 
 

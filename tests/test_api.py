@@ -41,7 +41,7 @@ def test_the_pages_example_runs_as_written(page_run):
     assert summary["step"] == 20 and np.isfinite(summary["train_loss"])
     assert run.checkpoint.endswith("ckpt-20") and run.config.model.n_layer == 4  # the tiny preset
     assert page_run["text"].startswith("def ") and len(run.tokenizer.encode(page_run["text"])) == 4 + 40
-    assert page_run["logits"].shape == (1, len(page_run["ids"]), run.config.model.vocab_size)
+    assert page_run["logits"].shape == (1, len(page_run["ids"]), run.tokenizer.vocab_size)
 
 
 def test_greedy_generate_is_the_arg_max_of_the_full_logits_again_and_again(page_run):
@@ -67,7 +67,7 @@ def test_generate_is_what_the_command_line_prints(page_run, capsys):
 def test_logits_refuse_ids_outside_the_vocabulary_or_the_context(page_run):
     run = page_run["run"]
     with pytest.raises(ValueError, match="ids must be in"):
-        run.logits([0, run.config.model.vocab_size])
+        run.logits([0, run.tokenizer.vocab_size])
     with pytest.raises(ValueError, match="more than model.max_len"):
         run.logits([1] * (run.config.model.max_len + 1))
 

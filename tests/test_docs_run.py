@@ -99,3 +99,19 @@ def test_every_documented_command_parses(step):
             parse(argv)
         except UserError as e:
             pytest.fail(f"{step.page}:{step.line}: $ {step.command}\n    error: {e}")
+
+
+# The pages whose command blocks are marked and run in full (docs/development.md#docs-that-run). README's
+# `make train` block trains the tiny config for 500 steps (~2 minutes), the rest takes seconds.
+MARKED = ["README.md", "docs/quickstart.md", "docs/planning.md", "docs/tokenizers.md", "docs/memory.md",
+          "docs/pipeline-tensor.md"]  # (docs/python-api.md's example: tests/test_api.py)
+
+
+@pytest.mark.slow
+def test_the_marked_pages_run_as_written():
+    """Every command of the marked pages runs (or is parsed, as marked) and prints what the page shows."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs_check.py"), *MARKED], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("; 0 failure(s)"), r.stdout[-6000:] + r.stderr[-2000:]

@@ -72,7 +72,8 @@ class LoadedRun:
 
     def logits(self, tokens: Sequence[int] | Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
         """Next-token logits for each position: (T,) or (B, T) token ids -> (B, T, vocab) float32 array
-        (a 1-D input is one sequence). At most model.max_len tokens per sequence."""
+        (a 1-D input is one sequence), vocab the tokenizer's (a model padded past it has columns no token
+        has; they are left out, as sampling leaves them out). At most model.max_len tokens per sequence."""
         ids = np.asarray(tokens, dtype=np.int32)
         if ids.ndim == 1:
             ids = ids[None]
@@ -80,9 +81,11 @@ class LoadedRun:
             raise ValueError(f"tokens: give (T,) or (B, T) token ids with T >= 1, got shape {ids.shape}")
         if ids.shape[1] > self.config.model.max_len:
             raise ValueError(f"tokens: {ids.shape[1]} positions, more than model.max_len={self.config.model.max_len}")
-        if ids.min() < 0 or ids.max() >= self.config.model.vocab_size:
-            raise ValueError(f"tokens: ids must be in [0, {self.config.model.vocab_size}), got {ids.min()}..{ids.max()}")
-        return np.asarray(tf.cast(self.model(tf.constant(ids), training=False), tf.float32))
+        vocab = self.tokenizer.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"tokens: ids must be in [0, {vocab}) (the tokenizer's), got {ids.min()}..{ids.max()}")
+        logits = self.model(tf.constant(ids), training=False)[..., :vocab]  # (B, T, vocab)
+        return np.asarray(tf.cast(logits, tf.float32))
 
     def samples(self, prompt: str = "", num_samples: int = 1, max_new_tokens: int = 200, temperature: float = 0.8,
                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, say: Callable[[str], None] | None = None,
