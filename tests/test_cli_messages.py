@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import TINY_FLAGS, assert_refused, snapshot, write_corpus
 
+import tpu_llm
 from tpu_llm import cli
 
 pytestmark = pytest.mark.slow  # the CLI in subprocesses
@@ -195,7 +196,7 @@ def test_a_config_that_is_a_directory_or_not_utf8_is_one_line(commands):
 
 def test_info_prints_nothing_but_its_own_lines(commands):
     r = commands[0]["info"]
-    assert r.code == 0 and r.stdout.startswith("tensorflow "), r
+    assert r.code == 0 and r.stdout.startswith(f"tpu-llm {tpu_llm.__version__}, tensorflow "), r
     assert r.stderr == "", r  # no cuInit line, no absl or oneDNN notice
 
 
