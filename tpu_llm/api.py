@@ -45,17 +45,8 @@ def train(config: str | Config | None = None, *, say: Callable[[str], None] | No
     at the end; `started` is the Unix time the run's wall time counts from (default: now); `unstated`
     (for the CLI) names what the command left out ("no --run_dir"), should the run directory refuse.
     """
-    if isinstance(config, Config) and not overrides:
-        cfg = config
-    elif isinstance(config, Config):  # its values, then the overrides, checked as a config file's would be
-        data = config.to_dict()
-        for key, value in _overrides(overrides).items():
-            *sections, last = key.split(".")
-            node = data
-            for section in sections:
-                node = node.setdefault(section, {})
-            node[last] = value
-        cfg = config_from_dict(data, source="tpu_llm.train")
+    if isinstance(config, Config):  # a copy, then the overrides, checked as on the command line
+        cfg = load_config(None, _overrides(overrides), base=config)
     else:
         cfg = load_config(config, _overrides(overrides))
     return controller.train(cfg, say=say, samples=samples, started=started or time.time(), unstated=unstated)

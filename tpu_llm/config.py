@@ -13,6 +13,7 @@ value cut short, and no message built unless its check fails.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -249,9 +250,9 @@ def config_file(path: str) -> str:
     return presets().get(name, path)
 
 
-def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults <- YAML file at `path` (or a preset's name) <- dotted `overrides`; validated."""
-    cfg = Config()
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None, base: Config | None = None) -> Config:
+    """Defaults (or a copy of `base`) <- YAML file at `path` (or a preset's name) <- dotted `overrides`; validated."""
+    cfg = copy.deepcopy(base) if base is not None else Config()
     if path:
         path = config_file(path)
         _apply(cfg, _read_yaml(path), source=path)
