@@ -107,5 +107,5 @@ data-upload: $(STAMP)  ## tokenize INPUT into TFRecord shards and upload them to
 infra-check: $(DEV_STAMP) $(TOOLS_STAMP)  ## offline checks of infra/: terraform fmt, HCL structure, checkov, shellcheck
 	$(BIN)/python -m pytest -q tests/test_infra.py
 
-docs-check: $(STAMP)  ## run the command blocks of README.md and docs/*.md in a scratch copy, compare outputs (scripts/docs_check.py)
+docs-check: $(DEV_STAMP)  ## run the command blocks of README.md and docs/*.md in a scratch copy, compare outputs (scripts/docs_check.py)
 	$(BIN)/python scripts/docs_check.py

@@ -12,12 +12,22 @@ allowed. An HTML comment on the line(s) before a fence changes how it is checked
   <!-- docs-check: dry-run -->        `tpu-llm train` commands run with --dry_run (no model, no compile)
   <!-- docs-check: output -->         this block is the expected output of the previous block's last command
   <!-- docs-check: machine-dependent lines=step,done -->   numbers not compared; only lines starting
-                                       with these words compared (an output block)
+                                       with these words compared (an output block; `_` stands for a
+                                       space: lines=[worker_0] compares worker 0's lines only)
   <!-- docs-check: tolerance 5% -->   numbers compared within 5% (default 2%)
   <!-- docs-check: skip ...; `make train` runs `tpu-llm train --config configs/tiny.yaml` -->
                                        that command instead of `make train` (the rest of the block skipped)
   <!-- docs-check: exit 2 -->         the commands are expected to exit with this status (a refusal)
+  <!-- docs-check: quick --train.steps=20 -->   flags added to each `tpu-llm train` (also after
+                                       `launch ... --`): a long training cut short, its later commands run
+  <!-- docs-check: file my_run.yaml --> the block (any language) is written to that file, as the page
+                                       tells the reader to
+  <!-- docs-check: skip ...; `huggingface-cli download gpt2 --local-dir gpt2` runs `python scripts/tiny_hf.py gpt2 gpt2` -->
+                                       a stand-in for a command that cannot run here (any program)
 Markers combine: `<!-- docs-check: dry-run exit 2 -->`.
+
+The scratch copy has a `corpus/` folder of text (CORPUS: Python standard-library modules as .txt files),
+standing in for the reader's own text that the pages call `corpus/*.txt`.
 
 Expected lines are matched in order against the command's stdout+stderr lines that start with the
 same first word; lines of `...` and lines whose first word the command never printed at all are
@@ -47,8 +57,9 @@ COMMAND_WORDS = ("tpu-llm", "make", "python", "python3", ".venv/bin/tpu-llm", "p
 MARKER = re.compile(r"<!--\s*docs-check:\s*(.*?)\s*-->")
 # numbers that measure this machine, never compared: throughput, MFU, time left, step time, peak FLOP/s
 MACHINE = re.compile(r"[\d.]+[kMG]? tok/s|MFU [\d.]+%|eta \S+|[\d.]+ ms/step|[\d.]+[kMGT]?FLOP/s|[\d.]+ s\b"
-                     r"|goodput \d+% of [^;]*")  # goodput: its shares of wall time vary by machine too
-NUMBER = re.compile(r"[-+]?\d[\d,]*\.?\d*(?:e[-+]?\d+)?")
+                     r"|goodput \d+% of [^;]*|fingerprint [0-9a-f]{16}")  # goodput: its shares of wall time vary by machine too
+PLACEHOLDER = re.compile(r"<[a-z][a-z ]*>")  # in an expected line: any one word (a time, a host name)
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")  # (a sentence's full stop is not a decimal point)
 
 
 @dataclasses.dataclass
@@ -59,6 +70,7 @@ class Step:
     expected: list[str]
     marks: str  # the block's marker text ('' for none)
     output_marks: str = ""
+    contents: str | None = None  # a `file` block's text
 
 
 @dataclasses.dataclass
@@ -94,9 +106,14 @@ def blocks(text: str):
 def steps(page: str, text: str) -> list[Step]:
     out: list[Step] = []
     for line, lang, marks, body in blocks(text):
+        written = re.match(r"file (\S+)", marks)
+        if written:  # the page shows a file's contents: write them (a step of its own, in page order)
+            out.append(Step(page, line, f"(write {written.group(1)})", [], marks, contents="\n".join(body) + "\n"))
+            continue
         if lang not in ("", "bash", "sh", "console", "shell"):
             continue
-        if marks.startswith("output") or marks.startswith("machine-dependent"):
+        if (marks.startswith("output") or marks.startswith("machine-dependent")) and \
+                not any(b.startswith("$ ") for b in body):
             # the output of the previous block's last command that runs (or runs a stand-in)
             target = next((s for s in reversed(out) if not s.marks.startswith("skip")
                            or f"`{s.command}` runs `" in s.marks), None)
@@ -153,6 +170,9 @@ def numbers_match(expected: str, actual: str, tolerance: float | None) -> bool:
     """Same text with numbers masked, and each number within `tolerance` (None: not compared)."""
     expected, actual = MACHINE.sub("~", expected), MACHINE.sub("~", actual)
     shape, got = NUMBER.sub("N", " ".join(expected.split())), NUMBER.sub("N", " ".join(actual.split()))
+    if PLACEHOLDER.search(shape):  # <time>, <host>: a word the page cannot know; the rest by shape
+        parts = PLACEHOLDER.split(shape)
+        return re.fullmatch(r"\S+?".join(re.escape(part) for part in parts), got) is not None
     if "..." in shape:  # the page shortened the line: its parts, in order
         if not re.fullmatch(".*".join(re.escape(part) for part in shape.split("...")), got):
             return False
@@ -174,15 +194,15 @@ def compare(step: Step, output: str) -> list[str]:
     found = re.search(r"tolerance (\d+(?:\.\d+)?)%", marks)
     if found:
         tolerance = float(found.group(1)) / 100
-    words = re.search(r"lines=([\w,:.-]+)", marks)
-    only = set(words.group(1).split(",")) if words else None
+    words = re.search(r"lines=(\S+)", marks)
+    only = [w.replace("_", " ") for w in words.group(1).split(",")] if words else None  # `_`: a space
     actual = [line for line in output.splitlines() if line.strip()]
     problems, at = [], 0
     for want in step.expected:
         if want.strip() in ("...", "…"):
             continue
         word = want.split()[0]
-        if only is not None and word not in only:
+        if only is not None and not any(want.startswith(p + " ") or want == p for p in only):
             continue
         candidates = [(i, a) for i, a in enumerate(actual) if a.split() and a.split()[0] == word]
         if not candidates:
@@ -199,34 +219,65 @@ def compare(step: Step, output: str) -> list[str]:
     return problems
 
 
+# TensorFlow's and its libraries' own log lines, which docs/cli.md promises stay off stderr without --verbose
+NOISE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] |[IWE]\d{4} \d\d:\d\d:\d\d|WARNING: All log messages"
+                   r"|.*(normalizer\.cc|Compiled cluster using XLA|SessionOptions:|oneDNN custom operations))")
+
+
 def run_tpu_llm(argv: list[str], parse_only: bool) -> tuple[int, str]:
+    """Run `tpu-llm ARGV` in this process: its output, Python's and the native libraries' (file
+    descriptors 1 and 2) in one stream, in the order it was written, as a terminal shows it."""
     from tpu_llm import cli
     from tpu_llm.errors import UserError
 
-    out = err = io.StringIO()  # one stream, in the order the lines were printed (as on a terminal)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        if parse_only:
-            try:
-                cli.parse(argv)
-                code = 0
-            except UserError as e:
-                print(f"error: {e}", file=sys.stderr)
-                code = 2
-        else:
-            code = cli.main(argv)
-    return code, out.getvalue()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        os.dup2(captured.fileno(), 2)
+        stream = open(captured.fileno(), "w", buffering=1, encoding="utf-8", closefd=False)
+        try:
+            with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+                if parse_only:
+                    try:
+                        cli.parse(argv)
+                        code = 0
+                    except UserError as e:
+                        print(f"error: {e}", file=sys.stderr)
+                        code = 2
+                else:
+                    code = cli.main(argv)
+        finally:
+            stream.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        captured.seek(0)
+        return code, captured.read().decode("utf-8", "replace")
 
 
 def run_step(step: Step, env: dict) -> tuple[int, str, str]:
     """(exit code, output, how it ran)."""
-    words = shlex.split(step.command)
-    skip = step.marks.startswith("skip")
+    if step.contents is not None:
+        path = Path(re.match(r"file (\S+)", step.marks).group(1))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(step.contents)
+        return 0, "", "written"
+    command, skip = step.command, step.marks.startswith("skip")
     stand_in = re.search(r"`" + re.escape(step.command) + r"` runs `([^`]+)`", step.marks)
     if stand_in:  # e.g. `make train` runs `tpu-llm train --config configs/tiny.yaml` here, minus the install
-        words, skip = shlex.split(stand_in.group(1)), False
-    if words and words[0] in ("tpu-llm", ".venv/bin/tpu-llm") and not any(c in step.command for c in "|;&>"):
+        command, skip = stand_in.group(1), False
+    words = shlex.split(command)
+    if words and words[0] in ("tpu-llm", ".venv/bin/tpu-llm") and not any(c in command for c in "|;&>"):
         argv = words[1:]
-        if "dry-run" in step.marks and argv[:1] == ["train"] and "--dry_run" not in argv:
+        quick = re.search(r"quick ((?:--[^\s;]+\s*)+)", step.marks)
+        trains = argv[:1] == ["train"] or argv[argv.index("--") + 1:][:1] == ["train"] if "--" in argv else \
+            argv[:1] == ["train"]  # `train`, or `launch ... -- train`
+        if quick and trains and not skip:
+            argv += quick.group(1).split()
+        if "dry-run" in step.marks and trains and "--dry_run" not in argv:
             argv.append("--dry_run")
         if not skip and any(a.startswith("--cpu_devices") for a in argv):
             # TensorFlow's devices are fixed once it has started: logical CPUs need a fresh process
@@ -242,15 +293,24 @@ def run_step(step: Step, env: dict) -> tuple[int, str, str]:
     if words and words[0] == "make" and "run" not in step.marks.split():
         # make installs environments and runs suites or Cloud TPUs: never by accident
         return 1, "a `make` command: mark its block `<!-- docs-check: skip REASON -->` or `run`", "refused"
-    r = subprocess.run(["bash", "-c", step.command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    r = subprocess.run(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        env=env, timeout=600)
-    return r.returncode, r.stdout, "ran"
+    return r.returncode, r.stdout, "stand-in" if stand_in else "ran"
+
+
+# the reader's own text (`corpus/*.txt` on the pages): modules of Python's standard library, 20-270 KB each
+CORPUS = ["argparse", "ast", "calendar", "csv", "dataclasses", "difflib", "fractions", "functools", "heapq",
+          "inspect", "shlex", "textwrap"]
 
 
 def scratch_copy() -> Path:
     where = Path(tempfile.mkdtemp(prefix="docs-check-"))
     shutil.copytree(ROOT, where / "repo", ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__",
-                                                                        "*.egg-info", "site"))
+                                                                        "*.egg-info", "site", "corpus"))
+    (where / "repo" / "corpus").mkdir()
+    stdlib = Path(os.__file__).parent
+    for name in CORPUS:
+        shutil.copy(stdlib / f"{name}.py", where / "repo" / "corpus" / f"{name}.txt")
     return where / "repo"
 
 
@@ -258,6 +318,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pages", nargs="*", help="pages to check (default: README.md and docs/*.md)")
     parser.add_argument("--list", action="store_true", help="list the commands and how each would be checked")
+    parser.add_argument("--show", action="store_true", help="print each command's output (to update a page from a run)")
     args = parser.parse_args(argv)
     pages = args.pages or ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
     plan = [s for page in pages for s in steps(page, (ROOT / page).read_text())]
@@ -265,39 +326,63 @@ def main(argv=None) -> int:
         for s in plan:
             print(f"{s.page}:{s.line}: [{s.marks or 'run'}] {s.command}")
         return 0
-    repo = scratch_copy()
-    os.chdir(repo)
-    sys.path.insert(0, str(repo))
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", PYTHONPATH=str(repo))
+    sys.path.insert(0, str(ROOT))  # the checkout under test (the scratch copies are only where commands run)
+    os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)  # (make sets it:) what tpu-llm silences itself is checked
+    os.environ["HF_HUB_OFFLINE"] = "1"  # transformers on a page reads local folders, never the network
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", PYTHONPATH=str(ROOT))
     failures = [f for page in pages for f in empty_tables(page, (ROOT / page).read_text())]
-    counts, start = {}, time.time()
-    for step in plan:
-        t0 = time.time()
-        try:
-            code, output, how = run_step(step, env)
-        except Exception as e:  # the checker's own trouble with one command: report it, go on
-            code, output, how = -1, f"{type(e).__name__}: {e}", "ran"
-        counts[how] = counts.get(how, 0) + 1
-        status = "ok"
-        wanted = re.search(r"exit (\d+)", step.marks)
-        wanted = int(wanted.group(1)) if wanted and step.command.startswith(("tpu-llm", ".venv/bin/tpu-llm")) else 0
-        if code != wanted:
-            last = [line for line in output.splitlines() if line.strip()][-3:]
-            failures.append(Failure(step, f"exit {code} (the page expects {wanted}): " + " | ".join(last)))
-            status = "FAIL"
-        else:
-            for problem in compare(step, output):
-                failures.append(Failure(step, problem))
-                status = "FAIL"
-        print(f"{status:4} {how:7} {time.time() - t0:5.1f}s {step.page}:{step.line}: {step.command[:90]}", flush=True)
-        if status == "FAIL":  # at once too: a long check can be read (or stopped) while it runs
-            print("\n".join(f"     {f.what}" for f in failures if f.step is step), flush=True)
+    counts, start, home = {}, time.time(), os.getcwd()
+    trained = Path(tempfile.mkdtemp(prefix="docs-check-tiny-"))  # runs/tiny once a page made it
+    try:
+        for page in pages:
+            # each page starts from a clean checkout, as its reader would, plus `make train`'s runs/tiny
+            # once a page (README's `make train`) has made it
+            repo = scratch_copy()
+            if (trained / "tiny").is_dir():
+                shutil.copytree(trained / "tiny", repo / "runs" / "tiny")
+            os.chdir(repo)
+            try:
+                for step in (s for s in plan if s.page == page):
+                    failures += check_step(step, env, counts, args.show)
+                if (repo / "runs" / "tiny").is_dir() and not (trained / "tiny").is_dir():
+                    shutil.copytree(repo / "runs" / "tiny", trained / "tiny", symlinks=True)
+            finally:
+                os.chdir(home)
+                shutil.rmtree(repo.parent, ignore_errors=True)
+    finally:
+        shutil.rmtree(trained, ignore_errors=True)
     print(f"\n{len(plan)} commands ({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}) in "
           f"{time.time() - start:.0f} s; {len(failures)} failure(s)")
     for f in failures:
         print(f"\n{f}")
-    shutil.rmtree(repo.parent, ignore_errors=True)
     return 1 if failures else 0
+
+
+def check_step(step: Step, env: dict, counts: dict, show: bool = False) -> list[Failure]:
+    """Run one step, compare, print its line; its failures."""
+    t0, failures = time.time(), []
+    try:
+        code, output, how = run_step(step, env)
+    except Exception as e:  # the checker's own trouble with one command: report it, go on
+        code, output, how = -1, f"{type(e).__name__}: {e}", "ran"
+    counts[how] = counts.get(how, 0) + 1
+    wanted = re.search(r"exit (\d+)", step.marks)
+    wanted = int(wanted.group(1)) if wanted and step.command.startswith(("tpu-llm", ".venv/bin/tpu-llm")) else 0
+    if code != wanted:
+        last = [line for line in output.splitlines() if line.strip()][-3:]
+        failures.append(Failure(step, f"exit {code} (the page expects {wanted}): " + " | ".join(last)))
+    elif how not in ("parsed", "skipped"):  # (a skipped block's expected lines are the page's word alone)
+        failures += [Failure(step, problem) for problem in compare(step, output)]
+    if "tpu-llm" in step.command and "--verbose" not in step.command:
+        failures += [Failure(step, f"a native log line on the terminal (docs/cli.md: only tpu-llm's without "
+                                   f"--verbose): {line.strip()[:160]}") for line in output.splitlines() if NOISE.match(line)]
+    status = "FAIL" if failures else "ok"
+    print(f"{status:4} {how:8} {time.time() - t0:5.1f}s {step.page}:{step.line}: {step.command[:90]}", flush=True)
+    if show:
+        print("\n".join(f"   | {line}" for line in output.rstrip().splitlines()), flush=True)
+    if failures:  # at once too: a long check can be read (or stopped) while it runs
+        print("\n".join(f"     {f.what}" for f in failures), flush=True)
+    return failures
 
 
 if __name__ == "__main__":

@@ -382,7 +382,7 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = F
     tensors.pop(drop, None)
     if hub:
         tensors = {name.removeprefix("transformer."): value for name, value in tensors.items()}
-        tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 32, 32), np.float32)) for i in range(2)})
+        tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 32, 32), np.float32)) for i in range(config["n_layer"])})
     safetensors_io.write_all(os.path.join(folder, "model.safetensors"), tensors.items())
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)

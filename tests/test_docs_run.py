@@ -5,6 +5,7 @@ in README.md and docs/*.md is accepted by the command-line parser."""
 import contextlib
 import importlib.util
 import io
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -76,6 +77,63 @@ def test_empty_table_and_unmarked_make_fail():
     assert (code, how) == (1, "refused") and "mark its block" in output
 
 
+QUICK_PAGE = """<!-- docs-check: file cfg/my.yaml -->
+```yaml
+run_dir: runs/x
+```
+
+<!-- docs-check: quick --train.steps=20 --sample.num_samples=0; `huggingface-cli download x` runs `echo fetched` -->
+```
+huggingface-cli download x
+tpu-llm train --config cfg/my.yaml
+tpu-llm launch --workers 2 -- train --config cfg/my.yaml
+tpu-llm tokenizer train --input x --output y
+```
+
+<!-- docs-check: skip: a bucket -->
+```
+$ tpu-llm report --run_dir RUN
+report    RUN
+```
+"""
+
+
+def test_file_quick_and_stand_in_markers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write, fetch, train, launch, tokenizer, report = docs_check.steps("page.md", QUICK_PAGE)
+    assert docs_check.run_step(write, {})[::2] == (0, "written") and (tmp_path / "cfg/my.yaml").read_text() == \
+        "run_dir: runs/x\n"
+    assert docs_check.run_step(fetch, dict(os.environ)) == (0, "fetched\n", "stand-in")
+    ran = []
+    monkeypatch.setattr(docs_check, "run_tpu_llm", lambda argv, parse_only: ran.append(argv) or (0, ""))
+    for step in (train, launch, tokenizer):
+        docs_check.run_step(step, {})
+    quick = ["--train.steps=20", "--sample.num_samples=0"]
+    assert ran == [["train", "--config", "cfg/my.yaml", *quick],
+                   ["launch", "--workers", "2", "--", "train", "--config", "cfg/my.yaml", *quick],
+                   ["tokenizer", "train", "--input", "x", "--output", "y"]]  # (not a training run)
+    assert docs_check.check_step(report, {}, {}) == []  # a skipped block's output is not compared
+
+
+def test_placeholders_prefixes_and_native_log_lines(monkeypatch):
+    assert docs_check.numbers_match("profile   traced: a/<time>/<host>.xplane.pb (b)",
+                                    "profile   traced: a/2026_12_04/t1v-n-0.xplane.pb (b)", 0.02)
+    assert not docs_check.numbers_match("profile   traced: a/<time>/<host>.xplane.pb (b)",
+                                        "profile   traced: b/2026_12_04/t1v-n-0.xplane.pb (b)", 0.02)
+    step = docs_check.Step("p.md", 1, "tpu-llm launch", ["[worker 0] step 5 loss 2.0", "[worker 1] late 7"],
+                           "tolerance 1% lines=[worker_0]")
+    assert docs_check.compare(step, "[worker 1] late 9\n[worker 0] step 5 loss 2.0\n") == []  # worker 1's not compared
+    assert docs_check.compare(step, "[worker 0] step 5 loss 2.5\n") != []
+    noise = ["2026-12-04 21:43:33.528476: I external/local_xla/xla/tsl/cuda/cudart_stub.cc:31] Could not find cuda",
+             "I0000 00:00:1733349813.000000   12 device_compiler.h:188] Compiled cluster using XLA!",
+             "normalizer.cc(51) LOG(INFO) precompiled_charsmap is empty. use identity normalization."]
+    assert all(docs_check.NOISE.match(line) for line in noise)
+    assert not any(docs_check.NOISE.match(line) for line in ["step 25/500 [#---] loss 4.1", "error: the disk is full"])
+    monkeypatch.setattr(docs_check, "run_step", lambda step, env: (0, noise[1] + "\n", "ran"))
+    found = docs_check.check_step(docs_check.Step("p.md", 1, "tpu-llm train", [], ""), {}, {})
+    assert len(found) == 1 and "native log line" in found[0].what
+
+
 def doc_commands():
     pages = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
     for page in pages:
@@ -101,17 +159,25 @@ def test_every_documented_command_parses(step):
             pytest.fail(f"{step.page}:{step.line}: $ {step.command}\n    error: {e}")
 
 
-# The pages whose command blocks are marked and run in full (docs/development.md#docs-that-run). README's
-# `make train` block trains the tiny config for 500 steps (~2 minutes), the rest takes seconds.
-MARKED = ["README.md", "docs/quickstart.md", "docs/planning.md", "docs/tokenizers.md", "docs/memory.md",
-          "docs/pipeline-tensor.md"]  # (docs/python-api.md's example: tests/test_api.py)
+# Every page runs (docs/development.md#docs-that-run), in two groups that take about as long, so that
+# pytest-xdist's two workers run them side by side. The first holds README.md, whose `make train` (the
+# tiny config's 500 steps, ~80 s) makes the runs/tiny that the other pages of its group start from.
+PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+FIRST = ["README.md", "docs/quickstart.md", "docs/export.md", "docs/goodput.md", "docs/profiling.md",
+         "docs/migrate-from-model-fit.md"]  # with runs/tiny; the rest below make what they need
+
+
+def test_every_page_is_in_a_group():
+    assert set(FIRST) <= set(PAGES) and len(PAGES) == len(set(PAGES))
 
 
 @pytest.mark.slow
-def test_the_marked_pages_run_as_written():
-    """Every command of the marked pages runs (or is parsed, as marked) and prints what the page shows."""
+@pytest.mark.parametrize("group", ["with-runs-tiny", "the-rest"])
+def test_the_pages_run_as_written(group):
+    """Every command of every page runs (or is parsed, as marked) and prints what the page shows."""
     import subprocess
 
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs_check.py"), *MARKED], cwd=ROOT,
+    pages = FIRST if group == "with-runs-tiny" else [p for p in PAGES if p not in FIRST]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs_check.py"), *pages], cwd=ROOT,
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("; 0 failure(s)"), r.stdout[-6000:] + r.stderr[-2000:]

@@ -27,6 +27,7 @@ from tpu_llm.cli import pjrt
 from tpu_llm.cli.parser import COMMANDS, Command, Flag, help_text, overview, parse
 from tpu_llm.cli.quiet import VERBOSE_ENV, NativeLogFilter, quiet_absl, quiet_tensorflow
 from tpu_llm.errors import EXIT_USER_ERROR, RunStopped, UserError
+from tpu_llm.training import goodput
 
 __all__ = ["COMMANDS", "Command", "Flag", "help_text", "main", "overview", "parse"]
 
@@ -44,6 +45,7 @@ def asked_tpu(kwargs: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     tethered = tether.as_child()  # a task of `tpu-llm launch`, a bench run; before any thread starts
+    goodput.command_began()
     argv = list(sys.argv[1:] if argv is None else argv)
     own = argv[:argv.index("--")] if "--" in argv else argv
     verbose = "--verbose" in own or os.environ.get(VERBOSE_ENV, "") not in ("", "0")

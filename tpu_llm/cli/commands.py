@@ -41,10 +41,10 @@ def train(config: str = "", overrides: dict | None = None, dry_run: bool = False
         return
     print("starting  loading TensorFlow ...", flush=True)  # the import takes 10-30 s (training/progress.py)
     from tpu_llm import api  # TensorFlow loads only once the config is valid
-    from tpu_llm.training.goodput import process_started
+    from tpu_llm.training.goodput import command_started
 
     # the interpreter's and TensorFlow's start-up count as the run's
-    api.train(cfg, started=process_started(), unstated=unstated)
+    api.train(cfg, started=command_started(), unstated=unstated)
 
 
 # generate's bounds, checked before TensorFlow loads (docs/cli.md): each new token is one step of the

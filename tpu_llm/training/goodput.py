@@ -64,6 +64,20 @@ def process_started() -> float:
         return _IMPORTED
 
 
+_COMMANDS: list[float] = []  # when each `tpu-llm` command of this process began (cli.main)
+
+
+def command_began() -> None:
+    """cli.main, at its start: a process may run several commands (a test, the docs checker, a notebook)."""
+    _COMMANDS.append(time.time())
+
+
+def command_started() -> float:
+    """When the current command began, for its wall time: the process's start for the first command of a
+    process (the interpreter's and imports' time count), the command's own start for a later one."""
+    return process_started() if len(_COMMANDS) <= 1 else _COMMANDS[-1]
+
+
 
 # ---- recording ------------------------------------------------------------------------------------
 
