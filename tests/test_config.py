@@ -149,7 +149,7 @@ def test_yaml_not_a_mapping(tmp_path):
 
 
 def test_empty_yaml_is_defaults(tmp_path):
-    assert load_config(write(tmp_path / "empty.yaml", "# nothing\n")) == Config()
+    assert load_config(write(tmp_path / "empty.yaml", "# nothing\n")) == Config(run_dir="runs/empty")  # (its name)
 
 
 def test_missing_config_file(tmp_path):
@@ -195,3 +195,15 @@ def test_every_shipped_config_loads(path):
                 got = getattr(getattr(cfg, section), key)
                 assert got == value, f"{path.name}: {section}.{key}={got!r}, file says {value!r}"
     assert dataclasses.asdict(cfg) == config_from_dict(raw, str(path)).to_dict()
+
+
+def test_a_config_file_names_its_run_directory(tmp_path):
+    """A config file that sets no run_dir trains in runs/<its name>, not in the default run's runs/tiny
+    (issue 30: examples with a config of their own collided with `make train`'s run)."""
+    mine = tmp_path / "my_run.yaml"
+    mine.write_text("model: {n_layer: 2}\n")
+    assert load_config(str(mine)).run_dir == "runs/my_run"
+    assert load_config(str(mine), {"run_dir": "runs/elsewhere"}).run_dir == "runs/elsewhere"  # the command line wins
+    (tmp_path / "own.yml").write_text("run_dir: gs://b/r\n")
+    assert load_config(str(tmp_path / "own.yml")).run_dir == "gs://b/r"  # its own
+    assert load_config(None).run_dir == "runs/tiny" and load_config("tiny").run_dir == "runs/tiny"

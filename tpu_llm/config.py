@@ -206,7 +206,7 @@ class CommConfig:
 
 @dataclasses.dataclass
 class Config:
-    run_dir: str = "runs/tiny"  # local path or gs://bucket/path; re-using it resumes
+    run_dir: str = "runs/tiny"  # local path or gs://bucket/path; re-using it resumes. A --config FILE that sets none: runs/<FILE's name>
     strategy: str = "auto"  # auto | tpu | mirrored | multi_worker | parameter_server | default
     tpu: str = ""  # "" (Colab/Kaggle, or TPU_NAME) | local (on a TPU VM) | a TPU name or grpc:// address
     cpu_devices: int = 1  # split the CPU into N logical devices and mirror over them (N > 1)
@@ -255,7 +255,11 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     cfg = copy.deepcopy(base) if base is not None else Config()
     if path:
         path = config_file(path)
-        _apply(cfg, _read_yaml(path), source=path)
+        data = _read_yaml(path)
+        if base is None and isinstance(data, dict) and "run_dir" not in data:
+            # a config names its run: my_run.yaml trains in runs/my_run, not in the default run's runs/tiny
+            cfg.run_dir = f"runs/{re.sub(r'[.]ya?ml$', '', os.path.basename(path))}"
+        _apply(cfg, data, source=path)
     for key, value in (overrides or {}).items():
         _set_dotted(cfg, key, value, source="command line")
     validate(cfg)
