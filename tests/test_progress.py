@@ -120,6 +120,19 @@ def test_machine_peak_is_measured_once_and_cached(tmp_path):
     assert peak.machine_peak("/GPU:0", lambda: 7e12, None, path)[0] == 7e12  # a key per device
 
 
+def test_a_peak_measured_low_is_raised_by_a_run_that_reaches_more(tmp_path):
+    """A peak measured on a busy machine makes MFU exceed 100%; the run that shows it raises the cache."""
+    from tpu_llm import peak
+
+    path = str(tmp_path / "peak.json")
+    peak.machine_peak("/CPU:0", lambda: 4e10, None, path)  # measured while busy
+    assert peak.raise_peak("/CPU:0", 3e10, path) is None  # reached less: the peak stays
+    assert peak.raise_peak("/CPU:0", 9e10, path) == 4e10  # reached more: raised, the old one returned
+    flops, how = peak.machine_peak("/CPU:0", lambda: pytest.fail("measured again"), None, path)
+    assert flops == 9e10 and "reached by a run" in how
+    assert peak.raise_peak("/GPU:0", 1e13, path) is None  # nothing cached for that device: nothing to raise
+
+
 @pytest.mark.parametrize("cluster, task, expected", [
     ({}, None, (1, 1)),
     # `tpu-llm launch --workers 2`: two processes on one machine share its peak (the issue's 94% MFU)

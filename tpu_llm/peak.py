@@ -7,8 +7,9 @@ throughput by that half: MFU 94%. Now the first process to need the peak measure
 file lock (the other processes of the run wait instead of measuring at the same time), writes it to
 the cache ($XDG_CACHE_HOME/tpu-llm/peak.json, else ~/.cache/tpu-llm/peak.json), and every later process
 and run on the machine reads it. The run's peak is the machine's times the machines that run its steps
-(the processes on one machine share its peak; other machines are assumed alike). Delete the file to
-measure again (e.g. if it was measured while the machine was busy).
+(the processes on one machine share its peak; other machines are assumed alike). A peak measured while
+the machine was busy is too low, and runs would show an MFU above 100%: a run that reaches more than
+the cached peak raises it to what it reached (`raise_peak`). Delete the file to measure again.
 """
 
 from __future__ import annotations
@@ -74,6 +75,30 @@ def machine_peak(device: str, measure: Callable[[], float], on_measure: Callable
                 json.dump(entries, f, indent=1)
             os.replace(tmp, path)
         return flops, f"measured now, once per machine, cached in {shown}"
+
+
+def raise_peak(device: str, reached: float, path: str | None = None) -> float | None:
+    """A run on `device` reached `reached` FLOP/s per machine: above the cached peak, the cache holds
+    it from now on (the old peak was measured on a busy machine). The old peak when raised, else None."""
+    path = path or cache_path()
+    key = machine_key(device)
+    try:
+        with open(path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = _read(path)
+            entry = entries.get(key)
+            if not (isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float))
+                    and 0 < entry["flops"] < reached):
+                return None
+            when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            entries[key] = {"flops": reached, "measured": f"{when} (reached by a run; measured {entry.get('measured', '')})"}
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(entries, f, indent=1)
+            os.replace(tmp, path)
+            return float(entry["flops"])
+    except OSError:
+        return None
 
 
 def _read(path: str) -> dict:

@@ -318,6 +318,20 @@ class Distribution:
         return flops * hosts, f"this machine's CPU float32 matmul, {how}{shared}{machines}"
 
 
+    def raise_peak(self, reached: float) -> float | None:
+        """The run reached `reached` FLOP/s over all its replicas, more than `peak_flops` said: on CPUs and
+        GPUs, the cached machine peak was measured low (a busy machine) and is raised (tpu_llm/peak.py).
+        The old peak of all replicas when raised, else None."""
+        if self.device_kind.startswith("TPU"):
+            return None  # a published figure
+        if self.device_kind == "GPU":
+            old = peak.raise_peak("/GPU:0", reached / self.num_replicas)
+            return None if old is None else old * self.num_replicas
+        hosts = peak.sharing(*read_tf_config())[1]
+        old = peak.raise_peak("/CPU:0", reached / hosts)
+        return None if old is None else old * hosts
+
+
 # best of this many matmuls (~3 s on 2 cores): measured once per machine, so a longer window is
 # affordable and more likely to catch the machine free of other work
 MACHINE_PEAK_REPEATS = 16
