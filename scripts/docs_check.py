@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import io
 import os
 import re
 import shlex
