@@ -181,3 +181,38 @@ def test_the_pages_run_as_written(group):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs_check.py"), *pages], cwd=ROOT,
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("; 0 failure(s)"), r.stdout[-6000:] + r.stderr[-2000:]
+
+
+def make_commands():
+    """Every `make ...` the pages show, in command blocks or inline code (`make tpu-up TPU_WAIT_MINUTES=120`)."""
+    import re
+
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        found = {s.command for s in docs_check.steps(page, text)}
+        found |= set(re.findall(r"`((?:[A-Z_]+=\S+ )*make [^`]+)`", text))
+        for command in sorted(found):
+            for part in command.split("&&"):  # (prose: `make tpu-up && make train`)
+                words = [w for w in shlex.split(part) if w != "/"]  # (`make tpu-up / train / tpu-down`)
+                if "make" in words:
+                    yield pytest.param(words, id=f"{page}:{part.strip()[:60]}")
+
+
+@pytest.mark.parametrize("words", list(make_commands()))
+def test_every_documented_make_command_names_a_target_and_known_settings(words):
+    """Argument validity of the `make` commands the checker cannot run (Cloud TPU, long suites): each
+    names a target of the Makefile, and each NAME=VALUE a setting the Makefile or what it runs reads."""
+    import fnmatch
+    import re
+
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([\w-]+):", makefile, flags=re.M))
+    readers = [makefile, *(p.read_text() for p in (ROOT / "tpu_llm" / "cloud").glob("*.py")),
+               (ROOT / "scripts" / "faults.py").read_text()]
+    settings = {name for text in readers for name in re.findall(r"\b([A-Z][A-Z0-9_]+)\b", text)}
+    at = words.index("make")
+    for word in words[:at] + words[at + 1:]:
+        if "=" in word:
+            assert word.split("=")[0] in settings, f"make setting {word.split('=')[0]} is read by nothing"
+        else:  # (a pattern in prose, `make tpu-*`, must match some target)
+            assert fnmatch.filter(targets, word), f"make {word}: no such target in the Makefile ({', '.join(sorted(targets))})"
