@@ -317,7 +317,6 @@ class Distribution:
         machines = f"; x {hosts} machines (assumed alike)" if hosts > 1 else ""
         return flops * hosts, f"this machine's CPU float32 matmul, {how}{shared}{machines}"
 
-
     def raise_peak(self, reached: float) -> float | None:
         """The run reached `reached` FLOP/s over all its replicas, more than `peak_flops` said: on CPUs and
         GPUs, the cached machine peak was measured low (a busy machine) and is raised (tpu_llm/peak.py).

@@ -78,7 +78,6 @@ def command_started() -> float:
     return process_started() if len(_COMMANDS) <= 1 else _COMMANDS[-1]
 
 
-
 # ---- recording ------------------------------------------------------------------------------------
 
 
