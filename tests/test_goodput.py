@@ -201,3 +201,56 @@ def test_property_any_goodput_file_is_accounted_or_skipped_line_by_line(tmp_path
     figures = goodput.account(goodput.read_records(str(path)))
     assert all(math.isfinite(figures[c]) for c in (*goodput.CATEGORIES, "total", "goodput"))
     goodput.table(figures), goodput.summary(figures), goodput.metrics(figures)
+
+
+def test_remote_lines_go_out_in_batches_not_one_upload_each(monkeypatch):
+    """On gs:// an append uploads the whole file again (TensorFlow's GCS filesystem): metrics.jsonl and
+    goodput.jsonl lines are held and appended together at most every 60 s, at each flush (a saved
+    checkpoint, the end of the run), and never after the run lost its lock. TF's ram:// filesystem stands
+    in for gs:// (any path with a scheme takes the remote path)."""
+    import tensorflow as tf
+
+    from tpu_llm.training.remote_append import RemoteAppender
+
+    now = [0.0]
+    path = "ram://remote_append_test/metrics.jsonl"
+    out = RemoteAppender(path, every=60.0, clock=lambda: now[0])
+    for i in range(100):  # 100 host calls within a minute: nothing uploaded yet
+        out.append(f"{i}\n")
+        now[0] += 0.5
+    assert out.uploads == 0 and not tf.io.gfile.exists(path)
+    now[0] += 20  # the oldest line has waited a minute: the next line takes them all out
+    out.append("100\n")
+    assert out.uploads == 1
+    out.append("101\n")
+    out.flush()  # a checkpoint was saved
+    assert out.uploads == 2
+    with tf.io.gfile.GFile(path) as f:
+        assert f.read() == "".join(f"{i}\n" for i in range(102))  # every line, in order, once
+    out.flush()
+    assert out.uploads == 2  # nothing pending: no upload
+
+    def lost():
+        raise RuntimeError("the lock was taken over")
+
+    late = RemoteAppender(path, check=lost)
+    late.append("from a process that lost its lock\n")
+    late.flush()
+    with tf.io.gfile.GFile(path) as f:
+        assert "lost its lock" not in f.read()
+
+
+def test_a_ledger_on_a_remote_run_directory_batches_its_records(tmp_path):
+    from tpu_llm.training import goodput
+
+    ledger = goodput.Ledger("ram://ledger_test/run", started=0.0)
+    ledger.start(0)  # start and end go out at once
+    assert ledger.remote.uploads == 1
+    for i in range(50):
+        ledger.steps(i, 1, 0.1)
+    assert ledger.remote.uploads == 1 and len(ledger.records) == 51  # held, still counted in figures
+    ledger.flush()
+    ledger.close()
+    assert ledger.remote.uploads == 3
+    kinds = [r["kind"] for r in goodput.read_records(ledger.path)]
+    assert kinds == ["start"] + ["steps"] * 50 + ["end"]

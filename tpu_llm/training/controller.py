@@ -34,6 +34,7 @@ from tpu_llm.training.checkpoint import (LOGS_DIR, METRICS_FILE, Checkpointer, c
                                          resolve_tokenizer, restore_init_from)
 from tpu_llm.training.optimizer import freeze, make_optimizer
 from tpu_llm.training.profiler import StepProfiler
+from tpu_llm.training.remote_append import RemoteAppender
 from tpu_llm.training.trainer import Trainer
 
 
@@ -248,6 +249,8 @@ class MetricsLog:
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.logs = os.path.join(run_dir, LOGS_DIR)
         self.enabled, self.writers, self.lock = enabled, {}, lock
+        # on gs://, lines go out in batches (remote_append.py: an append there uploads the whole file again)
+        self.remote = RemoteAppender(self.path, lock.check if lock else None) if "://" in self.path else None
         # a remote TPU: the writers (and their ops) on this process, not on the TPU host (tpu.CLIENT_IO)
         self.device = device
         if enabled:  # TF's summary writers follow links: none under logs/ (nor at metrics.jsonl)
@@ -290,11 +293,12 @@ class MetricsLog:
                 for key, value in values.items():
                     tf.summary.scalar(key, value)
         self._append(json.dumps({"split": split, "step": step, **values}) + "\n")
+        if split == "summary" and self.remote:  # the run's last line
+            self.remote.flush()
 
     def _append(self, line: str) -> None:
-        if "://" in self.path:
-            with tf.io.gfile.GFile(self.path, "a") as f:
-                f.write(line)
+        if self.remote:
+            self.remote.append(line)
             return
         try:  # O_NOFOLLOW: a link at metrics.jsonl is refused, whenever it appeared
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -306,6 +310,8 @@ class MetricsLog:
             f.write(line)
 
     def flush(self) -> None:
+        if self.remote:
+            self.remote.flush()
         with tf.device(self.device or None):
             for w in self.writers.values():
                 w.flush()
@@ -540,10 +546,13 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
                     guard.checkpoint(step, due=due)
                 if due:  # goodput so far, with each saved step (metrics.jsonl and TensorBoard)
                     log.write("goodput", step, goodput.metrics(ledger.figures()))
+                    log.flush()  # (on gs://, the lines held since the last save go out now)
+                    ledger.flush()
         finally:
             profiler.close()
             progress.close()
             log.flush()
+            ledger.flush()
 
     summary = {"step": step, "train_loss": last["loss"], "val_loss": val_loss, "tokens_per_sec": None,
                "ms_per_step": None, "params": run.model.num_params(), "run_dir": cfg.run_dir,

@@ -42,6 +42,7 @@ import statistics
 import time
 
 from tpu_llm.errors import UserError
+from tpu_llm.training.remote_append import RemoteAppender
 
 GOODPUT_FILE = "goodput.jsonl"
 CATEGORIES = ("productive", "compile", "evaluation", "checkpoint", "profiling", "sampling", "startup", "restart",
@@ -89,6 +90,9 @@ class Ledger:
         self.run_dir, self.started, self.enabled, self.lock = run_dir, started, enabled, lock
         self.records = read_records(self.path) if enabled else []
         self.open = False
+        # on gs://, records go out in batches (remote_append.py); start and end at once
+        self.remote = RemoteAppender(self.path, lock.check if lock else None) if enabled and "://" in self.path \
+            else None
 
     def start(self, step: int) -> None:
         """Training starts now, at `step`: the time since `started` was the process's start-up."""
@@ -137,16 +141,21 @@ class Ledger:
             return
         if self.lock is not None:  # a run that lost its lock writes no more
             self.lock.check()
+        if self.remote:
+            self.remote.append(json.dumps(record) + "\n")
+            if record["kind"] in ("start", "end"):
+                self.remote.flush()
+            return
         _append(self.run_dir, self.path, json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        """Write the records held back on gs:// (at each saved checkpoint and the end of training)."""
+        if self.remote:
+            self.remote.flush()
 
 
 def _append(run_dir: str, path: str, line: str) -> None:
-    if "://" in path:
-        import tensorflow as tf
-
-        with tf.io.gfile.GFile(path, "a") as f:
-            f.write(line)
-        return
+    """One line onto a local goodput.jsonl (a remote one goes through RemoteAppender)."""
     try:  # O_NOFOLLOW: never append through a link (docs/run-directory.md)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
