@@ -272,8 +272,8 @@ def run_step(step: Step, env: dict) -> tuple[int, str, str]:
     if words and words[0] in ("tpu-llm", ".venv/bin/tpu-llm") and not any(c in command for c in "|;&>"):
         argv = words[1:]
         quick = re.search(r"quick ((?:--[^\s;]+\s*)+)", step.marks)
-        trains = argv[:1] == ["train"] or argv[argv.index("--") + 1:][:1] == ["train"] if "--" in argv else \
-            argv[:1] == ["train"]  # `train`, or `launch ... -- train`
+        # `train`, or `launch ... -- train`
+        trains = argv[:1] == ["train"] or ("--" in argv and argv[argv.index("--") + 1:][:1] == ["train"])
         if quick and trains and not skip:
             argv += quick.group(1).split()
         if "dry-run" in step.marks and trains and "--dry_run" not in argv:

@@ -210,11 +210,11 @@ def test_remote_lines_go_out_in_batches_not_one_upload_each(monkeypatch):
     in for gs:// (any path with a scheme takes the remote path)."""
     import tensorflow as tf
 
-    from tpu_llm.training.remote_append import RemoteAppender
+    from tpu_llm.training.line_log import LineLog
 
     now = [0.0]
-    path = "ram://remote_append_test/metrics.jsonl"
-    out = RemoteAppender(path, every=60.0, clock=lambda: now[0])
+    out = LineLog("ram://remote_append_test", "metrics.jsonl", every=60.0, clock=lambda: now[0])
+    path = out.path
     for i in range(100):  # 100 host calls within a minute: nothing uploaded yet
         out.append(f"{i}\n")
         now[0] += 0.5
@@ -233,7 +233,7 @@ def test_remote_lines_go_out_in_batches_not_one_upload_each(monkeypatch):
     def lost():
         raise RuntimeError("the lock was taken over")
 
-    late = RemoteAppender(path, check=lost)
+    late = LineLog("ram://remote_append_test", "metrics.jsonl", check=lost)
     late.append("from a process that lost its lock\n")
     late.flush()
     with tf.io.gfile.GFile(path) as f:
@@ -245,12 +245,12 @@ def test_a_ledger_on_a_remote_run_directory_batches_its_records(tmp_path):
 
     ledger = goodput.Ledger("ram://ledger_test/run", started=0.0)
     ledger.start(0)  # start and end go out at once
-    assert ledger.remote.uploads == 1
+    assert ledger.out.uploads == 1
     for i in range(50):
         ledger.steps(i, 1, 0.1)
-    assert ledger.remote.uploads == 1 and len(ledger.records) == 51  # held, still counted in figures
+    assert ledger.out.uploads == 1 and len(ledger.records) == 51  # held, still counted in figures
     ledger.flush()
     ledger.close()
-    assert ledger.remote.uploads == 3
+    assert ledger.out.uploads == 3
     kinds = [r["kind"] for r in goodput.read_records(ledger.path)]
     assert kinds == ["start"] + ["steps"] * 50 + ["end"]

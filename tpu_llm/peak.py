@@ -61,19 +61,15 @@ def machine_peak(device: str, measure: Callable[[], float], on_measure: Callable
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process of the run measuring: wait for its number
         entries = _read(path)
-        entry = entries.get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
-            return float(entry["flops"]), f"measured once on this machine {entry.get('measured', '')}, cached in {shown}"
+        cached = _flops(entries.get(key))
+        if cached:
+            return cached, f"measured once on this machine {entries[key].get('measured', '')}, cached in {shown}"
         if on_measure:
             on_measure()
         flops = measure()
-        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        entries[key] = {"flops": flops, "measured": when}
+        entries[key] = {"flops": flops, "measured": _now()}
         with contextlib.suppress(OSError):
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(entries, f, indent=1)
-            os.replace(tmp, path)
+            _write(path, entries)
         return flops, f"measured now, once per machine, cached in {shown}"
 
 
@@ -86,19 +82,34 @@ def raise_peak(device: str, reached: float, path: str | None = None) -> float | 
         with open(path + ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             entries = _read(path)
-            entry = entries.get(key)
-            if not (isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float))
-                    and 0 < entry["flops"] < reached):
+            cached = _flops(entries.get(key))
+            if not cached or cached >= reached:
                 return None
-            when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-            entries[key] = {"flops": reached, "measured": f"{when} (reached by a run; measured {entry.get('measured', '')})"}
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(entries, f, indent=1)
-            os.replace(tmp, path)
-            return float(entry["flops"])
+            entries[key] = {"flops": reached,
+                            "measured": f"{_now()} (reached by a run; measured {entries[key].get('measured', '')})"}
+            _write(path, entries)
+            return cached
     except OSError:
         return None
+
+
+def _flops(entry) -> float | None:
+    """A cache entry's FLOP/s, if it holds a usable one."""
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+        return float(entry["flops"])
+    return None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _write(path: str, entries: dict) -> None:
+    """The cache anew, through a temporary file renamed over it (a reader sees the old or the new)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(entries, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _read(path: str) -> dict:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 import sys
 
-from tpu_llm import tether
+from tpu_llm import native_log, tether
 from tpu_llm.cli import commands  # noqa: F401  (registers every command)
 from tpu_llm.cli import pjrt
 from tpu_llm.cli.parser import COMMANDS, Command, Flag, help_text, overview, parse
-from tpu_llm.cli.quiet import VERBOSE_ENV, NativeLogFilter, quiet_absl, quiet_tensorflow
+from tpu_llm.cli.quiet import NativeLogFilter, quiet_absl, quiet_tensorflow
 from tpu_llm.errors import EXIT_USER_ERROR, RunStopped, UserError
 from tpu_llm.training import goodput
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     goodput.command_began()
     argv = list(sys.argv[1:] if argv is None else argv)
     own = argv[:argv.index("--")] if "--" in argv else argv
-    verbose = "--verbose" in own or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    verbose = "--verbose" in own or native_log.verbose()
     quiet_tensorflow(verbose)
     native = None if verbose else NativeLogFilter()
     if tethered:  # its output goes to the parent: stop and save unheard when the parent is gone

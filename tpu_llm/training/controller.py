@@ -7,7 +7,6 @@ checkpoints, resume, and the samples printed at the end. The compiled loops live
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -34,7 +33,7 @@ from tpu_llm.training.checkpoint import (LOGS_DIR, METRICS_FILE, Checkpointer, c
                                          resolve_tokenizer, restore_init_from)
 from tpu_llm.training.optimizer import freeze, make_optimizer
 from tpu_llm.training.profiler import StepProfiler
-from tpu_llm.training.remote_append import RemoteAppender
+from tpu_llm.training.line_log import LineLog
 from tpu_llm.training.trainer import Trainer
 
 
@@ -249,8 +248,7 @@ class MetricsLog:
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.logs = os.path.join(run_dir, LOGS_DIR)
         self.enabled, self.writers, self.lock = enabled, {}, lock
-        # on gs://, lines go out in batches (remote_append.py: an append there uploads the whole file again)
-        self.remote = RemoteAppender(self.path, lock.check if lock else None) if "://" in self.path else None
+        self.out = LineLog(run_dir, METRICS_FILE, lock.check if lock else None)  # on gs://: in batches
         # a remote TPU: the writers (and their ops) on this process, not on the TPU host (tpu.CLIENT_IO)
         self.device = device
         if enabled:  # TF's summary writers follow links: none under logs/ (nor at metrics.jsonl)
@@ -292,26 +290,12 @@ class MetricsLog:
             with tf.device(self.device or None), self.writers[split].as_default(step=step):
                 for key, value in values.items():
                     tf.summary.scalar(key, value)
-        self._append(json.dumps({"split": split, "step": step, **values}) + "\n")
-        if split == "summary" and self.remote:  # the run's last line
-            self.remote.flush()
-
-    def _append(self, line: str) -> None:
-        if self.remote:
-            self.remote.append(line)
-            return
-        try:  # O_NOFOLLOW: a link at metrics.jsonl is refused, whenever it appeared
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise link_error(self.run_dir, METRICS_FILE) from None
-            raise
-        with os.fdopen(fd, "a", encoding="utf-8") as f:
-            f.write(line)
+        self.out.append(json.dumps({"split": split, "step": step, **values}) + "\n")
+        if split == "summary":  # the run's last line (on gs://, at once)
+            self.out.flush()
 
     def flush(self) -> None:
-        if self.remote:
-            self.remote.flush()
+        self.out.flush()
         with tf.device(self.device or None):
             for w in self.writers.values():
                 w.flush()
@@ -387,20 +371,26 @@ def setup_lines(cfg: Config, dist: Distribution, srcs, tokenizer) -> list[str]:
             f"tokenizer {tokenizer.kind}, {tokenizer.vocab_size} ids"]
 
 
+def layout_lines(cfg: Config, dist: Distribution, stages) -> list[str]:
+    """The header's pipeline lines (with the run's `stages`) or tensor line (train and --dry_run)."""
+    p = cfg.parallel
+    if p.pipeline_stages > 1:
+        return [f"pipeline  GPipe, {p.pipeline_stages} stages x {p.microbatches} micro-batches (bubble "
+                f"{pipeline.gpipe_bubble(p.pipeline_stages, p.microbatches):.0%}){', remat' if p.remat else ''}; "
+                f"{dist.placement.describe()}"] + [f"          {line}" for line in pipeline.describe(stages)]
+    if p.tensor > 1:
+        return [f"tensor    heads and MLP units split {p.tensor} ways; {dist.placement.describe()}"]
+    return []
+
+
 def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
     """The start-up header of a run: where it writes, how it is distributed, its data, model and batch,
     and where it starts (resumed, initialised from another run, or new)."""
     cfg, t, d, dist = run.cfg, run.cfg.train, run.cfg.data, run.dist
-    p = cfg.parallel
     lines = setup_lines(cfg, dist, run.sources, run.tokenizer) + [
         f"precision {keras.mixed_precision.global_policy().name}; execution {cfg.execution}"]
-    if p.pipeline_stages > 1:
-        lines.append(f"pipeline  GPipe, {p.pipeline_stages} stages x {p.microbatches} micro-batches (bubble "
-                     f"{pipeline.gpipe_bubble(p.pipeline_stages, p.microbatches):.0%}){', remat' if p.remat else ''}; "
-                     f"{dist.placement.describe()}")
-        lines += [f"          {line}" for line in pipeline.describe(run.trainer.pipeline.stages)]
-    elif p.tensor > 1:
-        lines.append(f"tensor    heads and MLP units split {p.tensor} ways; {dist.placement.describe()}")
+    stages = run.trainer.pipeline.stages if cfg.parallel.pipeline_stages > 1 else None
+    lines += layout_lines(cfg, dist, stages)
     if run.comm:
         lines.append(f"comm      {run.comm.describe()}")
     elif comm.active(cfg.comm):

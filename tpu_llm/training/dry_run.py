@@ -14,21 +14,15 @@ from tpu_llm.config import Config
 from tpu_llm.parallel import pipeline
 from tpu_llm.parallel.distribute import get_strategy
 from tpu_llm.training.checkpoint import CHECKPOINT_DIR
-from tpu_llm.training.controller import check_run, setup_lines
+from tpu_llm.training.controller import check_run, layout_lines, setup_lines
 
 
 def layout(cfg: Config, dist, vocab_size: int) -> list[str]:
-    """The pipeline or tensor lines of the start-up header (controller.describe_run), from the partition,
-    which needs no model."""
+    """The pipeline or tensor lines of the start-up header, the stages from the partition (no model)."""
     p = cfg.parallel
-    if p.pipeline_stages > 1:
-        stages = pipeline.partition(cfg.model, vocab_size, cfg.data.seq_len, p.pipeline_stages)
-        return [f"pipeline  GPipe, {p.pipeline_stages} stages x {p.microbatches} micro-batches (bubble "
-                f"{pipeline.gpipe_bubble(p.pipeline_stages, p.microbatches):.0%}){', remat' if p.remat else ''}; "
-                f"{dist.placement.describe()}"] + [f"          {line}" for line in pipeline.describe(stages)]
-    if p.tensor > 1:
-        return [f"tensor    heads and MLP units split {p.tensor} ways; {dist.placement.describe()}"]
-    return []
+    stages = pipeline.partition(cfg.model, vocab_size, cfg.data.seq_len, p.pipeline_stages) \
+        if p.pipeline_stages > 1 else None
+    return layout_lines(cfg, dist, stages)
 
 
 def newest_checkpoint(run_dir: str) -> tuple[str, int] | None:

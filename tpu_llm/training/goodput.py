@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import json
 import math
 import os
@@ -42,7 +41,7 @@ import statistics
 import time
 
 from tpu_llm.errors import UserError
-from tpu_llm.training.remote_append import RemoteAppender
+from tpu_llm.training.line_log import LineLog
 
 GOODPUT_FILE = "goodput.jsonl"
 CATEGORIES = ("productive", "compile", "evaluation", "checkpoint", "profiling", "sampling", "startup", "restart",
@@ -90,9 +89,7 @@ class Ledger:
         self.run_dir, self.started, self.enabled, self.lock = run_dir, started, enabled, lock
         self.records = read_records(self.path) if enabled else []
         self.open = False
-        # on gs://, records go out in batches (remote_append.py); start and end at once
-        self.remote = RemoteAppender(self.path, lock.check if lock else None) if enabled and "://" in self.path \
-            else None
+        self.out = LineLog(run_dir, GOODPUT_FILE, lock.check if lock else None)  # on gs://: in batches
 
     def start(self, step: int) -> None:
         """Training starts now, at `step`: the time since `started` was the process's start-up."""
@@ -141,31 +138,13 @@ class Ledger:
             return
         if self.lock is not None:  # a run that lost its lock writes no more
             self.lock.check()
-        if self.remote:
-            self.remote.append(json.dumps(record) + "\n")
-            if record["kind"] in ("start", "end"):
-                self.remote.flush()
-            return
-        _append(self.run_dir, self.path, json.dumps(record) + "\n")
+        self.out.append(json.dumps(record) + "\n")
+        if record["kind"] in ("start", "end"):  # (on gs://, at once)
+            self.out.flush()
 
     def flush(self) -> None:
         """Write the records held back on gs:// (at each saved checkpoint and the end of training)."""
-        if self.remote:
-            self.remote.flush()
-
-
-def _append(run_dir: str, path: str, line: str) -> None:
-    """One line onto a local goodput.jsonl (a remote one goes through RemoteAppender)."""
-    try:  # O_NOFOLLOW: never append through a link (docs/run-directory.md)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            from tpu_llm.training.checkpoint import link_error
-
-            raise link_error(run_dir, GOODPUT_FILE) from None
-        raise
-    with os.fdopen(fd, "a", encoding="utf-8") as f:
-        f.write(line)
+        self.out.flush()
 
 
 def read_records(path: str) -> list[dict]:

@@ -8,11 +8,8 @@ import math
 from tpu_llm.config import freeze_spec
 
 SLOW_EVAL_SECONDS = 5.0  # an evaluation that took this long gets its phase line again the next time
-
-
 STARTING = ("starting  choosing the strategy, checking data and tokenizer, building the model, restoring the newest "
             "checkpoint if there is one ...")
-
 
 
 class Eta:
