@@ -42,6 +42,11 @@ RUNS = {
                                              "--train.grad_accum=2", "--model.dropout=0.1"],
     "2 mirrored replicas, dropout, topk": [*TINY, "--train.steps=8", "--cpu_devices=2", "--model.dropout=0.1",
                                            "--comm.compression=topk", "--comm.topk_ratio=0.1"],
+    "llama 20 steps (xla)": ["train", "--config", "configs/llama_tiny.yaml", *QUIET, "--train.steps=20"],
+    "llama, 2 stages x 2 tensor groups, 4 logical CPUs": ["train", "--config", "configs/llama_tiny.yaml", *QUIET,
+                                                          "--train.steps=8", "--cpu_devices=4",
+                                                          "--parallel.pipeline_stages=2", "--parallel.tensor=2",
+                                                          "--parallel.microbatches=2"],
     # asynchronous workers draw a new data order every run (tpu_llm/training/controller.py): it must run,
     # and its figures are printed, but they differ from run to run
     "parameter server, 1 worker (not deterministic)": ["launch", "--workers", "1", "--ps", "1", "--", *TINY,
