@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import CPUS, LLAMA, loss_and_grads, quiet, tiny_config, tiny_model, tpu_cores, train_losses
 
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
-from tpu_llm.parallel import tensor
 from tpu_llm.training.controller import train
 
 
@@ -49,19 +49,37 @@ def test_tpu_placement_puts_each_group_on_its_logical_core():
     assert cores == half_block(0) * 2 + [0] + half_block(2) * 2 + [2]
 
 
-def test_split_shapes_divide_every_kernel():
-    cfg = load_config("configs/gpt2_125m.yaml").model
-    for ways in (1, 2, 4, 12):
-        shapes = tensor.split_shapes(cfg, ways)
-        assert shapes["attn/qkv"] == (768, 3, 12 // ways, 64)
-        assert shapes["mlp/fc"] == (768, 3072 // ways) and shapes["mlp/proj"] == (3072 // ways, 768)
-        assert shapes["attn/proj"][0] * ways == 768
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_layers_group_parts_sum_to_the_layer_with_gradients_through_the_slices(family):
+    """What SplitBlock runs, without devices: each layer's combine(sum of group_part(x, group_weights(g)))
+    is the layer's call, and the gradients reach the variables through the slices."""
+    model = tiny_model(1, n_head=4, **({**LLAMA, "n_kv_head": 2} if family == "llama" else {}))
+    block = model.blocks[0]
+    x = tf.random.stateless_normal([2, 8, 32], [5, 6])
+    for layer in (block.attn, block.mlp):
+        with tf.GradientTape(persistent=True) as tape:
+            whole = layer(x)[0] if layer is block.attn else layer(x)
+            parts = {ways: layer.combine(tf.add_n([layer.group_part(x, layer.group_weights(g, ways, x.dtype))
+                                                   for g in range(ways)])) for ways in (1, 2)}
+        want = tape.gradient(whole, layer.trainable_variables)
+        for ways, part in parts.items():
+            np.testing.assert_allclose(part.numpy(), whole.numpy(), atol=1e-5)
+            for g, w in zip(tape.gradient(part, layer.trainable_variables), want):
+                np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5)
+    shapes = {f"{name}/{key}": tuple(t.shape) for name in ("attn", "mlp")
+              for key, t in getattr(block, name).group_weights(1, 2, tf.float32).items()}
+    if family == "gpt2":  # 2 of 4 heads of 8 dims, 64 of 128 MLP units
+        assert shapes == {"attn/qkv/kernel": (32, 3, 2, 8), "attn/qkv/bias": (3, 2, 8), "attn/proj/kernel": (16, 32),
+                          "mlp/fc/kernel": (32, 64), "mlp/fc/bias": (64,), "mlp/proj/kernel": (64, 32)}
+    else:  # 1 of 2 kv heads and its 2 query heads, 32 of 64 units
+        assert shapes == {"attn/q/kernel": (32, 16), "attn/k/kernel": (32, 8), "attn/v/kernel": (32, 8),
+                          "attn/proj/kernel": (16, 32), "mlp/gate/kernel": (32, 32), "mlp/up/kernel": (32, 32),
+                          "mlp/down/kernel": (32, 32)}
+
+
+def test_tensor_ways_must_divide_heads_kv_heads_and_units():
     with pytest.raises(UserError, match=r"parallel.tensor=5 must divide model.n_head=12 .*valid values: 1, 2, 3, 4, 6, 12"):
         load_config("configs/gpt2_125m.yaml", {"parallel.tensor": 5})
-    llama = load_config("configs/llama_1b.yaml").model  # 32 query heads over 8 kv heads, hidden 8192
-    assert tensor.split_shapes(llama, 8) == {
-        "attn/q": (2048, 4 * 64), "attn/k": (2048, 64), "attn/v": (2048, 64), "attn/proj": (4 * 64, 2048),
-        "mlp/gate": (2048, 1024), "mlp/up": (2048, 1024), "mlp/down": (1024, 2048)}
     with pytest.raises(UserError, match=r"parallel.tensor=16 must divide model.n_kv_head=8 .*valid values: 1, 2, 4, 8$"):
         load_config("configs/llama_1b.yaml", {"parallel.tensor": 16})
 

@@ -25,6 +25,12 @@ The blocks are an explicit list (`GPT.blocks`) and the model is also callable pi
 each block, `head`) so a pipeline can group blocks into stages. There is no device or strategy logic
 here. Logits are always float32, whatever the compute dtype.
 
+Tensor groups: CausalSelfAttention and MLP are also the sum of `ways` parts (Megatron's split by heads
+and hidden units). `group_weights(g, ways, dtype)` cuts the weight slices group g reads,
+`group_part(x, weights, training)` computes the group's (B, T, C) share from its input and those slices
+alone, and `combine(total, training)` turns the sum of the shares into the layer's output (output bias,
+dropout). Where each group runs, the sum and the per-group backward are parallel/tensor.py's.
+
 Attention takes an optional KV cache `(k, v)` of shape (B, Hkv, max_len, head_dim) and the position of
 the first new token, which is how `sampling.py` decodes one token at a time. Cache writes use a
 one-hot mix rather than dynamic slicing so the shapes stay static and the decode step compiles with
@@ -118,11 +124,74 @@ class CausalSelfAttention(keras.layers.Layer):
         y = self.attend(q, k, v, pos, self.attn_drop, training)  # (B, T, C)
         return self.resid_drop(self.proj(y), training=training), cache
 
+    # ---- tensor groups (parallel/tensor.py): the layer is the sum of `ways` parts -----------------
+
+    def group_weights(self, g: int, ways: int, dtype) -> dict:
+        """The weight slices tensor group g of `ways` reads, cast to `dtype`, by path below the layer
+        (shapes: model_spec.group_shapes): the columns of q, k and v for kv heads g*Hkv/ways.. and the
+        query heads that read them (heads g*H/ways..; gpt2: Hkv = H), the matching rows of proj."""
+        h, hd = self.n_head // ways, self.head_dim
+        if self.family == "gpt2":
+            heads = slice(g * h, (g + 1) * h)
+            w = {"qkv/kernel": tf.reshape(tf.cast(self.qkv.kernel, dtype), [-1, 3, self.n_head, hd])[:, :, heads]}
+            if self.qkv.bias is not None:  # (C, 3, h, hd) and (3, h, hd)
+                w["qkv/bias"] = tf.reshape(tf.cast(self.qkv.bias, dtype), [3, self.n_head, hd])[:, heads]
+        else:
+            kv = self.n_kv_head // ways
+            w = _columns(self.q, "q", g * h * hd, h * hd, dtype)  # (C, h hd)
+            for name in ("k", "v"):  # (C, kv hd)
+                w.update(_columns(getattr(self, name), name, g * kv * hd, kv * hd, dtype))
+        w["proj/kernel"] = tf.cast(self.proj.kernel, dtype)[g * h * hd:(g + 1) * h * hd]  # (h hd, C): matching rows
+        return w
+
+    def group_part(self, x, w: dict, training=False):
+        """One group's share of the attention's output (B, T, C), before the proj bias and dropout, from
+        its input x (B, T, C) and its slices `w` (group_weights) alone. Training positions: 0.. (no cache)."""
+        if self.family == "gpt2":
+            qkv = tf.einsum("btc,cjhd->jbhtd", x, w["qkv/kernel"])  # (3, B, h, T, hd)
+            if "qkv/bias" in w:
+                qkv += w["qkv/bias"][:, None, :, None, :]
+            q, k, v = tf.unstack(qkv)  # each (B, h, T, hd)
+        else:  # llama: kv heads of this group and their query heads, rotary positions
+            q = heads(_project(x, w, "q"), w["q/kernel"].shape[1] // self.head_dim)  # (B, h, T, hd)
+            kv = w["k/kernel"].shape[1] // self.head_dim
+            k, v = heads(_project(x, w, "k"), kv), heads(_project(x, w, "v"), kv)  # (B, kv, T, hd)
+            q, k = rope(q, 0, self.rope_theta), rope(k, 0, self.rope_theta)
+        y = self.attend(q, k, v, 0, self.attn_drop, training)  # (B, T, h * hd)
+        return tf.einsum("btk,kc->btc", y, w["proj/kernel"])  # (B, T, C), this group's share
+
+    def combine(self, total, training=False):
+        """The layer's output from the sum of its groups' parts (B, T, C): the proj bias, then dropout."""
+        return _output(total, self.proj, self.resid_drop, training)
+
 
 def heads(x, n: int):
     """(B, T, n * hd) -> (B, n, T, hd)."""
     B, T = tf.shape(x)[0], tf.shape(x)[1]
     return tf.transpose(tf.reshape(x, [B, T, n, x.shape[-1] // n]), [0, 2, 1, 3])
+
+
+def _columns(dense: keras.layers.Dense, name: str, start: int, width: int, dtype) -> dict:
+    """Columns start..start+width of `dense`'s kernel (C, width) and bias (width,), cast to `dtype`."""
+    w = {f"{name}/kernel": tf.cast(dense.kernel, dtype)[:, start:start + width]}
+    if dense.bias is not None:
+        w[f"{name}/bias"] = tf.cast(dense.bias, dtype)[start:start + width]
+    return w
+
+
+def _project(x, w: dict, name: str, equation: str = "btc,ck->btk"):
+    """x (B, T, C) times the column slice `name` of `w` (plus its bias slice): (B, T, width)."""
+    y = tf.einsum(equation, x, w[f"{name}/kernel"])
+    if f"{name}/bias" in w:
+        y += w[f"{name}/bias"]
+    return y
+
+
+def _output(total, dense: keras.layers.Dense, dropout: keras.layers.Dropout, training):
+    """A layer's output from the sum of its tensor groups' parts: `dense`'s bias added once, then dropout."""
+    if dense.bias is not None:
+        total = total + tf.cast(dense.bias, total.dtype)
+    return dropout(total, training=training)
 
 
 def _cache_write(cache, new, pos):
@@ -153,6 +222,33 @@ class MLP(keras.layers.Layer):
             return self.drop(self.proj(h), training=training)  # (B, T, C)
         h = tf.nn.silu(self.gate(x)) * self.up(x)  # (B, T, F)
         return self.drop(self.down(h), training=training)  # (B, T, C)
+
+    # ---- tensor groups (parallel/tensor.py): the layer is the sum of `ways` parts -----------------
+
+    def group_weights(self, g: int, ways: int, dtype) -> dict:
+        """The weight slices tensor group g of `ways` reads, cast to `dtype`, by path below the layer
+        (shapes: model_spec.group_shapes): units g*F/ways.. of the hidden layer, the columns of fc (llama:
+        gate and up) and the matching rows of proj (llama: down)."""
+        first, last = (("fc",), "proj") if self.family == "gpt2" else (("gate", "up"), "down")
+        units = getattr(self, first[0]).kernel.shape[1] // ways
+        w = {}
+        for name in first:
+            w.update(_columns(getattr(self, name), name, g * units, units, dtype))  # (C, F/ways), (F/ways,)
+        w[f"{last}/kernel"] = tf.cast(getattr(self, last).kernel, dtype)[g * units:(g + 1) * units]  # (F/ways, C)
+        return w
+
+    def group_part(self, x, w: dict, training=False):
+        """One group's share of the MLP's output (B, T, C), before the output bias and dropout, from its
+        input x (B, T, C) and its slices `w` (group_weights) alone."""
+        if self.family == "gpt2":
+            hidden = tf.nn.gelu(_project(x, w, "fc", "btc,cu->btu"), approximate=True)  # (B, T, F/ways)
+            return tf.einsum("btu,uc->btc", hidden, w["proj/kernel"])  # (B, T, C)
+        gate, up = _project(x, w, "gate", "btc,cu->btu"), _project(x, w, "up", "btc,cu->btu")  # (B, T, F/ways)
+        return tf.einsum("btu,uc->btc", tf.nn.silu(gate) * up, w["down/kernel"])  # (B, T, C)
+
+    def combine(self, total, training=False):
+        """The layer's output from the sum of its groups' parts (B, T, C): the output bias, then dropout."""
+        return _output(total, self.proj if self.family == "gpt2" else self.down, self.drop, training)
 
 
 class Block(keras.layers.Layer):

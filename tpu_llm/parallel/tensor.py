@@ -11,6 +11,12 @@ the sum of the T partial products plus the projection bias: exactly the unsplit 
 float32 summation order), with nothing but that sum crossing between groups (Megatron's one
 all-reduce per half-block, here an add that TensorFlow or XLA turns into copies between devices).
 
+What a group computes is the model's own: CausalSelfAttention and MLP (model/transformer.py) give the
+weight slices group g reads (`group_weights(g, ways, dtype)`), the group's share from its input and
+those slices alone (`group_part(x, weights, training)`) and the layer's output from the sum of the
+shares (`combine`: the output bias, then dropout). `SplitBlock` here keeps where each group runs, the
+sum and the backward on each group's device; a new family or an adapter changes the model only.
+
 Where group g runs is the `Placement`'s business (distribute.py): off-TPU, a `tf.device` of its
 own (logical CPUs or GPUs); on TPU, its tensors are annotated for logical core i*T + g of the
 replica (i = the pipeline stage), the same mechanism that places pipeline stages, which is why the
@@ -41,114 +47,56 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tpu_llm.config import ModelConfig
-from tpu_llm.model import Block, heads, rope
-
-
-def split_shapes(cfg: ModelConfig, ways: int) -> dict[str, tuple[int, ...]]:
-    """The weight slice one group holds, per kernel (config validation ensures T divides n_head,
-    n_kv_head and the MLP's hidden size)."""
-    c, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
-    heads, kv, units = cfg.n_head // ways, cfg.kv_heads() // ways, cfg.hidden() // ways
-    if cfg.family == "llama":
-        return {"attn/q": (c, heads * hd), "attn/k": (c, kv * hd), "attn/v": (c, kv * hd),
-                "attn/proj": (heads * hd, c), "mlp/gate": (c, units), "mlp/up": (c, units), "mlp/down": (units, c)}
-    return {"attn/qkv": (c, 3, heads, hd), "attn/proj": (heads * hd, c), "mlp/fc": (c, units), "mlp/proj": (units, c)}
+from tpu_llm.model import Block
 
 
 class SplitBlock:
     """`block`'s forward pass (training or not) with its heads and MLP units in `ways` groups, group g
-    under `placement.shard(stage, g)`. Call with x (B, T, C); returns (B, T, C)."""
+    under `placement.shard(stage, g)`. Call with x (B, T, C); returns (B, T, C). What a group computes
+    is the layer's (`group_weights`, `group_part`, `combine` in model/transformer.py); here is only
+    where it runs, the sum over the groups and the backward on each group's device."""
 
     def __init__(self, block: Block, ways: int, placement, stage: int, training: bool):
         self.block, self.ways, self.training = block, ways, training
         self.placement, self.stage = placement, stage
 
     def __call__(self, x):
-        b, training = self.block, self.training
-        x = x + b.attn.resid_drop(self._sum(self._attention, b.ln1(x), b.attn.proj.bias), training=training)
-        if b.mlp.family == "llama":
-            return x + b.mlp.drop(self._sum(self._swiglu, b.ln2(x), None), training=training)
-        return x + b.mlp.drop(self._sum(self._mlp, b.ln2(x), b.mlp.proj.bias), training=training)
+        b = self.block
+        x = x + self._split(b.attn, b.ln1(x))
+        return x + self._split(b.mlp, b.ln2(x))
 
-    def _sum(self, part, x, bias):
-        """sum over groups g of part(x, g), each on its group's device, plus the output bias."""
+    def _split(self, layer, x):
+        """layer(x) as the sum over groups g of layer.group_part on g's slices, each on its group's
+        device; the sum and layer.combine (output bias, dropout) on the stage's."""
         partials = []
         for g in range(self.ways):
             with self.placement.shard(self.stage, g):
                 x_g = self.placement.place_shard(x, self.stage, g)
-                partials.append(self.placement.place_shard(self._on_group(part, x_g, g), self.stage, g))
-        out = tf.add_n(partials)  # (B, T, C), back on the stage's device
-        return out if bias is None else out + tf.cast(bias, out.dtype)
+                weights = layer.group_weights(g, self.ways, x_g.dtype)
+                partials.append(self.placement.place_shard(self._on_group(layer, x_g, weights, g), self.stage, g))
+        return layer.combine(tf.add_n(partials), training=self.training)  # (B, T, C), on the stage's device
 
-    def _on_group(self, part, x, g):
-        """part(x, g), whose backward also runs on group g. TF2's GradientTape does not colocate gradient
-        ops with their forward ops: they run where `tape.gradient` is called, the stage's scope, which
-        would put every group's backward on the stage's first device or core. Here the group's forward
-        is recorded on a tape of its own, and its backward replayed from that tape inside the group's
-        placement; the gradients with respect to the weight slices are sent back to the stage's device,
-        where the variables live."""
+    def _on_group(self, layer, x, weights: dict, g: int):
+        """layer.group_part(x, weights), whose backward also runs on group g. TF2's GradientTape does not
+        colocate gradient ops with their forward ops: they run where `tape.gradient` is called, the
+        stage's scope, which would put every group's backward on the stage's first device or core. Here
+        the group's forward is recorded on a tape of its own, and its backward replayed from that tape
+        inside the group's placement. The weight slices are inputs: the backward returns their
+        gradients (slice-sized, what travels back), and the slicing's own gradient (a scatter into the
+        variable's shape) runs with the stage's tape.gradient, on the stage's device."""
+        names = sorted(weights)
+
         @tf.custom_gradient
-        def run(x):
+        def run(x, *slices):
             with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = part(x, g)
+                tape.watch([x, *slices])
+                y = layer.group_part(x, dict(zip(names, slices)), training=self.training)
 
-            def backward(dy, variables=None):
+            def backward(dy, variables=None):  # variables: read inside group_part (a dropout seed's state)
                 variables = list(variables or [])
                 with self.placement.shard(self.stage, g):
-                    dx, *dv = tape.gradient(y, [x] + variables, output_gradients=dy)
+                    dx, *rest = tape.gradient(y, [x, *slices, *variables], output_gradients=dy)
                     dx = self.placement.place_shard(dx, self.stage, g)
-                return dx, dv
+                return (dx, *rest[:len(slices)]), rest[len(slices):]
             return y, backward
-        return run(x)
-
-    def _attention(self, x, g):
-        attn = self.block.attn
-        if attn.family == "llama":
-            return self._gqa(x, g)
-        h, hd = attn.n_head // self.ways, attn.head_dim
-        heads = slice(g * h, (g + 1) * h)
-        kernel = tf.reshape(tf.cast(attn.qkv.kernel, x.dtype), [-1, 3, attn.n_head, hd])[:, :, heads]  # (C, 3, h, hd)
-        qkv = tf.einsum("btc,cjhd->jbhtd", x, kernel)  # (3, B, h, T, hd)
-        if attn.qkv.bias is not None:
-            bias = tf.reshape(tf.cast(attn.qkv.bias, x.dtype), [3, attn.n_head, hd])[:, heads]  # (3, h, hd)
-            qkv += bias[:, None, :, None, :]
-        q, k, v = tf.unstack(qkv)  # each (B, h, T, hd)
-        y = attn.attend(q, k, v, 0, attn.attn_drop, self.training)  # (B, T, h * hd)
-        proj = tf.cast(attn.proj.kernel, x.dtype)[g * h * hd:(g + 1) * h * hd]  # (h * hd, C): matching rows
-        return tf.einsum("btk,kc->btc", y, proj)  # (B, T, C), this group's share
-
-    def _mlp(self, x, g):
-        mlp = self.block.mlp
-        units = mlp.fc.kernel.shape[1] // self.ways
-        cols = slice(g * units, (g + 1) * units)
-        hidden = tf.einsum("btc,cu->btu", x, tf.cast(mlp.fc.kernel, x.dtype)[:, cols])  # (B, T, 4C/T)
-        if mlp.fc.bias is not None:
-            hidden += tf.cast(mlp.fc.bias, x.dtype)[cols]
-        hidden = tf.nn.gelu(hidden, approximate=True)
-        return tf.einsum("btu,uc->btc", hidden, tf.cast(mlp.proj.kernel, x.dtype)[cols])  # (B, T, C)
-
-    def _gqa(self, x, g):
-        """llama attention of kv heads g*Hkv/T.. and their query heads g*H/T.. (rotary, no biases)."""
-        attn = self.block.attn
-        h, kv, hd = attn.n_head // self.ways, attn.n_kv_head // self.ways, attn.head_dim
-
-        def columns(dense, n):  # this group's n heads of a (C, heads * hd) kernel
-            return tf.cast(dense.kernel, x.dtype)[:, g * n * hd:(g + 1) * n * hd]
-
-        q = heads(tf.einsum("btc,ck->btk", x, columns(attn.q, h)), h)  # (B, h, T, hd)
-        k = heads(tf.einsum("btc,ck->btk", x, columns(attn.k, kv)), kv)  # (B, kv, T, hd)
-        v = heads(tf.einsum("btc,ck->btk", x, columns(attn.v, kv)), kv)
-        q, k = rope(q, 0, attn.rope_theta), rope(k, 0, attn.rope_theta)
-        y = attn.attend(q, k, v, 0, attn.attn_drop, self.training)  # (B, T, h * hd)
-        proj = tf.cast(attn.proj.kernel, x.dtype)[g * h * hd:(g + 1) * h * hd]  # (h * hd, C): matching rows
-        return tf.einsum("btk,kc->btc", y, proj)
-
-    def _swiglu(self, x, g):
-        mlp = self.block.mlp
-        units = mlp.gate.kernel.shape[1] // self.ways
-        cols = slice(g * units, (g + 1) * units)
-        gate = tf.einsum("btc,cu->btu", x, tf.cast(mlp.gate.kernel, x.dtype)[:, cols])  # (B, T, F/T)
-        up = tf.einsum("btc,cu->btu", x, tf.cast(mlp.up.kernel, x.dtype)[:, cols])
-        return tf.einsum("btu,uc->btc", tf.nn.silu(gate) * up, tf.cast(mlp.down.kernel, x.dtype)[cols])  # (B, T, C)
+        return run(x, *(weights[name] for name in names))
