@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from helpers import tiny_config
 
-from tpu_llm import cli
+from tpu_llm import cli, model_spec
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
 from tpu_llm.tools import plan
@@ -106,7 +106,7 @@ def test_parameters_and_optimizer_bytes_are_exact(tmp_path):
     # Keras adds its step counter and learning rate (8 bytes) to AdamW's m and v
     assert 0 <= size(optimizer.variables) - mem.optimizer <= 16
     assert mem.gradients == mem.parameters
-    assert plan._flops_per_token(cfg, 257) == model.flops_per_token(cfg.data.seq_len)
+    assert model_spec.flops_per_token(cfg.model, 257, cfg.data.seq_len) == model.flops_per_token(cfg.data.seq_len)
 
 
 XLA_STEP = """
@@ -191,7 +191,7 @@ def test_remat_trades_activations_for_flops(tmp_path):
         # the loss's float32 softmax (4 x vocab bytes per token) stays: the head is not recomputed
         head = (4 * off.vocab + 4 * 768 + 2 * 768) * 128 * 1024 if stage.head else 0
         assert b.activations - head < (a.activations - head) / 5
-    blocks = cfg.model.n_layer * plan.pipeline.block_cost(cfg.model, 1024)[0] * 256 * 1024
+    blocks = cfg.model.n_layer * model_spec.block_flops_per_token(cfg.model, 1024) * 256 * 1024
     assert on.executed_flops_per_step - off.executed_flops_per_step == pytest.approx(blocks / 3)
     assert on.model_flops_per_step == off.model_flops_per_step
     assert on.step_seconds > off.step_seconds

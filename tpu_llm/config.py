@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import yaml
 
+from tpu_llm import model_spec
 from tpu_llm.errors import UserError
 
 TOKENIZERS = ("byte", "char", "sentencepiece", "hf")
@@ -424,11 +425,7 @@ def _check(ok: bool, message: str | Callable[[], str]) -> None:
 def approx_params(m: ModelConfig) -> int:
     """The parameters of the model section `m`, from its sizes alone (norms and biases left out): what
     MAX_PARAMS bounds. vocab_size 0 (the tokenizer's) counts no table."""
-    C, hd = m.n_embd, m.n_embd // max(m.n_head, 1)
-    attention = 2 * C * m.n_head * hd + 2 * C * m.kv_heads() * hd  # q and the output; k and v
-    mlp = (3 if m.family == "llama" else 2) * C * m.hidden()
-    tables = m.vocab_size * C * (1 if m.tie_embeddings else 2) + (m.max_len * C if m.family == "gpt2" else 0)
-    return m.n_layer * (attention + mlp) + tables
+    return model_spec.matrix_params(m, m.vocab_size)
 
 
 def _validate_caps(cfg: Config) -> None:

@@ -44,6 +44,7 @@ import math
 import keras
 import tensorflow as tf
 
+from tpu_llm import model_spec
 from tpu_llm.config import ModelConfig
 from tpu_llm.model import attention
 from tpu_llm.model.loss import cross_entropy
@@ -341,12 +342,11 @@ class GPT(keras.Model):
         n = sum(int(math.prod(v.shape)) for v in self.trainable_variables)
         return n if include_positions or self.wpe is None else n - self.cfg.max_len * self.cfg.n_embd
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N (forward + backward matmuls; N without the positions and,
-        untied, without the input table: a lookup is no matmul) + 12 L d T (attention)."""
-        c = self.cfg
-        n = self.num_params(include_positions=False) - (0 if self.lm_head is None else self.vocab_size * c.n_embd)
-        return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N (forward + backward matmuls; N the trainable parameters without
+        the positions and, untied, without the input table: a lookup is no matmul) + 12 L C T
+        (attention): model_spec.flops_per_token of this model's own variables."""
+        return model_spec.flops_per_token(self.cfg, self.vocab_size, seq_len, n_params=self.num_params())
 
 
 def loss_fn(logits, targets):

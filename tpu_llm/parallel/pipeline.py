@@ -1,8 +1,8 @@
 """Pipeline parallelism: group the model's blocks into stages, place them, run micro-batches through.
 
 Partition: the blocks are cut into P contiguous stages so that the slowest stage (training FLOPs per
-token) is as fast as possible; the embedding goes with the first stage, the final norm and the tied
-output head with the last. The head's matmul is worth several blocks on a small model, so the last
+token, tpu_llm/model_spec.py) is as fast as possible; the embedding goes with the first stage, the final
+norm and the tied output head with the last. The head's matmul is worth several blocks on a small model, so the last
 stage usually gets fewer blocks.
 
 Schedule (GPipe): each replica's batch is split into M micro-batches; micro-batch m flows through
@@ -43,7 +43,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from tpu_llm import tf_compat
+from tpu_llm import model_spec, tf_compat
 from tpu_llm.config import ModelConfig
 from tpu_llm.errors import UserError
 from tpu_llm.model import loss_fn
@@ -61,29 +61,17 @@ class Stage:
     head: bool = False  # holds the final norm and the output head (untied: its own table)
 
 
-def block_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, int]:
-    """(training FLOPs per token, parameters) of one transformer block: 6 x params for the matmuls,
-    plus 12 x width x context for attention's scores and weighted sum (forward + backward)."""
-    c, bias, f = cfg.n_embd, int(cfg.bias), cfg.hidden()
-    if cfg.family == "llama":  # q, proj (C x C), k, v (C x Hkv hd), gate, up, down (C x F), 2 RMSNorms
-        matmul = 2 * c * c + 2 * c * (cfg.kv_heads() * (c // cfg.n_head)) + 3 * c * f
-        return 6.0 * matmul + 12.0 * c * seq_len, matmul + 2 * c
-    params = 4 * c * c + 2 * c * f + bias * (3 * c + c + f + c) + (2 + 2 * bias) * c  # attn + mlp + 2 norms
-    return 6.0 * (4 * c * c + 2 * c * f) + 12.0 * c * seq_len, params
-
-
 def partition(cfg: ModelConfig, vocab_size: int, seq_len: int, stages: int) -> list[Stage]:
     """The P-stage partition that minimises the slowest stage's FLOPs (ties: the largest stage's params)."""
     n = cfg.n_layer
     if not 1 <= stages <= n:
         raise UserError(f"parallel.pipeline_stages={stages} must be between 1 and model.n_layer={n} "
                         "(each stage holds at least one block)")
-    flops, params = block_cost(cfg, seq_len)
-    c = cfg.n_embd
-    embed_params = vocab_size * c + (cfg.max_len * c if cfg.family == "gpt2" else 0)  # + learned positions
-    # the final norm, and an untied head's own table (tied: no new weights)
-    head_flops = 6.0 * vocab_size * c
-    head_params = (1 + int(cfg.bias)) * c + (0 if cfg.tie_embeddings else vocab_size * c)
+    # training FLOPs per token and parameters (tpu_llm/model_spec.py): each block's; the embeddings (gpt2:
+    # and positions); the final norm and an untied head's own table (tied: no new weights), and its matmul
+    flops, params = model_spec.block_flops_per_token(cfg, seq_len), model_spec.block_params(cfg)
+    embed_params = model_spec.embedding_params(cfg, vocab_size)
+    head_flops, head_params = model_spec.head_flops_per_token(cfg, vocab_size), model_spec.head_params(cfg, vocab_size)
 
     def cost(first: int, last: int, index: int) -> tuple[float, int]:
         k = last - first

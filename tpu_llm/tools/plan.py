@@ -12,7 +12,9 @@ data-parallel replicas, each with the whole model (no sharded optimizer), so a c
 share and the most loaded stage decides. "cpu" is this machine: its measured float32 matmul peak, and
 its RAM shared by all `cpu_devices` logical devices (R = cpu_devices / P, as distribute.py lays out).
 
-Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in float32):
+Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in float32). A block's
+parameters, FLOPs and activation bytes come from tpu_llm/model_spec.py, which the model, the config and
+the stage partitioner read too; this docstring derives its activation terms.
   parameters   4 bytes x the stage's parameters (pipeline.partition), whole on the stage's first chip:
                tensor groups (tpu_llm/parallel/tensor.py) split the matmuls and activations, not the weights
   optimizer    8 bytes x the same: AdamW's m and v, float32
@@ -56,7 +58,7 @@ Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in 
   Not modelled: XLA's padding to TPU tiles, HBM the runtime reserves, collective and transfer
   buffers, fragmentation. Treat more than ~90% of HBM as not fitting.
 
-Time. Model FLOPs per token are 6N + 12 L C T (model.flops_per_token: N without positions and an
+Time. Model FLOPs per token are 6N + 12 L C T (model_spec.flops_per_token: N without positions and an
 untied head's input table, lookups rather than matmuls); a step
 is B T tokens. remat executes one more forward of the blocks (x4/3 of their FLOPs). A stage's forward
 on one micro-batch takes its FLOPs (pipeline.partition, / 3 for the forward) over t x peak x `mfu`,
@@ -74,6 +76,7 @@ import os
 import re
 from collections.abc import Sequence
 
+from tpu_llm import model_spec
 from tpu_llm.config import Config
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
@@ -184,32 +187,15 @@ class Memory:
 
 
 def block_activation_bytes(cfg: Config, act_bytes: int) -> tuple[float, float]:
-    """(bytes per token a block saves for its backward, the same with remat): see the module docstring."""
-    m, t = cfg.model, cfg.parallel.tensor
-    c, h, seq = m.n_embd, m.n_head, cfg.data.seq_len
-    # replicated over the tensor ways: both norms' inputs and outputs; split: q, k, v, attention output, MLP
-    # (gpt2: GELU input, tanh, output; llama: gate and up outputs, their SwiGLU product), k and v
-    # Hkv heads wide (llama: the rotated q and k; rotation is linear, its backward needs no input)
-    kv = 2 * m.kv_heads() * (c // h)
-    linear = 4 * c * act_bytes + (2 * c + kv + 3 * m.hidden()) * act_bytes / t
-    scores, _ = attention_bytes(cfg, act_bytes)
-    if m.dropout > 0:  # 1-byte masks on both residual branches and the probabilities, and dropped probs
-        linear, scores = linear + 2 * c, scores + h * seq * 5 / t
-    return linear + scores, c * act_bytes
+    """(bytes per token a block saves for its backward, the same with remat): model_spec's, for the
+    config's sequence length and tensor ways (the module docstring derives it)."""
+    return model_spec.block_activation_bytes(cfg.model, cfg.data.seq_len, cfg.parallel.tensor, act_bytes)
 
 
 def attention_bytes(cfg: Config, act_bytes: int) -> tuple[float, float]:
     """(bytes per token one block's attention keeps for its backward beyond q, k, v and its output,
-    bytes per token its backward holds while it runs): dense or blockwise (the module docstring)."""
-    m, t = cfg.model, cfg.parallel.tensor
-    h, seq, c = m.n_head / t, cfg.data.seq_len, m.n_embd / t
-    if m.attention == "blockwise":
-        block = min(m.attention_block, seq)
-        return 4 * c * (act_bytes != 4) + 4 * h, 8 * 4 * c + 5 * 4 * h * block * block / seq
-    # the backward's gradients of the probabilities and the scores; with fewer kv heads (the 5-D einsum
-    # of model.attend) XLA:CPU holds a third scores-sized buffer there
-    copies = 2 if m.kv_heads() == m.n_head else 3
-    return h * seq * (4 + (act_bytes if act_bytes != 4 else 0)), copies * 4 * h * seq
+    bytes per token its backward holds while it runs): model_spec's, for the config."""
+    return model_spec.attention_bytes(cfg.model, cfg.data.seq_len, cfg.parallel.tensor, act_bytes)
 
 
 def loss_bytes(cfg: Config, vocab: int, tokens_micro: float) -> tuple[float, float, float]:
@@ -245,7 +231,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     # one block's backward: its attention's transients (and with remat the block recomputed), once the
     # loss's logits and the block's own MLP tensors are freed
     _, attention_work = attention_bytes(cfg, act_bytes)
-    mlp = (2 * c + 3 * m.hidden()) * act_bytes / cfg.parallel.tensor  # the MLP tensors block_activation_bytes counts
+    mlp = model_spec.mlp_activation_bytes(m, cfg.parallel.tensor, act_bytes)  # of block_activation_bytes
     block_phase = (attention_work + (full if remat else 0) - mlp) * tokens_micro
     if stage.embed:
         per_token += c * act_bytes + (c if m.dropout > 0 else 0)
@@ -420,7 +406,8 @@ class Plan:
                 f"batch     {t.batch_size} x {cfg.data.seq_len} = {self.tokens_per_step:,} tokens per step; per "
                 f"replica {t.batch_size // self.replicas} = {t.grad_accum} grad_accum x {p.microbatches} "
                 f"micro-batch(es) of {self.micro_batch}",
-                f"model     {_params(cfg, self.vocab):,} parameters; vocabulary {self.vocab:,} ({self.vocab_source})"]
+                f"model     {model_spec.params(cfg.model, self.vocab):,} parameters; vocabulary {self.vocab:,} "
+                f"({self.vocab_source})"]
         out += ["partition " + line for line in pipeline.describe(self.stages)]
         full, kept = block_activation_bytes(cfg, 2 if self.precision != "float32" else 4)
         tokens_micro = self.micro_batch * cfg.data.seq_len
@@ -502,8 +489,8 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
     memory, memory_remat = ([stage_memory(cfg, s, vocab, act_bytes, tokens_micro * p.microbatches, tokens_micro,
                                           remat) for s in stages] for remat in (p.remat, not p.remat))
 
-    block_flops, _ = pipeline.block_cost(cfg.model, seq)
-    model_flops = _flops_per_token(cfg, vocab) * t.batch_size * seq
+    block_flops = model_spec.block_flops_per_token(cfg.model, seq)
+    model_flops = model_spec.flops_per_token(cfg.model, vocab, seq) * t.batch_size * seq
     executed = model_flops + (cfg.model.n_layer * block_flops / 3 * t.batch_size * seq if p.remat else 0.0)
     rate = acc.peak_flops * mfu * (p.tensor if not acc.shared_memory else 1)
     forward = [s.flops_per_token / 3 * tokens_micro / rate for s in stages]
@@ -520,20 +507,9 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
     return result
 
 
-def _flops_per_token(cfg: Config, vocab: int) -> float:
-    """model.GPT.flops_per_token without building the model: 6 N (no positions, no untied input
-    table) + 12 L C T."""
-    m = cfg.model
-    lookups = (m.max_len if m.family == "gpt2" else 0) + (0 if m.tie_embeddings else vocab)
-    return 6 * (_params(cfg, vocab) - lookups * m.n_embd) + 12 * m.n_layer * m.n_embd * cfg.data.seq_len
-
-
 def _params(cfg: Config, vocab: int) -> int:
-    """GPT.num_params(): embeddings (gpt2: and positions), blocks, final norm, an untied head."""
-    m = cfg.model
-    _, block = pipeline.block_cost(m, cfg.data.seq_len)
-    tables = vocab * (1 if m.tie_embeddings else 2) + (m.max_len if m.family == "gpt2" else 0)
-    return tables * m.n_embd + m.n_layer * block + (1 + int(m.bias)) * m.n_embd
+    """GPT.num_params() of the config's model, as tools/bench.py prints it."""
+    return model_spec.params(cfg.model, vocab)
 
 
 def _size(x: float) -> str:

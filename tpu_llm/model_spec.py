@@ -1,0 +1,177 @@
+"""What a model holds and costs, from its config alone: every variable's shape, parameters, training
+FLOPs per token and activation bytes per token of a block. Standard library only.
+
+This is the one place that arithmetic lives. config.py bounds a config's size with it before anything
+is built (MAX_PARAMS), the stage partitioner balances stages by it (parallel/pipeline.py), the planner
+counts memory and time with it (tools/plan.py) and the model reports its FLOPs per token by it
+(model/transformer.py). tests/test_model_spec.py checks every shape against a built model's variables
+and each tensor group's slices against what the layers cut.
+
+A leaf (config.py imports it; it imports nothing of tpu_llm), not a module of tpu_llm/model/: importing
+anything there loads TensorFlow (the package's __init__ imports the layers), which the CLI keeps out
+until a config has been checked.
+
+`m` below is a config.ModelConfig; C = n_embd, H = n_head, Hkv = kv_heads(), hd = C / H, F = hidden(),
+L = n_layer, V the vocabulary, T the sequence length. Shapes are keyed by Keras path (model/
+transformer.py's docstring), below `block_i/` for a block.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def head_dim(m) -> int:
+    return m.n_embd // max(m.n_head, 1)
+
+
+def _norm(m, name: str) -> dict[str, tuple[int, ...]]:
+    """gpt2: LayerNormalization's gamma (and beta with biases); llama: RMSNorm's scale."""
+    if m.family == "llama":
+        return {f"{name}/scale": (m.n_embd,)}
+    return {f"{name}/gamma": (m.n_embd,), **({f"{name}/beta": (m.n_embd,)} if m.bias else {})}
+
+
+def _dense(m, name: str, inputs: int, units: int) -> dict[str, tuple[int, ...]]:
+    return {f"{name}/kernel": (inputs, units), **({f"{name}/bias": (units,)} if m.bias else {})}
+
+
+def block_shapes(m) -> dict[str, tuple[int, ...]]:
+    """Every variable of one block."""
+    c, f, hd = m.n_embd, m.hidden(), head_dim(m)
+    q, kv = m.n_head * hd, m.kv_heads() * hd
+    if m.family == "llama":  # separate q, k, v (k and v Hkv heads wide); SwiGLU
+        attn = {**_dense(m, "attn/q", c, q), **_dense(m, "attn/k", c, kv), **_dense(m, "attn/v", c, kv)}
+        mlp = {**_dense(m, "mlp/gate", c, f), **_dense(m, "mlp/up", c, f), **_dense(m, "mlp/down", f, c)}
+    else:  # q, k, v side by side; GELU MLP
+        attn = _dense(m, "attn/qkv", c, 3 * c)
+        mlp = {**_dense(m, "mlp/fc", c, f), **_dense(m, "mlp/proj", f, c)}
+    return {**_norm(m, "ln1"), **attn, **_dense(m, "attn/proj", q, c), **_norm(m, "ln2"), **mlp}
+
+
+def embedding_shapes(m, vocab: int) -> dict[str, tuple[int, ...]]:
+    """The token table, and gpt2's learned positions."""
+    positions = {"wpe/embeddings": (m.max_len, m.n_embd)} if m.family == "gpt2" else {}
+    return {"wte/embeddings": (vocab, m.n_embd), **positions}
+
+
+def head_shapes(m, vocab: int) -> dict[str, tuple[int, ...]]:
+    """The final norm, and an untied head's own table (tied: the head reads wte)."""
+    table = {} if m.tie_embeddings else {"lm_head/embeddings": (vocab, m.n_embd)}
+    return {**_norm(m, "ln_f"), **table}
+
+
+def group_shapes(m, ways: int) -> dict[str, tuple[int, ...]]:
+    """The weight slices one of `ways` tensor groups reads (every group alike; config validation makes
+    `ways` divide H, Hkv and F): what CausalSelfAttention.group_weights and MLP.group_weights cut."""
+    c, hd = m.n_embd, head_dim(m)
+    h, kv, units = m.n_head // ways, m.kv_heads() // ways, m.hidden() // ways
+    if m.family == "llama":
+        attn = {**_dense(m, "attn/q", c, h * hd), **_dense(m, "attn/k", c, kv * hd), **_dense(m, "attn/v", c, kv * hd)}
+        mlp = {**_dense(m, "mlp/gate", c, units), **_dense(m, "mlp/up", c, units), "mlp/down/kernel": (units, c)}
+    else:  # the qkv kernel seen as (C, 3, H, hd), its bias as (3, H, hd): the group's heads of each
+        attn = {"attn/qkv/kernel": (c, 3, h, hd), **({"attn/qkv/bias": (3, h, hd)} if m.bias else {})}
+        mlp = {**_dense(m, "mlp/fc", c, units), "mlp/proj/kernel": (units, c)}
+    return {**attn, "attn/proj/kernel": (h * hd, c), **mlp}  # output projections: rows, no bias (added once)
+
+
+def count(shapes: dict[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
+# ---- parameters ------------------------------------------------------------------------------------
+
+def block_params(m) -> int:
+    return count(block_shapes(m))
+
+
+def block_matmul_params(m) -> int:
+    """A block's Dense kernels: the weights its matmuls multiply by (no norms, no biases)."""
+    return count({k: s for k, s in block_shapes(m).items() if k.endswith("/kernel")})
+
+
+def embedding_params(m, vocab: int) -> int:
+    return count(embedding_shapes(m, vocab))
+
+
+def head_params(m, vocab: int) -> int:
+    return count(head_shapes(m, vocab))
+
+
+def params(m, vocab: int) -> int:
+    """Every parameter of the model: GPT.num_params() of a built one."""
+    return embedding_params(m, vocab) + m.n_layer * block_params(m) + head_params(m, vocab)
+
+
+def matrix_params(m, vocab: int) -> int:
+    """The model's matrices (kernels and tables; norms and biases left out): what config.MAX_PARAMS bounds."""
+    tables = {**embedding_shapes(m, vocab), **head_shapes(m, vocab)}
+    return count({k: s for k, s in tables.items() if len(s) == 2}) + m.n_layer * block_matmul_params(m)
+
+
+def lookup_params(m, vocab: int) -> int:
+    """Parameters read by a lookup, not a matmul: gpt2's positions and, untied, the input table."""
+    tables = embedding_shapes(m, vocab)
+    if m.tie_embeddings:  # the head's matmul reads it
+        del tables["wte/embeddings"]
+    return count(tables)
+
+
+# ---- training FLOPs per token (forward + backward) -------------------------------------------------
+
+def attention_flops_per_token(m, seq_len: int) -> int:
+    """One block's attention scores and weighted sum, forward and backward: 12 C T."""
+    return 12 * m.n_embd * seq_len
+
+
+def flops_per_token(m, vocab: int, seq_len: int, n_params: int | None = None) -> int:
+    """The model's: 6 N + 12 L C T, N the parameters (default: all of `params`) less the lookups. The
+    MFU numerator the trainer prints and `tpu-llm plan`'s model FLOPs."""
+    n = params(m, vocab) if n_params is None else n_params
+    return 6 * (n - lookup_params(m, vocab)) + m.n_layer * attention_flops_per_token(m, seq_len)
+
+
+def block_flops_per_token(m, seq_len: int) -> float:
+    """One block's, as the stage partitioner balances them: 6 x its matmul weights + attention."""
+    return 6.0 * block_matmul_params(m) + float(attention_flops_per_token(m, seq_len))
+
+
+def head_flops_per_token(m, vocab: int) -> float:
+    """The output head's matmul with the (V, C) table, forward and backward."""
+    return 6.0 * vocab * m.n_embd
+
+
+# ---- activation bytes per token of a block (tools/plan.py's docstring derives them) ----------------
+
+def block_activation_bytes(m, seq_len: int, ways: int, act_bytes: int) -> tuple[float, float]:
+    """(bytes per token a block saves for its backward, the same with remat: its input only), with its
+    heads and units split `ways` ways and `act_bytes` per activation (2 mixed precision, 4 float32)."""
+    c, h = m.n_embd, m.n_head
+    # replicated over the tensor ways: both norms' inputs and outputs; split: q, k, v, attention output, MLP
+    # (gpt2: GELU input, tanh, output; llama: gate and up outputs, their SwiGLU product), k and v
+    # Hkv heads wide (llama: the rotated q and k; rotation is linear, its backward needs no input)
+    kv = 2 * m.kv_heads() * (c // h)
+    linear = 4 * c * act_bytes + (2 * c + kv + 3 * m.hidden()) * act_bytes / ways
+    scores, _ = attention_bytes(m, seq_len, ways, act_bytes)
+    if m.dropout > 0:  # 1-byte masks on both residual branches and the probabilities, and dropped probs
+        linear, scores = linear + 2 * c, scores + h * seq_len * 5 / ways
+    return linear + scores, c * act_bytes
+
+
+def mlp_activation_bytes(m, ways: int, act_bytes: int) -> float:
+    """Of block_activation_bytes' split tensors, those the planner counts as freed before the block's
+    attention backward runs: the MLP's three (F wide) and two C wide."""
+    return (2 * m.n_embd + 3 * m.hidden()) * act_bytes / ways
+
+
+def attention_bytes(m, seq_len: int, ways: int, act_bytes: int) -> tuple[float, float]:
+    """(bytes per token one block's attention keeps for its backward beyond q, k, v and its output,
+    bytes per token its backward holds while it runs): dense or blockwise (model.attention)."""
+    h, seq, c = m.n_head / ways, seq_len, m.n_embd / ways
+    if m.attention == "blockwise":
+        block = min(m.attention_block, seq)
+        return 4 * c * (act_bytes != 4) + 4 * h, 8 * 4 * c + 5 * 4 * h * block * block / seq
+    # the backward's gradients of the probabilities and the scores; with fewer kv heads (the 5-D einsum
+    # of model.attend) XLA:CPU holds a third scores-sized buffer there
+    copies = 2 if m.kv_heads() == m.n_head else 3
+    return h * seq * (4 + (act_bytes if act_bytes != 4 else 0)), copies * 4 * h * seq
