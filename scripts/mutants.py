@@ -204,7 +204,7 @@ MUTATIONS = [
       "                    self.flag.assign(1)\n", "                    pass\n",
       "tests/test_fault.py::test_a_signal_sets_the_flag_while_the_main_thread_is_inside_a_tensorflow_call"),
     # ---- checkpoint ---------------------------------------------------------------------------------
-    M("links-in-checkpoints-followed", "tpu_llm/training/checkpoint.py",
+    M("links-in-checkpoints-followed", "tpu_llm/run_layout.py",
       "        if entry.is_symlink():  # from the directory entry", "        if False:  # from the directory entry",
       "tests/test_run_directory.py -k 'planted and ckpt'"),
     M("model-section-not-checked", "tpu_llm/training/checkpoint.py",

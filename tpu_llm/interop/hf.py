@@ -41,12 +41,12 @@ from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
 from tpu_llm.model import GPT
+from tpu_llm.run_layout import CONFIG_FILE, IMPORT_FILE, MARKER_FILE
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.tokenizers.hf import load_hf_tokenizer, write_hf_tokenizer
-from tpu_llm.training.checkpoint import (CONFIG_FILE, MARKER_FILE, Checkpointer, _write_atomically, check_run_dir_owner,
-                                         check_run_dir_reachable, check_run_dir_usable, is_run_dir)
+from tpu_llm.training.checkpoint import (Checkpointer, _write_atomically, check_run_dir_owner, check_run_dir_reachable,
+                                         check_run_dir_usable, is_run_dir)
 
-IMPORT_FILE = "hf_import.json"  # in an imported run: where it came from, its dtype and config.json
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": safetensors_io.DTYPES["BF16"],

@@ -1,27 +1,12 @@
-"""The run directory and its checkpoints (local disk or gs://, both through tf.io.gfile).
-
-<run_dir>/
-  .tpu-llm-run         marks the directory as a tpu-llm run (nothing else is ever written into a
-                       non-empty directory without it)
-  config.yaml          the effective config of the run (model section fixed once written)
-  tokenizer.json       the tokenizer (+ tokenizer.model for SentencePiece)
-  checkpoints/         tf.train.CheckpointManager: model, optimizer, step, dropout RNG, data position
-  logs/train, logs/validation   TensorBoard summaries
-  metrics.jsonl        one JSON line per logged loop and evaluation (appended; a resume drops the lines after its step)
-  .tpu-llm-lock        the writer's lock (training/run_lock.py): one `tpu-llm train` at a time
+"""The run directory and its checkpoints (local disk or gs://, both through tf.io.gfile); the names of its
+files, the step of a checkpoint's name and the link checks are in tpu_llm/run_layout.py.
 
 Re-using a run directory resumes it. `check_run_dir` refuses a non-empty directory that is not a
 tpu-llm run and a run made by another model; `record_run` writes the marker, config and tokenizer,
 only once every check of the run passed (controller.build_run). A refused run leaves the directory
 untouched. A run directory of an earlier version (config.yaml, tokenizer.json and checkpoints/, no
-marker) is accepted, and gets its marker when it is resumed.
-
-A local run directory is a guarded space: `check_no_links` refuses a symbolic link at any name
-tpu-llm reads or writes in it (checkpoints/ and everything in it, logs/ likewise, metrics.jsonl,
-config.yaml, the tokenizer files, the marker and the lock), at the start and again before each save
-and each metrics line: TensorFlow's writers follow links, so a planted `ckpt-N.index` link had the
-next save write a checkpoint index into whatever file it named. The run directory itself may be a
-link (a disk mounted elsewhere); gs:// has no links.
+marker) is accepted, and gets its marker when it is resumed. A local run directory is read and written
+through no symbolic link (`run_layout.check_no_links`, at the start and before each save).
 """
 
 from __future__ import annotations
@@ -42,65 +27,10 @@ import yaml
 from tpu_llm.config import Config, ModelConfig, config_from_dict
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
+from tpu_llm.run_layout import (CHECKPOINT_DIR, CONFIG_FILE, MARKER_FILE, OWN_TEMPORARY, WRITE_PROBE,
+                               check_no_links)
 from tpu_llm.tokenizers import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
-from tpu_llm.training.goodput import GOODPUT_FILE
-from tpu_llm.training.run_lock import LOCK_FILE
-
-CONFIG_FILE = "config.yaml"
-CHECKPOINT_DIR = "checkpoints"
-LOGS_DIR = "logs"
-METRICS_FILE = "metrics.jsonl"
-MARKER_FILE = ".tpu-llm-run"
-# probes, workers' scratch and the lock (taken just before the marker is written): not content of their own
-_OWN_TEMPORARY = (".write-test-", ".scratch-", LOCK_FILE)
-# top-level names tpu-llm reads or writes (with their temporary siblings, e.g. metrics.jsonl.tmp): never links
-_GUARDED = (CONFIG_FILE, "tokenizer", "hf_tokenizer", METRICS_FILE, ".tpu-llm-", "import.json", CHECKPOINT_DIR,
-            LOGS_DIR, GOODPUT_FILE)
-
-
-def check_no_links(run_dir: str, trees: tuple[str, ...] = (CHECKPOINT_DIR, LOGS_DIR), top: bool = True) -> None:
-    """Refuse (UserError) a symbolic link among the files tpu-llm reads or writes in a local `run_dir`:
-    the top-level names of `_GUARDED` (with `top`) and everything under `trees`. A few directory reads;
-    gs:// has no links. (The run directory itself may be one.)"""
-    if "://" in run_dir:
-        return
-    if top:
-        try:
-            with os.scandir(run_dir) as entries:
-                for entry in entries:
-                    if entry.name.startswith(_GUARDED) and entry.is_symlink():
-                        raise link_error(run_dir, entry.name)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-    for tree in trees:
-        _check_tree(run_dir, tree)
-
-
-def _check_tree(run_dir: str, rel: str) -> None:
-    path = os.path.join(run_dir, rel)
-    if os.path.islink(path):
-        raise link_error(run_dir, rel)
-    try:
-        with os.scandir(path) as entries:
-            children = list(entries)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for entry in children:
-        if entry.is_symlink():  # from the directory entry: no extra system call
-            raise link_error(run_dir, os.path.join(rel, entry.name))
-        if entry.is_dir(follow_symlinks=False):
-            _check_tree(run_dir, os.path.join(rel, entry.name))
-
-
-def link_error(run_dir: str, rel: str) -> UserError:
-    try:
-        target = os.readlink(os.path.join(run_dir, rel))
-    except OSError:
-        target = "?"
-    return UserError(f"run_dir {run_dir!r} holds a symbolic link, {rel} -> {target}; tpu-llm never reads or writes a "
-                     "run's files through a link (it could lead anywhere): replace the link with the file or "
-                     "directory itself, or use another --run_dir")
 
 
 def read_saved_config(run_dir: str) -> dict | None:
@@ -131,7 +61,7 @@ def check_run_dir_usable(run_dir: str) -> None:
         if tf.io.gfile.exists(run_dir) and not tf.io.gfile.isdir(run_dir):
             raise UserError(f"run_dir {run_dir!r} is a file, not a directory; choose another --run_dir")
         tf.io.gfile.makedirs(run_dir)
-        probe = os.path.join(run_dir, f".write-test-{uuid.uuid4().hex[:8]}")
+        probe = os.path.join(run_dir, f"{WRITE_PROBE}{uuid.uuid4().hex[:8]}")
         with tf.io.gfile.GFile(probe, "w") as f:
             f.write("ok")
         tf.io.gfile.remove(probe)
@@ -170,7 +100,7 @@ def check_run_dir_owner(run_dir: str) -> None:
         return
     if not tf.io.gfile.isdir(run_dir):
         raise UserError(f"run_dir {run_dir!r} is a file, not a directory; choose another --run_dir")
-    held = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(run_dir) if not n.startswith(_OWN_TEMPORARY))
+    held = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(run_dir) if not n.startswith(OWN_TEMPORARY))
     if held and not is_run_dir(run_dir):
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
         raise UserError(f"run_dir {run_dir!r} is not empty and is not a tpu-llm run (no {MARKER_FILE}; it holds "
@@ -549,7 +479,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     if saved is None or tokenizer is None:
         raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
                         "pass the --run_dir of a `tpu-llm train` run")
-    cfg = config_from_dict(saved, source=os.path.join(run_dir, "config.yaml"))
+    cfg = config_from_dict(saved, source=os.path.join(run_dir, CONFIG_FILE))
     model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tpu_llm.config import Config
 from tpu_llm.parallel import pipeline
 from tpu_llm.parallel.distribute import get_strategy
-from tpu_llm.training.checkpoint import CHECKPOINT_DIR
+from tpu_llm.run_layout import CHECKPOINT_DIR
 from tpu_llm.training.controller import check_run, layout_lines, setup_lines
 
 
