@@ -69,6 +69,7 @@ GUARDED = (CONFIG_FILE, "tokenizer", "hf_tokenizer", METRICS_FILE, ".tpu-llm-", 
            LOGS_DIR, GOODPUT_FILE)
 
 CHECKPOINT_PREFIX = "ckpt-"  # tf.train.CheckpointManager's names (its default checkpoint_name "ckpt"): ckpt-N
+UNFINISHED_SUFFIX = "_temp"  # TensorFlow writes checkpoint ckpt-N into ckpt-N_temp/ first
 
 
 def checkpoint_name(step: int) -> str:

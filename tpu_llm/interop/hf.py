@@ -41,7 +41,7 @@ from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
 from tpu_llm.model import GPT
-from tpu_llm.run_layout import CONFIG_FILE, IMPORT_FILE, MARKER_FILE
+from tpu_llm.run_layout import CONFIG_FILE, IMPORT_FILE, MARKER_FILE, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.tokenizers.hf import load_hf_tokenizer, write_hf_tokenizer
 from tpu_llm.training.checkpoint import (Checkpointer, _write_atomically, check_run_dir_owner, check_run_dir_reachable,
@@ -449,8 +449,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
     m = cfg.model
     if not hasattr(m, "family"):  # a model section from before the families: gpt2
         m.family = "gpt2"
-    tail = checkpoint.rsplit("ckpt-", 1)[-1]
-    step = int(tail) if tail.isdigit() else None
+    step = checkpoint_step(checkpoint)
     variables = _variables(model)
     np_dtype = _NP_DTYPES[dtype]
 

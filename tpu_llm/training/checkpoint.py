@@ -27,7 +27,8 @@ import yaml
 from tpu_llm.config import Config, ModelConfig, config_from_dict
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
-from tpu_llm.run_layout import (CHECKPOINT_DIR, CONFIG_FILE, MARKER_FILE, OWN_TEMPORARY, WRITE_PROBE,
+from tpu_llm.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, MARKER_FILE,
+                               OWN_TEMPORARY, UNFINISHED_SUFFIX, WRITE_PROBE, checkpoint_name, checkpoint_step,
                                check_no_links)
 from tpu_llm.tokenizers import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
@@ -277,12 +278,12 @@ class Checkpointer:
         checkpoint whose index file is there (the ones kept by checkpoint.keep_every_hours, which TF
         leaves out of the state file, or all of them when the state file is missing or unreadable)."""
         recorded = list(reversed(self.manager.checkpoints)) if self.manager else []
-        found = tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index"))
+        found = tf.io.gfile.glob(os.path.join(self.directory, f"{CHECKPOINT_PREFIX}*.index"))
         known = {os.path.basename(p) for p in recorded}
         others = sorted((p[: -len(".index")] for p in found if os.path.basename(p)[: -len(".index")] not in known),
-                        key=_checkpoint_number, reverse=True)
+                        key=lambda p: -1 if (step := checkpoint_step(p)) is None else step, reverse=True)
         if others and not recorded:
-            self.notes.append(f"the checkpoint state file {os.path.join(self.directory, 'checkpoint')} is "
+            self.notes.append(f"the checkpoint state file {os.path.join(self.directory, CHECKPOINT_STATE)} is "
                               f"missing, empty or unreadable; trying the checkpoint files themselves, newest first")
         return recorded + others
 
@@ -340,9 +341,11 @@ class Checkpointer:
         chief, holding the lock) calls it, before its first save; returns what went (also in `notes`)."""
         recorded = {os.path.basename(p) for p in self.manager.checkpoints} if self.manager else set()
         gone = []
-        for path in sorted(tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*_temp"))):
-            match = re.fullmatch(r"(ckpt-\d+)_temp", os.path.basename(path.rstrip("/")))
-            if match and match.group(1) not in recorded and tf.io.gfile.isdir(path):
+        pattern = os.path.join(self.directory, f"{CHECKPOINT_PREFIX}*{UNFINISHED_SUFFIX}")
+        for path in sorted(tf.io.gfile.glob(pattern)):
+            name = os.path.basename(path.rstrip("/"))
+            unfinished = checkpoint_step(name, UNFINISHED_SUFFIX) is not None
+            if unfinished and name.removesuffix(UNFINISHED_SUFFIX) not in recorded and tf.io.gfile.isdir(path):
                 _remove(path)
                 gone.append(path)
         if gone:
@@ -381,7 +384,7 @@ class Checkpointer:
         try:
             if not self.worker:
                 if self.manager is None:  # the state file names no checkpoint: this save writes a new one
-                    _remove(os.path.join(self.directory, "checkpoint"))
+                    _remove(os.path.join(self.directory, CHECKPOINT_STATE))
                     self.manager = self._manager()
                     if self.manager is None:
                         raise OSError(f"cannot replace the empty checkpoint state file in {self.directory}")
@@ -393,10 +396,11 @@ class Checkpointer:
             _remove_scratch(self.scratch)
             return path
         except (tf.errors.OpError, OSError) as e:
+            name = checkpoint_name(step)
             if self.worker:  # a worker's own scratch save: never touch the chief's checkpoints
                 _remove_scratch(self.scratch)
-            elif self.manager and f"ckpt-{step}" not in {os.path.basename(p) for p in self.manager.checkpoints}:
-                for pattern in (f"ckpt-{step}.*", f"ckpt-{step}_temp*"):  # TF writes into *_temp first
+            elif self.manager and name not in {os.path.basename(p) for p in self.manager.checkpoints}:
+                for pattern in (f"{name}.*", f"{name}{UNFINISHED_SUFFIX}*"):  # TF writes into *_temp first
                     for leftover in tf.io.gfile.glob(os.path.join(self.directory, pattern)):
                         _remove(leftover)
             if self.cluster and isinstance(e, CLUSTER_ERRORS):  # a peer is gone, not a disk problem
@@ -405,10 +409,10 @@ class Checkpointer:
             if _disk_full(e):  # TF's words name an internal function and a temporary file: say what happened
                 kept = (f"earlier checkpoints are intact, the newest is {latest}" if latest
                         else "no checkpoint was saved before")
-                raise UserError(f"saving checkpoint ckpt-{step} in {self.directory} failed: the disk is full (No space "
+                raise UserError(f"saving checkpoint {name} in {self.directory} failed: the disk is full (No space "
                                 f"left on device); {kept}; free space on the run directory's disk, then run the same "
                                 "command to resume") from None
-            raise UserError(f"saving checkpoint ckpt-{step} in {self.directory} failed ({_first_line(e)}); "
+            raise UserError(f"saving checkpoint {name} in {self.directory} failed ({_first_line(e)}); "
                             f"the newest usable checkpoint is {latest or 'none yet'}; free space or fix permissions "
                             "in the run directory, then run the same command to resume") from None
 
@@ -445,11 +449,6 @@ def _disk_full(error: Exception) -> bool:
 
 class Unreadable(Exception):
     """A checkpoint whose files cannot be read (truncated, corrupt or missing)."""
-
-
-def _checkpoint_number(prefix: str) -> int:
-    tail = prefix.rsplit("ckpt-", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
 
 
 def _first_line(error: Exception) -> str:

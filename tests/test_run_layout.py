@@ -1,0 +1,52 @@
+"""tpu_llm/run_layout.py: a checkpoint's step read from its name (names come from a directory listing, a
+bucket listing or a path in a message: any text), and Cloud Storage's checkpoint listing on top of it."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from tpu_llm.cloud import storage
+from tpu_llm.run_layout import UNFINISHED_SUFFIX, checkpoint_name, checkpoint_step
+
+PROPERTY = settings(max_examples=300, derandomize=True, database=None, deadline=None)
+# pieces of names that sit near the edges: digits of other scripts, signs, the words of the layout
+PIECES = st.sampled_from(["ckpt-", "ckpt", "-", "0", "7", "12", "\u0663", "\u00b2", "+1", " ", ".index", ".data-0",
+                          UNFINISHED_SUFFIX, "/", "checkpoints", "run", "a.b", ""])
+NAMES = st.lists(PIECES, max_size=8).map("".join) | st.text(max_size=20)
+SUFFIXES = st.sampled_from(["", ".index", UNFINISHED_SUFFIX])
+
+
+@PROPERTY
+@given(step=st.integers(0, 10**30), folder=st.sampled_from(["", "runs/a/checkpoints/", "gs://b/ckpt-9/checkpoints/"]),
+       suffix=SUFFIXES)
+def test_the_step_of_a_checkpoint_name_is_read_back(step, folder, suffix):
+    assert checkpoint_step(f"{folder}{checkpoint_name(step)}{suffix}", suffix) == step
+
+
+@PROPERTY
+@given(path=NAMES, suffix=SUFFIXES)
+@example(path="checkpoints/ckpt-\u0663", suffix="")  # an Arabic-Indic 3: str.isdigit and int() take it
+@example(path="ckpt-\u00b2.index", suffix=".index")  # a superscript 2: str.isdigit takes it, int() raises
+@example(path="ckpt-+1", suffix="")
+@example(path="ckpt-12_temp", suffix="")
+def test_any_other_name_has_no_step(path, suffix):
+    """A step only for a last component `ckpt-N` + suffix with N in ASCII digits (int() also takes '٣')."""
+    match = re.fullmatch(r"ckpt-([0-9]+)" + re.escape(suffix), os.path.basename(path))
+    assert checkpoint_step(path, suffix) == (int(match.group(1)) if match else None)
+
+
+@PROPERTY
+@given(rel=NAMES)
+@example(rel="checkpoints/ckpt-5.index")
+@example(rel="a/checkpoints/ckpt-12.index")
+@example(rel="xcheckpoints/ckpt-5.index")
+@example(rel="checkpoints/ckpt-5.data-00000-of-00001")
+@example(rel="checkpoints/ckpt-5.index\n")
+def test_a_bucket_listing_finds_what_the_former_pattern_found(rel):
+    """cloud.storage's runs and checkpoints listing: the steps its regular expression found (ASCII names)."""
+    former = re.search(r"/checkpoints/ckpt-([0-9]+)\.index$", "/" + rel)
+    assert storage._index_step(rel) == (int(former.group(1)) if former and not rel.endswith("\n") else None)
