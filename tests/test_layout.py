@@ -17,7 +17,7 @@ PACKAGE = ROOT / "tpu_llm"
 # Sub-packages and top-level modules by layer: a module may import its own sub-package and lower layers.
 LAYERS = [
     # leaves anyone may import
-    {"__init__", "config", "errors", "tf_compat", "perf", "tether", "native_log", "peak", "run_layout"},
+    {"__init__", "config", "errors", "tf_compat", "perf", "tether", "native_log", "peak", "run_layout", "files"},
     {"cloud", "tokenizers", "model"},
     {"data"},
     {"parallel"},

@@ -38,14 +38,15 @@ import tensorflow as tf
 
 from tpu_llm.config import CAPS, Config, ModelConfig, config_from_dict
 from tpu_llm.errors import UserError
+from tpu_llm.files import write_atomically
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
 from tpu_llm.model import GPT
 from tpu_llm.run_layout import CONFIG_FILE, IMPORT_FILE, MARKER_FILE, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.tokenizers.hf import load_hf_tokenizer, write_hf_tokenizer
-from tpu_llm.training.checkpoint import (Checkpointer, _write_atomically, check_run_dir_owner, check_run_dir_reachable,
-                                         check_run_dir_usable, is_run_dir)
+from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable,
+                                         is_run_dir)
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -417,12 +418,12 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
             net = GPT(cfg.model, cfg.model.vocab_size).build_weights()
             dtype = load_weights(net, reader, cfg.model)
             tf.io.gfile.makedirs(tmp)
-            _write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
-            _write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
+            write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
+            write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
             save_tokenizer(tokenizer, tmp)
             architecture = next(a for a in hf["architectures"] if isinstance(a, str) and a in ARCHITECTURES)
             meta = {"source": source, "architecture": architecture, "dtype": dtype, "config": hf}
-            _write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
+            write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
             Checkpointer(tmp, keep=cfg.checkpoint.keep, model=net).save(0)  # the model only: train adds the optimizer
     finally:
         keras.mixed_precision.set_global_policy(policy)

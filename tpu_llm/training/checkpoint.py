@@ -26,6 +26,7 @@ import yaml
 
 from tpu_llm.config import Config, ModelConfig, config_from_dict
 from tpu_llm.errors import UserError
+from tpu_llm.files import write_atomically
 from tpu_llm.model import GPT
 from tpu_llm.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, MARKER_FILE,
                                OWN_TEMPORARY, UNFINISHED_SUFFIX, WRITE_PROBE, checkpoint_name, checkpoint_step,
@@ -132,8 +133,8 @@ def record_run(cfg: Config, tokenizer: Tokenizer) -> None:
     run_dir = cfg.run_dir
     check_run_dir_usable(run_dir)
     if not tf.io.gfile.exists(os.path.join(run_dir, MARKER_FILE)):  # first: a worker may be looking
-        _write_atomically(os.path.join(run_dir, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
-    _write_atomically(os.path.join(run_dir, CONFIG_FILE), cfg.to_yaml())
+        write_atomically(os.path.join(run_dir, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
+    write_atomically(os.path.join(run_dir, CONFIG_FILE), cfg.to_yaml())
     if load_tokenizer(run_dir) is None:
         save_tokenizer(tokenizer, run_dir)
 
@@ -177,13 +178,6 @@ def _model_changes(saved: dict, current: ModelConfig) -> list[tuple]:
     """(key, saved value, current value) of every key both hold with different values: a key one of
     them lacks (added by a later version, with the earlier behaviour as its default) is no difference."""
     return [(key, saved[key], value) for key, value in vars(current).items() if key in saved and saved[key] != value]
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        f.write(text)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 class Checkpointer:
