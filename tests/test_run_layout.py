@@ -1,14 +1,17 @@
 """tpu_llm/run_layout.py: a checkpoint's step read from its name (names come from a directory listing, a
-bucket listing or a path in a message: any text), and Cloud Storage's checkpoint listing on top of it."""
+bucket listing or a path in a message: any text), Cloud Storage's checkpoint listing on top of it, and
+docs/run-directory.md's list of a run directory's files against the module's names."""
 
 from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tpu_llm import run_layout
 from tpu_llm.cloud import storage
 from tpu_llm.run_layout import UNFINISHED_SUFFIX, checkpoint_name, checkpoint_step
 
@@ -50,3 +53,14 @@ def test_a_bucket_listing_finds_what_the_former_pattern_found(rel):
     """cloud.storage's runs and checkpoints listing: the steps its regular expression found (ASCII names)."""
     former = re.search(r"/checkpoints/ckpt-([0-9]+)\.index$", "/" + rel)
     assert storage._index_step(rel) == (int(former.group(1)) if former and not rel.endswith("\n") else None)
+
+
+def test_the_run_directory_page_lists_the_names_of_run_layout():
+    """docs/run-directory.md's tree shows every top-level name of run_layout.NAMES, and no other, and the
+    TensorBoard splits of logs/."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "run-directory.md").read_text()
+    tree = page.split("```\nruns/tiny/\n", 1)[1].split("```", 1)[0]
+    listed = [name for line in tree.splitlines() for name in re.split(r"\s{2,}", line.strip())[0].split(", ")]
+    assert {name.split("/")[0] for name in listed} == set(run_layout.NAMES), listed
+    assert [name.split("/")[1] for name in listed if name.count("/") == 1 and name.startswith(run_layout.LOGS_DIR)
+            and "." not in name] == list(run_layout.LOG_SPLITS)

@@ -1,6 +1,6 @@
 """The run directory's layout: the name of every file tpu-llm keeps in a run directory, the step of a
 checkpoint's name, and the check that none of the files tpu-llm reads or writes there is a symbolic link
-(docs/run-directory.md shows the same list).
+(docs/run-directory.md shows the same list; tests/test_run_layout.py compares the two).
 
 <run_dir>/
   .tpu-llm-run         MARKER_FILE: marks the directory as a tpu-llm run (nothing else is ever written into

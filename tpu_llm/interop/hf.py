@@ -42,7 +42,7 @@ from tpu_llm.files import write_atomically
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
 from tpu_llm.model import GPT
-from tpu_llm.run_layout import CONFIG_FILE, IMPORT_FILE, MARKER_FILE, checkpoint_step
+from tpu_llm.run_layout import CONFIG_FILE, HF_EXPORT_DIR, IMPORT_FILE, MARKER_FILE, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.tokenizers.hf import load_hf_tokenizer, write_hf_tokenizer
 from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable,
@@ -439,7 +439,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
     """Write `run_dir`'s newest checkpoint in the Hugging Face layout to `output` (default <run_dir>/hf)."""
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"--dtype={dtype!r}; valid choices: {', '.join(EXPORT_DTYPES)}")
-    run_dir, output = export_target(run_dir, output, "hf", overwrite)
+    run_dir, output = export_target(run_dir, output, HF_EXPORT_DIR, overwrite)
     model, tokenizer, cfg, checkpoint, notes = load_float32(run_dir)
     if dtype == "auto":  # an imported run goes back in the dtype it came in
         dtype = "float32"

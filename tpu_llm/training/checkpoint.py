@@ -29,9 +29,9 @@ from tpu_llm.errors import UserError
 from tpu_llm.files import write_atomically
 from tpu_llm.model import GPT
 from tpu_llm.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, MARKER_FILE,
-                               OWN_TEMPORARY, UNFINISHED_SUFFIX, WRITE_PROBE, checkpoint_name, checkpoint_step,
-                               check_no_links)
-from tpu_llm.tokenizers import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
+                               OWN_TEMPORARY, SPEC_FILE, UNFINISHED_SUFFIX, WRITE_PROBE, check_no_links, checkpoint_name,
+                               checkpoint_step)
+from tpu_llm.tokenizers import Tokenizer, load_tokenizer, save_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
 
 
