@@ -8,11 +8,13 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tpu_llm import run_layout
 from tpu_llm.cloud import storage
+from tpu_llm.errors import UserError
 from tpu_llm.run_layout import UNFINISHED_SUFFIX, checkpoint_name, checkpoint_step
 
 PROPERTY = settings(max_examples=300, derandomize=True, database=None, deadline=None)
@@ -21,6 +23,8 @@ PIECES = st.sampled_from(["ckpt-", "ckpt", "-", "0", "7", "12", "\u0663", "\u00b
                           UNFINISHED_SUFFIX, "/", "checkpoints", "run", "a.b", ""])
 NAMES = st.lists(PIECES, max_size=8).map("".join) | st.text(max_size=20)
 SUFFIXES = st.sampled_from(["", ".index", UNFINISHED_SUFFIX])
+# written only by `report` and `export`, never read by a run (`export` refuses a link at its --output)
+UNGUARDED = (run_layout.REPORT_FILE, run_layout.EXPORT_DIR, run_layout.HF_EXPORT_DIR)
 
 
 @PROPERTY
@@ -64,3 +68,16 @@ def test_the_run_directory_page_lists_the_names_of_run_layout():
     assert {name.split("/")[0] for name in listed} == set(run_layout.NAMES), listed
     assert [name.split("/")[1] for name in listed if name.count("/") == 1 and name.startswith(run_layout.LOGS_DIR)
             and "." not in name] == list(run_layout.LOG_SPLITS)
+
+
+@pytest.mark.parametrize("name", [n for n in run_layout.NAMES if n not in UNGUARDED] + ["config.yaml.tmp-1a2b3c4d"])
+def test_a_link_at_any_name_tpu_llm_reads_or_writes_is_refused(name, tmp_path):
+    """Every file of a run that train, generate and export read or write (hf_import.json was missed: its
+    prefix was written "import.json"), with its temporary siblings; another name is not the run's."""
+    (tmp_path / "outside").write_text("precious")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").symlink_to(tmp_path / "outside")
+    run_layout.check_no_links(str(tmp_path / "run"))
+    (tmp_path / "run" / name).symlink_to(tmp_path / "outside")
+    with pytest.raises(UserError, match=f"holds a symbolic link, {re.escape(name)} -> "):
+        run_layout.check_no_links(str(tmp_path / "run"))

@@ -64,9 +64,9 @@ WRITE_PROBE = ".write-test-"  # a probe that the directory (or bucket prefix) is
 # probes, workers' scratch (of earlier versions) and the lock (taken just before the marker is written):
 # not content of their own, so a directory holding only these is still empty
 OWN_TEMPORARY = (WRITE_PROBE, ".scratch-", LOCK_FILE)
-# top-level names tpu-llm reads or writes, never links (prefixes: with their temporary siblings, e.g. metrics.jsonl.tmp)
-GUARDED = (CONFIG_FILE, "tokenizer", "hf_tokenizer", METRICS_FILE, ".tpu-llm-", "import.json", CHECKPOINT_DIR,
-           LOGS_DIR, GOODPUT_FILE)
+# the top-level names train, generate and export read or write, never links (prefixes: with their temporary
+# siblings, e.g. config.yaml.tmp-1a2b3c4d); the others are written only by `report` and `export`
+GUARDED = tuple(name for name in NAMES if name not in (REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR))
 
 CHECKPOINT_PREFIX = "ckpt-"  # tf.train.CheckpointManager's names (its default checkpoint_name "ckpt"): ckpt-N
 UNFINISHED_SUFFIX = "_temp"  # TensorFlow writes checkpoint ckpt-N into ckpt-N_temp/ first
