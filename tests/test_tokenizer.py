@@ -11,9 +11,9 @@ import tensorflow as tf
 from helpers import CORPUS_LINES, write_corpus
 
 from tpu_llm.errors import UserError
+from tpu_llm.run_layout import MARKER_FILE
 from tpu_llm.tokenizers import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
                                 build_tokenizer, load_tokenizer, save_tokenizer, train_sentencepiece)
-from tpu_llm.training.checkpoint import MARKER_FILE
 
 SP_VOCAB = 400  # 256 byte pieces + specials + the corpus's ~110 distinct characters + a few merges
 TEXTS = ["héllo wörld ✓ 日本語", "", "a", "def f(x):\n\treturn x  # two  spaces\n\n", "  lead and trail  ",

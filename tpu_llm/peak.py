@@ -22,6 +22,8 @@ import os
 import platform
 from typing import Callable
 
+from tpu_llm.files import write_atomically
+
 CACHE_FILE = "peak.json"
 LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0"}
 
@@ -69,7 +71,7 @@ def machine_peak(device: str, measure: Callable[[], float], on_measure: Callable
         flops = measure()
         entries[key] = {"flops": flops, "measured": _now()}
         with contextlib.suppress(OSError):
-            _write(path, entries)
+            write_atomically(path, json.dumps(entries, indent=1))
         return flops, f"measured now, once per machine, cached in {shown}"
 
 
@@ -87,7 +89,7 @@ def raise_peak(device: str, reached: float, path: str | None = None) -> float | 
                 return None
             entries[key] = {"flops": reached,
                             "measured": f"{_now()} (reached by a run; measured {entries[key].get('measured', '')})"}
-            _write(path, entries)
+            write_atomically(path, json.dumps(entries, indent=1))
             return cached
     except OSError:
         return None
@@ -102,14 +104,6 @@ def _flops(entry) -> float | None:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def _write(path: str, entries: dict) -> None:
-    """The cache anew, through a temporary file renamed over it (a reader sees the old or the new)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(entries, f, indent=1)
-    os.replace(tmp, path)
 
 
 def _read(path: str) -> dict:

@@ -14,6 +14,7 @@ import sys
 from tpu_llm import __version__
 from tpu_llm.cli.parser import command, nearest
 from tpu_llm.errors import UserError
+from tpu_llm.run_layout import CONFIG_FILE, SP_MODEL_FILE
 
 
 @command("train", "train a GPT, or resume the run in --run_dir",
@@ -74,7 +75,7 @@ def generate(run_dir: str, prompt: str = "", prompt_file: str = "", max_new_toke
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1):
     prompt = _prompt(prompt, prompt_file)  # everything is checked before TensorFlow loads (seconds)
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed, num_samples)
-    if "://" not in run_dir and not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+    if "://" not in run_dir and not os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
         raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
                         "pass the --run_dir of a `tpu-llm train` run")
     from tpu_llm import api
@@ -396,8 +397,6 @@ def train_flags(shard_dir: str, kind: str) -> str:
     shard_dir = shard_dir.rstrip("/")
     flags = f"--data.train='{shard_dir}/*.tfrecord' --data.tokenizer={kind}"
     if kind == "sentencepiece":
-        from tpu_llm.tokenizers import SP_MODEL_FILE
-
         flags += f" --data.tokenizer_model='{shard_dir}/{SP_MODEL_FILE}'"
     return flags
 

@@ -34,9 +34,9 @@ import uuid
 from typing import Callable, Iterator
 
 from tpu_llm.errors import EXIT_USER_ERROR, UserError
+from tpu_llm.run_layout import CHECKPOINT_DIR, checkpoint_step
 
 CHUNK_SIZE = 16 * 1024 * 1024  # resumable-upload chunk (a multiple of 256 KiB); larger files go in chunks
-CHECKPOINT_INDEX = re.compile(r"/checkpoints/ckpt-(\d+)\.index$")
 TFRECORD_HEADER = 12  # uint64 length + uint32 masked CRC32C of the length
 
 
@@ -325,9 +325,9 @@ def list_runs(runs_url: str, client=None) -> list[RunInfo]:
                 continue
             name, rest = rel.split("/", 1)
             steps = runs.setdefault(name, [])
-            match = CHECKPOINT_INDEX.search("/" + rest)
-            if match:
-                steps.append(int(match.group(1)))
+            step = _index_step(rest)
+            if step is not None:
+                steps.append(step)
     base = runs_url.rstrip("/")
     return [RunInfo(name, f"{base}/{name}", sorted(steps)) for name, steps in sorted(runs.items())]
 
@@ -337,8 +337,14 @@ def list_checkpoints(run_url: str, client=None) -> list[int]:
     bucket_name, prefix = parse_gs_url(run_url)
     client = client or storage_client()
     with _Errors(f"listing checkpoints in {run_url}", run_url):
-        names = _remote_blobs(client, bucket_name, f"{prefix}/checkpoints".lstrip("/"))
-    return sorted(int(m.group(1)) for rel in names if (m := CHECKPOINT_INDEX.search(f"/checkpoints/{rel}")))
+        names = _remote_blobs(client, bucket_name, f"{prefix}/{CHECKPOINT_DIR}".lstrip("/"))
+    return sorted(step for rel in names if (step := _index_step(f"{CHECKPOINT_DIR}/{rel}")) is not None)
+
+
+def _index_step(rel: str) -> int | None:
+    """N of a checkpoint's index file `.../checkpoints/ckpt-N.index` (`rel`: an object's name below a run)."""
+    folder, _, name = rel.rpartition("/")
+    return checkpoint_step(name, ".index") if folder.rpartition("/")[2] == CHECKPOINT_DIR else None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tpu_llm.errors import UserError
 from tpu_llm.model.sampling import sample_logits
+from tpu_llm.run_layout import EXPORT_DIR, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.training.checkpoint import check_run_dir_reachable, load_for_generation
 
@@ -155,10 +156,9 @@ def load_float32(run_dir: str):
 
 def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
     """Export `run_dir`'s newest checkpoint to `output` (default <run_dir>/export); returns export.json."""
-    run_dir, output = export_target(run_dir, output, "export", overwrite)
+    run_dir, output = export_target(run_dir, output, EXPORT_DIR, overwrite)
     model, tokenizer, cfg, checkpoint, notes = load_float32(run_dir)
-    tail = checkpoint.rsplit("ckpt-", 1)[-1]
-    step = int(tail) if tail.isdigit() else None
+    step = checkpoint_step(checkpoint)
 
     # --overwrite: an existing export is replaced only once the new one is complete
     with staged_directory(output, f"the export to {output!r}", EXPORT_FIX) as tmp:

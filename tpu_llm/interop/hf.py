@@ -38,15 +38,16 @@ import tensorflow as tf
 
 from tpu_llm.config import CAPS, Config, ModelConfig, config_from_dict
 from tpu_llm.errors import UserError
+from tpu_llm.files import write_atomically
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
 from tpu_llm.model import GPT
+from tpu_llm.run_layout import CONFIG_FILE, HF_EXPORT_DIR, IMPORT_FILE, MARKER_FILE, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.tokenizers.hf import load_hf_tokenizer, write_hf_tokenizer
-from tpu_llm.training.checkpoint import (CONFIG_FILE, MARKER_FILE, Checkpointer, _write_atomically, check_run_dir_owner,
-                                         check_run_dir_reachable, check_run_dir_usable, is_run_dir)
+from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable,
+                                         is_run_dir)
 
-IMPORT_FILE = "hf_import.json"  # in an imported run: where it came from, its dtype and config.json
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": safetensors_io.DTYPES["BF16"],
@@ -417,12 +418,12 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
             net = GPT(cfg.model, cfg.model.vocab_size).build_weights()
             dtype = load_weights(net, reader, cfg.model)
             tf.io.gfile.makedirs(tmp)
-            _write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
-            _write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
+            write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
+            write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
             save_tokenizer(tokenizer, tmp)
             architecture = next(a for a in hf["architectures"] if isinstance(a, str) and a in ARCHITECTURES)
             meta = {"source": source, "architecture": architecture, "dtype": dtype, "config": hf}
-            _write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
+            write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
             Checkpointer(tmp, keep=cfg.checkpoint.keep, model=net).save(0)  # the model only: train adds the optimizer
     finally:
         keras.mixed_precision.set_global_policy(policy)
@@ -438,7 +439,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
     """Write `run_dir`'s newest checkpoint in the Hugging Face layout to `output` (default <run_dir>/hf)."""
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"--dtype={dtype!r}; valid choices: {', '.join(EXPORT_DTYPES)}")
-    run_dir, output = export_target(run_dir, output, "hf", overwrite)
+    run_dir, output = export_target(run_dir, output, HF_EXPORT_DIR, overwrite)
     model, tokenizer, cfg, checkpoint, notes = load_float32(run_dir)
     if dtype == "auto":  # an imported run goes back in the dtype it came in
         dtype = "float32"
@@ -449,8 +450,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
     m = cfg.model
     if not hasattr(m, "family"):  # a model section from before the families: gpt2
         m.family = "gpt2"
-    tail = checkpoint.rsplit("ckpt-", 1)[-1]
-    step = int(tail) if tail.isdigit() else None
+    step = checkpoint_step(checkpoint)
     variables = _variables(model)
     np_dtype = _NP_DTYPES[dtype]
 

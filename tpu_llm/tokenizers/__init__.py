@@ -16,11 +16,11 @@ import reprlib
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
+from tpu_llm.run_layout import HF_FILE, SP_MODEL_FILE, SPEC_FILE
 from tpu_llm.tokenizers import hf
-from tpu_llm.tokenizers.core import (REMOTE_OK, SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer,
-                                     SentencePieceTokenizer, Tokenizer, check_covers, import_tensorflow_text,
-                                     train_sentencepiece)
-from tpu_llm.tokenizers.hf import HF_FILE, HFTokenizer, check_pretokenized, load_hf_tokenizer, write_hf_tokenizer
+from tpu_llm.tokenizers.core import (REMOTE_OK, ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer,
+                                     check_covers, import_tensorflow_text, train_sentencepiece)
+from tpu_llm.tokenizers.hf import HFTokenizer, check_pretokenized, load_hf_tokenizer, write_hf_tokenizer
 
 __all__ = ["REMOTE_OK", "SP_MODEL_FILE", "SPEC_FILE", "HF_FILE", "ByteTokenizer", "CharTokenizer", "HFTokenizer",
            "SentencePieceTokenizer", "Tokenizer", "build_tokenizer", "check_covers", "check_pretokenized",

@@ -29,9 +29,8 @@ import tensorflow as tf
 
 from tpu_llm.errors import UserError
 from tpu_llm.native_log import SENTENCEPIECE_INFO, dropping_native_lines
+from tpu_llm.run_layout import SP_MODEL_FILE, SPEC_FILE
 
-SPEC_FILE = "tokenizer.json"
-SP_MODEL_FILE = "tokenizer.model"
 REMOTE_OK = ("byte", "char")  # kinds whose encode_tf uses core TF ops only (runs in any TF server)
 
 

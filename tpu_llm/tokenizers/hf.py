@@ -34,9 +34,8 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
-from tpu_llm.tokenizers.core import SPEC_FILE
+from tpu_llm.run_layout import HF_FILE, SPEC_FILE
 
-HF_FILE = "hf_tokenizer.json"  # HF's tokenizer.json in a run/shard directory (its tokenizer.json is our spec)
 # named special tokens that transformers registers (`SPECIAL_TOKENS_ATTRIBUTES`), then its lists
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 SPECIAL_LISTS = ("additional_special_tokens", "extra_special_tokens")

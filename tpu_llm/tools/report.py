@@ -14,9 +14,8 @@ import json
 import os
 
 from tpu_llm.errors import UserError
+from tpu_llm.run_layout import GOODPUT_FILE, METRICS_FILE, REPORT_FILE
 from tpu_llm.training import goodput
-
-METRICS_FILE = "metrics.jsonl"  # (training/checkpoint.py's name; importing it would load TensorFlow)
 
 
 def _read_text(path: str) -> str | None:
@@ -87,11 +86,11 @@ def plot(figures: dict, curves: dict, path: str) -> str | None:
 def report(run_dir: str, plot_path: str = "", say=print) -> dict:
     """Print the goodput table and the newest losses of `run_dir`; draw the PNG where matplotlib is
     importable. Returns the goodput figures."""
-    records = goodput.read_records(os.path.join(run_dir, goodput.GOODPUT_FILE))
+    records = goodput.read_records(os.path.join(run_dir, GOODPUT_FILE))
     curves = losses(run_dir)
     if not records and not any(curves.values()):
         there = "" if "://" in run_dir or os.path.isdir(run_dir) else " (no such directory)"
-        raise UserError(f"{run_dir!r} holds no {goodput.GOODPUT_FILE} and no {METRICS_FILE}{there}; pass the --run_dir "
+        raise UserError(f"{run_dir!r} holds no {GOODPUT_FILE} and no {METRICS_FILE}{there}; pass the --run_dir "
                         "of a `tpu-llm train` run")
     figures = goodput.account(records)
     say(f"report    {run_dir}")
@@ -100,11 +99,11 @@ def report(run_dir: str, plot_path: str = "", say=print) -> dict:
             say(f"          {line}")
         say(f"goodput   {100 * figures['goodput']:.1f}% (productive step time / wall time; docs/goodput.md)")
     else:
-        say(f"goodput   no {goodput.GOODPUT_FILE}: the run was trained by a tpu-llm without goodput records")
+        say(f"goodput   no {GOODPUT_FILE}: the run was trained by a tpu-llm without goodput records")
     for split, points in curves.items():
         if points:
             step, loss = points[-1]
             say(f"loss      {split}: {loss:.4f} at step {step}")
-    written = plot(figures, curves, plot_path or os.path.join(run_dir, "report.png"))
+    written = plot(figures, curves, plot_path or os.path.join(run_dir, REPORT_FILE))
     say(f"plot      {written}" if written else "plot      skipped: matplotlib is not installed (pip install matplotlib)")
     return figures

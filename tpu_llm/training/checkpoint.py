@@ -1,27 +1,12 @@
-"""The run directory and its checkpoints (local disk or gs://, both through tf.io.gfile).
-
-<run_dir>/
-  .tpu-llm-run         marks the directory as a tpu-llm run (nothing else is ever written into a
-                       non-empty directory without it)
-  config.yaml          the effective config of the run (model section fixed once written)
-  tokenizer.json       the tokenizer (+ tokenizer.model for SentencePiece)
-  checkpoints/         tf.train.CheckpointManager: model, optimizer, step, dropout RNG, data position
-  logs/train, logs/validation   TensorBoard summaries
-  metrics.jsonl        one JSON line per logged loop and evaluation (appended; a resume drops the lines after its step)
-  .tpu-llm-lock        the writer's lock (training/run_lock.py): one `tpu-llm train` at a time
+"""The run directory and its checkpoints (local disk or gs://, both through tf.io.gfile); the names of its
+files, the step of a checkpoint's name and the link checks are in tpu_llm/run_layout.py.
 
 Re-using a run directory resumes it. `check_run_dir` refuses a non-empty directory that is not a
 tpu-llm run and a run made by another model; `record_run` writes the marker, config and tokenizer,
 only once every check of the run passed (controller.build_run). A refused run leaves the directory
 untouched. A run directory of an earlier version (config.yaml, tokenizer.json and checkpoints/, no
-marker) is accepted, and gets its marker when it is resumed.
-
-A local run directory is a guarded space: `check_no_links` refuses a symbolic link at any name
-tpu-llm reads or writes in it (checkpoints/ and everything in it, logs/ likewise, metrics.jsonl,
-config.yaml, the tokenizer files, the marker and the lock), at the start and again before each save
-and each metrics line: TensorFlow's writers follow links, so a planted `ckpt-N.index` link had the
-next save write a checkpoint index into whatever file it named. The run directory itself may be a
-link (a disk mounted elsewhere); gs:// has no links.
+marker) is accepted, and gets its marker when it is resumed. A local run directory is read and written
+through no symbolic link (`run_layout.check_no_links`, at the start and before each save).
 """
 
 from __future__ import annotations
@@ -41,66 +26,13 @@ import yaml
 
 from tpu_llm.config import Config, ModelConfig, config_from_dict
 from tpu_llm.errors import UserError
+from tpu_llm.files import write_atomically
 from tpu_llm.model import GPT
-from tpu_llm.tokenizers import SPEC_FILE, Tokenizer, load_tokenizer, save_tokenizer
+from tpu_llm.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, MARKER_FILE,
+                               OWN_TEMPORARY, SPEC_FILE, UNFINISHED_SUFFIX, WRITE_PROBE, check_no_links, checkpoint_name,
+                               checkpoint_step)
+from tpu_llm.tokenizers import Tokenizer, load_tokenizer, save_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
-from tpu_llm.training.goodput import GOODPUT_FILE
-from tpu_llm.training.run_lock import LOCK_FILE
-
-CONFIG_FILE = "config.yaml"
-CHECKPOINT_DIR = "checkpoints"
-LOGS_DIR = "logs"
-METRICS_FILE = "metrics.jsonl"
-MARKER_FILE = ".tpu-llm-run"
-# probes, workers' scratch and the lock (taken just before the marker is written): not content of their own
-_OWN_TEMPORARY = (".write-test-", ".scratch-", LOCK_FILE)
-# top-level names tpu-llm reads or writes (with their temporary siblings, e.g. metrics.jsonl.tmp): never links
-_GUARDED = (CONFIG_FILE, "tokenizer", "hf_tokenizer", METRICS_FILE, ".tpu-llm-", "import.json", CHECKPOINT_DIR,
-            LOGS_DIR, GOODPUT_FILE)
-
-
-def check_no_links(run_dir: str, trees: tuple[str, ...] = (CHECKPOINT_DIR, LOGS_DIR), top: bool = True) -> None:
-    """Refuse (UserError) a symbolic link among the files tpu-llm reads or writes in a local `run_dir`:
-    the top-level names of `_GUARDED` (with `top`) and everything under `trees`. A few directory reads;
-    gs:// has no links. (The run directory itself may be one.)"""
-    if "://" in run_dir:
-        return
-    if top:
-        try:
-            with os.scandir(run_dir) as entries:
-                for entry in entries:
-                    if entry.name.startswith(_GUARDED) and entry.is_symlink():
-                        raise link_error(run_dir, entry.name)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-    for tree in trees:
-        _check_tree(run_dir, tree)
-
-
-def _check_tree(run_dir: str, rel: str) -> None:
-    path = os.path.join(run_dir, rel)
-    if os.path.islink(path):
-        raise link_error(run_dir, rel)
-    try:
-        with os.scandir(path) as entries:
-            children = list(entries)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for entry in children:
-        if entry.is_symlink():  # from the directory entry: no extra system call
-            raise link_error(run_dir, os.path.join(rel, entry.name))
-        if entry.is_dir(follow_symlinks=False):
-            _check_tree(run_dir, os.path.join(rel, entry.name))
-
-
-def link_error(run_dir: str, rel: str) -> UserError:
-    try:
-        target = os.readlink(os.path.join(run_dir, rel))
-    except OSError:
-        target = "?"
-    return UserError(f"run_dir {run_dir!r} holds a symbolic link, {rel} -> {target}; tpu-llm never reads or writes a "
-                     "run's files through a link (it could lead anywhere): replace the link with the file or "
-                     "directory itself, or use another --run_dir")
 
 
 def read_saved_config(run_dir: str) -> dict | None:
@@ -131,7 +63,7 @@ def check_run_dir_usable(run_dir: str) -> None:
         if tf.io.gfile.exists(run_dir) and not tf.io.gfile.isdir(run_dir):
             raise UserError(f"run_dir {run_dir!r} is a file, not a directory; choose another --run_dir")
         tf.io.gfile.makedirs(run_dir)
-        probe = os.path.join(run_dir, f".write-test-{uuid.uuid4().hex[:8]}")
+        probe = os.path.join(run_dir, f"{WRITE_PROBE}{uuid.uuid4().hex[:8]}")
         with tf.io.gfile.GFile(probe, "w") as f:
             f.write("ok")
         tf.io.gfile.remove(probe)
@@ -170,7 +102,7 @@ def check_run_dir_owner(run_dir: str) -> None:
         return
     if not tf.io.gfile.isdir(run_dir):
         raise UserError(f"run_dir {run_dir!r} is a file, not a directory; choose another --run_dir")
-    held = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(run_dir) if not n.startswith(_OWN_TEMPORARY))
+    held = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(run_dir) if not n.startswith(OWN_TEMPORARY))
     if held and not is_run_dir(run_dir):
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
         raise UserError(f"run_dir {run_dir!r} is not empty and is not a tpu-llm run (no {MARKER_FILE}; it holds "
@@ -201,8 +133,8 @@ def record_run(cfg: Config, tokenizer: Tokenizer) -> None:
     run_dir = cfg.run_dir
     check_run_dir_usable(run_dir)
     if not tf.io.gfile.exists(os.path.join(run_dir, MARKER_FILE)):  # first: a worker may be looking
-        _write_atomically(os.path.join(run_dir, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
-    _write_atomically(os.path.join(run_dir, CONFIG_FILE), cfg.to_yaml())
+        write_atomically(os.path.join(run_dir, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
+    write_atomically(os.path.join(run_dir, CONFIG_FILE), cfg.to_yaml())
     if load_tokenizer(run_dir) is None:
         save_tokenizer(tokenizer, run_dir)
 
@@ -246,13 +178,6 @@ def _model_changes(saved: dict, current: ModelConfig) -> list[tuple]:
     """(key, saved value, current value) of every key both hold with different values: a key one of
     them lacks (added by a later version, with the earlier behaviour as its default) is no difference."""
     return [(key, saved[key], value) for key, value in vars(current).items() if key in saved and saved[key] != value]
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        f.write(text)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 class Checkpointer:
@@ -347,12 +272,12 @@ class Checkpointer:
         checkpoint whose index file is there (the ones kept by checkpoint.keep_every_hours, which TF
         leaves out of the state file, or all of them when the state file is missing or unreadable)."""
         recorded = list(reversed(self.manager.checkpoints)) if self.manager else []
-        found = tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index"))
+        found = tf.io.gfile.glob(os.path.join(self.directory, f"{CHECKPOINT_PREFIX}*.index"))
         known = {os.path.basename(p) for p in recorded}
         others = sorted((p[: -len(".index")] for p in found if os.path.basename(p)[: -len(".index")] not in known),
-                        key=_checkpoint_number, reverse=True)
+                        key=lambda p: -1 if (step := checkpoint_step(p)) is None else step, reverse=True)
         if others and not recorded:
-            self.notes.append(f"the checkpoint state file {os.path.join(self.directory, 'checkpoint')} is "
+            self.notes.append(f"the checkpoint state file {os.path.join(self.directory, CHECKPOINT_STATE)} is "
                               f"missing, empty or unreadable; trying the checkpoint files themselves, newest first")
         return recorded + others
 
@@ -410,9 +335,11 @@ class Checkpointer:
         chief, holding the lock) calls it, before its first save; returns what went (also in `notes`)."""
         recorded = {os.path.basename(p) for p in self.manager.checkpoints} if self.manager else set()
         gone = []
-        for path in sorted(tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*_temp"))):
-            match = re.fullmatch(r"(ckpt-\d+)_temp", os.path.basename(path.rstrip("/")))
-            if match and match.group(1) not in recorded and tf.io.gfile.isdir(path):
+        pattern = os.path.join(self.directory, f"{CHECKPOINT_PREFIX}*{UNFINISHED_SUFFIX}")
+        for path in sorted(tf.io.gfile.glob(pattern)):
+            name = os.path.basename(path.rstrip("/"))
+            unfinished = checkpoint_step(name, UNFINISHED_SUFFIX) is not None
+            if unfinished and name.removesuffix(UNFINISHED_SUFFIX) not in recorded and tf.io.gfile.isdir(path):
                 _remove(path)
                 gone.append(path)
         if gone:
@@ -451,7 +378,7 @@ class Checkpointer:
         try:
             if not self.worker:
                 if self.manager is None:  # the state file names no checkpoint: this save writes a new one
-                    _remove(os.path.join(self.directory, "checkpoint"))
+                    _remove(os.path.join(self.directory, CHECKPOINT_STATE))
                     self.manager = self._manager()
                     if self.manager is None:
                         raise OSError(f"cannot replace the empty checkpoint state file in {self.directory}")
@@ -463,10 +390,11 @@ class Checkpointer:
             _remove_scratch(self.scratch)
             return path
         except (tf.errors.OpError, OSError) as e:
+            name = checkpoint_name(step)
             if self.worker:  # a worker's own scratch save: never touch the chief's checkpoints
                 _remove_scratch(self.scratch)
-            elif self.manager and f"ckpt-{step}" not in {os.path.basename(p) for p in self.manager.checkpoints}:
-                for pattern in (f"ckpt-{step}.*", f"ckpt-{step}_temp*"):  # TF writes into *_temp first
+            elif self.manager and name not in {os.path.basename(p) for p in self.manager.checkpoints}:
+                for pattern in (f"{name}.*", f"{name}{UNFINISHED_SUFFIX}*"):  # TF writes into *_temp first
                     for leftover in tf.io.gfile.glob(os.path.join(self.directory, pattern)):
                         _remove(leftover)
             if self.cluster and isinstance(e, CLUSTER_ERRORS):  # a peer is gone, not a disk problem
@@ -475,10 +403,10 @@ class Checkpointer:
             if _disk_full(e):  # TF's words name an internal function and a temporary file: say what happened
                 kept = (f"earlier checkpoints are intact, the newest is {latest}" if latest
                         else "no checkpoint was saved before")
-                raise UserError(f"saving checkpoint ckpt-{step} in {self.directory} failed: the disk is full (No space "
+                raise UserError(f"saving checkpoint {name} in {self.directory} failed: the disk is full (No space "
                                 f"left on device); {kept}; free space on the run directory's disk, then run the same "
                                 "command to resume") from None
-            raise UserError(f"saving checkpoint ckpt-{step} in {self.directory} failed ({_first_line(e)}); "
+            raise UserError(f"saving checkpoint {name} in {self.directory} failed ({_first_line(e)}); "
                             f"the newest usable checkpoint is {latest or 'none yet'}; free space or fix permissions "
                             "in the run directory, then run the same command to resume") from None
 
@@ -517,11 +445,6 @@ class Unreadable(Exception):
     """A checkpoint whose files cannot be read (truncated, corrupt or missing)."""
 
 
-def _checkpoint_number(prefix: str) -> int:
-    tail = prefix.rsplit("ckpt-", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
-
-
 def _first_line(error: Exception) -> str:
     text = getattr(error, "message", None) or getattr(error, "strerror", None) or str(error)
     # TF's prefix naming its internal function ({{function_node __wrapped__SaveV2_...}}) and op suffix say nothing
@@ -549,7 +472,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     if saved is None or tokenizer is None:
         raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
                         "pass the --run_dir of a `tpu-llm train` run")
-    cfg = config_from_dict(saved, source=os.path.join(run_dir, "config.yaml"))
+    cfg = config_from_dict(saved, source=os.path.join(run_dir, CONFIG_FILE))
     model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)

@@ -24,13 +24,13 @@ from tpu_llm.model import GPT
 from tpu_llm.model.sampling import Sampler, continuation
 from tpu_llm.parallel import comm, pipeline, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy, serve_if_cluster_server
+from tpu_llm.run_layout import LOGS_DIR, METRICS_FILE, check_no_links, link_error
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
 from tpu_llm.training import fault, goodput, run_lock
 from tpu_llm.training import progress as phases
-from tpu_llm.training.checkpoint import (LOGS_DIR, METRICS_FILE, Checkpointer, check_no_links, check_run_dir,
-                                         check_run_dir_owner, check_run_dir_reachable, link_error, record_run,
-                                         resolve_tokenizer, restore_init_from)
+from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir, check_run_dir_owner, check_run_dir_reachable,
+                                         record_run, resolve_tokenizer, restore_init_from)
 from tpu_llm.training.optimizer import freeze, make_optimizer
 from tpu_llm.training.profiler import StepProfiler
 from tpu_llm.training.line_log import LineLog

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tpu_llm import tf_compat
 from tpu_llm.errors import RunStopped
+from tpu_llm.run_layout import checkpoint_name, checkpoint_step
 
 EXIT_DIVERGED = 3
 EXIT_CLUSTER = 4
@@ -256,7 +257,7 @@ class Guard:
         # (a signal during compilation) must not save it again, since the input position variable holds
         # zeros until a step writes it (the position is read from the checkpoint, not restored into it).
         resumed = getattr(run, "resumed_from", None)
-        if resumed and _checkpoint_step(resumed) == self.step:
+        if resumed and checkpoint_step(resumed) == self.step:
             self.saved_step, self.saved_path = self.step, resumed
         self.multi_worker = run.dist.name == "multi_worker"
         self.any_worker = make_any_worker(run.dist.strategy) if self.multi_worker else None
@@ -299,7 +300,7 @@ class Guard:
     def after_call(self, out: dict, step: int) -> int:
         """Handle the call's non-finite steps; returns the step to continue from (earlier on a rollback)."""
         latest = self.run.checkpointer.latest
-        latest_step = _checkpoint_step(latest)
+        latest_step = checkpoint_step(latest)
         action = self.bad.after_call(out["bad_steps"], out["first_bad_step"], latest, latest_step)
         if action == "ok":
             return step
@@ -340,7 +341,7 @@ class Guard:
             self.run.checkpointer.save(step)
             self.saved_step, self.last_save = step, time.monotonic()
             # the run's checkpoint (a multi-worker non-chief saves into a scratch directory, then deletes it)
-            self.saved_path = os.path.join(self.run.checkpointer.directory, f"ckpt-{step}")
+            self.saved_path = os.path.join(self.run.checkpointer.directory, checkpoint_name(step))
         return self.saved_path
 
     def _flag_set(self) -> bool:
@@ -354,8 +355,3 @@ class Guard:
         raise Stopped(f"SIGTERM on a worker of the cluster at step {self.step}: every worker saved "
                       f"{self.saved_path}; run the same command on every worker to resume",
                       EXIT_SIGNAL[signal.SIGTERM], label="stopped")
-
-
-def _checkpoint_step(path: str | None) -> int | None:
-    tail = (path or "").rsplit("ckpt-", 1)[-1]
-    return int(tail) if tail.isdigit() else None

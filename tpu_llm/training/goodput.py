@@ -41,9 +41,9 @@ import statistics
 import time
 
 from tpu_llm.errors import UserError
+from tpu_llm.run_layout import GOODPUT_FILE
 from tpu_llm.training.line_log import LineLog
 
-GOODPUT_FILE = "goodput.jsonl"
 CATEGORIES = ("productive", "compile", "evaluation", "checkpoint", "profiling", "sampling", "startup", "restart",
               "other")
 TIMED = ("evaluation", "checkpoint", "profiling", "sampling")  # recorded as (kind, seconds) by `Ledger.timed`

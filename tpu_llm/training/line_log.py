@@ -20,6 +20,8 @@ import os
 import time
 from typing import Callable
 
+from tpu_llm.run_layout import link_error
+
 
 class LineLog:
     def __init__(self, run_dir: str, name: str, check: Callable[[], None] | None = None, every: float = 60.0,
@@ -63,8 +65,6 @@ class LineLog:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                from tpu_llm.training.checkpoint import link_error  # (TensorFlow: not at the CLI's start-up)
-
                 raise link_error(self.run_dir, self.name) from None
             raise
         with os.fdopen(fd, "a", encoding="utf-8") as f:

@@ -21,13 +21,14 @@ import time
 import tensorflow as tf
 
 from tpu_llm.config import profile_range
+from tpu_llm.run_layout import LOGS_DIR
 
 NEVER = float("inf")
 
 
 def profile_dir(run_dir: str) -> str:
     """The log directory given to the profiler (its trace lands in plugins/profile/<time>/ below it)."""
-    return os.path.join(run_dir, "logs", "train")
+    return os.path.join(run_dir, LOGS_DIR, "train")
 
 
 def start_trace(logdir: str) -> None:

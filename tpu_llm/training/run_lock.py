@@ -36,8 +36,8 @@ import time
 
 from tpu_llm.cloud import storage as cloud
 from tpu_llm.errors import UserError
+from tpu_llm.run_layout import LOCK_FILE
 
-LOCK_FILE = ".tpu-llm-lock"
 LEASE_SECONDS = 120.0  # gs://: how long a lock outlives a holder that stopped renewing it
 HOST = socket.gethostname()
 FIX = "wait for it to finish or stop it, or use another --run_dir"

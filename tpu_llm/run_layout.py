@@ -1,0 +1,132 @@
+"""The run directory's layout: the name of every file tpu-llm keeps in a run directory, the step of a
+checkpoint's name, and the check that none of the files tpu-llm reads or writes there is a symbolic link
+(docs/run-directory.md shows the same list; tests/test_run_layout.py compares the two).
+
+<run_dir>/
+  .tpu-llm-run         MARKER_FILE: marks the directory as a tpu-llm run (nothing else is ever written into
+                       a non-empty directory without it)
+  .tpu-llm-lock        LOCK_FILE: the writer's lock (training/run_lock.py): one `tpu-llm train` at a time
+  config.yaml          CONFIG_FILE: the effective config of the run (model section fixed once written)
+  tokenizer.json       SPEC_FILE: the tokenizer, plus SP_MODEL_FILE (SentencePiece) or HF_FILE (Hugging Face)
+  hf_import.json       IMPORT_FILE: an imported run's source, dtype and config.json (`tpu-llm import`)
+  checkpoints/         CHECKPOINT_DIR: tf.train.CheckpointManager's ckpt-N.index, ckpt-N.data-*, and its
+                       state file CHECKPOINT_STATE
+  logs/                LOGS_DIR: TensorBoard summaries (LOG_SPLITS), the profiler's traces, and the Cloud
+                       driver's copies of `make train`'s output
+  metrics.jsonl        METRICS_FILE: one JSON line per logged loop and evaluation (a resume drops the lines
+                       after its step)
+  goodput.jsonl        GOODPUT_FILE: what each training process did and for how long, only appended to
+  report.png           REPORT_FILE: `tpu-llm report`'s plot
+  export/, hf/         EXPORT_DIR, HF_EXPORT_DIR: `tpu-llm export`'s default --output (SavedModel, Hugging Face)
+
+Standard library only, and a leaf of the package (tests/test_layout.py, layer 0): the Cloud helpers
+(cloud/storage.py lists a bucket's checkpoints without TensorFlow), `tpu-llm report` and the CLI's checks
+(both before TensorFlow loads), the run lock, the line logs and the Checkpointer all take the names
+from here, so the layout is written down once. Reading and writing the files (tf.io.gfile, for gs://)
+stays with their owners: training/checkpoint.py (the Checkpointer, the run directory's checks),
+training/line_log.py, training/run_lock.py.
+
+A local run directory is a guarded space: `check_no_links` refuses a symbolic link at any name tpu-llm
+reads or writes in it (the names of GUARDED and their temporary siblings such as config.yaml.tmp-1a2b3c4d,
+checkpoints/ and logs/ with everything in them), at the start and again before each save and each
+metrics line: TensorFlow's writers follow links, so a planted `ckpt-N.index` link had the next save
+write a checkpoint index into whatever file it named. The run directory itself may be a link (a disk
+mounted elsewhere); gs:// has no links.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tpu_llm.errors import UserError
+
+MARKER_FILE = ".tpu-llm-run"
+LOCK_FILE = ".tpu-llm-lock"
+CONFIG_FILE = "config.yaml"
+SPEC_FILE = "tokenizer.json"  # the tokenizer's spec (kind, vocabulary); in shard and export directories too
+SP_MODEL_FILE = "tokenizer.model"  # a SentencePiece tokenizer's model
+HF_FILE = "hf_tokenizer.json"  # Hugging Face's tokenizer.json (ours is SPEC_FILE)
+IMPORT_FILE = "hf_import.json"
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_STATE = "checkpoint"  # TensorFlow's state file in CHECKPOINT_DIR: the checkpoints it keeps
+LOGS_DIR = "logs"
+LOG_SPLITS = ("train", "validation", "goodput")  # TensorBoard's logs/<split>; the profiler writes below logs/train
+METRICS_FILE = "metrics.jsonl"
+GOODPUT_FILE = "goodput.jsonl"
+REPORT_FILE = "report.png"
+EXPORT_DIR = "export"
+HF_EXPORT_DIR = "hf"
+# every top-level name of a run directory (docs/run-directory.md lists the same)
+NAMES = (MARKER_FILE, LOCK_FILE, CONFIG_FILE, SPEC_FILE, SP_MODEL_FILE, HF_FILE, IMPORT_FILE, CHECKPOINT_DIR,
+         LOGS_DIR, METRICS_FILE, GOODPUT_FILE, REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR)
+
+WRITE_PROBE = ".write-test-"  # a probe that the directory (or bucket prefix) is writable, deleted straight after
+# probes, workers' scratch (of earlier versions) and the lock (taken just before the marker is written):
+# not content of their own, so a directory holding only these is still empty
+OWN_TEMPORARY = (WRITE_PROBE, ".scratch-", LOCK_FILE)
+# the top-level names train, generate and export read or write, never links (prefixes: with their temporary
+# siblings, e.g. config.yaml.tmp-1a2b3c4d); the others are written only by `report` and `export`
+GUARDED = tuple(name for name in NAMES if name not in (REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR))
+
+CHECKPOINT_PREFIX = "ckpt-"  # tf.train.CheckpointManager's names (its default checkpoint_name "ckpt"): ckpt-N
+UNFINISHED_SUFFIX = "_temp"  # TensorFlow writes checkpoint ckpt-N into ckpt-N_temp/ first
+
+
+def checkpoint_name(step: int) -> str:
+    """The name TensorFlow gives the checkpoint of `step` in checkpoints/ (its files: name + ".index", ...)."""
+    return f"{CHECKPOINT_PREFIX}{step}"
+
+
+def checkpoint_step(path: str | None, suffix: str = "") -> int | None:
+    """N when the last component of `path` is `ckpt-N` + `suffix` (N in ASCII digits; a checkpoint's
+    path, or one of its files with `suffix`, e.g. ".index"), else None."""
+    name = os.path.basename(path or "")
+    if not name.startswith(CHECKPOINT_PREFIX) or not name.endswith(suffix):
+        return None
+    digits = name[len(CHECKPOINT_PREFIX):len(name) - len(suffix)]
+    return int(digits) if digits.isascii() and digits.isdigit() else None
+
+
+def check_no_links(run_dir: str, trees: tuple[str, ...] = (CHECKPOINT_DIR, LOGS_DIR), top: bool = True) -> None:
+    """Refuse (UserError) a symbolic link among the files tpu-llm reads or writes in a local `run_dir`:
+    the top-level names of `GUARDED` (with `top`) and everything under `trees`. A few directory reads;
+    gs:// has no links. (The run directory itself may be one.)"""
+    if "://" in run_dir:
+        return
+    if top:
+        try:
+            with os.scandir(run_dir) as entries:
+                for entry in entries:
+                    if entry.name.startswith(GUARDED) and entry.is_symlink():
+                        raise link_error(run_dir, entry.name)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+    for tree in trees:
+        _check_tree(run_dir, tree)
+
+
+def _check_tree(run_dir: str, rel: str) -> None:
+    path = os.path.join(run_dir, rel)
+    if os.path.islink(path):
+        raise link_error(run_dir, rel)
+    try:
+        with os.scandir(path) as entries:
+            children = list(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in children:
+        if entry.is_symlink():  # from the directory entry: no extra system call
+            raise link_error(run_dir, os.path.join(rel, entry.name))
+        if entry.is_dir(follow_symlinks=False):
+            _check_tree(run_dir, os.path.join(rel, entry.name))
+
+
+def link_error(run_dir: str, rel: str) -> UserError:
+    """The refusal of a symbolic link at `rel` inside `run_dir`, naming where it leads."""
+    try:
+        target = os.readlink(os.path.join(run_dir, rel))
+    except OSError:
+        target = "?"
+    return UserError(f"run_dir {run_dir!r} holds a symbolic link, {rel} -> {target}; tpu-llm never reads or writes a "
+                     "run's files through a link (it could lead anywhere): replace the link with the file or "
+                     "directory itself, or use another --run_dir")
