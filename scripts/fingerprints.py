@@ -47,7 +47,7 @@ RUNS = {
                                                           "--train.steps=8", "--cpu_devices=4",
                                                           "--parallel.pipeline_stages=2", "--parallel.tensor=2",
                                                           "--parallel.microbatches=2"],
-    # asynchronous workers draw a new data order every run (tpu_llm/training/controller.py): it must run,
+    # asynchronous workers draw a new data order every run (tpu_llm/training/build.py): it must run,
     # and its figures are printed, but they differ from run to run
     "parameter server, 1 worker (not deterministic)": ["launch", "--workers", "1", "--ps", "1", "--", *TINY,
                                                        "--train.steps=6", "--train.steps_per_loop=3",

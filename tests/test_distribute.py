@@ -104,7 +104,7 @@ def test_a_tpu_refuses_float16_and_names_bfloat16():
     import keras
 
     from tpu_llm.parallel.distribute import Distribution
-    from tpu_llm.training.controller import set_precision
+    from tpu_llm.training.build import set_precision
 
     tpu = Distribution(tf.distribute.get_strategy(), "tpu", "a fake TPU", "TPU v5 lite")
     try:

@@ -94,7 +94,7 @@ def test_keras_weights_file_reloads_into_a_fresh_model(exported):
 
 
 def test_generate_signature_gives_the_ids_of_tpu_llm_generate(exported):
-    # tpu-llm generate samples with generate.Sampler (controller.print_samples; sample 1 uses `seed`).
+    # tpu-llm generate samples with generate.Sampler (samples.print_samples; sample 1 uses `seed`).
     # 24 new tokens after a 3-token prompt run past max_len=16, so the cache refill is compared too.
     tok = exported["tokenizer"]
     prompt = tok.encode("def")

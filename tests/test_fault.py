@@ -158,9 +158,9 @@ def test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches(tmp_p
     poison(5)  # step 6, in the call that runs steps 5-6
     after_call = fault.Guard.after_call
 
-    def keep_state_after_rollback(guard, out, step):  # the weights and moments just after the rollback
-        back = after_call(guard, out, step)
-        if back < step:
+    def keep_state_after_rollback(guard, record):  # the weights and moments just after the rollback
+        back = after_call(guard, record)
+        if back.step < record.step:
             tf.train.Checkpoint(model=guard.run.model, optimizer=guard.run.optimizer).write(
                 str(tmp_path / "rolled" / "state"))
         return back

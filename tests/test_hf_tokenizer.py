@@ -270,7 +270,8 @@ def test_a_run_takes_the_hf_tokenizer_from_its_shards_and_samples_with_it(tmp_pa
     `tpu-llm data prepare`, `train` and `generate` on the command line are in docs/tokenizers.md)."""
     from tpu_llm.data import sources
     from tpu_llm.model import GPT
-    from tpu_llm.training.controller import print_samples, setup_tokenizer
+    from tpu_llm.training.build import setup_tokenizer
+    from tpu_llm.training.samples import print_samples
 
     write_corpus(tmp_path / "corpus")
     for name, model in (("llama", llama["legacy"]), ("gpt2", gpt2_dirs["tokenizer.json"])):

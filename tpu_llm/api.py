@@ -28,6 +28,7 @@ from tpu_llm.model.transformer import GPT
 from tpu_llm.tokenizers import check_covers
 from tpu_llm.training import controller
 from tpu_llm.training.checkpoint import load_for_generation
+from tpu_llm.training.samples import print_samples
 
 __all__ = ["LoadedRun", "load", "train"]
 
@@ -87,7 +88,7 @@ class LoadedRun:
                   "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
         cfg = config_from_dict({**self.config.to_dict(), "sample": sample}, source="generate")  # checks the values
         check_covers(self.tokenizer, prompt, prompt_source)
-        return controller.print_samples(self.model, self.tokenizer, cfg, say or (lambda line: None))
+        return print_samples(self.model, self.tokenizer, cfg, say or (lambda line: None))
 
     def generate(self, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0) -> str:

@@ -25,6 +25,7 @@ agrees on through the cluster's coordination service: it is used there, at host-
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -242,8 +243,8 @@ class Guard:
         with Guard(run, say, log) as guard:
             while step < steps:
                 out = guard.call(lambda: trainer.run(...))  # a lost cluster task -> Stopped (exit 4)
-                step = guard.after_call(out, step)          # non-finite steps: skip / roll back / stop
-                guard.checkpoint(step, due)                  # due, time-based, or on a signal (then stop)
+                record = guard.after_call(record)           # non-finite steps: skip / roll back / stop
+                guard.checkpoint(record.step, due)          # due, time-based, or on a signal (then stop)
     """
 
     def __init__(self, run, say, log):
@@ -297,15 +298,17 @@ class Guard:
                 raise
             raise cluster_failure(e, self.run.dist.task or "the chief", self.run.checkpointer.latest) from None
 
-    def after_call(self, out: dict, step: int) -> int:
-        """Handle the call's non-finite steps; returns the step to continue from (earlier on a rollback)."""
+    def after_call(self, record):
+        """Handle the non-finite steps of a call (its record.CallRecord); returns the record, its step the
+        one to continue from (the checkpoint's after a rollback)."""
         latest = self.run.checkpointer.latest
         latest_step = checkpoint_step(latest)
-        action = self.bad.after_call(out["bad_steps"], out["first_bad_step"], latest, latest_step)
+        action = self.bad.after_call(record.bad_steps, record.first_bad_step, latest, latest_step)
         if action == "ok":
-            return step
-        what = (f"{out['bad_steps']} step(s) up to step {step} had a non-finite loss or gradient (first: step "
-                f"{out['first_bad_step']}) and were not applied; {self.bad.total} of train.max_bad_steps="
+            return record
+        step = record.step
+        what = (f"{record.bad_steps} step(s) up to step {step} had a non-finite loss or gradient (first: step "
+                f"{record.first_bad_step}) and were not applied; {self.bad.total} of train.max_bad_steps="
                 f"{self.bad.max} so far")
         if action == "rollback":  # weights and optimizer of the checkpoint; the data stream goes on
             self.run.checkpointer.restore(latest)
@@ -315,9 +318,9 @@ class Guard:
             self.log.truncate(step)  # the steps after the checkpoint are done again: logged once (MetricsLog)
             what += f"; rolled back to {latest}, continuing with the batches after the bad ones"
         self.say(f"warning   {what}")
-        self.log.write("bad_steps", step, {"bad_steps": out["bad_steps"], "first_bad_step": out["first_bad_step"],
-                                               "total": self.bad.total, "action": action})
-        return step
+        self.log.write("bad_steps", step, {"bad_steps": record.bad_steps, "first_bad_step": record.first_bad_step,
+                                           "total": self.bad.total, "action": action})
+        return dataclasses.replace(record, step=step)
 
     def checkpoint(self, step: int, due: bool) -> None:
         """Save at `step` if `due` (every_steps, the end), if checkpoint.every_minutes passed, or if a

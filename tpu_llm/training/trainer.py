@@ -12,6 +12,8 @@ SGD (its outer step) wrap the step rather than branch inside it.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import keras
 import tensorflow as tf
 
@@ -178,22 +180,10 @@ class Trainer:
 
     # ---- host side --------------------------------------------------------------------------------
 
-    def run(self, iterator, num_steps: int, steps_per_loop: int) -> dict:
-        """Train `num_steps` steps; returns the mean loss and staleness, the last gradient norm and the
-        largest staleness, as Python floats. Waits for the steps to finish."""
+    def run(self, iterator, num_steps: int, steps_per_loop: int) -> CallOutput:
+        """Train `num_steps` steps (one host call); waits for them to finish."""
         start = int(self.optimizer.iterations.numpy())
-        done = [(int(r["steps"]), r) for _, r in
-                self.dist.run_loops(self.train_loop, iterator, num_steps, steps_per_loop)]
-        steps = sum(n for n, _ in done)  # fewer than num_steps if stop_flag ended the call early
-        good = [(n - int(r["bad_steps"]), float(r["loss"])) for n, r in done]
-        applied = sum(g for g, _ in good)
-        out = {"steps": steps, "bad_steps": steps - applied,  # loss: the mean over applied steps
-               "loss": sum(g * loss for g, loss in good if g) / applied if applied else float("nan"),
-               "staleness": sum(n * float(r["staleness"]) for n, r in done) / max(steps, 1)}
-        out["grad_norm"] = float(done[-1][1]["grad_norm"])
-        out["staleness_max"] = max(float(r["staleness_max"]) for _, r in done)
-        bad = [int(r["first_bad_step"]) for _, r in done if int(r["first_bad_step"]) >= 0]
-        out["first_bad_step"] = min(bad) + 1 if bad else -1  # as a step number (1 = the first step)
+        out = call_output([r for _, r in self.dist.run_loops(self.train_loop, iterator, num_steps, steps_per_loop)])
         if self.dist.asynchronous:
             # concurrent workers' increments of the step counter can race: the steps the chief
             # scheduled and saw finish are the count that is saved and resumed from
@@ -263,6 +253,7 @@ class Trainer:
             staleness_max = tf.maximum(staleness_max, self._first(staleness))
             done += 1
         good = tf.maximum(tf.cast(done, tf.float32) - bad, 1.0)
+        # one loop's figures, as tensors: `call_output` makes a host call's CallOutput of its loops'
         return {"loss": loss_sum / good, "grad_norm": grad_norm,
                 "staleness": staleness_sum / tf.maximum(tf.cast(done, tf.float32), 1.0),
                 "staleness_max": staleness_max, "steps": done, "bad_steps": bad, "first_bad_step": first_bad}
@@ -277,6 +268,34 @@ class Trainer:
             loss = self.strategy.run(self._eval_step, args=(inputs, targets))
             total += self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None)
         return total / tf.cast(num_steps, tf.float32)
+
+
+class CallOutput(TypedDict):
+    """What `Trainer.run` returns for one host call, as Python numbers (controller: its CallRecord)."""
+
+    steps: int  # optimizer steps run: fewer than asked if stop_flag ended the call early
+    bad_steps: int  # of them, not applied (a non-finite loss or gradient)
+    loss: float  # the mean over the applied steps (NaN if none was)
+    staleness: float  # the mean over the steps (asynchronous training; 0 otherwise)
+    grad_norm: float  # the last step's, before clipping
+    staleness_max: float
+    first_bad_step: int  # as a step number (1 = the first step), -1 if none
+
+
+def call_output(loops: list[dict]) -> CallOutput:
+    """A host call's output from its loops' (`_train_loop`'s tensors; parameter-server training runs
+    several loops per call, one whole under the other strategies)."""
+    done = [(int(r["steps"]), r) for r in loops]
+    steps = sum(n for n, _ in done)
+    good = [(n - int(r["bad_steps"]), float(r["loss"])) for n, r in done]
+    applied = sum(g for g, _ in good)
+    bad = [int(r["first_bad_step"]) for _, r in done if int(r["first_bad_step"]) >= 0]  # 0-based optimizer steps
+    return CallOutput(steps=steps, bad_steps=steps - applied,
+                      loss=sum(g * loss for g, loss in good if g) / applied if applied else float("nan"),
+                      staleness=sum(n * float(r["staleness"]) for n, r in done) / max(steps, 1),
+                      grad_norm=float(done[-1][1]["grad_norm"]),
+                      staleness_max=max(float(r["staleness_max"]) for _, r in done),
+                      first_bad_step=min(bad) + 1 if bad else -1)
 
 
 def _not_stale(loss_and_grads):
