@@ -7,7 +7,8 @@ import pytest
 import yaml
 from helpers import tiny_config
 
-from tpu_llm.config import Config, config_from_dict, load_config, parse_set_args, validate
+from tpu_llm.config import Config, config_from_dict, load_config, validate
+from tpu_llm.config_reading import parse_set_args
 from tpu_llm.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent

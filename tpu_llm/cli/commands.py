@@ -264,7 +264,8 @@ def info(config: str = "", overrides: dict | None = None):
          reference="print every config key with its default and meaning instead",
          list="list the presets shipped in the package (--config NAME) with what each is for")
 def config_(config: str = "", overrides: dict | None = None, reference: bool = False, list_: bool = False):
-    from tpu_llm.config import load_config, presets
+    from tpu_llm.config import load_config
+    from tpu_llm.config_reading import presets
 
     if list_:
         for name, path in presets().items():
@@ -311,7 +312,7 @@ each P x T, traced offline through TPUStrategy; docs/pipeline-tensor.md).""",
          "memory: xla, speed or context")
 def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, config: str = "", run_dir: str = "",
           only: str = "", overrides: dict | None = None):
-    from tpu_llm.tools import bench
+    from tpu_llm.tools import bench, bench_data, bench_memory
 
     if suite not in BENCH_SUITES:
         near = nearest(suite, BENCH_SUITES)
@@ -330,7 +331,7 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
     elif suite == "memory":  # chunked loss and blockwise attention (docs/memory.md)
         if only not in ("", "xla", "speed", "context"):
             raise UserError(f"--only={only!r}: bench memory runs xla, speed or context (or all three without --only)")
-        bench.memory(steps=steps or 60, only=only)
+        bench_memory.memory(steps=steps or 60, only=only)
     elif suite == "comm":  # compression and local SGD against sync and async data parallel
         bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)
     elif suite == "families":  # gpt2 vs llama; its configs are fixed (bench.FAMILY_CONFIGS)
@@ -339,7 +340,7 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
                             " drop --config")
         bench.families(steps=steps or 2000)
     elif suite == "data":  # the input pipeline alone, against a slice's demand
-        bench.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
+        bench_data.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
     elif suite == "placement":  # the train step's ops per TPU core, traced offline
         from tpu_llm.tools import placement_audit
 
