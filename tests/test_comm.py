@@ -252,6 +252,16 @@ def test_combinations_that_cannot_work_are_one_line_errors(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_the_strategy_auto_chose_is_held_to_the_configs_rule():
+    # strategy=auto passes the config's check; the strategy it resolves to is checked by the same rule
+    cfg = load_config(None, {"comm.compression": "bf16"}).comm
+    for name in ("tpu", "parameter_server"):
+        with pytest.raises(UserError, match=f"^comm.compression=bf16 needs synchronous replicas on CPUs/GPUs; "
+                                            f"strategy={name} is not supported"):
+            comm.check(cfg, type("D", (), {"name": name, "num_replicas": 8})())
+    assert comm.check(cfg, type("D", (), {"name": "mirrored", "num_replicas": 2})()) is False
+
+
 # ---- training runs --------------------------------------------------------------------------------
 
 # The runs are driven through build_run + Trainer.run (what `train` does between its log lines), to

@@ -44,6 +44,10 @@ ATTENTIONS = ("dense", "blockwise")
 # above any real use: the largest published models have widths under 2^15, 126 layers, vocabularies of
 # 256K and contexts of 10M tokens; a step count of 10^9 is years of training.
 WIDTH, COUNT, LENGTH = 2**20, 10**9, 2**24
+# Sampling (a run's samples, `tpu-llm generate`, which checks the same bounds before TensorFlow loads): each
+# new token is one step of the model, milliseconds to a second, so a million tokens already take hours and
+# a larger number is a typo; sample i draws with the 64-bit seed + i.
+MAX_NEW_TOKENS, MAX_SAMPLES, INT64 = 10**6, 1000, 2**63
 CAPS: dict[str, tuple[int, str]] = {
     "model.n_layer": (10_000, "layers: 10x the 1,000-layer DeepNet"),
     "model.n_head": (WIDTH, "heads: 2^20, at most one per width unit"),
@@ -68,10 +72,10 @@ CAPS: dict[str, tuple[int, str]] = {
     "train.seed": (2**32 - 1, "numpy's seeds: 0 to 2^32 - 1"),
     "checkpoint.every_steps": (COUNT, "steps: 10^9"),
     "checkpoint.keep": (COUNT, "checkpoints: 10^9"),
-    "sample.num_samples": (COUNT, "samples: 10^9"),
-    "sample.max_new_tokens": (LENGTH, "contexts: 2^24 tokens"),
+    "sample.num_samples": (MAX_SAMPLES, "samples: 1,000, each max_new_tokens steps of the model"),
+    "sample.max_new_tokens": (MAX_NEW_TOKENS, "tokens: 10^6; each is one step of the model (a million take hours)"),
     "sample.top_k": (10**7, "vocabularies: 10^7"),
-    "sample.seed": (2**31 - 1, "seeds: 2^31 - 1"),
+    "sample.seed": (INT64 - 1 - MAX_SAMPLES, "64-bit seeds: sample i draws with seed + i"),
     "cpu_devices": (1024, "logical CPU devices: 1024"),
     "cluster.timeout_seconds": (COUNT, "seconds: 10^9"),
     "parallel.pipeline_stages": (10_000, "stages: at most one per layer"),
@@ -202,6 +206,10 @@ class CommConfig:
     outer_lr: float = 1.0  # outer step size (sgd with 1.0 = plain averaging; DiLoCo used 0.7 with nesterov)
     outer_momentum: float = 0.9  # nesterov: outer momentum
 
+    def active(self) -> bool:
+        """Whether anything but the plain float32 all-reduce runs: compression, or local SGD."""
+        return self.compression != "none" or self.sync_every > 1
+
 
 @dataclasses.dataclass
 class Config:
@@ -326,6 +334,7 @@ def validate(cfg: Config) -> None:
     _check(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1]")
     _check(s.top_k >= 0 and s.max_new_tokens >= 0 and s.num_samples >= 0,
            "sample.top_k, sample.max_new_tokens and sample.num_samples must be >= 0")
+    _check(s.seed >= -INT64, f"sample.seed={s.seed} must be >= -2**63 (a 64-bit seed)")
 
 
 def _validate_run(cfg: Config) -> None:
@@ -450,18 +459,33 @@ def _validate_comm(cfg: Config) -> None:
     _check(k.compression == "none" or k.sync_every == 1,
            f"comm.compression={k.compression} compresses per-step gradients, and comm.sync_every={k.sync_every} "
            "sends none between syncs: choose one (set comm.compression=none or comm.sync_every=1)")
-    if k.compression == "none" and k.sync_every == 1:
+    if not k.active():
         return
-    what = f"comm.compression={k.compression}" if k.compression != "none" else f"comm.sync_every={k.sync_every}"
-    _check(cfg.strategy not in ("parameter_server", "tpu"),
-           f"{what} needs synchronous replicas on CPUs/GPUs; strategy={cfg.strategy} is not supported; use "
-           "strategy=mirrored or multi_worker, or drop the comm settings")
+    what = _comm_settings(k)
+    refusal = comm_refusal(k, cfg.strategy)
+    _check(refusal is None, refusal or "")
     _check(cfg.precision != "mixed_float16",
            f"{what} does not support precision=mixed_float16 (loss-scaled gradients); use float32 or mixed_bfloat16")
     _check(k.sync_every == 1 or cfg.parallel.pipeline_stages == 1,
            f"{what} (local SGD) runs without pipeline stages; set parallel.pipeline_stages=1")
     _check(cfg.parallel.tensor == 1, f"{what} is not supported with parallel.tensor={cfg.parallel.tensor} "
                                      "(untested); set parallel.tensor=1 or drop the comm settings")
+
+
+def comm_refusal(k: CommConfig, strategy: str) -> str | None:
+    """Why the comm settings `k` cannot run under `strategy`, or None. Compression and local SGD act on
+    what synchronous replicas on CPUs/GPUs exchange: parameter-server workers apply their gradients
+    asynchronously, and on TPU they are untested (its interconnect makes the plain all-reduce cheap).
+    Checked here on the config's strategy, and by parallel/comm.py on the one strategy=auto chose."""
+    if not k.active() or strategy not in ("parameter_server", "tpu"):
+        return None
+    return (f"{_comm_settings(k)} needs synchronous replicas on CPUs/GPUs; strategy={strategy} is not supported; "
+            "use strategy=mirrored or multi_worker, or drop the comm settings")
+
+
+def _comm_settings(k: CommConfig) -> str:
+    """The comm setting in force, for a message."""
+    return f"comm.compression={k.compression}" if k.compression != "none" else f"comm.sync_every={k.sync_every}"
 
 
 def _divisors(n: int, at_most: int | None = None, shown: int = 24) -> str:

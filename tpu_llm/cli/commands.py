@@ -13,6 +13,7 @@ import sys
 
 from tpu_llm import __version__
 from tpu_llm.cli.parser import command, nearest
+from tpu_llm.config import CAPS, INT64, MAX_NEW_TOKENS, MAX_SAMPLES  # generate's bounds: the config's
 from tpu_llm.errors import UserError
 
 
@@ -47,12 +48,7 @@ def train(config: str = "", overrides: dict | None = None, dry_run: bool = False
     api.train(cfg, started=command_started(), unstated=unstated)
 
 
-# generate's bounds, checked before TensorFlow loads (docs/cli.md): each new token is one step of the
-# model, milliseconds to a second each, so a million tokens already take hours; a larger number is a typo
-MAX_NEW_TOKENS = 1_000_000
-MAX_SAMPLES = 1_000
 MAX_PROMPT_BYTES = 16 << 20  # far beyond any model's context (128k tokens are ~0.5 MB of text)
-INT64 = 2**63
 
 
 @command("generate", "sample text from the newest checkpoint of a run",
@@ -123,10 +119,11 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: 
         raise UserError(f"--temperature={temperature} must be a finite number >= 0 (0 = greedy; 0.7-1.0 is usual)")
     if not 0 < top_p <= 1:  # (nan fails too)
         raise UserError(f"--top_p={top_p} must be in (0, 1] (1.0 = off)")
-    if top_k < 0:
-        raise UserError(f"--top_k={top_k} must be >= 0 (0 = off)")
-    if not -INT64 <= seed <= INT64 - num_samples:  # sample i draws with seed + i, a 64-bit integer
-        raise UserError(f"--seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1 - num_samples)")
+    if not 0 <= top_k <= CAPS["sample.top_k"][0]:
+        raise UserError(f"--top_k={top_k} must be >= 0 (0 = off) and at most {CAPS['sample.top_k'][0]:,}")
+    if not -INT64 <= seed <= CAPS["sample.seed"][0]:  # sample i draws with seed + i, a 64-bit integer
+        raise UserError(f"--seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1 - {MAX_SAMPLES:,}): sample i draws "
+                        "with seed + i")
 
 
 @command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights, or in the HF layout",

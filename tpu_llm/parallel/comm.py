@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm import tf_compat
+from tpu_llm.config import comm_refusal
 from tpu_llm.errors import UserError
 
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
@@ -449,21 +450,11 @@ def _format_bytes(n: float) -> str:
         n /= 1000
 
 
-def unsupported(strategy_name: str) -> str | None:
-    """Why comm settings cannot run under this strategy, or None."""
-    if strategy_name == "parameter_server":
-        return ("comm settings need synchronous replicas; strategy=parameter_server applies each worker's "
-                "gradients asynchronously; use strategy=multi_worker or mirrored, or drop the comm settings")
-    if strategy_name == "tpu":
-        return ("comm settings are not supported on TPU (untested there, and the TPU interconnect makes the "
-                "plain all-reduce cheap); drop the comm settings")
-    return None
-
-
 def check(cfg, dist) -> bool:
-    """Before the model is built: a UserError if `cfg` (CommConfig) cannot run under `dist`; True when
-    local SGD will run (build the model and optimizer inside `variable_scope(True)` then)."""
-    why = unsupported(dist.name) if active(cfg) else None
+    """Before the model is built: a UserError if `cfg` (CommConfig) cannot run under `dist` (the strategy
+    strategy=auto chose: config.comm_refusal), True when local SGD will run (build the model and optimizer
+    inside `variable_scope(True)` then)."""
+    why = comm_refusal(cfg, dist.name)
     if why:
         raise UserError(why)
     return cfg.sync_every > 1 and dist.num_replicas > 1
@@ -491,4 +482,4 @@ def build(cfg, dist, model, optimizer) -> Comm | None:
 
 
 def active(cfg) -> bool:
-    return cfg.compression != "none" or cfg.sync_every > 1
+    return cfg.active()
