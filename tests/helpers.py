@@ -223,6 +223,25 @@ def free_port() -> int:
 
 # ---- models, pipeline stages and TPU topologies --------------------------------------------------------
 
+
+class ReducedSGD(keras.optimizers.SGD):
+    """Plain SGD for the Trainer: for gradients it already reduced (Keras would sum them across replicas
+    again), skipping a step whose gradients are not finite as the run's AdamW does (the guarded update,
+    training/optimizer.GuardedUpdate, takes no other optimizer). Its update is linear and visible: minus
+    the learning rate times the gradient."""
+
+    skips_non_finite = True
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        return list(grads_and_vars)
+
+    def update_step(self, gradient, variable, learning_rate):
+        applied = tf.reduce_all(tf.math.is_finite(gradient))
+        before = tf.identity(variable)
+        super().update_step(tf.where(applied, gradient, tf.zeros_like(gradient)), variable, learning_rate)
+        variable.assign(tf.where(applied, variable, before))
+
+
 # the llama family, multi-query (1 kv head for 2 query heads), with an untied head that the last stage holds
 LLAMA = {"family": "llama", "bias": False, "n_kv_head": 1, "mlp_hidden": 64, "tie_embeddings": False}
 
@@ -342,6 +361,13 @@ def write_bpe_tokenizer(folder, vocab: int = 300) -> None:
 
 # ---- safetensors files (tests/test_safetensors_io.py, tests/test_untrusted_files.py) ----------------------
 
+def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
+    """Already-made arrays as a safetensors file (safetensors_io.write produces them one at a time)."""
+    from tpu_llm.interop import safetensors_io
+
+    safetensors_io.write(str(path), [(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__)
+
+
 def sample(rng: random.Random, code: str, shape: tuple[int, ...]) -> np.ndarray:
     """An array of every bit pattern's kind (NaNs, infinities, subnormals included: bytes are compared)."""
     from tpu_llm.interop import safetensors_io
@@ -366,7 +392,6 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = F
     """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head);
     `hub`: as the hub's gpt2 file, names without `transformer.` and the causal-mask buffers in it."""
     from tpu_llm.config import ModelConfig
-    from tpu_llm.interop import safetensors_io
     from tpu_llm.interop.hf import model_config, weights
 
     os.makedirs(folder, exist_ok=True)
@@ -383,7 +408,7 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = F
     if hub:
         tensors = {name.removeprefix("transformer."): value for name, value in tensors.items()}
         tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 32, 32), np.float32)) for i in range(config["n_layer"])})
-    safetensors_io.write_all(os.path.join(folder, "model.safetensors"), tensors.items())
+    write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     write_bpe_tokenizer(folder)

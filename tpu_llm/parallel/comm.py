@@ -3,11 +3,11 @@
 Configured under `comm:` (config.CommConfig); off by default, and then the trainer runs exactly its
 plain `all_reduce(SUM)` path. Two families (docs/communication.md has the maths and the numbers):
 
-* Compression, inside the replica step, in place of the trainer's gradient all-reduce
-  (`Comm.reduce`): `bf16` (cast, all-reduce, cast back), `powersgd` (Vogels et al. 2019: rank-r
-  factors P and Q all-reduced, error feedback, warm-started Q; vectors sent uncompressed) and
-  `topk` (Deep Gradient Compression style: the k largest entries of gradient + residual, exchanged
-  with an all-gather; the rest is carried to the next step).
+* Compression, inside the replica step, in place of the trainer's gradient all-reduce (`Comm.exchange`;
+  `Comm.commit` writes its state once the step is known to be applied): `bf16` (cast, all-reduce, cast
+  back), `powersgd` (Vogels et al. 2019: rank-r factors P and Q all-reduced, error feedback, warm-started
+  Q; vectors sent uncompressed) and `topk` (Deep Gradient Compression style: the k largest entries of
+  gradient + residual, exchanged with an all-gather; the rest is carried to the next step).
 * Local SGD (`sync_every: H > 1`): each replica steps its own copy of the weights and of the AdamW
   state on its own data; every H steps an outer step all-reduces the parameter deltas from the last
   sync (the anchor) and applies them with SGD (`outer_lr: 1` = plain averaging) or Nesterov momentum
@@ -76,11 +76,6 @@ class Reducer:
         [(variable, new value)] to commit only if the step is applied; see `commit`)."""
         return ctx.all_reduce(SUM, grads), []
 
-    def reduce(self, ctx, grads):
-        """`exchange`, its state committed at once (a step that is always applied)."""
-        out, pending = self.exchange(ctx, grads)
-        return commit(pending, out)
-
 
 class Bf16(Reducer):
     name = "bf16"
@@ -104,13 +99,13 @@ class PowerSGD(Reducer):
     Each gradient matrix M (n x m, after adding its residual) is approximated by P Q^T: P = M Q is
     all-reduced and orthonormalised, Q = M^T P is all-reduced, and P Q^T is the update applied on
     every replica. One power-iteration step per training step converges because Q is warm-started
-    from the previous step. Only matrices where r (n + m) < n m are compressed (`compress_all`
-    overrides that, for tests); vectors and the rest are all-reduced as they are.
+    from the previous step. Only matrices whose factors are smaller are compressed (`compresses`); vectors
+    and the rest are all-reduced as they are.
     """
 
     name = "powersgd"
 
-    def __init__(self, shapes, rank: int, error_feedback: bool = True, seed: int = 0, compress_all: bool = False):
+    def __init__(self, shapes, rank: int, error_feedback: bool = True, seed: int = 0):
         super().__init__(shapes)
         self.rank, self.error_feedback = rank, error_feedback
         self.matrix: list = []  # per gradient: (n, m, r) if compressed, else None
@@ -119,7 +114,7 @@ class PowerSGD(Reducer):
         for i, shape in enumerate(self.shapes):
             n, m = (shape[0], _size(shape[1:])) if len(shape) >= 2 else (0, 0)
             r = min(rank, n, m)
-            if len(shape) >= 2 and (compress_all or r * (n + m) < n * m):
+            if len(shape) >= 2 and self.compresses(n, m, r):
                 self.matrix.append((n, m, r))
                 self.q.append(replica_variable(rng.standard_normal((m, r)).astype(np.float32), f"powersgd_q_{i}"))
                 if error_feedback:
@@ -127,6 +122,10 @@ class PowerSGD(Reducer):
             else:
                 self.matrix.append(None)
         self.shared, self.per_replica = list(self.q), list(self.error)
+
+    def compresses(self, n: int, m: int, r: int) -> bool:
+        """Whether an n x m gradient is sent as rank-r factors: where they are smaller, r (n + m) < n m."""
+        return r * (n + m) < n * m
 
     @property
     def bytes_per_step(self) -> float:
