@@ -381,7 +381,8 @@ def hf_checkpoint(bench: Bench, folder: Path) -> Path:
     rng = np.random.default_rng(0)
     tensors = {name: rng.normal(0, 0.02, shape).astype(np.float32)
                for name, shape in hf.tensor_shapes(ModelConfig(**hf.model_config(config))).items()}
-    safetensors_io.write_all(str(folder / "model.safetensors"), tensors.items())
+    safetensors_io.write(str(folder / "model.safetensors"), [(k, v.shape, v.dtype) for k, v in tensors.items()],
+                         tensors.__getitem__)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -9,7 +9,7 @@ warmup 100 then cosine to 1e-4, clipping at 1.0. After 2000 steps it prints nano
 (20 random batches per split) and the loss over the whole validation split in consecutive windows
 (143 batches of 12), which is how `tpu-llm bench` evaluates (it stops after 140 of them).
 
-Needs PyTorch, which this project does not install (use a separate environment):
+Needs PyTorch (the `reference` extra installs a CPU build):
     python scripts/nanogpt_reference.py [SEED] [PATH/tinyshakespeare.txt]
 (the text defaults to the copy shipped in tpu_llm/data/shipped/, which `tpu-llm bench` trains on)
 """

@@ -24,8 +24,11 @@ import itertools
 import json
 import os
 import random
+import shlex
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import keras
@@ -223,6 +226,25 @@ def free_port() -> int:
 
 # ---- models, pipeline stages and TPU topologies --------------------------------------------------------
 
+
+class ReducedSGD(keras.optimizers.SGD):
+    """Plain SGD for the Trainer: for gradients it already reduced (Keras would sum them across replicas
+    again), skipping a step whose gradients are not finite as the run's AdamW does (the guarded update,
+    training/optimizer.GuardedUpdate, takes no other optimizer). Its update is linear and visible: minus
+    the learning rate times the gradient."""
+
+    skips_non_finite = True
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        return list(grads_and_vars)
+
+    def update_step(self, gradient, variable, learning_rate):
+        applied = tf.reduce_all(tf.math.is_finite(gradient))
+        before = tf.identity(variable)
+        super().update_step(tf.where(applied, gradient, tf.zeros_like(gradient)), variable, learning_rate)
+        variable.assign(tf.where(applied, variable, before))
+
+
 # the llama family, multi-query (1 kv head for 2 query heads), with an untied head that the last stage holds
 LLAMA = {"family": "llama", "bias": False, "n_kv_head": 1, "mlp_hidden": 64, "tie_embeddings": False}
 
@@ -342,6 +364,13 @@ def write_bpe_tokenizer(folder, vocab: int = 300) -> None:
 
 # ---- safetensors files (tests/test_safetensors_io.py, tests/test_untrusted_files.py) ----------------------
 
+def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
+    """Already-made arrays as a safetensors file (safetensors_io.write produces them one at a time)."""
+    from tpu_llm.interop import safetensors_io
+
+    safetensors_io.write(str(path), [(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__)
+
+
 def sample(rng: random.Random, code: str, shape: tuple[int, ...]) -> np.ndarray:
     """An array of every bit pattern's kind (NaNs, infinities, subnormals included: bytes are compared)."""
     from tpu_llm.interop import safetensors_io
@@ -366,7 +395,6 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = F
     """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head);
     `hub`: as the hub's gpt2 file, names without `transformer.` and the causal-mask buffers in it."""
     from tpu_llm.config import ModelConfig
-    from tpu_llm.interop import safetensors_io
     from tpu_llm.interop.hf import model_config, weights
 
     os.makedirs(folder, exist_ok=True)
@@ -383,7 +411,97 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = F
     if hub:
         tensors = {name.removeprefix("transformer."): value for name, value in tensors.items()}
         tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 32, 32), np.float32)) for i in range(config["n_layer"])})
-    safetensors_io.write_all(os.path.join(folder, "model.safetensors"), tensors.items())
+    write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     write_bpe_tokenizer(folder)
+
+
+# ---- the Cloud TPU driver against fake tools (tests/test_tpu_launch.py, tests/test_tpu_safety.py) ------------
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME, ZONE, PROJECT, BUCKET = "tpu-llm-tpu", "us-central2-b", "my-proj", "gs://my-proj-tpu-llm"
+IAP = ["--zone=us-central2-b", "--project=my-proj"]
+SCP = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "scp"]
+TF = ["terraform", "-chdir=infra"]
+
+
+def write_outputs(path: Path, accelerator: str, workers: int, **changes) -> Path:
+    """A `terraform output -json` file as infra/outputs.tf would produce it."""
+    values = {"project_id": PROJECT, "zone": ZONE, "tpu_enabled": True, "tpu_name": NAME, "queued_resource_name": "",
+              "accelerator_type": accelerator, "runtime_version": "tpu-vm-tf-2.20.0-pjrt", "worker_count": workers,
+              "multi_host": workers > 1, "spot": True, "use_queued_resource": False, "bucket_name": "my-proj-tpu-llm",
+              "bucket_url": BUCKET, "data_url": f"{BUCKET}/shards", "runs_url": f"{BUCKET}/runs",
+              "log_bucket_url": f"{BUCKET}-logs", "service_account_email": "sa@my-proj.iam.gserviceaccount.com",
+              "ssh_command": "gcloud ...", "startup_script": "#!/bin/bash\necho set-up\n", "reserved": False,
+              "network": "tpu-llm-vpc", "subnetwork": "tpu-llm-subnet",
+              "labels": {"app": "tpu-llm", "managed-by": "terraform"}, **changes}
+    path.write_text(json.dumps({k: {"sensitive": False, "type": "string", "value": v} for k, v in values.items()}))
+    return path
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS", "DRY_RUN", "TPU_", "TRAIN_ON"))}
+    for key in ("DATA", "ARGS", "RUN", "RUN_DIR", "CONFIG", "TOKENIZER", "INPUT", "DESTROY_BUCKET", "TF_OUTPUTS",
+                "TFVARS", "STORAGE_EMULATOR_HOST"):
+        env.pop(key, None)
+    return {**env, **{k: str(v) for k, v in extra.items()}}
+
+
+def make(target: str, **env) -> subprocess.CompletedProcess:
+    """`make TARGET DRY_RUN=1` in the repository, without re-checking .venv."""
+    return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", target, "DRY_RUN=1",
+                           f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=clean_env(**env))
+
+
+def commands(out: str) -> list[list[str]]:
+    """The argv of every `DRY_RUN: CMD` line (a quoted multi-line --command continues on the next lines)."""
+    found, lines = [], iter(out.splitlines())
+    for line in lines:
+        if not line.startswith("DRY_RUN: ") or line.startswith("DRY_RUN: ("):
+            continue
+        text = line[len("DRY_RUN: "):]
+        while True:
+            try:
+                found.append(shlex.split(text))
+                break
+            except ValueError:  # No closing quotation: the command goes on
+                text += "\n" + next(lines)
+    return found
+
+
+def tpu_py(command: str, bin_dir: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpu_llm.cloud", command], capture_output=True,
+                          text=True, timeout=60, env=clean_env(PATH=bin_dir, **env))
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    return lines[0]
+
+
+def fake_cloud(tmp_path: Path, gcloud: list[tuple[str, int, str]], terraform: list[tuple[str, int, str]] = ()):
+    """Fake `gcloud` and `terraform` that log their arguments to calls.log and answer the first
+    recorded (shell case pattern on "$*", exit status, output) that matches; anything else succeeds
+    silently. Authentication always succeeds."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir(parents=True)
+    gcloud = [("auth list*", 0, "me@example.com"), ("auth application-default*", 0, "token"), *gcloud]
+    for name, answers in (("gcloud", gcloud), ("terraform", terraform)):
+        cases = []
+        for i, (pattern, status, text) in enumerate(answers):
+            answer = tmp_path / f"{name}-{i}.txt"
+            answer.write_text(text + "\n")
+            pattern = pattern.replace(" ", "\\ ")  # a case pattern: spaces escaped, globs kept
+            cases.append(f'  {pattern}) while IFS= read -r line; do printf \'%s\\n\' "$line"; done < {answer}; exit {status} ;;')
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\ncase "$*" in\n' + "\n".join(cases)
+                                    + "\nesac\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, log
+
+
+def outputs_json(path: Path) -> str:
+    return path.read_text()

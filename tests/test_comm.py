@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import metrics, tiny_config
+from helpers import ReducedSGD, metrics, tiny_config
 
 from tpu_llm import perf
 from tpu_llm.config import load_config
@@ -26,13 +26,17 @@ def mirrored(replicas):
 
 
 class Replicas:
-    """Runs `reducer.reduce` on each replica's own gradients (lists of numpy arrays), as the trainer
-    does: already scaled by 1 / replicas, so that the sum is the mean."""
+    """Runs `reducer.exchange` on each replica's own gradients (lists of numpy arrays) and commits its state
+    updates, as the trainer does on a step it applies: the gradients already scaled by 1 / replicas, so that
+    the sum is the mean."""
 
     def __init__(self, strategy, reducer):
         self.strategy, self.reducer = strategy, reducer
-        self.step = tf.function(lambda values: strategy.run(
-            lambda g: reducer.reduce(tf.distribute.get_replica_context(), list(g)), args=(values,)))
+
+        def reduce(grads):
+            out, pending = reducer.exchange(tf.distribute.get_replica_context(), list(grads))
+            return comm.commit(pending, out)
+        self.step = tf.function(lambda values: strategy.run(reduce, args=(values,)))
 
     def reduce(self, grads):  # grads[r][i]: replica r, tensor i -> out[i][r]
         values = self.strategy.experimental_distribute_values_from_function(
@@ -71,10 +75,15 @@ def test_bf16_all_reduce_is_within_bfloat16_rounding_of_the_float32_sum():
         np.testing.assert_array_equal(out[i][0], out[i][3])  # every replica applies the same update
 
 
+class FullRankPowerSGD(comm.PowerSGD):
+    def compresses(self, n, m, r):  # every matrix, also where its factors are larger than it
+        return True
+
+
 def test_powersgd_at_full_rank_reproduces_the_average():
     strategy = mirrored(2).strategy
     with strategy.scope():
-        reducer = comm.PowerSGD(SHAPES, rank=16, compress_all=True)
+        reducer = FullRankPowerSGD(SHAPES, rank=16)
     grads = random_grads(np.random.default_rng(1), 2, SHAPES)
     out = Replicas(strategy, reducer).reduce(grads)
     for i in range(len(SHAPES)):
@@ -153,14 +162,6 @@ MODEL = load_config(None, {"model.n_layer": 1, "model.n_head": 2, "model.n_embd"
                            "data.seq_len": 16, "train.clip_norm": 0.0, "train.warmup_steps": 0})
 
 
-class ReducedSGD(keras.optimizers.SGD):
-    """Plain SGD for gradients the trainer already reduced (a linear update: local SGD with H=1 then
-    equals synchronous data parallel exactly, which AdamW's per-replica moments would not)."""
-
-    def _all_reduce_sum_gradients(self, grads_and_vars):
-        return list(grads_and_vars)
-
-
 LLAMA = load_config(None, {"model.family": "llama", "model.bias": False, "model.n_kv_head": 1, "model.mlp_hidden": 32,
                            "data.seq_len": 16,
                            **{f"model.{k}": getattr(MODEL.model, k) for k in ("n_layer", "n_head", "n_embd", "max_len")}})
@@ -172,6 +173,8 @@ def small_trainer(sync_every, sgd, outer="sgd", model_cfg=MODEL.model):
     keras.utils.set_random_seed(0)
     with dist.strategy.scope(), comm.variable_scope(local):
         model = GPT(model_cfg, 32).build_weights()
+        # plain SGD's update is linear: local SGD with H=1 then equals synchronous data parallel exactly, which
+        # AdamW's per-replica moments would not
         optimizer = ReducedSGD(0.5) if sgd else make_optimizer(MODEL.train, model)
         optimizer.build(model.trainable_variables)
         c = None
@@ -250,6 +253,16 @@ def test_combinations_that_cannot_work_are_one_line_errors(overrides, message):
     with pytest.raises(UserError) as e:
         load_config(None, overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_strategy_auto_chose_is_held_to_the_configs_rule():
+    # strategy=auto passes the config's check; the strategy it resolves to is checked by the same rule
+    cfg = load_config(None, {"comm.compression": "bf16"}).comm
+    for name in ("tpu", "parameter_server"):
+        with pytest.raises(UserError, match=f"^comm.compression=bf16 needs synchronous replicas on CPUs/GPUs; "
+                                            f"strategy={name} is not supported"):
+            comm.check(cfg, type("D", (), {"name": name, "num_replicas": 8})())
+    assert comm.check(cfg, type("D", (), {"name": "mirrored", "num_replicas": 2})()) is False
 
 
 # ---- training runs --------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 import yaml
 from helpers import tiny_config
 
-from tpu_llm.config import Config, config_from_dict, load_config, parse_set_args, validate
+from tpu_llm.config import Config, config_from_dict, load_config, validate
+from tpu_llm.config_reading import parse_set_args
 from tpu_llm.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,3 +208,28 @@ def test_a_config_file_names_its_run_directory(tmp_path):
     (tmp_path / "own.yml").write_text("run_dir: gs://b/r\n")
     assert load_config(str(tmp_path / "own.yml")).run_dir == "gs://b/r"  # its own
     assert load_config(None).run_dir == "runs/tiny" and load_config("tiny").run_dir == "runs/tiny"
+
+
+def test_generate_and_the_config_bound_sampling_alike():
+    """One definition of the sampling bounds (config.CAPS): what `tpu-llm generate` accepts before TensorFlow
+    loads, the config of its samples accepts too, and one past a bound is refused by both, the flag's
+    message naming the flag."""
+    from tpu_llm.cli.commands import _check_sampling
+    from tpu_llm.config import CAPS
+
+    most = {key: CAPS[f"sample.{key}"][0] for key in ("max_new_tokens", "num_samples", "top_k", "seed")}
+    _check_sampling(most["max_new_tokens"], 0.8, most["top_k"], 1.0, most["seed"], most["num_samples"])
+    load_config(None, {f"sample.{key}": value for key, value in most.items()})
+    for key in most:
+        past = {**most, key: most[key] + 1}
+        with pytest.raises(UserError, match=rf"^--{key}={past[key]} must "):
+            _check_sampling(past["max_new_tokens"], 0.8, past["top_k"], 1.0, past["seed"], past["num_samples"])
+        with pytest.raises(UserError, match=rf"^config: sample.{key}={past[key]} is more than its cap"):
+            load_config(None, {f"sample.{key}": past[key]})
+    lowest = -2**63
+    _check_sampling(1, 0.8, 0, 1.0, lowest, 1)
+    load_config(None, {"sample.seed": lowest})
+    with pytest.raises(UserError, match=rf"^--seed={lowest - 1} must fit in 64 bits"):
+        _check_sampling(1, 0.8, 0, 1.0, lowest - 1, 1)
+    with pytest.raises(UserError, match=rf"^config: sample.seed={lowest - 1} must be >= -2\*\*63"):
+        load_config(None, {"sample.seed": lowest - 1})

@@ -15,6 +15,8 @@ from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline, tpu
 from tpu_llm.parallel.distribute import Found, Placement, get_strategy
 from tpu_llm.tools import doctor
+from tpu_llm.tools.doctor import data_parallel, memory, model_parallel
+from tpu_llm.tools.doctor import devices as doctor_devices
 from tpu_llm.training.controller import build_run
 
 
@@ -57,13 +59,13 @@ def test_a_failing_model_parallel_run_leaves_every_data_parallel_line_measured(t
     profile = checks["profile"]["values"]  # the first-contact trace: one host call, where TensorBoard looks
     assert profile["host_calls"] == 1 and profile["path"].endswith(".xplane.pb") and os.path.isfile(profile["path"])
     assert f"view: tensorboard --logdir {tmp_path / 'doc'}" in lines["profile"]
-    assert doctor.PLAN_RATIO[0] <= checks["plan"]["values"]["ratio"] <= doctor.PLAN_RATIO[1]
+    assert data_parallel.PLAN_RATIO[0] <= checks["plan"]["values"]["ratio"] <= data_parallel.PLAN_RATIO[1]
     assert abs(checks["bfloat16"]["values"]["relative"]) < 0.02
-    memory = checks["memory"]["values"]  # float32 on a CPU: the same sums in another order
-    assert memory["loss_diff"] < 1e-5 and memory["grad_diff"] < 1e-5
-    if memory["dense_peak"] is not None:  # this TF reports CPU allocations: the options must save memory
-        assert memory["options_peak"] < memory["dense_peak"]
-        assert all(doctor.MEMORY_PLAN_RATIO[0] <= memory[f"ratio_{n}"] <= doctor.MEMORY_PLAN_RATIO[1]
+    measured = checks["memory"]["values"]  # float32 on a CPU: the same sums in another order
+    assert measured["loss_diff"] < 1e-5 and measured["grad_diff"] < 1e-5
+    if measured["dense_peak"] is not None:  # this TF reports CPU allocations: the options must save memory
+        assert measured["options_peak"] < measured["dense_peak"]
+        assert all(memory.MEMORY_PLAN_RATIO[0] <= measured[f"ratio_{n}"] <= memory.MEMORY_PLAN_RATIO[1]
                    for n in ("dense", "options"))
 
 
@@ -82,7 +84,7 @@ def test_the_model_parallel_run_matches_the_data_parallel_one(tmp_path):
     dp = build_run(cfg, get_strategy(cfg, found))
     reference = dp.trainer.run(dp.train_iterator, steps, steps)["loss"]
     four = type("D", (), {"name": "mirrored", "num_replicas": 4, "device_kind": "CPU"})  # doctor's 4-replica run
-    check = doctor.check_model_parallel(make_cfg, found, four, 2, 1, steps, reference)
+    check = model_parallel.check_model_parallel(make_cfg, found, four, 2, 1, steps, reference)
     assert check.status == "PASS", check.line()
     values = check.values
     assert values["relative"] < 1e-5 and values["replicas"] == 2, values
@@ -96,60 +98,60 @@ def test_the_model_parallel_run_matches_the_data_parallel_one(tmp_path):
 def test_the_model_parallel_line_fails_on_a_loss_apart_from_the_data_parallel_one(monkeypatch):
     # a stage or tensor group computing the wrong thing: the run goes through, the loss does not match
     passed = doctor.Check("x", "PASS", "fine")
-    monkeypatch.setattr(doctor.distribute, "get_strategy", lambda cfg, found: type("D", (), {"num_replicas": 2})())
-    monkeypatch.setattr(doctor.controller, "build_run", lambda cfg, dist: None)
-    monkeypatch.setattr(doctor, "check_placement", lambda run: passed)
-    monkeypatch.setattr(doctor, "check_replicas", lambda run: passed)
+    monkeypatch.setattr(model_parallel.distribute, "get_strategy", lambda cfg, found: type("D", (), {"num_replicas": 2})())
+    monkeypatch.setattr(model_parallel.controller, "build_run", lambda cfg, dist: None)
+    monkeypatch.setattr(model_parallel, "check_placement", lambda run: passed)
+    monkeypatch.setattr(model_parallel, "check_replicas", lambda run: passed)
     cpus = type("D", (), {"name": "mirrored", "num_replicas": 4, "device_kind": "CPU"})
     for loss, status in ((5.0 * 1.005, "PASS"), (5.0 * 1.05, "FAIL"), (float("nan"), "FAIL")):
-        monkeypatch.setattr(doctor, "run_model_parallel", lambda run, steps: loss)
-        check = doctor.check_model_parallel(lambda p, t: None, Found(), cpus, 2, 1, 4, 5.0)
+        monkeypatch.setattr(model_parallel, "run_model_parallel", lambda run, steps: loss)
+        check = model_parallel.check_model_parallel(lambda p, t: None, Found(), cpus, 2, 1, 4, 5.0)
         assert check.status == status, check.line()
     assert "vs data-parallel 5.0000" in check.numbers and check.fix == ""
 
 
 def test_a_layout_that_does_not_fit_names_the_cores_and_what_fits():
     tpu = type("D", (), {"name": "tpu", "num_replicas": 2, "device_kind": "TPU v5 lite"})
-    check = doctor.check_model_parallel(None, Found(tpu="/dev/vfio present"), tpu, 2, 2, 4, 5.0)
+    check = model_parallel.check_model_parallel(None, Found(tpu="/dev/vfio present"), tpu, 2, 2, 4, 5.0)
     assert check.status == "FAIL" and check.fix.startswith("this TPU has 2 TPU core(s); 2 x 2 = 4 TPU core(s) per "
                                                             "replica needs a multiple of 4"), check.fix
     assert "(2 x 1)" in check.fix and "tpu-llm[tpu]" not in check.fix
     one = type("D", (), {"name": "tpu", "num_replicas": 1, "device_kind": "TPU v6 lite"})
-    check = doctor.check_model_parallel(None, Found(tpu="/dev/vfio present"), one, 1, 1, 4, 5.0)
+    check = model_parallel.check_model_parallel(None, Found(tpu="/dev/vfio present"), one, 1, 1, 4, 5.0)
     assert check.status == "SKIP" and check.numbers.startswith("1 TPU core(s): nothing to split"), check.line()
 
 
 def test_the_memory_check_fails_when_the_chunked_loss_is_wrong(monkeypatch):
     real = pipeline.chunked_loss
     monkeypatch.setattr(pipeline, "chunked_loss", lambda x, w, y, chunk: 1.05 * real(x, w, y, chunk))
-    check = doctor.check_memory("/job:localhost/replica:0/task:0/device:CPU:0")
+    check = memory.check_memory("/job:localhost/replica:0/task:0/device:CPU:0")
     assert check.status == "FAIL" and 0.04 < check.values["loss_diff"] < 0.06, check.line()
 
 
 def test_the_memory_probe_has_nothing_a_tpu_would_pad():
     # a TPU stores arrays in tiles of 128 lanes on the minor dimension: a head_dim of 32 takes 4x the
     # bytes the planner counts, so every minor dimension of the probe is a multiple of 128
-    probe = doctor.MEMORY_PROBE
+    probe = memory.MEMORY_PROBE
     head_dim = probe["model.n_embd"] // probe["model.n_head"]
     assert head_dim >= 128 and probe["model.n_embd"] % probe["model.n_head"] == 0
     assert probe["model.n_head"] % probe["model.n_kv_head"] == 0 and probe["model.n_kv_head"] < probe["model.n_head"]
     for dim in (head_dim, probe["model.n_embd"], probe["data.seq_len"], probe["model.vocab_size"],
-                doctor.MEMORY_OPTIONS["train.loss_chunk"], doctor.MEMORY_OPTIONS["model.attention_block"]):
+                memory.MEMORY_OPTIONS["train.loss_chunk"], memory.MEMORY_OPTIONS["model.attention_block"]):
         assert dim % 128 == 0, dim
 
 
 def test_each_check_fails_on_a_broken_input(tmp_path):
-    assert doctor.check_bfloat16(5.0, 5.2).status == "FAIL" and doctor.check_bfloat16(5.0, 5.05).status == "PASS"
-    assert doctor.check_bfloat16(5.0, float("nan")).status == "FAIL"
-    assert doctor.check_input(100.0, 0.1, 16).status == "FAIL"  # 100 windows/s, the step eats 160
-    assert doctor.check_input(200.0, 0.1, 16).status == "PASS"
+    assert data_parallel.check_bfloat16(5.0, 5.2).status == "FAIL" and data_parallel.check_bfloat16(5.0, 5.05).status == "PASS"
+    assert data_parallel.check_bfloat16(5.0, float("nan")).status == "FAIL"
+    assert data_parallel.check_input(100.0, 0.1, 16).status == "FAIL"  # 100 windows/s, the step eats 160
+    assert data_parallel.check_input(200.0, 0.1, 16).status == "PASS"
 
     class Dist:
         name, device_kind, chips = "default", "CPU", 0
     cfg = doctor.tiny_config(str(tmp_path), "", "auto", 4, 1, 1, 4)
-    assert doctor.check_plan(cfg, Dist, 1e-9).status == "FAIL"  # far faster than the plan: its FLOPs are wrong
+    assert data_parallel.check_plan(cfg, Dist, 1e-9).status == "FAIL"  # far faster than the plan: its FLOPs are wrong
     Dist.device_kind = "GPU"
-    assert doctor.check_plan(cfg, Dist, 1.0).status == "SKIP"
+    assert data_parallel.check_plan(cfg, Dist, 1.0).status == "SKIP"
 
     # replicas: one replica's copy changed
     strategy = tf.distribute.MirroredStrategy(["/device:CPU:0", "/device:CPU:1"],
@@ -158,26 +160,26 @@ def test_each_check_fails_on_a_broken_input(tmp_path):
         weight = keras.Variable(np.ones(3, np.float32), name="w")
     weight.value.values[1].assign([1.0, 2.0, 1.0])
     run = _Run(weights=[weight], replicas=2)
-    check = doctor.check_replicas(run)
+    check = data_parallel.check_replicas(run)
     assert check.status == "FAIL" and check.values["differ"], check
     weight.value.values[1].assign([1.0, 1.0, 1.0])
-    assert doctor.check_replicas(run).status == "PASS"
+    assert data_parallel.check_replicas(run).status == "PASS"
 
     # placement: a 2-stage pipeline whose variables were all built on one device (the old behaviour)
     model = tiny_model(n_layer=2)
     parts = pipeline.partition(model.cfg, model.vocab_size, 16, 2)
     pipe = pipeline.Pipeline(model, parts, Placement(2, (("/device:CPU:0", "/device:CPU:1"),)))
-    check = doctor.check_placement(_Run(pipe=pipe, replicas=1, optimizer_variables=[]))
+    check = model_parallel.check_placement(_Run(pipe=pipe, replicas=1, optimizer_variables=[]))
     assert check.status == "FAIL" and "2 stages x 1 replicas on 1 devices" in check.values["problems"], check
     placed = pipeline.build_weights(tiny_model(n_layer=2), parts, pipe.placement)
     pipe = pipeline.Pipeline(placed, parts, pipe.placement)
-    assert doctor.check_placement(_Run(pipe=pipe, replicas=1, optimizer_variables=[])).status == "FAIL"  # no moments
+    assert model_parallel.check_placement(_Run(pipe=pipe, replicas=1, optimizer_variables=[])).status == "FAIL"  # no moments
 
     # checkpoint: a run directory that cannot be written
     class Broken:
         def save(self, step):
             raise UserError("cannot write checkpoints to gs://nowhere")
-    check = doctor.check_checkpoint(_Run(weights=[], replicas=1, checkpointer=Broken(), model=tiny_model(n_layer=1)))
+    check = data_parallel.check_checkpoint(_Run(weights=[], replicas=1, checkpointer=Broken(), model=tiny_model(n_layer=1)))
     assert check.status == "FAIL" and "gs://nowhere" in check.numbers
 
 
@@ -199,21 +201,21 @@ def test_doctor_refuses_too_few_steps():
 
 def test_plan_accelerator_names():
     tpu = type("D", (), {"name": "tpu", "device_kind": "TPU v5 lite", "chips": 8})
-    assert doctor.accelerator_name(tpu) == "v5litepod-8"
+    assert data_parallel.accelerator_name(tpu) == "v5litepod-8"
     tpu.device_kind, tpu.chips = "TPU v4", 4
-    assert doctor.accelerator_name(tpu) == "v4-8"
-    assert np.isfinite(doctor.PLAN_RATIO[1])
+    assert data_parallel.accelerator_name(tpu) == "v4-8"
+    assert np.isfinite(data_parallel.PLAN_RATIO[1])
 
 
 def test_layout_fits_the_devices_found(tmp_path):
-    assert [doctor.layout(n) for n in (1, 2, 3, 4, 6, 8, 16)] == \
+    assert [model_parallel.layout(n) for n in (1, 2, 3, 4, 6, 8, 16)] == \
         [(1, 1), (2, 1), (1, 1), (2, 2), (1, 1), (2, 2), (2, 2)]
-    assert doctor.layout(8, 2, 1) == (2, 1) and doctor.layout(8, 4, 0) == (4, 2) and doctor.layout(1, 2, 2) == (2, 2)
+    assert model_parallel.layout(8, 2, 1) == (2, 1) and model_parallel.layout(8, 4, 0) == (4, 2) and model_parallel.layout(1, 2, 2) == (2, 2)
 
     class Dist:
         name, device_kind, chips = "default", "CPU", 0
     cfg = doctor.tiny_config(str(tmp_path), "", "auto", 8, 2, 2, 4)  # the planner has no CPU model of tensor groups
-    check = doctor.check_plan(cfg, Dist, 0.05)
+    check = data_parallel.check_plan(cfg, Dist, 0.05)
     assert check.status == "SKIP" and "parallel.tensor=2" in check.numbers
 
 
@@ -239,8 +241,8 @@ def test_doctor_sizes_both_runs_to_the_tpu_it_finds(name, tmp_path, monkeypatch)
     initialized = offline_tpu(monkeypatch, topology)
     found = Found(tpu="/dev/accel0 present (TPU VM)")
     dist = get_strategy(doctor.tiny_config(str(tmp_path), "local", "auto", 1, 1, 1, 4), found)
-    assert dist.name == "tpu" and doctor.device_count(dist) == cores
-    stages, tensor = doctor.layout(doctor.device_count(dist))
+    assert dist.name == "tpu" and model_parallel.device_count(dist) == cores
+    stages, tensor = model_parallel.layout(model_parallel.device_count(dist))
     assert (stages, tensor) == expected
     assert (tpu.device_assignment(topology, stages * tensor) is None) == (stages * tensor == 1)
     if stages * tensor > 1:
@@ -251,7 +253,7 @@ def test_doctor_sizes_both_runs_to_the_tpu_it_finds(name, tmp_path, monkeypatch)
 
 def test_a_multi_host_slice_gets_two_by_two_blocks():
     topology = make_topology([4, 4, 1, 1], [2, 2, 1, 1])  # v5litepod-16: four hosts of 2x2 chips
-    stages, tensor = doctor.layout(topology.num_tasks * topology.num_tpus_per_task)
+    stages, tensor = model_parallel.layout(topology.num_tasks * topology.num_tpus_per_task)
     assert (stages, tensor) == (2, 2) and tpu.device_assignment(topology, 4).num_replicas == 4
 
 
@@ -271,12 +273,12 @@ def test_a_remote_tpu_gets_the_data_staged_beside_the_run(tmp_path):
 
 def test_the_devices_fix_names_the_install_only_when_tensorflow_sees_no_tpu(monkeypatch):
     found = Found(tpu="/dev/vfio present and libtpu installed (TPU VM)")
-    monkeypatch.setattr(doctor, "_tensorflow_tpus", lambda: 1)  # e.g. the TPU is held by another process
-    fix = doctor.devices_fix(found)
+    monkeypatch.setattr(doctor_devices, "_tensorflow_tpus", lambda: 1)  # e.g. the TPU is held by another process
+    fix = doctor_devices.devices_fix(found)
     assert fix.startswith("TensorFlow sees this TPU (1 TPU device(s)), so its install is right") and "pip" not in fix
-    monkeypatch.setattr(doctor, "_tensorflow_tpus", lambda: 0)
-    assert "pip install 'tpu-llm[tpu]': tensorflow-tpu 2.20.0 with libtpu 0.0.14" in doctor.devices_fix(found)
-    assert doctor.devices_fix(Found(tpu="TPU_NAME=pod in the environment"), remote=True).startswith(
+    monkeypatch.setattr(doctor_devices, "_tensorflow_tpus", lambda: 0)
+    assert "pip install 'tpu-llm[tpu]': tensorflow-tpu 2.20.0 with libtpu 0.0.14" in doctor_devices.devices_fix(found)
+    assert doctor_devices.devices_fix(Found(tpu="TPU_NAME=pod in the environment"), remote=True).startswith(
         "the TPU named is reached over the network")
-    assert doctor.devices_fix(found, name="mirrored").startswith("a TPU is attached")
-    assert doctor.devices_fix(Found(gpus=2), name="default").startswith("TensorFlow lists 2 GPU(s)")
+    assert doctor_devices.devices_fix(found, name="mirrored").startswith("a TPU is attached")
+    assert doctor_devices.devices_fix(Found(gpus=2), name="default").startswith("TensorFlow lists 2 GPU(s)")

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import ReducedSGD
 
 from tpu_llm.config import ModelConfig, TrainConfig
 from tpu_llm.model import GPT, decay_mask, loss_fn
@@ -136,7 +137,7 @@ def test_logged_gradient_norm_is_the_global_norm_and_clipping_scales_the_update(
     dist = Distribution(tf.distribute.get_strategy(), "default", "test", "CPU", jit_compile=False)
     cfg = TrainConfig(clip_norm=clip * norm)
     # plain SGD with lr 1: the update is minus the (clipped) gradient, so its size is visible
-    trainer = Trainer(dist, model, tf.keras.optimizers.SGD(learning_rate=1.0), cfg)
+    trainer = Trainer(dist, model, ReducedSGD(learning_rate=1.0), cfg)
     out = trainer.train_loop(iter(tf.data.Dataset.from_tensors((x, y)).repeat()), tf.constant(1))
     assert float(out["grad_norm"]) == pytest.approx(norm, rel=1e-4)  # logged before clipping
     factor = clip if clip else 1.0

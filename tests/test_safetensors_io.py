@@ -17,7 +17,7 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import sample
+from helpers import sample, write_safetensors
 
 from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
@@ -123,7 +123,7 @@ def test_randomised_round_trips_both_ways(tmp_path):
         ours, theirs = tmp_path / f"ours{case}", tmp_path / f"theirs{case}"
         ours.mkdir()
         theirs.mkdir()
-        safetensors_io.write_all(str(ours / safetensors_io.SINGLE_FILE), tensors.items())
+        write_safetensors(ours / safetensors_io.SINGLE_FILE, tensors)
         save_file(tensors, str(theirs / safetensors_io.SINGLE_FILE))
         try:
             assert_same(load_file(str(ours / safetensors_io.SINGLE_FILE)), tensors)

@@ -1,10 +1,12 @@
 """tpu_llm/tf_compat.py against the installed TensorFlow and Keras: each private attribute tpu-llm relies on
 still exists and still means what tf_compat assumes. A TF/Keras upgrade that changes one fails here.
 
-The one exception to "private names live in tf_compat.py": ReducedGradientsAdamW (training/optimizer.py)
-subclasses Keras' AdamW and overrides private methods, so those stay there; the Keras optimizer canary
-below checks each of them and what they still do, and pyproject.toml bounds keras to the minor
-versions it passed with."""
+The exceptions to "private names live in tf_compat.py" are listed in its docstring. Two are checked here:
+ReducedGradientsAdamW (training/optimizer.py) subclasses Keras' AdamW and overrides private methods, so
+those stay there; the Keras optimizer canary below checks each of them and what they still do, and
+pyproject.toml bounds keras to the minor versions it passed with. GPT (model/transformer.py) tracks its
+blocks with Keras' private `_track_trackable`: the checkpoint canary checks that TF checkpoints still
+hold them."""
 
 import inspect
 import json
@@ -105,7 +107,8 @@ def test_no_private_tensorflow_attribute_outside_tf_compat():
             continue
         text = open(os.path.join(root, name), encoding="utf-8").read()
         for attr in ("_num_workers", "_id_in_cluster", "_platform_device", "_stateful_handle", "step_counter",
-                     "dynamic_scale.assign", "tensorflow.python", "keras.src", "_flatten_layers", "._devices"):
+                     "dynamic_scale.assign", "tensorflow.python", "keras.src", "_flatten_layers", "._devices",
+                     "__internal__", "_use_merge_call"):
             if attr in text:
                 offenders.append(f"{name}: {attr}")
     assert not offenders, json.dumps(offenders)
@@ -125,6 +128,28 @@ def test_mirrored_variables_are_placed_by_colocate_with_devices():
     assert placed == [d.split("device:")[-1] for d in devices[::-1]] == ["CPU:1", "CPU:0"]
 
 
+def test_no_merge_call_is_what_the_strategy_says():
+    # training/fault.apply_if takes its cond in the replica context only where TF says no merge_call is needed
+    assert tf_compat.supports_no_merge_call() is True  # the default strategy
+    strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")[:2]])
+    with strategy.scope():
+        assert tf_compat.supports_no_merge_call() is False and strategy.extended._use_merge_call()
+    source = inspect.getsource(tf.__internal__.distribute.strategy_supports_no_merge_call)
+    assert "strategy.extended._use_merge_call()" in source
+
+
+def test_track_trackable_puts_the_blocks_into_tf_checkpoints(tmp_path):
+    # model/transformer.py: Keras 3 tracks the list of blocks for `weights`, but a TF checkpoint sees them only
+    # through the private `_track_trackable` (without it tf.train.Checkpoint(model=...) saves no block)
+    from helpers import tiny_model
+
+    model = tiny_model(n_layer=2)
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    saved = {name.split("/")[1] for name, _ in tf.train.list_variables(path) if name.startswith("model/")}
+    assert {"block_0", "block_1"} <= saved, sorted(saved)
+    assert callable(getattr(keras.layers.Layer, "_track_trackable", None))
+
+
 def test_all_layers_finds_nested_dropout():
     import keras
 
@@ -138,6 +163,8 @@ def test_all_layers_finds_nested_dropout():
 # What tpu_llm/training/optimizer.py's ReducedGradientsAdamW overrides or calls on Keras' AdamW, with the
 # parameters it assumes (self left out).
 KERAS_OPTIMIZER_METHODS = {
+    # overridden: Keras' loop over the variables, each update placed on its pipeline stage's core
+    "_distributed_tf_update_step": ("distribution", "grads_and_vars", "learning_rate"),
     "_all_reduce_sum_gradients": ("grads_and_vars",),  # overridden: the trainer has already summed them
     "_apply_weight_decay": ("variables",),  # overridden: decayed in update_step, where a skipped step leaves it out
     "update_step": ("gradient", "variable", "learning_rate"),  # overridden (public, the contract around it is not)

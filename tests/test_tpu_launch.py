@@ -10,37 +10,19 @@ failed `tpu-up` destroys nothing.
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import (BUCKET, IAP, NAME, PROJECT, SCP, TF, ZONE, clean_env, commands, fake_cloud, make, one_error_line,
+                     outputs_json, tpu_py, write_outputs)
 
 pytestmark = pytest.mark.slow  # the driver and fake terraform/gcloud in subprocesses
 
 ROOT = Path(__file__).resolve().parent.parent
-NAME, ZONE, PROJECT, BUCKET = "tpu-llm-tpu", "us-central2-b", "my-proj", "gs://my-proj-tpu-llm"
-IAP = ["--zone=us-central2-b", "--project=my-proj"]
 SSH = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "ssh", NAME, *IAP]
-SCP = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "scp"]
 DESCRIBE = ["gcloud", "compute", "tpus", "tpu-vm", "describe", NAME, *IAP, "--format=value(state)"]
-TF = ["terraform", "-chdir=infra"]
-
-
-def write_outputs(path: Path, accelerator: str, workers: int, **changes) -> Path:
-    """A `terraform output -json` file as infra/outputs.tf would produce it."""
-    values = {"project_id": PROJECT, "zone": ZONE, "tpu_enabled": True, "tpu_name": NAME, "queued_resource_name": "",
-              "accelerator_type": accelerator, "runtime_version": "tpu-vm-tf-2.20.0-pjrt", "worker_count": workers,
-              "multi_host": workers > 1, "spot": True, "use_queued_resource": False, "bucket_name": "my-proj-tpu-llm",
-              "bucket_url": BUCKET, "data_url": f"{BUCKET}/shards", "runs_url": f"{BUCKET}/runs",
-              "log_bucket_url": f"{BUCKET}-logs", "service_account_email": "sa@my-proj.iam.gserviceaccount.com",
-              "ssh_command": "gcloud ...", "startup_script": "#!/bin/bash\necho set-up\n", "reserved": False,
-              "network": "tpu-llm-vpc", "subnetwork": "tpu-llm-subnet",
-              "labels": {"app": "tpu-llm", "managed-by": "terraform"}, **changes}
-    path.write_text(json.dumps({k: {"sensitive": False, "type": "string", "value": v} for k, v in values.items()}))
-    return path
 
 
 @pytest.fixture
@@ -58,37 +40,6 @@ def tfvars(tmp_path) -> Path:
     path = tmp_path / "terraform.tfvars"
     path.write_text('project_id = "my-proj"\nzone = "us-central2-b"\naccelerator_type = "v4-32"\n')
     return path
-
-
-def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS", "DRY_RUN", "TPU_", "TRAIN_ON"))}
-    for key in ("DATA", "ARGS", "RUN", "RUN_DIR", "CONFIG", "TOKENIZER", "INPUT", "DESTROY_BUCKET", "TF_OUTPUTS",
-                "TFVARS", "STORAGE_EMULATOR_HOST"):
-        env.pop(key, None)
-    return {**env, **{k: str(v) for k, v in extra.items()}}
-
-
-def make(target: str, **env) -> subprocess.CompletedProcess:
-    """`make TARGET DRY_RUN=1` in the repository, without re-checking .venv."""
-    return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", target, "DRY_RUN=1",
-                           f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=clean_env(**env))
-
-
-def commands(out: str) -> list[list[str]]:
-    """The argv of every `DRY_RUN: CMD` line (a quoted multi-line --command continues on the next lines)."""
-    found, lines = [], iter(out.splitlines())
-    for line in lines:
-        if not line.startswith("DRY_RUN: ") or line.startswith("DRY_RUN: ("):
-            continue
-        text = line[len("DRY_RUN: "):]
-        while True:
-            try:
-                found.append(shlex.split(text))
-                break
-            except ValueError:  # No closing quotation: the command goes on
-                text += "\n" + next(lines)
-    return found
 
 
 def remote(argv: list[str]) -> list[str]:
@@ -386,18 +337,6 @@ esac
     return bin_dir, log
 
 
-def tpu_py(command: str, bin_dir: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpu_llm.cloud", command], capture_output=True,
-                          text=True, timeout=60, env=clean_env(PATH=bin_dir, **env))
-
-
-def one_error_line(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    return lines[0]
-
-
 STOCKOUT = """│ Error: Error waiting to create Vm: Error waiting for Creating Vm: Error code 8, message: \
 There is no more capacity in the zone "us-central2-b"; you can try in another zone where Cloud TPU Nodes are offered"""
 QUOTA = """│ Error: Error creating Vm: googleapi: Error 429: Quota 'TPUV4sPerProjectPerZoneForTPUAPI' exhausted. \
@@ -465,30 +404,6 @@ def test_failure_explanations():
 
 # --------------------------------------------------------------------------------------------------
 # Recorded gcloud / terraform answers replayed by fake executables (no DRY_RUN)
-
-
-def fake_cloud(tmp_path: Path, gcloud: list[tuple[str, int, str]], terraform: list[tuple[str, int, str]] = ()):
-    """Fake `gcloud` and `terraform` that log their arguments to calls.log and answer the first
-    recorded (shell case pattern on "$*", exit status, output) that matches; anything else succeeds
-    silently. Authentication always succeeds."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
-    bin_dir.mkdir(parents=True)
-    gcloud = [("auth list*", 0, "me@example.com"), ("auth application-default*", 0, "token"), *gcloud]
-    for name, answers in (("gcloud", gcloud), ("terraform", terraform)):
-        cases = []
-        for i, (pattern, status, text) in enumerate(answers):
-            answer = tmp_path / f"{name}-{i}.txt"
-            answer.write_text(text + "\n")
-            pattern = pattern.replace(" ", "\\ ")  # a case pattern: spaces escaped, globs kept
-            cases.append(f'  {pattern}) while IFS= read -r line; do printf \'%s\\n\' "$line"; done < {answer}; exit {status} ;;')
-        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\ncase "$*" in\n' + "\n".join(cases)
-                                    + "\nesac\n")
-        (bin_dir / name).chmod(0o755)
-    return bin_dir, log
-
-
-def outputs_json(path: Path) -> str:
-    return path.read_text()
 
 
 def test_tpu_down_force_deletes_the_active_queued_resource_before_terraform(tmp_path, queued, tfvars):

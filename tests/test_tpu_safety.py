@@ -19,8 +19,8 @@ from pathlib import Path
 
 import hcl2
 import pytest
-from test_tpu_launch import (BUCKET, IAP, NAME, SCP, TF, clean_env, commands, fake_cloud, make, one_error_line,
-                             outputs_json, tpu_py, write_outputs)
+from helpers import (BUCKET, IAP, NAME, SCP, TF, clean_env, commands, fake_cloud, make, one_error_line, outputs_json,
+                     tpu_py, write_outputs)
 
 from tpu_llm.cloud import driver
 

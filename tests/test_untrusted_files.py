@@ -704,7 +704,7 @@ def test_property_a_yaml_config_loads_or_is_one_userror(scratch, data):
 @PROPERTY
 @given(items=st.lists(st.tuples(KEYS, st.text(max_size=20) | st.integers(-2**70, 2**70).map(str)), max_size=4))
 def test_property_command_line_overrides_load_or_are_one_userror(items):
-    from tpu_llm.config import parse_set_args
+    from tpu_llm.config_reading import parse_set_args
 
     refused_or_done(lambda: load_config(None, parse_set_args([f"{k}={v}" for k, v in items])))
 

@@ -6,7 +6,8 @@ Unknown keys, wrong types and inconsistent values are rejected with a one-line `
 key and the valid choices. `docs`-style help for every field is its comment here.
 
 A config may come from elsewhere (a copied run's config.yaml, a Hugging Face config.json mapped by
-tpu_llm/interop/hf.py), so reading it is bounded: a YAML file of at most MAX_CONFIG_BYTES, sizes and
+tpu_llm/interop/hf.py), so reading it is bounded: a YAML file of at most MAX_CONFIG_BYTES (reading the
+file, the `--set` arguments and a mapping onto the dataclasses: tpu_llm/config_reading.py), sizes and
 counts under CAPS and a model of at most MAX_PARAMS parameters (checked first), messages that echo a
 value cut short, and no message built unless its check fails.
 """
@@ -15,16 +16,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import math
 import os
 import re
-import reprlib
 from typing import Any, Callable
 
 import yaml
 
 from tpu_llm import model_spec
+from tpu_llm.config_reading import REPR, apply_mapping, config_file, read_yaml, set_dotted
 from tpu_llm.errors import UserError
 
 TOKENIZERS = ("byte", "char", "sentencepiece", "hf")
@@ -45,6 +45,10 @@ ATTENTIONS = ("dense", "blockwise")
 # above any real use: the largest published models have widths under 2^15, 126 layers, vocabularies of
 # 256K and contexts of 10M tokens; a step count of 10^9 is years of training.
 WIDTH, COUNT, LENGTH = 2**20, 10**9, 2**24
+# Sampling (a run's samples, `tpu-llm generate`, which checks the same bounds before TensorFlow loads): each
+# new token is one step of the model, milliseconds to a second, so a million tokens already take hours and
+# a larger number is a typo; sample i draws with the 64-bit seed + i.
+MAX_NEW_TOKENS, MAX_SAMPLES, INT64 = 10**6, 1000, 2**63
 CAPS: dict[str, tuple[int, str]] = {
     "model.n_layer": (10_000, "layers: 10x the 1,000-layer DeepNet"),
     "model.n_head": (WIDTH, "heads: 2^20, at most one per width unit"),
@@ -69,10 +73,10 @@ CAPS: dict[str, tuple[int, str]] = {
     "train.seed": (2**32 - 1, "numpy's seeds: 0 to 2^32 - 1"),
     "checkpoint.every_steps": (COUNT, "steps: 10^9"),
     "checkpoint.keep": (COUNT, "checkpoints: 10^9"),
-    "sample.num_samples": (COUNT, "samples: 10^9"),
-    "sample.max_new_tokens": (LENGTH, "contexts: 2^24 tokens"),
+    "sample.num_samples": (MAX_SAMPLES, "samples: 1,000, each max_new_tokens steps of the model"),
+    "sample.max_new_tokens": (MAX_NEW_TOKENS, "tokens: 10^6; each is one step of the model (a million take hours)"),
     "sample.top_k": (10**7, "vocabularies: 10^7"),
-    "sample.seed": (2**31 - 1, "seeds: 2^31 - 1"),
+    "sample.seed": (INT64 - 1 - MAX_SAMPLES, "64-bit seeds: sample i draws with seed + i"),
     "cpu_devices": (1024, "logical CPU devices: 1024"),
     "cluster.timeout_seconds": (COUNT, "seconds: 10^9"),
     "parallel.pipeline_stages": (10_000, "stages: at most one per layer"),
@@ -82,7 +86,6 @@ CAPS: dict[str, tuple[int, str]] = {
     "comm.sync_every": (COUNT, "steps: 10^9"),
 }
 MAX_PARAMS = 2 * 10**12  # parameters a model section may describe: a 1T-parameter model is inside, twice over
-MAX_CONFIG_BYTES = 1 << 20  # a YAML config is a few KB; PyYAML parses about 1 MB a second
 
 
 @dataclasses.dataclass
@@ -204,6 +207,10 @@ class CommConfig:
     outer_lr: float = 1.0  # outer step size (sgd with 1.0 = plain averaging; DiLoCo used 0.7 with nesterov)
     outer_momentum: float = 0.9  # nesterov: outer momentum
 
+    def active(self) -> bool:
+        """Whether anything but the plain float32 all-reduce runs: compression, or local SGD."""
+        return self.compression != "none" or self.sync_every > 1
+
 
 @dataclasses.dataclass
 class Config:
@@ -233,186 +240,27 @@ class Config:
 # Loading and validation
 
 
-PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")  # package data (the wheel has it)
-
-
-def presets() -> dict[str, str]:
-    """{name: file} of the configs shipped in the package (tpu_llm/presets/*.yaml; configs/ links to them)."""
-    files = sorted(f for f in os.listdir(PRESETS_DIR) if f.endswith(".yaml")) if os.path.isdir(PRESETS_DIR) else []
-    return {f[:-len(".yaml")]: os.path.join(PRESETS_DIR, f) for f in files}
-
-
-def config_file(path: str) -> str:
-    """The file `--config path` means: the path itself if it exists, else the preset of that name (`tiny`,
-    `gpt2_125m`, `tiny.yaml`), so a pip-installed tpu-llm runs `--config tiny` from any directory."""
-    if os.path.exists(path) or os.sep in path or "/" in path:
-        return path
-    name = path[:-len(".yaml")] if path.endswith(".yaml") else path
-    return presets().get(name, path)
-
-
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None, base: Config | None = None) -> Config:
     """Defaults (or a copy of `base`) <- YAML file at `path` (or a preset's name) <- dotted `overrides`; validated."""
     cfg = copy.deepcopy(base) if base is not None else Config()
     if path:
         path = config_file(path)
-        data = _read_yaml(path)
+        data = read_yaml(path)
         if base is None and isinstance(data, dict) and "run_dir" not in data:
             # a config names its run: my_run.yaml trains in runs/my_run, not in the default run's runs/tiny
             cfg.run_dir = f"runs/{re.sub(r'[.]ya?ml$', '', os.path.basename(path))}"
-        _apply(cfg, data, source=path)
+        apply_mapping(cfg, data, source=path)
     for key, value in (overrides or {}).items():
-        _set_dotted(cfg, key, value, source="command line")
+        set_dotted(cfg, key, value, source="command line")
     validate(cfg)
     return cfg
 
 
 def config_from_dict(data: dict, source: str) -> Config:
     cfg = Config()
-    _apply(cfg, data, source=source)
+    apply_mapping(cfg, data, source=source)
     validate(cfg)
     return cfg
-
-
-def parse_set_args(items: list[str] | str | None) -> dict[str, Any]:
-    """`--set a.b=1 --set c.d=x` (or one comma-free string) -> {'a.b': 1, 'c.d': 'x'}."""
-    if not items:
-        return {}
-    if isinstance(items, str):
-        items = [items]
-    out = {}
-    for item in items:
-        if "=" not in str(item):
-            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set model.n_layer=6")
-        key, value = str(item).split("=", 1)
-        out[key.strip()] = _parse_value(value)
-    return out
-
-
-def _parse_value(text: str) -> Any:
-    """A YAML scalar (6, 0.5, true); anything else (a prompt like `def f():`, `[x`) stays the raw string."""
-    if re.fullmatch(r"\s*\d+(:\d+)+\s*", text):  # YAML 1.1 reads 10:20 as the base-60 number 620
-        return text.strip()
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer of over 4300 digits
-        return text
-    return value if isinstance(value, (str, int, float, bool)) else text
-
-
-def _read_yaml(path: str) -> dict:
-    if not os.path.exists(path):
-        name = os.path.basename(path)
-        name = name[:-len(".yaml")] if name.endswith(".yaml") else name
-        close = difflib.get_close_matches(name, list(presets()), n=1, cutoff=0.6)
-        hint = f"--config {close[0]} (a preset) or " if close else ""
-        raise UserError(f"config file {path!r} not found; give {hint}a YAML file's path; presets: "
-                        f"{', '.join(presets())} (`tpu-llm config --list`)")
-    if os.path.isdir(path):
-        here = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))[:8]
-        hint = f", e.g. --config {os.path.join(path, here[0])} ({', '.join(here)})" if here else ""
-        raise UserError(f"--config {path!r} is a directory; give a YAML file{hint}")
-    size = os.path.getsize(path)
-    if size > MAX_CONFIG_BYTES:
-        raise UserError(f"{path}: {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a config file may have; give a "
-                        "YAML config (a few KB)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except UnicodeDecodeError as e:  # e.g. a file saved as Latin-1
-        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                        "save the config file as UTF-8") from None
-    except OSError as e:  # unreadable: permissions, a special file
-        raise UserError(f"config file {path!r} cannot be read ({e.strerror or e}); check the path") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UserError(f"{path}: YAML syntax error{where}: {_short(problem)}; fix the file") from None
-    except (ValueError, RecursionError) as e:  # an integer of over 4300 digits; nesting thousands deep
-        what = "nested too deeply" if isinstance(e, RecursionError) else _short(str(e).splitlines()[0])
-        raise UserError(f"{path}: a value YAML cannot hold ({what}); fix the file") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
-    return data
-
-
-def _apply(obj: Any, data: dict, source: str, prefix: str = "") -> None:
-    for key, value in data.items():
-        full = f"{prefix}{key}"
-        fields = {f.name: f for f in dataclasses.fields(obj)}
-        if key not in fields:
-            raise UserError(_unknown_key_message(full, list(fields), prefix, source))
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise UserError(f"{source}: {_quoted(full)} is a section; give it keys such as "
-                                f"{', '.join(f.name for f in dataclasses.fields(current))[:80]}")
-            _apply(current, value, source, prefix=f"{full}.")
-        else:
-            setattr(obj, key, _coerce(full, value, fields[key].type, source))
-
-
-def _set_dotted(cfg: Config, key: str, value: Any, source: str) -> None:
-    parts = key.split(".")
-    nested: dict = value
-    for part in reversed(parts):
-        nested = {part: nested}
-    _apply(cfg, nested, source)
-
-
-def _short(value) -> str:
-    """`value` for a one-line message: a plain short string as it is, anything else by a repr cut to a
-    few levels and characters (a YAML document can nest aliases into an exponentially long value)."""
-    if isinstance(value, str) and len(value) <= 80 and value.isprintable():
-        return value
-    return _REPR.repr(value)
-
-
-def _quoted(key) -> str:
-    """A config key from a file in a message: 'model.n_layer', or a repr when it is no plain text."""
-    return f"'{key}'" if isinstance(key, str) and key == _short(key) else _short(key)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
-
-
-def _unknown_key_message(full: str, valid: list[str], prefix: str, source: str) -> str:
-    name = str(full)[len(prefix):]
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
-    section = prefix.rstrip(".") or "the top level"
-    return f"{source}: unknown config key {_quoted(full)}; {hint}valid keys in {section}: {', '.join(valid)}"
-
-
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-
-
-def _coerce(key: str, value: Any, type_name: Any, source: str) -> Any:
-    expected = _TYPES[type_name if isinstance(type_name, str) else type_name.__name__]
-    if expected is bool and isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if expected is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
-        try:  # a str: YAML 1.1 reads 3e-4 (no dot) as a string
-            number = float(value)
-        except (ValueError, OverflowError):  # OverflowError: an int past float's range
-            number = None
-        if number is not None:
-            if not math.isfinite(number):
-                raise UserError(f"{source}: '{key}' must be a finite number, got {_REPR.repr(value)}")
-            return number
-    if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if expected is str and isinstance(value, (list, tuple)) and all(  # a YAML list of files
-            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
-        return ",".join(str(v) for v in value)
-    if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
-        raise UserError(f"{source}: '{key}' must be {expected.__name__}, got {_REPR.repr(value)} "
-                        f"({type(value).__name__})")
-    return value
 
 
 def _check(ok: bool, message: str | Callable[[], str]) -> None:
@@ -437,56 +285,12 @@ def _validate_caps(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
+    """A UserError naming the first value that is out of range or inconsistent with another (the caps first)."""
     m, d, t, c, s = cfg.model, cfg.data, cfg.train, cfg.checkpoint, cfg.sample
     _validate_caps(cfg)  # first: every later check may loop over, or print, these sizes
-    _check(cfg.strategy in STRATEGIES,
-           f"strategy={cfg.strategy!r}; valid choices: {', '.join(STRATEGIES)}")
-    _check(bool(cfg.run_dir), "run_dir is empty; give a local path or gs://bucket/path")
-    _check(cfg.cpu_devices >= 1, f"cpu_devices={cfg.cpu_devices} must be >= 1")
-    _check(cfg.cpu_devices <= cfg.parallel.pipeline_stages or cfg.strategy in ("auto", "mirrored"),
-           f"cpu_devices={cfg.cpu_devices} splits one CPU for strategy=mirrored (or auto); "
-           f"strategy={cfg.strategy} runs one device per process, so drop cpu_devices")
-    _check(cfg.cluster.communication in COMMUNICATIONS,
-           f"cluster.communication={cfg.cluster.communication!r}; valid choices: {', '.join(COMMUNICATIONS)}")
-    p = cfg.parallel
-    _check(cfg.precision in PRECISIONS, f"precision={cfg.precision!r}; valid choices: {', '.join(PRECISIONS)}")
-    _check(cfg.execution in EXECUTIONS, f"execution={cfg.execution!r}; valid choices: {', '.join(EXECUTIONS)}")
-    _check(p.schedule in SCHEDULES,
-           f"parallel.schedule={p.schedule!r}; valid choices: {', '.join(SCHEDULES)} (1F1B cannot be ordered in "
-           "TensorFlow's dataflow graph: see docs/pipeline-tensor.md)")
-    _check(1 <= p.pipeline_stages <= cfg.model.n_layer,
-           f"parallel.pipeline_stages={p.pipeline_stages} must be between 1 and model.n_layer={cfg.model.n_layer}")
-    _check(p.microbatches >= 1 and p.tensor >= 1, "parallel.microbatches and parallel.tensor must be >= 1")
-    _check(p.tensor == 1 or cfg.model.n_head % p.tensor == 0,
-           lambda: f"parallel.tensor={p.tensor} must divide model.n_head={cfg.model.n_head} (each device takes "
-                   f"whole attention heads); valid values: {_divisors(cfg.model.n_head)}")
-    kv = cfg.model.kv_heads()
-    _check(p.tensor == 1 or kv % p.tensor == 0,
-           lambda: f"parallel.tensor={p.tensor} must divide model.n_kv_head={kv} (each device takes whole "
-                   f"key/value head groups); valid values: {_divisors(kv)}")
-    _check(p.tensor == 1 or cfg.model.hidden() % p.tensor == 0,
-           f"parallel.tensor={p.tensor} must divide the MLP's hidden size {cfg.model.hidden()}; set "
-           f"model.mlp_hidden to a multiple of {p.tensor}")
-    _check(cfg.cluster.timeout_seconds >= 0,
-           f"cluster.timeout_seconds={cfg.cluster.timeout_seconds} must be >= 0 (0 = no timeout)")
-
+    _validate_run(cfg)
     _validate_comm(cfg)
-
-    for name in ("n_layer", "n_head", "n_embd", "max_len"):
-        _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be >= 1")
-    _check(m.n_embd % m.n_head == 0,
-           lambda: f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
-                   f"valid n_head values: {_divisors(m.n_embd, at_most=64)}")
-    _validate_family(m)
-    _check(approx_params(m) <= MAX_PARAMS,
-           lambda: f"the model has about {approx_params(m):.2e} parameters (model.n_layer={m.n_layer}, "
-                   f"model.n_embd={m.n_embd}, model.vocab_size={m.vocab_size}), more than the cap of {MAX_PARAMS:.0e}")
-    _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
-    _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (0 = the tokenizer's)")
-    _check(m.attention in ATTENTIONS, f"model.attention={m.attention!r}; valid choices: {', '.join(ATTENTIONS)}")
-    _check(m.attention_block >= 1, f"model.attention_block={m.attention_block} must be >= 1")
-    _check(m.attention == "dense" or m.dropout == 0, f"model.attention=blockwise has no attention dropout; set "
-           f"model.dropout=0 (now {m.dropout}) or model.attention=dense")
+    _validate_model(m)
     _check(t.loss_chunk >= 0, f"train.loss_chunk={t.loss_chunk} must be >= 0 (0 = off)")
     _check(d.tokenizer in TOKENIZERS,
            f"data.tokenizer={d.tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
@@ -527,6 +331,59 @@ def validate(cfg: Config) -> None:
     _check(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1]")
     _check(s.top_k >= 0 and s.max_new_tokens >= 0 and s.num_samples >= 0,
            "sample.top_k, sample.max_new_tokens and sample.num_samples must be >= 0")
+    _check(s.seed >= -INT64, f"sample.seed={s.seed} must be >= -2**63 (a 64-bit seed)")
+
+
+def _validate_run(cfg: Config) -> None:
+    """The strategy, the devices and the parallel layout."""
+    _check(cfg.strategy in STRATEGIES,
+           f"strategy={cfg.strategy!r}; valid choices: {', '.join(STRATEGIES)}")
+    _check(bool(cfg.run_dir), "run_dir is empty; give a local path or gs://bucket/path")
+    _check(cfg.cpu_devices >= 1, f"cpu_devices={cfg.cpu_devices} must be >= 1")
+    _check(cfg.cpu_devices <= cfg.parallel.pipeline_stages or cfg.strategy in ("auto", "mirrored"),
+           f"cpu_devices={cfg.cpu_devices} splits one CPU for strategy=mirrored (or auto); "
+           f"strategy={cfg.strategy} runs one device per process, so drop cpu_devices")
+    _check(cfg.cluster.communication in COMMUNICATIONS,
+           f"cluster.communication={cfg.cluster.communication!r}; valid choices: {', '.join(COMMUNICATIONS)}")
+    p = cfg.parallel
+    _check(cfg.precision in PRECISIONS, f"precision={cfg.precision!r}; valid choices: {', '.join(PRECISIONS)}")
+    _check(cfg.execution in EXECUTIONS, f"execution={cfg.execution!r}; valid choices: {', '.join(EXECUTIONS)}")
+    _check(p.schedule in SCHEDULES,
+           f"parallel.schedule={p.schedule!r}; valid choices: {', '.join(SCHEDULES)} (1F1B cannot be ordered in "
+           "TensorFlow's dataflow graph: see docs/pipeline-tensor.md)")
+    _check(1 <= p.pipeline_stages <= cfg.model.n_layer,
+           f"parallel.pipeline_stages={p.pipeline_stages} must be between 1 and model.n_layer={cfg.model.n_layer}")
+    _check(p.microbatches >= 1 and p.tensor >= 1, "parallel.microbatches and parallel.tensor must be >= 1")
+    _check(p.tensor == 1 or cfg.model.n_head % p.tensor == 0,
+           lambda: f"parallel.tensor={p.tensor} must divide model.n_head={cfg.model.n_head} (each device takes "
+                   f"whole attention heads); valid values: {_divisors(cfg.model.n_head)}")
+    kv = cfg.model.kv_heads()
+    _check(p.tensor == 1 or kv % p.tensor == 0,
+           lambda: f"parallel.tensor={p.tensor} must divide model.n_kv_head={kv} (each device takes whole "
+                   f"key/value head groups); valid values: {_divisors(kv)}")
+    _check(p.tensor == 1 or cfg.model.hidden() % p.tensor == 0,
+           f"parallel.tensor={p.tensor} must divide the MLP's hidden size {cfg.model.hidden()}; set "
+           f"model.mlp_hidden to a multiple of {p.tensor}")
+    _check(cfg.cluster.timeout_seconds >= 0,
+           f"cluster.timeout_seconds={cfg.cluster.timeout_seconds} must be >= 0 (0 = no timeout)")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for name in ("n_layer", "n_head", "n_embd", "max_len"):
+        _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be >= 1")
+    _check(m.n_embd % m.n_head == 0,
+           lambda: f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+                   f"valid n_head values: {_divisors(m.n_embd, at_most=64)}")
+    _validate_family(m)
+    _check(approx_params(m) <= MAX_PARAMS,
+           lambda: f"the model has about {approx_params(m):.2e} parameters (model.n_layer={m.n_layer}, "
+                   f"model.n_embd={m.n_embd}, model.vocab_size={m.vocab_size}), more than the cap of {MAX_PARAMS:.0e}")
+    _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (0 = the tokenizer's)")
+    _check(m.attention in ATTENTIONS, f"model.attention={m.attention!r}; valid choices: {', '.join(ATTENTIONS)}")
+    _check(m.attention_block >= 1, f"model.attention_block={m.attention_block} must be >= 1")
+    _check(m.attention == "dense" or m.dropout == 0, f"model.attention=blockwise has no attention dropout; set "
+           f"model.dropout=0 (now {m.dropout}) or model.attention=dense")
 
 
 def _validate_family(m: ModelConfig) -> None:
@@ -577,7 +434,7 @@ def profile_range(text: str, steps: int) -> tuple[int, int] | None:
     start, end = (int(match[1]), int(match[2])) if match else (0, 0)
     base60 = " (in a YAML file, quote it: profile_steps: \"10:20\"; unquoted, YAML reads 10:20 as 620)" \
         if text.strip().isdigit() else ""
-    _check(bool(match) and 1 <= start <= end, f"train.profile_steps={_REPR.repr(text)}; give START:END with 1 <= START "
+    _check(bool(match) and 1 <= start <= end, f"train.profile_steps={REPR.repr(text)}; give START:END with 1 <= START "
                                               f"<= END, e.g. 10:20 (steps counted from 1; \"\" = off){base60}")
     _check(end <= steps, f"train.profile_steps={text.strip()} ends after train.steps={steps}; give an END <= {steps}")
     return start, end
@@ -599,18 +456,33 @@ def _validate_comm(cfg: Config) -> None:
     _check(k.compression == "none" or k.sync_every == 1,
            f"comm.compression={k.compression} compresses per-step gradients, and comm.sync_every={k.sync_every} "
            "sends none between syncs: choose one (set comm.compression=none or comm.sync_every=1)")
-    if k.compression == "none" and k.sync_every == 1:
+    if not k.active():
         return
-    what = f"comm.compression={k.compression}" if k.compression != "none" else f"comm.sync_every={k.sync_every}"
-    _check(cfg.strategy not in ("parameter_server", "tpu"),
-           f"{what} needs synchronous replicas on CPUs/GPUs; strategy={cfg.strategy} is not supported; use "
-           "strategy=mirrored or multi_worker, or drop the comm settings")
+    what = _comm_settings(k)
+    refusal = comm_refusal(k, cfg.strategy)
+    _check(refusal is None, refusal or "")
     _check(cfg.precision != "mixed_float16",
            f"{what} does not support precision=mixed_float16 (loss-scaled gradients); use float32 or mixed_bfloat16")
     _check(k.sync_every == 1 or cfg.parallel.pipeline_stages == 1,
            f"{what} (local SGD) runs without pipeline stages; set parallel.pipeline_stages=1")
     _check(cfg.parallel.tensor == 1, f"{what} is not supported with parallel.tensor={cfg.parallel.tensor} "
                                      "(untested); set parallel.tensor=1 or drop the comm settings")
+
+
+def comm_refusal(k: CommConfig, strategy: str) -> str | None:
+    """Why the comm settings `k` cannot run under `strategy`, or None. Compression and local SGD act on
+    what synchronous replicas on CPUs/GPUs exchange: parameter-server workers apply their gradients
+    asynchronously, and on TPU they are untested (its interconnect makes the plain all-reduce cheap).
+    Checked here on the config's strategy, and by parallel/comm.py on the one strategy=auto chose."""
+    if not k.active() or strategy not in ("parameter_server", "tpu"):
+        return None
+    return (f"{_comm_settings(k)} needs synchronous replicas on CPUs/GPUs; strategy={strategy} is not supported; "
+            "use strategy=mirrored or multi_worker, or drop the comm settings")
+
+
+def _comm_settings(k: CommConfig) -> str:
+    """The comm setting in force, for a message."""
+    return f"comm.compression={k.compression}" if k.compression != "none" else f"comm.sync_every={k.sync_every}"
 
 
 def _divisors(n: int, at_most: int | None = None, shown: int = 24) -> str:

@@ -1,9 +1,22 @@
-"""Every place tpu-llm depends on TensorFlow or Keras behaviour that no public API gives: one function each.
+"""TensorFlow and Keras behaviour that no public API gives: one function each.
 
 TensorFlow and Keras change their private attributes without notice. Where a public API gives the same
 answer, it is used (and this module says which); where none does, the private access lives here, and
 tests/test_tf_compat.py asserts on the installed TensorFlow/Keras that the attribute still exists and
 still means what the function assumes, so an upgrade fails there, loudly, rather than in a run.
+
+Four other places depend on private behaviour and stay where they are, each with its check:
+- training/optimizer.py: `ReducedGradientsAdamW` subclasses Keras' AdamW and overrides its private
+  `_distributed_tf_update_step`, `_all_reduce_sum_gradients` and `_apply_weight_decay` (and reads
+  `_momentums`, `_velocities`, `_get_variable_index`, `_use_weight_decay`); tests/test_tf_compat.py's
+  Keras optimizer canary checks each one and what AdamW still does with them.
+- model/transformer.py: `GPT` tracks its blocks with Keras' private `_track_trackable`, without which
+  a TF checkpoint would hold no block; tests/test_tf_compat.py checks that it still puts them there.
+- native_log.py: absl's `SetMinLogLevel` in TensorFlow's framework library, called by its mangled C++
+  name (TF exports no Python setter for absl's level); tests/test_progress.py checks that the lines go.
+- tools/placement_audit.py: `OfflineTPUResolver` answers what TPUStrategy asks a TPU cluster resolver
+  (`num_accelerators`, `get_tpu_system_metadata`), so that TF's own TPUStrategy is built on a hand-built
+  topology without a TPU; tests/test_placement.py and tests/test_doctor.py build it on several.
 """
 
 from __future__ import annotations
@@ -57,6 +70,15 @@ class ReplicaDevices:
 
     def __init__(self, devices: tuple):
         self._devices = devices
+
+
+def supports_no_merge_call() -> bool:
+    """Whether the current strategy's replicas may update variables without a `merge_call` (the default
+    strategy, TPUStrategy), so that a `tf.cond` in the replica context may hold the optimizer's update;
+    MirroredStrategy on CPUs needs the merge_call (training/fault.apply_if). TensorFlow exports the answer
+    only as the internal `tf.__internal__.distribute.strategy_supports_no_merge_call`, which reads the
+    private `strategy.extended._use_merge_call()`; Keras' LossScaleOptimizer asks it the same way."""
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
 
 
 def all_layers(model) -> list:

@@ -13,6 +13,7 @@ import sys
 
 from tpu_llm import __version__
 from tpu_llm.cli.parser import command, nearest
+from tpu_llm.config import CAPS, INT64, MAX_NEW_TOKENS, MAX_SAMPLES  # generate's bounds: the config's
 from tpu_llm.errors import UserError
 from tpu_llm.run_layout import CONFIG_FILE, SP_MODEL_FILE
 
@@ -48,12 +49,7 @@ def train(config: str = "", overrides: dict | None = None, dry_run: bool = False
     api.train(cfg, started=command_started(), unstated=unstated)
 
 
-# generate's bounds, checked before TensorFlow loads (docs/cli.md): each new token is one step of the
-# model, milliseconds to a second each, so a million tokens already take hours; a larger number is a typo
-MAX_NEW_TOKENS = 1_000_000
-MAX_SAMPLES = 1_000
 MAX_PROMPT_BYTES = 16 << 20  # far beyond any model's context (128k tokens are ~0.5 MB of text)
-INT64 = 2**63
 
 
 @command("generate", "sample text from the newest checkpoint of a run",
@@ -124,10 +120,11 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: 
         raise UserError(f"--temperature={temperature} must be a finite number >= 0 (0 = greedy; 0.7-1.0 is usual)")
     if not 0 < top_p <= 1:  # (nan fails too)
         raise UserError(f"--top_p={top_p} must be in (0, 1] (1.0 = off)")
-    if top_k < 0:
-        raise UserError(f"--top_k={top_k} must be >= 0 (0 = off)")
-    if not -INT64 <= seed <= INT64 - num_samples:  # sample i draws with seed + i, a 64-bit integer
-        raise UserError(f"--seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1 - num_samples)")
+    if not 0 <= top_k <= CAPS["sample.top_k"][0]:
+        raise UserError(f"--top_k={top_k} must be >= 0 (0 = off) and at most {CAPS['sample.top_k'][0]:,}")
+    if not -INT64 <= seed <= CAPS["sample.seed"][0]:  # sample i draws with seed + i, a 64-bit integer
+        raise UserError(f"--seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1 - {MAX_SAMPLES:,}): sample i draws "
+                        "with seed + i")
 
 
 @command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights, or in the HF layout",
@@ -265,7 +262,8 @@ def info(config: str = "", overrides: dict | None = None):
          reference="print every config key with its default and meaning instead",
          list="list the presets shipped in the package (--config NAME) with what each is for")
 def config_(config: str = "", overrides: dict | None = None, reference: bool = False, list_: bool = False):
-    from tpu_llm.config import load_config, presets
+    from tpu_llm.config import load_config
+    from tpu_llm.config_reading import presets
 
     if list_:
         for name, path in presets().items():
@@ -312,7 +310,7 @@ each P x T, traced offline through TPUStrategy; docs/pipeline-tensor.md).""",
          "memory: xla, speed or context")
 def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, config: str = "", run_dir: str = "",
           only: str = "", overrides: dict | None = None):
-    from tpu_llm.tools import bench
+    from tpu_llm.tools import bench, bench_data, bench_memory
 
     if suite not in BENCH_SUITES:
         near = nearest(suite, BENCH_SUITES)
@@ -331,7 +329,7 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
     elif suite == "memory":  # chunked loss and blockwise attention (docs/memory.md)
         if only not in ("", "xla", "speed", "context"):
             raise UserError(f"--only={only!r}: bench memory runs xla, speed or context (or all three without --only)")
-        bench.memory(steps=steps or 60, only=only)
+        bench_memory.memory(steps=steps or 60, only=only)
     elif suite == "comm":  # compression and local SGD against sync and async data parallel
         bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)
     elif suite == "families":  # gpt2 vs llama; its configs are fixed (bench.FAMILY_CONFIGS)
@@ -340,7 +338,7 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
                             " drop --config")
         bench.families(steps=steps or 2000)
     elif suite == "data":  # the input pipeline alone, against a slice's demand
-        bench.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
+        bench_data.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
     elif suite == "placement":  # the train step's ops per TPU core, traced offline
         from tpu_llm.tools import placement_audit
 

@@ -153,6 +153,42 @@ def parse(argv: list[str]) -> tuple[Command | None, dict]:
     """(command, keyword arguments) for `argv` (without the program name); (None, {}) when help was
     printed. Raises UserError for anything wrong, before any work is done."""
     _refuse_non_utf8(argv)
+    cmd, i = _command(argv)
+    if cmd is None:
+        return None, {}
+    rest = argv[i:]
+    task_args = None
+    if cmd.name == "launch":  # what follows `--` goes to every task verbatim (checked below)
+        if "--" in rest:
+            task_args, rest = rest[rest.index("--") + 1:], rest[:rest.index("--")]
+    parsed = _flags(cmd, rest)
+    if parsed is None:
+        return None, {}
+    kwargs, overrides, positional = parsed
+    if positional:
+        if cmd.positional and len(positional) == 1 and cmd.positional not in kwargs:
+            kwargs[cmd.positional] = _convert(cmd.flags[cmd.positional], positional[0])
+        else:
+            raise UserError(f"{PROG} {cmd.name}: unexpected argument {positional[-1]!r}; flags are given as "
+                            f"--name VALUE (see `{PROG} {cmd.name} --help`)")
+    for flag in cmd.flags.values():
+        if flag.required and flag.name not in kwargs:
+            raise UserError(f"{PROG} {cmd.name} needs --{flag.name}: {flag.help}")
+    if cmd.config:
+        kwargs["overrides"] = overrides
+    if cmd.name == "launch":
+        if not task_args:
+            raise UserError(f"{PROG} launch needs the command to run after --, e.g. `{COMMANDS['launch'].example}`")
+        inner, _ = parse(task_args)  # every task would fail the same way: say it once, now
+        if inner is None:
+            raise UserError(f"{PROG} launch: give the tasks a command to run, not --help")
+        kwargs["task_args"] = task_args
+    return cmd, kwargs
+
+
+def _command(argv: list[str]) -> tuple[Command | None, int]:
+    """The command `argv` names and the index of its first flag; (None, 0) when help or the version was
+    printed instead."""
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":  # flags before the command
         i += 1
@@ -165,10 +201,10 @@ def parse(argv: list[str]) -> tuple[Command | None, dict]:
         from tpu_llm import __version__
 
         print(f"{PROG} {__version__}")
-        return None, {}
+        return None, 0
     if i == len(argv) or argv[i] == "--":
         print(overview())
-        return None, {}
+        return None, 0
     name, i = argv[i], i + 1
     groups = {c.split()[0]: [] for c in COMMANDS if " " in c}
     for c in COMMANDS:
@@ -179,7 +215,7 @@ def parse(argv: list[str]) -> tuple[Command | None, dict]:
         if i == len(argv) or argv[i].startswith("-"):
             if help_asked or argv[i:i + 1] in (["-h"], ["--help"]):
                 print(overview(group=name))
-                return None, {}
+                return None, 0
             raise UserError(f"{PROG} {name} needs a command: {', '.join(members)} (e.g. "
                             f"`{PROG} {name} {members[0]} --help`)")
         sub, i = argv[i], i + 1
@@ -196,14 +232,15 @@ def parse(argv: list[str]) -> tuple[Command | None, dict]:
     cmd = COMMANDS[name]
     if help_asked:
         print(help_text(cmd))
-        return None, {}
-    from tpu_llm.config import parse_set_args
+        return None, 0
+    return cmd, i
 
-    rest = argv[i:]
-    task_args = None
-    if cmd.name == "launch":  # what follows `--` goes to every task verbatim (checked below)
-        if "--" in rest:
-            task_args, rest = rest[rest.index("--") + 1:], rest[:rest.index("--")]
+
+def _flags(cmd: Command, rest: list[str]) -> tuple[dict, dict, list[str]] | None:
+    """The command's flags in `rest`: (its keyword arguments, config overrides, positional arguments); None
+    when help was printed instead."""
+    from tpu_llm.config_reading import parse_set_args
+
     kwargs: dict[str, Any] = {}
     overrides: dict[str, Any] = {}
     positional: list[str] = []
@@ -214,7 +251,7 @@ def parse(argv: list[str]) -> tuple[Command | None, dict]:
         i += 1
         if arg in ("-h", "--help"):
             print(help_text(cmd))
-            return None, {}
+            return None
         if arg == "--verbose":
             continue
         if not arg.startswith("-") or arg == "-":
@@ -249,25 +286,7 @@ def parse(argv: list[str]) -> tuple[Command | None, dict]:
             kwargs["config"] = value
         else:  # a YAML scalar (6, 3e-4, true) or the text; --set: a misspelt key is named by load_config
             overrides.update(parse_set_args([value if key == "set" else f"{key}={value}"]))
-    if positional:
-        if cmd.positional and len(positional) == 1 and cmd.positional not in kwargs:
-            kwargs[cmd.positional] = _convert(cmd.flags[cmd.positional], positional[0])
-        else:
-            raise UserError(f"{PROG} {cmd.name}: unexpected argument {positional[-1]!r}; flags are given as "
-                            f"--name VALUE (see `{PROG} {cmd.name} --help`)")
-    for flag in cmd.flags.values():
-        if flag.required and flag.name not in kwargs:
-            raise UserError(f"{PROG} {cmd.name} needs --{flag.name}: {flag.help}")
-    if cmd.config:
-        kwargs["overrides"] = overrides
-    if cmd.name == "launch":
-        if not task_args:
-            raise UserError(f"{PROG} launch needs the command to run after --, e.g. `{COMMANDS['launch'].example}`")
-        inner, _ = parse(task_args)  # every task would fail the same way: say it once, now
-        if inner is None:
-            raise UserError(f"{PROG} launch: give the tasks a command to run, not --help")
-        kwargs["task_args"] = task_args
-    return cmd, kwargs
+    return kwargs, overrides, positional
 
 
 # --------------------------------------------------------------------------------------------------

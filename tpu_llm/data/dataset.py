@@ -285,7 +285,14 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     window = seq_len + 1
     eos = tf.constant([tokenizer.eos_id], tf.int32)
     tokens = tokens_of(source, tokenizer, eos)
+    if not training:
+        return _validation_fn(source, tokens, window, global_batch)
+    return _training_fn(source, tokens, window, global_batch, seed, shuffle_buffer, skip_steps, start, with_position)
 
+
+def _validation_fn(source: Source, tokens: Callable, window: int, global_batch: int) -> Callable:
+    """make_dataset_fn's validation stream: the files in order, each pipeline its share (of the files when
+    there are enough of them, else of the windows), repeated."""
     def validation(ctx):
         pipelines, index = ctx.num_input_pipelines, ctx.input_pipeline_id
         bounds = file_bounds(source)
@@ -304,12 +311,15 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
         # an eval pass may ask for more batches than one epoch holds
         return batches.map(lambda w: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE).repeat()
 
-    if not training:
-        def dataset_fn(ctx: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
-            return validation(ctx or tf.distribute.InputContext()).prefetch(AUTOTUNE)
-        dataset_fn.resumed, dataset_fn.rows = "", 1
-        return dataset_fn
+    def dataset_fn(ctx: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        return validation(ctx or tf.distribute.InputContext()).prefetch(AUTOTUNE)
+    dataset_fn.resumed, dataset_fn.rows = "", 1
+    return dataset_fn
 
+
+def _training_fn(source: Source, tokens: Callable, window: int, global_batch: int, seed: int | None,
+                 shuffle_buffer: int, skip_steps: int, start, with_position: bool) -> Callable:
+    """make_dataset_fn's training stream: lanes over the parts of the data, resumable from `start`."""
     units = training_units(source)
     if not units:
         raise UserError(f"the training data ({source.description or ', '.join(source.files[:3])}) is empty: "

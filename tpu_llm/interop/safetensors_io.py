@@ -29,7 +29,7 @@ import math
 import os
 import reprlib
 import struct
-from typing import Callable, Iterable
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -270,9 +270,3 @@ def write(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]], produce
             array = np.asarray(produce(name), dtype=np.dtype(dtype).newbyteorder("<"), order="C")
             assert array.shape == tuple(shape), (name, array.shape, shape)
             f.write(array.tobytes())
-
-
-def write_all(path: str, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
-    """Write already-made arrays (tests)."""
-    tensors = dict(tensors)
-    write(path, [(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__)

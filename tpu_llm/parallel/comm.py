@@ -3,11 +3,11 @@
 Configured under `comm:` (config.CommConfig); off by default, and then the trainer runs exactly its
 plain `all_reduce(SUM)` path. Two families (docs/communication.md has the maths and the numbers):
 
-* Compression, inside the replica step, in place of the trainer's gradient all-reduce
-  (`Comm.reduce`): `bf16` (cast, all-reduce, cast back), `powersgd` (Vogels et al. 2019: rank-r
-  factors P and Q all-reduced, error feedback, warm-started Q; vectors sent uncompressed) and
-  `topk` (Deep Gradient Compression style: the k largest entries of gradient + residual, exchanged
-  with an all-gather; the rest is carried to the next step).
+* Compression, inside the replica step, in place of the trainer's gradient all-reduce (`Comm.exchange`;
+  `Comm.commit` writes its state once the step is known to be applied): `bf16` (cast, all-reduce, cast
+  back), `powersgd` (Vogels et al. 2019: rank-r factors P and Q all-reduced, error feedback, warm-started
+  Q; vectors sent uncompressed) and `topk` (Deep Gradient Compression style: the k largest entries of
+  gradient + residual, exchanged with an all-gather; the rest is carried to the next step).
 * Local SGD (`sync_every: H > 1`): each replica steps its own copy of the weights and of the AdamW
   state on its own data; every H steps an outer step all-reduces the parameter deltas from the last
   sync (the anchor) and applies them with SGD (`outer_lr: 1` = plain averaging) or Nesterov momentum
@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm import tf_compat
+from tpu_llm.config import comm_refusal
 from tpu_llm.errors import UserError
 
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
@@ -75,11 +76,6 @@ class Reducer:
         [(variable, new value)] to commit only if the step is applied; see `commit`)."""
         return ctx.all_reduce(SUM, grads), []
 
-    def reduce(self, ctx, grads):
-        """`exchange`, its state committed at once (a step that is always applied)."""
-        out, pending = self.exchange(ctx, grads)
-        return commit(pending, out)
-
 
 class Bf16(Reducer):
     name = "bf16"
@@ -103,13 +99,13 @@ class PowerSGD(Reducer):
     Each gradient matrix M (n x m, after adding its residual) is approximated by P Q^T: P = M Q is
     all-reduced and orthonormalised, Q = M^T P is all-reduced, and P Q^T is the update applied on
     every replica. One power-iteration step per training step converges because Q is warm-started
-    from the previous step. Only matrices where r (n + m) < n m are compressed (`compress_all`
-    overrides that, for tests); vectors and the rest are all-reduced as they are.
+    from the previous step. Only matrices whose factors are smaller are compressed (`compresses`); vectors
+    and the rest are all-reduced as they are.
     """
 
     name = "powersgd"
 
-    def __init__(self, shapes, rank: int, error_feedback: bool = True, seed: int = 0, compress_all: bool = False):
+    def __init__(self, shapes, rank: int, error_feedback: bool = True, seed: int = 0):
         super().__init__(shapes)
         self.rank, self.error_feedback = rank, error_feedback
         self.matrix: list = []  # per gradient: (n, m, r) if compressed, else None
@@ -118,7 +114,7 @@ class PowerSGD(Reducer):
         for i, shape in enumerate(self.shapes):
             n, m = (shape[0], _size(shape[1:])) if len(shape) >= 2 else (0, 0)
             r = min(rank, n, m)
-            if len(shape) >= 2 and (compress_all or r * (n + m) < n * m):
+            if len(shape) >= 2 and self.compresses(n, m, r):
                 self.matrix.append((n, m, r))
                 self.q.append(replica_variable(rng.standard_normal((m, r)).astype(np.float32), f"powersgd_q_{i}"))
                 if error_feedback:
@@ -126,6 +122,10 @@ class PowerSGD(Reducer):
             else:
                 self.matrix.append(None)
         self.shared, self.per_replica = list(self.q), list(self.error)
+
+    def compresses(self, n: int, m: int, r: int) -> bool:
+        """Whether an n x m gradient is sent as rank-r factors: where they are smaller, r (n + m) < n m."""
+        return r * (n + m) < n * m
 
     @property
     def bytes_per_step(self) -> float:
@@ -449,21 +449,11 @@ def _format_bytes(n: float) -> str:
         n /= 1000
 
 
-def unsupported(strategy_name: str) -> str | None:
-    """Why comm settings cannot run under this strategy, or None."""
-    if strategy_name == "parameter_server":
-        return ("comm settings need synchronous replicas; strategy=parameter_server applies each worker's "
-                "gradients asynchronously; use strategy=multi_worker or mirrored, or drop the comm settings")
-    if strategy_name == "tpu":
-        return ("comm settings are not supported on TPU (untested there, and the TPU interconnect makes the "
-                "plain all-reduce cheap); drop the comm settings")
-    return None
-
-
 def check(cfg, dist) -> bool:
-    """Before the model is built: a UserError if `cfg` (CommConfig) cannot run under `dist`; True when
-    local SGD will run (build the model and optimizer inside `variable_scope(True)` then)."""
-    why = unsupported(dist.name) if active(cfg) else None
+    """Before the model is built: a UserError if `cfg` (CommConfig) cannot run under `dist` (the strategy
+    strategy=auto chose: config.comm_refusal), True when local SGD will run (build the model and optimizer
+    inside `variable_scope(True)` then)."""
+    why = comm_refusal(cfg, dist.name)
     if why:
         raise UserError(why)
     return cfg.sync_every > 1 and dist.num_replicas > 1
@@ -491,4 +481,4 @@ def build(cfg, dist, model, optimizer) -> Comm | None:
 
 
 def active(cfg) -> bool:
-    return cfg.compression != "none" or cfg.sync_every > 1
+    return cfg.active()

@@ -336,11 +336,11 @@ class Distribution:
 MACHINE_PEAK_REPEATS = 16
 
 
-def _accepts_connections(address: str) -> bool:
-    """Whether a TCP connection to host:port succeeds (a worker's TF server is there to answer)."""
+def _accepts_connections(address: str, timeout: float = 2) -> bool:
+    """Whether a TCP connection to host:port succeeds (a TF server is there to answer)."""
     host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
         return True
     except (OSError, ValueError):
         return False
@@ -509,20 +509,12 @@ def _stop_after_the_chief(chief: str) -> None:
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # (a Python handler, or the wake-up byte is never written)
-    host, _, port = chief.rpartition(":")
-
-    def chief_running() -> bool:
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return True
-        except OSError:
-            return False
 
     def wait() -> None:
         first = os.read(read, 1)[0]
         deadline = time.time() + SERVE_AFTER_SIGNAL_SECONDS
         os.set_blocking(read, False)
-        while time.time() < deadline and chief_running():
+        while time.time() < deadline and _accepts_connections(chief, timeout=1):
             try:
                 if first in os.read(read, 64):
                     break  # asked twice: now

@@ -163,7 +163,7 @@ def apply_if(ok, apply, skip, grads) -> None:
     LossScaleOptimizer does, the condition is taken in the cross-replica context, and each replica
     then applies its own copy of the gradients.
     """
-    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    if tf_compat.supports_no_merge_call():
         tf.cond(ok, lambda: _nothing(apply(grads)), lambda: _nothing(skip()))
         return
 

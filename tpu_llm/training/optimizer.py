@@ -124,12 +124,16 @@ class GuardedUpdate:
     - mixed_float16 (Keras' LossScaleOptimizer): the gradients carry the loss scale; an overflow (a
       non-finite gradient norm) is skipped as Keras would (the scale halves), and counted here; only a
       non-finite loss counts as a bad step.
-    - any other optimizer: the update inside `fault.apply_if`.
+
+    Any other optimizer is refused: it would apply a bad step's NaN gradients.
     """
 
     def __init__(self, optimizer, variables, by_stage=None):
         self.optimizer, self.variables = optimizer, variables
         self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        if not self.loss_scaled and not getattr(optimizer, "skips_non_finite", False):
+            raise TypeError(f"{type(optimizer).__name__} cannot skip a non-finite step: give an optimizer with "
+                            "`skips_non_finite` (ReducedGradientsAdamW) or a LossScaleOptimizer")
         self.by_stage = by_stage or (lambda fn, grads: fn(grads))  # fn on each stage's share, where it lives
 
     @property
@@ -150,11 +154,9 @@ class GuardedUpdate:
     def apply(self, grads, finite, grad_norm) -> None:
         if self.loss_scaled:
             fault.apply_if(tf.math.is_finite(grad_norm), self._update, self._overflowed, grads)
-        elif getattr(self.optimizer, "skips_non_finite", False):
+        else:  # the optimizer keeps every value of a step whose gradients are NaN (skips_non_finite)
             nan = tf.constant(float("nan"), grads[0].dtype)
             self._update(self.by_stage(lambda gs: [tf.where(finite, g, nan) for g in gs], grads))
-        else:
-            fault.apply_if(finite, self._update, lambda: self.optimizer.iterations.assign_add(1), grads)
 
     def _update(self, grads):
         return self.optimizer.apply(grads, self.variables)
