@@ -17,7 +17,7 @@ from tpu_llm.parallel.distribute import Found, Placement, get_strategy
 from tpu_llm.tools import doctor
 from tpu_llm.tools.doctor import data_parallel, memory, model_parallel
 from tpu_llm.tools.doctor import devices as doctor_devices
-from tpu_llm.training.controller import build_run
+from tpu_llm.training.build import build_run
 
 
 def line_of(out: str) -> dict:
@@ -99,7 +99,7 @@ def test_the_model_parallel_line_fails_on_a_loss_apart_from_the_data_parallel_on
     # a stage or tensor group computing the wrong thing: the run goes through, the loss does not match
     passed = doctor.Check("x", "PASS", "fine")
     monkeypatch.setattr(model_parallel.distribute, "get_strategy", lambda cfg, found: type("D", (), {"num_replicas": 2})())
-    monkeypatch.setattr(model_parallel.controller, "build_run", lambda cfg, dist: None)
+    monkeypatch.setattr(model_parallel.build, "build_run", lambda cfg, dist: None)
     monkeypatch.setattr(model_parallel, "check_placement", lambda run: passed)
     monkeypatch.setattr(model_parallel, "check_replicas", lambda run: passed)
     cpus = type("D", (), {"name": "mirrored", "num_replicas": 4, "device_kind": "CPU"})
@@ -184,7 +184,7 @@ def test_each_check_fails_on_a_broken_input(tmp_path):
 
 
 class _Run:
-    """The parts of a controller.Run the checks read."""
+    """The parts of a build.Run the checks read."""
 
     def __init__(self, weights=(), replicas=1, pipe=None, optimizer_variables=(), checkpointer=None, model=None):
         self.model = model or type("M", (), {"weights": list(weights), "trainable_variables": list(weights)})()

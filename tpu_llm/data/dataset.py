@@ -269,7 +269,7 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     `with_position` adds a third element, the position after the batch, as an int64
     `(lanes, len(POSITION_FIELDS))` update: this pipeline's lanes' rows in the first of its replicas'
     batches of a step, zeros elsewhere, so that summing over replicas (a SUM-on-read variable, see
-    `controller.build_run`) gives every lane's position. `start` is such a table from a checkpoint:
+    `build.build_run`) gives every lane's position. `start` is such a table from a checkpoint:
     the stream resumes from it, reading at most one file's part and one chunk per lane again. Without
     a usable `start`, `skip_steps` replays that many global steps (checkpoints that hold no position).
     A position made over another list of training files (files added, removed or renamed: it would

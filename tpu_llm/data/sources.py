@@ -303,7 +303,7 @@ def check_holds_a_batch(source: Source, tokenizer, batch_size: int, seq_len: int
     """UserError unless one pass over `source` holds at least one batch of `batch_size` windows of
     `seq_len + 1` tokens. Validation reads one pass (less than a batch: no evaluation at all); training
     repeats the data, but a corpus smaller than one batch would be the same few windows over and over.
-    Run before training, so that the run directory is left alone (controller.build_run)."""
+    Run before training, so that the run directory is left alone (training/build.py: build_run)."""
     window = seq_len + 1
     try:
         held = count_tokens(source, tokenizer, stop_at=batch_size * window)

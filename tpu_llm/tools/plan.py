@@ -450,7 +450,7 @@ class Plan:
 
 def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = True) -> Plan:
     """The plan for training `cfg` on `acc`; raises UserError if it cannot fit (unless check=False)."""
-    from tpu_llm.training.controller import check_batch_split
+    from tpu_llm.training.build import check_batch_split
 
     acc = accelerator(acc) if isinstance(acc, str) else acc
     try:

@@ -3,7 +3,7 @@ files, the step of a checkpoint's name and the link checks are in tpu_llm/run_la
 
 Re-using a run directory resumes it. `check_run_dir` refuses a non-empty directory that is not a
 tpu-llm run and a run made by another model; `record_run` writes the marker, config and tokenizer,
-only once every check of the run passed (controller.build_run). A refused run leaves the directory
+only once every check of the run passed (training/build.py: build_run). A refused run leaves the directory
 untouched. A run directory of an earlier version (config.yaml, tokenizer.json and checkpoints/, no
 marker) is accepted, and gets its marker when it is resumed. A local run directory is read and written
 through no symbolic link (`run_layout.check_no_links`, at the start and before each save).

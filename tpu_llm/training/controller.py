@@ -18,7 +18,7 @@ from tpu_llm.model import GPT
 from tpu_llm.parallel.distribute import serve_if_cluster_server
 from tpu_llm.training import actions, fault, goodput
 from tpu_llm.training import progress as phases
-from tpu_llm.training.build import Run, build_run, check_batch_split  # noqa: F401  (tools/plan.py imports it here)
+from tpu_llm.training.build import Run, build_run
 from tpu_llm.training.header import describe_run
 from tpu_llm.training.metrics_log import MetricsLog
 from tpu_llm.training.profiler import StepProfiler

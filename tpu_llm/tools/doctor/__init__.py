@@ -66,7 +66,7 @@ from tpu_llm.tools.doctor.devices import check_devices, devices_fix
 from tpu_llm.tools.doctor.memory import check_memory, first_device
 from tpu_llm.tools.doctor.model_parallel import check_model_parallel, device_count, layout
 from tpu_llm.tools.doctor.report import FIX, Check
-from tpu_llm.training import controller
+from tpu_llm.training import build
 
 
 def tiny_config(run_dir: str, tpu: str, strategy: str, cpu_devices: int, stages: int, tensor: int,
@@ -154,7 +154,7 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
         return c
 
     try:
-        f32 = controller.build_run(cfg, dist)
+        f32 = build.build_run(cfg, dist)
         half = steps // 2 or 1
         first = f32.trainer.run(f32.train_iterator, half, half)  # compiles
         start = time.perf_counter()
@@ -169,7 +169,7 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
 
     def bfloat16() -> Check:
         try:
-            bf16 = controller.build_run(make_cfg(1, 1, "mixed_bfloat16", "bfloat16"), dist)
+            bf16 = build.build_run(make_cfg(1, 1, "mixed_bfloat16", "bfloat16"), dist)
             return check_bfloat16(f32_loss, bf16.trainer.run(bf16.train_iterator, steps, steps)["loss"])
         finally:
             keras.mixed_precision.set_global_policy("float32")

@@ -10,7 +10,7 @@ from tpu_llm.errors import UserError
 from tpu_llm.parallel import distribute
 from tpu_llm.tools.doctor.data_parallel import check_replicas, replica_copies
 from tpu_llm.tools.doctor.report import Check, status
-from tpu_llm.training import controller
+from tpu_llm.training import build
 
 MODEL_PARALLEL_TOLERANCE = 0.01  # |model-parallel - data-parallel| / data-parallel mean loss, same weights and
 # batches: float32 sums in another order (a TPU's float32 matmuls run bfloat16 passes), far below the
@@ -139,7 +139,7 @@ def check_model_parallel(make_cfg, found: distribute.Found, dist, stages: int, t
         return Check("model parallel", "FAIL", f"{layout_text}: {e}", values,
                      fix=fit_fix(devices, kind, stages, tensor, refused=True))
     try:
-        run = controller.build_run(cfg, mp_dist)
+        run = build.build_run(cfg, mp_dist)
         loss = run_model_parallel(run, steps)
         placement, replicas = check_placement(run), check_replicas(run)
     except Exception as e:  # noqa: BLE001 - what broke on this machine is the finding
