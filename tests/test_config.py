@@ -207,3 +207,24 @@ def test_a_config_file_names_its_run_directory(tmp_path):
     (tmp_path / "own.yml").write_text("run_dir: gs://b/r\n")
     assert load_config(str(tmp_path / "own.yml")).run_dir == "gs://b/r"  # its own
     assert load_config(None).run_dir == "runs/tiny" and load_config("tiny").run_dir == "runs/tiny"
+
+
+@pytest.mark.parametrize("overrides, culprit", [
+    ({"sample.num_beams": 0}, "sample.num_beams=0 must be between 1 (off) and 64"),
+    ({"sample.num_beams": 65, "sample.temperature": 0}, "sample.num_beams=65 must be between 1"),
+    ({"sample.num_beams": 4}, "sample.num_beams=4 searches greedily: set sample.temperature=0 (not 0.8"),
+    ({"sample.num_beams": 4, "sample.temperature": 0}, "sample.num_samples=2 with sample.num_beams=4"),
+    ({"sample.num_return_sequences": 2}, "sample.num_return_sequences=2 must be between 1 and sample.num_beams=1"),
+    ({"sample.early_stopping": "sometimes"}, "sample.early_stopping='sometimes'; valid choices: false, true, never"),
+])
+def test_beam_search_settings_are_checked(overrides, culprit):
+    with pytest.raises(UserError, match="^config: ") as e:
+        load_config(None, overrides)
+    assert culprit in str(e.value)
+
+
+def test_early_stopping_takes_yaml_booleans_and_never(tmp_path):
+    (tmp_path / "c.yaml").write_text("sample: {num_beams: 4, temperature: 0, num_samples: 1, early_stopping: true}\n")
+    assert load_config(str(tmp_path / "c.yaml")).sample.early_stopping == "true"
+    assert load_config(None, parse_set_args(["sample.early_stopping=false"])).sample.early_stopping == "false"
+    assert load_config(None, {"sample.early_stopping": "never"}).sample.early_stopping == "never"

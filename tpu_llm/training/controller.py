@@ -21,6 +21,7 @@ from tpu_llm.data import dataset as data
 from tpu_llm.data import sources
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
+from tpu_llm.model.beam_search import BeamSearcher
 from tpu_llm.model.sampling import Sampler, continuation
 from tpu_llm.parallel import comm, pipeline, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy, serve_if_cluster_server
@@ -602,6 +603,8 @@ def _quiet(*_) -> None:
 
 def print_samples(model: GPT, tokenizer, cfg: Config, say=None) -> list[str]:
     say, s = say or say_now, cfg.sample
+    if s.num_beams > 1:
+        return print_beams(model, tokenizer, cfg, say)
     sampler = Sampler(model, tokenizer.eos_id, tokenizer.vocab_size)
     prompt = tokenizer.encode(s.prompt)  # "" gives [] (or an hf tokenizer's BOS)
     texts = []
@@ -610,5 +613,21 @@ def print_samples(model: GPT, tokenizer, cfg: Config, say=None) -> list[str]:
         texts.append(s.prompt + continuation(tokenizer, prompt, ids))
         say(f"--- sample {i + 1} (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
             f"seed {s.seed + i})")
+        say(texts[-1])
+    return texts
+
+
+def print_beams(model: GPT, tokenizer, cfg: Config, say) -> list[str]:
+    """sample.num_return_sequences texts from a beam search (each without its final end-of-text)."""
+    s = cfg.sample
+    prompt = tokenizer.encode(s.prompt)
+    beams = BeamSearcher(model, tokenizer.eos_id, tokenizer.vocab_size).generate(
+        prompt, s.max_new_tokens, s.num_beams, s.length_penalty, s.early_stopping, s.num_return_sequences)
+    texts = []
+    for i, beam in enumerate(beams):
+        ids = beam.ids[:-1] if beam.ids[-1] == tokenizer.eos_id else beam.ids
+        texts.append(s.prompt + continuation(tokenizer, prompt, ids))
+        say(f"--- beam {i + 1} of {s.num_beams} (score {beam.score:.4f}, length_penalty {s.length_penalty}, "
+            f"early_stopping {s.early_stopping})")
         say(texts[-1])
     return texts
