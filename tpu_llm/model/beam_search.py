@@ -117,9 +117,9 @@ class BeamSearcher:
         end-of-text), best first. `early_stopping`: True, False or "never" (or their names)."""
         stopping = str(early_stopping).lower()
         if max_new_tokens < 1 or not 1 <= num_return_sequences <= num_beams or stopping not in EARLY_STOPPING:
-            raise ValueError(f"beam search: max_new_tokens={max_new_tokens} must be >= 1, num_return_sequences="
-                             f"{num_return_sequences} in 1..num_beams={num_beams}, early_stopping={early_stopping!r} "
-                             "True, False or 'never'")
+            raise ValueError(f"beam search: needs max_new_tokens >= 1 (got {max_new_tokens}), num_return_sequences "
+                             f"in 1..num_beams={num_beams} (got {num_return_sequences}) and early_stopping True, "
+                             f"False or 'never' (got {early_stopping!r})")
         context = list(prompt) or [self.eos_id]
         window = context[-self.max_len:]
         logits, cache = self._prefill(tf.constant([window], tf.int32), tf.constant(num_beams))
