@@ -42,6 +42,7 @@ def test_the_pages_example_runs_as_written(page_run):
     assert run.checkpoint.endswith("ckpt-20") and run.config.model.n_layer == 4  # the tiny preset
     assert page_run["text"].startswith("def ") and len(run.tokenizer.encode(page_run["text"])) == 4 + 40
     assert page_run["logits"].shape == (1, len(page_run["ids"]), run.tokenizer.vocab_size)
+    assert len(page_run["beams"]) == 2 and all(beam.startswith("def ") for beam in page_run["beams"])
 
 
 def test_greedy_generate_is_the_arg_max_of_the_full_logits_again_and_again(page_run):
@@ -97,3 +98,25 @@ def test_import_tpu_llm_loads_no_tensorflow():
             "assert callable(tpu_llm.load) and 'tensorflow' in sys.modules; tpu_llm.nothing")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert "AttributeError: module 'tpu_llm' has no attribute 'nothing'" in r.stderr, r.stderr[-2000:]
+
+
+def test_beam_search_from_python_is_the_searchers_beams_and_what_the_command_line_prints(page_run, capsys):
+    from tpu_llm.model.beam_search import BeamSearcher
+
+    run, tokenizer = page_run["run"], page_run["run"].tokenizer
+    settings = {"max_new_tokens": 12, "num_beams": 3, "length_penalty": 0.5, "early_stopping": "never"}
+    texts = run.samples("def ", temperature=0.0, num_return_sequences=2, **settings)
+    prompt = tokenizer.encode("def ")
+    beams = BeamSearcher(run.model, tokenizer.eos_id, tokenizer.vocab_size).generate(
+        prompt, 12, 3, 0.5, "never", num_return_sequences=2)
+    assert texts == [tokenizer.decode(prompt + [i for i in beam.ids if i != tokenizer.eos_id]) for beam in beams]
+    assert run.generate("def ", temperature=0.0, **settings) == texts[0]
+    assert cli.main(["generate", "--run_dir", str(page_run["where"] / "runs/api"), "--prompt", "def ", "--temperature",
+                     "0", "--max_new_tokens", "12", "--num_beams", "3", "--length_penalty", "0.5", "--early_stopping",
+                     "never", "--num_return_sequences", "2"]) == 0
+    printed = capsys.readouterr().out
+    for i, (text, beam) in enumerate(zip(texts, beams)):
+        assert (f"--- beam {i + 1} of 3 (score {beam.score:.4f}, length_penalty 0.5, early_stopping never)\n{text}\n"
+                in printed)
+    with pytest.raises(UserError, match="sample.num_beams=3 searches greedily: set sample.temperature=0"):
+        run.generate("def ", **settings)  # the default temperature samples

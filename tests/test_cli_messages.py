@@ -130,6 +130,17 @@ GENERATE_REFUSED = [
      "none.txt cannot be read (No such file or directory)"),
     ("a prompt twice", ["--prompt", "a", "--prompt_file", "{tmp}/latin1.txt"],
      "error: give --prompt or --prompt_file, not both"),
+    ("no beams", ["--num_beams", "0"], "error: --num_beams=0 must be between 1 (off: sample) and 64"),
+    ("too many beams", ["--num_beams", "65", "--temperature", "0"], "error: --num_beams=65 must be between 1"),
+    ("beams while sampling", ["--num_beams", "4"],
+     "error: --num_beams=4 searches greedily: add --temperature 0 (not 0.8; beam sampling is not supported)"),
+    ("more sequences than beams", ["--num_beams", "4", "--temperature", "0", "--num_return_sequences", "5"],
+     "error: --num_return_sequences=5 must be between 1 and --num_beams=4"),
+    ("samples of a beam search", ["--num_beams", "4", "--temperature", "0", "--num_samples", "2"],
+     "error: --num_samples=2 with --num_beams=4: beam search is deterministic"),
+    ("early stopping misspelt", ["--num_beams", "4", "--temperature", "0", "--early_stopping", "nevr"],
+     "error: --early_stopping='nevr'; valid choices: false, true, never"),
+    ("infinite length penalty", ["--length_penalty", "inf"], "error: --length_penalty=inf must be a finite number"),
 ]
 
 

@@ -233,3 +233,24 @@ def test_generate_and_the_config_bound_sampling_alike():
         _check_sampling(1, 0.8, 0, 1.0, lowest - 1, 1)
     with pytest.raises(UserError, match=rf"^config: sample.seed={lowest - 1} must be >= -2\*\*63"):
         load_config(None, {"sample.seed": lowest - 1})
+
+
+@pytest.mark.parametrize("overrides, culprit", [
+    ({"sample.num_beams": 0}, "sample.num_beams=0 must be between 1 (off) and 64"),
+    ({"sample.num_beams": 65, "sample.temperature": 0}, "sample.num_beams=65 must be between 1"),
+    ({"sample.num_beams": 4}, "sample.num_beams=4 searches greedily: set sample.temperature=0 (not 0.8"),
+    ({"sample.num_beams": 4, "sample.temperature": 0}, "sample.num_samples=2 with sample.num_beams=4"),
+    ({"sample.num_return_sequences": 2}, "sample.num_return_sequences=2 must be between 1 and sample.num_beams=1"),
+    ({"sample.early_stopping": "sometimes"}, "sample.early_stopping='sometimes'; valid choices: false, true, never"),
+])
+def test_beam_search_settings_are_checked(overrides, culprit):
+    with pytest.raises(UserError, match="^config: ") as e:
+        load_config(None, overrides)
+    assert culprit in str(e.value)
+
+
+def test_early_stopping_takes_yaml_booleans_and_never(tmp_path):
+    (tmp_path / "c.yaml").write_text("sample: {num_beams: 4, temperature: 0, num_samples: 1, early_stopping: true}\n")
+    assert load_config(str(tmp_path / "c.yaml")).sample.early_stopping == "true"
+    assert load_config(None, parse_set_args(["sample.early_stopping=false"])).sample.early_stopping == "false"
+    assert load_config(None, {"sample.early_stopping": "never"}).sample.early_stopping == "never"

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm.config import Config, config_from_dict, load_config
+from tpu_llm.config import Config, SampleConfig, config_from_dict, load_config
 from tpu_llm.model.transformer import GPT
 from tpu_llm.tokenizers import check_covers
 from tpu_llm.training import controller
@@ -81,20 +81,30 @@ class LoadedRun:
 
     def samples(self, prompt: str = "", num_samples: int = 1, max_new_tokens: int = 200, temperature: float = 0.8,
                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, say: Callable[[str], None] | None = None,
-                prompt_source: str = "prompt") -> list[str]:
+                prompt_source: str = "prompt", num_beams: int = SampleConfig.num_beams,
+                length_penalty: float = SampleConfig.length_penalty, early_stopping: bool | str = False,
+                num_return_sequences: int = SampleConfig.num_return_sequences) -> list[str]:
         """`num_samples` texts, each the prompt and its continuation (sample i draws with seed + i); `say`
-        gets the lines `tpu-llm generate` prints (default: nothing is printed)."""
+        gets the lines `tpu-llm generate` prints (default: nothing is printed). `num_beams` > 1: a beam
+        search instead (temperature 0 only), as transformers' generate(num_beams=..., do_sample=False)
+        with its `length_penalty` and `early_stopping` (True, False or "never"): the `num_return_sequences`
+        best beams, best first, each ending before its end-of-text token."""
         sample = {"num_samples": num_samples, "max_new_tokens": max_new_tokens, "prompt": prompt,
-                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "num_beams": num_beams,
+                  "length_penalty": length_penalty, "early_stopping": early_stopping,
+                  "num_return_sequences": num_return_sequences}
         cfg = config_from_dict({**self.config.to_dict(), "sample": sample}, source="generate")  # checks the values
         check_covers(self.tokenizer, prompt, prompt_source)
         return print_samples(self.model, self.tokenizer, cfg, say or (lambda line: None))
 
     def generate(self, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> str:
+                 top_p: float = 1.0, seed: int = 0, num_beams: int = SampleConfig.num_beams,
+                 length_penalty: float = SampleConfig.length_penalty, early_stopping: bool | str = False) -> str:
         """The prompt and its continuation: `max_new_tokens` tokens sampled with the given settings
-        (temperature 0 = greedy); the same seed gives the same text."""
-        return self.samples(prompt, 1, max_new_tokens, temperature, top_k, top_p, seed)[0]
+        (temperature 0 = greedy); the same seed gives the same text. `num_beams` > 1 (with temperature 0):
+        the best beam of a beam search (see `samples`)."""
+        return self.samples(prompt, 1, max_new_tokens, temperature, top_k, top_p, seed, num_beams=num_beams,
+                            length_penalty=length_penalty, early_stopping=early_stopping)[0]
 
 
 def load(run_dir: str) -> LoadedRun:

@@ -39,6 +39,9 @@ COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
 FAMILIES = ("gpt2", "llama")
 ATTENTIONS = ("dense", "blockwise")
+EARLY_STOPPING = ("false", "true", "never")  # sample.early_stopping: transformers' False, True, "never"
+# each beam is a row of the KV cache (num_beams contexts in memory); published beam searches use 1 to 10
+MAX_BEAMS = 64
 
 # Upper bounds of sizes and counts, checked before anything else (validate): a value from a file or a
 # flag must not reach a loop, a message or an allocation that it would make run for hours. Each is far
@@ -176,6 +179,10 @@ class SampleConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int = 0  # sample i draws with seed + i: the same seed gives the same text
+    num_beams: int = 1  # beam search, as transformers' generate(num_beams=N, do_sample=False), at temperature 0; 1 = off
+    length_penalty: float = 1.0  # beam search: a finished beam scores sum(log p) / length ** this: > 0 favours long ones
+    early_stopping: str = "false"  # beam search: false | true (stop at num_beams finished) | never (transformers' meanings)
+    num_return_sequences: int = 1  # beam search: the best beams printed, 1 to num_beams
 
 
 @dataclasses.dataclass
@@ -332,6 +339,24 @@ def validate(cfg: Config) -> None:
     _check(s.top_k >= 0 and s.max_new_tokens >= 0 and s.num_samples >= 0,
            "sample.top_k, sample.max_new_tokens and sample.num_samples must be >= 0")
     _check(s.seed >= -INT64, f"sample.seed={s.seed} must be >= -2**63 (a 64-bit seed)")
+    _validate_beams(s)
+
+
+
+def _validate_beams(s: SampleConfig) -> None:
+    _check(1 <= s.num_beams <= MAX_BEAMS, f"sample.num_beams={s.num_beams} must be between 1 (off) and {MAX_BEAMS} "
+                                          "(each beam is a row of the KV cache)")
+    _check(s.early_stopping in EARLY_STOPPING,
+           f"sample.early_stopping={REPR.repr(s.early_stopping)}; valid choices: {', '.join(EARLY_STOPPING)}")
+    _check(1 <= s.num_return_sequences <= s.num_beams,
+           f"sample.num_return_sequences={s.num_return_sequences} must be between 1 and sample.num_beams="
+           f"{s.num_beams}: the best of the beams are returned")
+    if s.num_beams > 1:  # transformers' beam search with do_sample=False; beam sampling is not supported
+        _check(s.temperature == 0, f"sample.num_beams={s.num_beams} searches greedily: set sample.temperature=0 "
+                                   f"(not {s.temperature}; beam sampling is not supported)")
+        _check(s.num_samples <= 1, f"sample.num_samples={s.num_samples} with sample.num_beams={s.num_beams}: beam "
+                                   "search is deterministic, every sample would be the same; set "
+                                   "sample.num_samples=1 and sample.num_return_sequences for several beams")
 
 
 def _validate_run(cfg: Config) -> None:

@@ -176,6 +176,8 @@ def _coerce(key: str, value: Any, type_name: Any, source: str) -> Any:
             return number
     if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
+    if key == "sample.early_stopping" and isinstance(value, bool):  # true | false | never: YAML reads two as booleans
+        return str(value).lower()
     if expected is str and isinstance(value, (list, tuple)) and all(  # a YAML list of files
             isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
         return ",".join(str(v) for v in value)

@@ -13,7 +13,8 @@ import sys
 
 from tpu_llm import __version__
 from tpu_llm.cli.parser import command, nearest
-from tpu_llm.config import CAPS, INT64, MAX_NEW_TOKENS, MAX_SAMPLES  # generate's bounds: the config's
+# generate's bounds are the config's
+from tpu_llm.config import CAPS, EARLY_STOPPING, INT64, MAX_BEAMS, MAX_NEW_TOKENS, MAX_SAMPLES, SampleConfig
 from tpu_llm.errors import UserError
 from tpu_llm.run_layout import CONFIG_FILE, SP_MODEL_FILE
 
@@ -58,7 +59,10 @@ MAX_PROMPT_BYTES = 16 << 20  # far beyond any model's context (128k tokens are ~
 A prompt character that the run's tokenizer cannot represent (a char vocabulary built from other
 text) is an error: the model never saw the unknown id it would become. Every flag is checked before
 the model loads: --max_new_tokens 1 to {MAX_NEW_TOKENS:,}, --num_samples 1 to {MAX_SAMPLES:,}, --temperature
-finite and >= 0, --top_p in (0, 1], --top_k >= 0, the prompt UTF-8 text.""",
+finite and >= 0, --top_p in (0, 1], --top_k >= 0, the prompt UTF-8 text.
+
+--num_beams N (2 to {MAX_BEAMS}, with --temperature 0) searches N beams instead of sampling, as
+transformers' generate(num_beams=N, do_sample=False) does, and prints the --num_return_sequences best.""",
          run_dir="the run directory of a `tpu-llm train` run", prompt="text to continue (default: start "
          "after an end-of-text token)", prompt_file="a UTF-8 text file holding the prompt, taken verbatim (a final "
          "newline included); for long prompts, instead of --prompt",
@@ -66,11 +70,20 @@ finite and >= 0, --top_p in (0, 1], --top_k >= 0, the prompt UTF-8 text.""",
          temperature="sampling temperature; 0 = greedy", top_k="sample from the k most likely tokens; 0 = off",
          top_p="sample from the smallest set of tokens holding this probability; 1.0 = off",
          seed="sample i draws with seed + i: the same seed gives the same text",
-         num_samples=f"samples printed (1 to {MAX_SAMPLES:,})")
+         num_samples=f"samples printed (1 to {MAX_SAMPLES:,})",
+         num_beams=f"beams searched (1 to {MAX_BEAMS}); 1 = off (sample); more needs --temperature 0",
+         length_penalty="beam search: a finished beam scores sum(log p) / length ** this; > 0 favours long ones",
+         early_stopping="beam search: false | true (stop at num_beams finished beams) | never (transformers')",
+         num_return_sequences="beam search: the best beams printed (1 to --num_beams)")
 def generate(run_dir: str, prompt: str = "", prompt_file: str = "", max_new_tokens: int = 200,
-             temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1):
+             temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1,
+             num_beams: int = SampleConfig.num_beams, length_penalty: float = SampleConfig.length_penalty,
+             early_stopping: str = SampleConfig.early_stopping,
+             num_return_sequences: int = SampleConfig.num_return_sequences):
     prompt = _prompt(prompt, prompt_file)  # everything is checked before TensorFlow loads (seconds)
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed, num_samples)
+    early_stopping = early_stopping.lower()
+    _check_beams(num_beams, length_penalty, early_stopping, num_return_sequences, temperature, num_samples)
     if "://" not in run_dir and not os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
         raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
                         "pass the --run_dir of a `tpu-llm train` run")
@@ -81,7 +94,9 @@ def generate(run_dir: str, prompt: str = "", prompt_file: str = "", max_new_toke
     for note in run.notes:  # e.g. an unreadable newest checkpoint skipped for the previous one
         print(f"warning   {note}", file=sys.stderr, flush=True)
     run.samples(prompt, num_samples, max_new_tokens, temperature, top_k, top_p, seed, say=say_now,
-                prompt_source="--prompt_file" if prompt_file else "--prompt")
+                prompt_source="--prompt_file" if prompt_file else "--prompt", num_beams=num_beams,
+                length_penalty=length_penalty, early_stopping=early_stopping,
+                num_return_sequences=num_return_sequences)
 
 
 def _prompt(prompt: str, prompt_file: str) -> str:
@@ -125,6 +140,26 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: 
     if not -INT64 <= seed <= CAPS["sample.seed"][0]:  # sample i draws with seed + i, a 64-bit integer
         raise UserError(f"--seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1 - {MAX_SAMPLES:,}): sample i draws "
                         "with seed + i")
+
+
+def _check_beams(num_beams: int, length_penalty: float, early_stopping: str, num_return_sequences: int,
+                 temperature: float, num_samples: int) -> None:
+    if not 1 <= num_beams <= MAX_BEAMS:
+        raise UserError(f"--num_beams={num_beams} must be between 1 (off: sample) and {MAX_BEAMS}: each beam is a row "
+                        "of the KV cache")
+    if not math.isfinite(length_penalty):
+        raise UserError(f"--length_penalty={length_penalty} must be a finite number (1.0 = the mean log-probability)")
+    if early_stopping not in EARLY_STOPPING:
+        raise UserError(f"--early_stopping={early_stopping!r}; valid choices: {', '.join(EARLY_STOPPING)}")
+    if not 1 <= num_return_sequences <= num_beams:
+        raise UserError(f"--num_return_sequences={num_return_sequences} must be between 1 and --num_beams="
+                        f"{num_beams}: the best of the beams are printed")
+    if num_beams > 1 and temperature != 0:
+        raise UserError(f"--num_beams={num_beams} searches greedily: add --temperature 0 (not {temperature}; beam "
+                        "sampling is not supported)")
+    if num_beams > 1 and num_samples > 1:
+        raise UserError(f"--num_samples={num_samples} with --num_beams={num_beams}: beam search is deterministic, "
+                        "every sample would be the same; use --num_return_sequences for several beams")
 
 
 @command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights, or in the HF layout",

@@ -34,6 +34,13 @@ def sample_logits(logits, temperature, top_k, top_p, seed):
     return tf.where(temperature > 0, sampled, greedy)
 
 
+def prefill(model: GPT, tokens, vocab_size: int):
+    """The last position's logits (B, vocab_size) and the KV cache filled with `tokens` (B, T) from position 0."""
+    cache = model.empty_cache(tf.shape(tokens)[0])
+    logits, cache = model.call_with_cache(tokens, cache, 0)
+    return logits[:, -1, :vocab_size], cache
+
+
 class Sampler:
     def __init__(self, model: GPT, eos_id: int, vocab_size: int):
         self.model, self.eos_id = model, eos_id
@@ -43,9 +50,7 @@ class Sampler:
         self._decode = tf.function(self._decode_fn, jit_compile=True)
 
     def _prefill_fn(self, tokens):
-        cache = self.model.empty_cache(tf.shape(tokens)[0])
-        logits, cache = self.model.call_with_cache(tokens, cache, 0)
-        return logits[:, -1, :self.vocab_size], cache
+        return prefill(self.model, tokens, self.vocab_size)
 
     def _decode_fn(self, token, cache, pos):
         logits, cache = self.model.call_with_cache(token[:, None], cache, pos)

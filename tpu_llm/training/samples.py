@@ -7,6 +7,7 @@ from typing import Callable
 
 from tpu_llm.config import Config
 from tpu_llm.model import GPT
+from tpu_llm.model.beam_search import BeamSearcher
 from tpu_llm.model.sampling import Sampler, continuation
 
 
@@ -22,6 +23,8 @@ def print_samples(model: GPT, tokenizer, cfg: Config, say: Callable[[str], None]
     """cfg.sample.num_samples texts, each the prompt and its continuation, each told to `say` with a line
     naming its settings before it (sample i draws with seed sample.seed + i)."""
     s = cfg.sample
+    if s.num_beams > 1:
+        return print_beams(model, tokenizer, cfg, say)
     sampler = Sampler(model, tokenizer.eos_id, tokenizer.vocab_size)
     prompt = tokenizer.encode(s.prompt)  # "" gives [] (or an hf tokenizer's BOS)
     texts = []
@@ -30,5 +33,21 @@ def print_samples(model: GPT, tokenizer, cfg: Config, say: Callable[[str], None]
         texts.append(s.prompt + continuation(tokenizer, prompt, ids))
         say(f"--- sample {i + 1} (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
             f"seed {s.seed + i})")
+        say(texts[-1])
+    return texts
+
+
+def print_beams(model: GPT, tokenizer, cfg: Config, say: Callable[[str], None]) -> list[str]:
+    """sample.num_return_sequences texts from a beam search (each without its final end-of-text)."""
+    s = cfg.sample
+    prompt = tokenizer.encode(s.prompt)
+    beams = BeamSearcher(model, tokenizer.eos_id, tokenizer.vocab_size).generate(
+        prompt, s.max_new_tokens, s.num_beams, s.length_penalty, s.early_stopping, s.num_return_sequences)
+    texts = []
+    for i, beam in enumerate(beams):
+        ids = beam.ids[:-1] if beam.ids[-1] == tokenizer.eos_id else beam.ids
+        texts.append(s.prompt + continuation(tokenizer, prompt, ids))
+        say(f"--- beam {i + 1} of {s.num_beams} (score {beam.score:.4f}, length_penalty {s.length_penalty}, "
+            f"early_stopping {s.early_stopping})")
         say(texts[-1])
     return texts
