@@ -16,7 +16,7 @@ PACKAGE = ROOT / "tpu_llm"
 
 # Sub-packages and top-level modules by layer: a module may import its own sub-package and lower layers.
 LAYERS = [
-    {"__init__", "config", "errors", "tf_compat", "perf", "tether", "native_log", "peak"},  # leaves anyone may import
+    {"__init__", "config", "errors", "tf_compat", "perf", "tether", "native_log", "peak", "tpu_chips"},  # leaves anyone may import
     {"cloud", "tokenizers", "model"},
     {"data"},
     {"parallel"},
