@@ -6,9 +6,11 @@ subclasses Keras' AdamW and overrides private methods, so those stay there; the 
 below checks each of them and what they still do, and pyproject.toml bounds keras to the minor
 versions it passed with."""
 
+import ast
 import inspect
 import json
 import os
+import textwrap
 
 import keras
 import numpy as np
@@ -143,6 +145,8 @@ KERAS_OPTIMIZER_METHODS = {
     "update_step": ("gradient", "variable", "learning_rate"),  # overridden (public, the contract around it is not)
     "_get_variable_index": ("variable",),  # called: the index of the variable's moments
     "_use_weight_decay": ("variable",),  # called: exclude_from_weight_decay's answer
+    # overridden: Keras' own loop over the variables, copied, each update inside placement_of(variable)
+    "_distributed_tf_update_step": ("distribution", "grads_and_vars", "learning_rate"),
 }
 KERAS_OPTIMIZER_STATE = ("_momentums", "_velocities")  # read and restored: Adam's moments, by variable index
 UPGRADE = ("ReducedGradientsAdamW (tpu_llm/training/optimizer.py) overrides Keras' private optimizer methods: fix it "
@@ -167,6 +171,29 @@ def test_keras_private_optimizer_api_the_optimizer_overrides_is_still_there():
         for variable in variables:
             slot = state[optimizer._get_variable_index(variable)]
             assert isinstance(slot.value, tf.Variable) and tuple(slot.shape) == tuple(variable.shape), (name, slot)
+
+
+def _method_body(cls, name: str) -> list:
+    """The statements of cls.name's source, its docstring left out."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, name)))).body[0]
+    return [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+
+
+def test_the_copied_keras_update_loop_is_still_keras_own():
+    """ReducedGradientsAdamW._distributed_tf_update_step is Keras' loop over the variables with each update
+    wrapped in `placement_of(variable)`: unwrapped, it must be the installed Keras' statement for
+    statement, so a Keras that changes its loop (another argument to update, a grouped update, a step
+    before or after) fails here rather than being silently replaced by the old copy."""
+    ours = _method_body(ReducedGradientsAdamW, "_distributed_tf_update_step")
+    loops = [n for n in ours if isinstance(n, ast.For)]
+    assert len(loops) == 1 and len(loops[0].body) == 1 and isinstance(loops[0].body[0], ast.With), ast.dump(loops[0])
+    placement = loops[0].body[0]
+    assert "placement_of" in ast.unparse(placement.items[0].context_expr)
+    loops[0].body = placement.body  # the copy as Keras wrote it
+    keras_own = _method_body(keras.optimizers.AdamW, "_distributed_tf_update_step")
+    assert [ast.dump(n) for n in ours] == [ast.dump(n) for n in keras_own], (
+        f"keras {keras.__version__} changed the loop ReducedGradientsAdamW copies:\n"
+        + "\n".join(ast.unparse(n) for n in keras_own) + f"\n{UPGRADE}")
 
 
 def adamw_by_hand(w, m, v, g, t, lr, wd, beta_1, beta_2, epsilon, decay):
