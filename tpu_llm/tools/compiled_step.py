@@ -304,16 +304,18 @@ class Module:
     parameters: dict  # entry parameter number -> Instruction
     root: Instruction
     aliases: dict
+    roots: dict  # computation name -> its ROOT instruction (a while loop's body: what an iteration returns)
 
     @classmethod
     def parse(cls, text: str) -> Module:
-        instructions, parameters, root, entry = {}, {}, None, False
+        instructions, parameters, root, entry, roots, computation = {}, {}, None, False, {}, ""
         header = text.split("\n", 1)[0]
         aliases = {int(o): int(p) for o, p in _ALIAS.findall(header.split("input_output_alias=")[-1])} \
             if "input_output_alias=" in header else {}
         for line in text.splitlines():
             if line.rstrip().endswith("{") and not line.startswith(" "):
                 entry = line.startswith("ENTRY")
+                computation = line.split()[1 if entry else 0].lstrip("%")
                 continue
             found = _INSTRUCTION.match(line)
             if not found:
@@ -327,15 +329,30 @@ class Module:
             instructions[name] = ins
             if entry and opcode == "parameter":
                 parameters[int(re.match(r"\s*(\d+)", rest).group(1))] = ins
+            if is_root:
+                roots[computation] = ins
             if ins.root:
                 root = ins
-        return cls(instructions, parameters, root, aliases)
+        return cls(instructions, parameters, root, aliases, roots)
 
     def output(self, index: int) -> Instruction:
         return self.instructions[self.root.operands[index]]
 
     def producer(self, ins: Instruction) -> Instruction:
-        """The instruction computing a returned value: past the copies and reshapes XlaCompiler adds."""
-        while ins.op_name == "XLA_Retvals" and ins.operands:
-            ins = self.instructions[ins.operands[0]]
-        return ins
+        """The instruction computing a returned value: past the copies and reshapes XlaCompiler adds, and
+        through tuples and while loops (a value a loop carries: what its body computes)."""
+        while True:
+            if ins.op_name == "XLA_Retvals" and ins.operands:
+                ins = self.instructions[ins.operands[0]]
+                continue
+            if ins.opcode != "get-tuple-element":
+                return ins
+            index = int(re.search(r"index=(\d+)", ins.attributes).group(1))
+            source = self.instructions[ins.operands[0]]
+            if source.opcode == "tuple":
+                ins = self.instructions[source.operands[index]]
+            elif source.opcode == "while":
+                body = self.roots[re.search(r"body=%?([^\s,]+)", source.attributes).group(1)]
+                ins = self.instructions[body.operands[index]]
+            else:
+                return ins

@@ -83,8 +83,9 @@ def offline_tpu_strategy(cores_per_replica: int, cores: int) -> tf.distribute.TP
 @contextlib.contextmanager
 def variables_on_the_cpu(homes: dict | None = None, strategy=None):
     """TPU variables made on the CPU (they cannot exist on cores that do not), for tracing only. With
-    `homes` and `strategy`: homes[id(first replica's copy)] = the logical core TPUStrategy chose for it
-    (None for a variable colocated with another, such as an optimizer's moment: it was not chosen)."""
+    `homes` and `strategy`: homes[id(copy)] = (the copy, the logical core TPUStrategy chose for it; None for
+    a variable colocated with another, such as an optimizer's moment: it was not chosen). The copy is
+    held so that its id is never another's."""
     cores = [d.split("device:")[-1] for d in strategy.extended._tpu_devices[0]] if strategy else []  # noqa: SLF001
 
     def creator(next_creator, **kwargs):
@@ -92,7 +93,7 @@ def variables_on_the_cpu(homes: dict | None = None, strategy=None):
         with tf.device("/device:CPU:0"):
             v = next_creator(**kwargs)
         if homes is not None:
-            homes.setdefault(id(v), cores.index(device) if device in cores else None)
+            homes[id(v)] = (v, cores.index(device) if device in cores else None)
         return v
     with tf.variable_creator_scope(creator):
         yield
@@ -112,7 +113,7 @@ class Step:
     optimizer: keras.optimizers.Optimizer
     trainer: Trainer
     parts: list  # pipeline.Stage per stage
-    homes: dict  # id(first replica's copy of a variable) -> the logical core it was created on
+    homes: dict  # id(first replica's copy of a variable) -> (that copy, the logical core it was created on)
     data_position: tf.Variable
     seconds: float = 0.0  # building the model and tracing both loops
 
@@ -137,12 +138,12 @@ class Step:
     def home(self, variable) -> int | None:
         """The logical core `variable` (a TPU variable) was created on; an optimizer's moment: its
         model variable's (Keras colocates them)."""
-        core = self.homes.get(id(variable.values[0]))
+        core = self.homes.get(id(variable.values[0]), (None, None))[1]
         if core is None:
             inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
             for i, v in enumerate(inner._trainable_variables):  # noqa: SLF001 - Keras' own order of the moments
                 if any(m.value is variable for m in (inner._momentums[i], inner._velocities[i])):  # noqa: SLF001
-                    return self.homes.get(id(v.value.values[0]))
+                    return self.homes.get(id(v.value.values[0]), (None, None))[1]
         return core
 
     def stage_cores(self, block: int) -> range:

@@ -125,6 +125,8 @@ class CompiledAudit:
 
     def _even(self, out: list, kind: str, groups: list, what: str) -> None:
         counter = self.counts[kind]
+        if not sum(counter.values()):  # none at all (the evaluation step's backward)
+            return
         counts = [sum(counter.get(c, 0) for c in (g if isinstance(g, range) else [g])) for g in groups]
         mean = sum(counts) / len(counts)
         if mean == 0 or any(abs(n - mean) > TOLERANCE * mean for n in counts):
