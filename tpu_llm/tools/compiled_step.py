@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import re
 
 import tensorflow as tf
-from tensorflow.compiler.xla import xla_data_pb2
-from tensorflow.python.compiler.xla.experimental import xla_sharding
-from tensorflow.python.eager import context
-from tensorflow.python.framework import function_def_to_graph, graph_to_function_def, ops
+
+from tpu_llm import tf_compat
 
 CORE = "TPU_REPLICATED_CORE:"
 FEED = "feed/"  # prefix of the placeholder standing for each input of the replica computation
+_COMPILED = itertools.count()  # names the functions compiled
 
 
 def _feed(tensor: str) -> str:
@@ -47,8 +47,7 @@ def node_core(node) -> int | None:
     """The core an op is annotated for (tf2xla's ParseShardingFromDevice): its `_XlaSharding`
     attribute if maximal, else the k of a TPU_REPLICATED_CORE:k device."""
     if "_XlaSharding" in node.attr:
-        sharding = xla_data_pb2.OpSharding.FromString(node.attr["_XlaSharding"].s)
-        return sharding.tile_assignment_devices[0] if sharding.type == xla_data_pb2.OpSharding.MAXIMAL else None
+        return tf_compat.sharding_core(node.attr["_XlaSharding"].s)
     return int(node.device.split(CORE)[-1]) if CORE in node.device else None
 
 
@@ -80,8 +79,7 @@ class Cluster:
         """A called function's body and its argument names."""
         if name not in self._functions:
             fdef = next(f for f in self.library.function if f.signature.name == name)
-            graph_def, _ = function_def_to_graph.function_def_to_graph_def(fdef)
-            self._functions[name] = (_Graph(graph_def.node), [a.name for a in fdef.signature.input_arg])
+            self._functions[name] = (_Graph(tf_compat.function_graph_def(fdef).node), [a.name for a in fdef.signature.input_arg])
         return self._functions[name]
 
 
@@ -112,7 +110,7 @@ def cluster(function) -> Cluster:
     bodies = [f for f in outer.library.function if any(n.op == "TPUReplicateMetadata" for n in f.node_def)]
     if len(bodies) != 1:
         raise ValueError(f"expected one TPU computation in {function.name}, found {len(bodies)}")
-    body_def, _ = function_def_to_graph.function_def_to_graph_def(bodies[0])
+    body_def = tf_compat.function_graph_def(bodies[0])
     inside = {n.name for n in body_def.node if "_tpu_replicate" in n.attr and n.op != "TPUReplicateMetadata"}
     body = {n.name: n for n in body_def.node}
     graph_def, feeds, devices = tf.compat.v1.GraphDef(), {}, {}
@@ -203,16 +201,12 @@ def arguments(function, cluster_: Cluster, variables: list) -> tuple[list, list]
     A variable reaches the computation as a loop-body argument fed by the loop's capture of its
     (packed) handle; a handle none of `variables` owns raises (the step reads a variable the audit
     does not know)."""
-    owners = {}
-    for v in variables:
-        for handle in [c.handle for c in v.values] + [getattr(v, "_packed_var", None)]:
-            if handle is not None:
-                owners[id(getattr(handle, "packed_handle", handle))] = v
+    owners = {id(handle): v for v in variables for handle in tf_compat.replica_handles(v)}
     loop = next(op for op in function.graph.get_operations()
                 if op.type in ("While", "StatelessWhile") and op.get_attr("body").name == cluster_.body.signature.name)
     position = {a.name: i for i, a in enumerate(cluster_.body.signature.input_arg)}
     captured = {id(internal): external for external, internal in function.graph.captures}
-    body_graph = function_def_to_graph.function_def_to_graph(cluster_.body)
+    body_graph = tf_compat.function_graph(cluster_.body)
     args, owners_of_args = [], []
     for tensor in cluster_.feeds:
         source = cluster_.sources[tensor]
@@ -242,27 +236,13 @@ def compile_hlo(cluster_: Cluster, args: list, arg_cores: list[int]) -> str:
         for tensor, core in zip(cluster_.fetches, return_cores(cluster_)):
             # a device on a non-Identity op: XlaCompiler gives the return value its neighbour's core
             with tf.device(f"/device:{CORE}{core}"):
-                outputs.append(xla_sharding.assign_device(graph.get_tensor_by_name(tensor), core,
-                                                          use_sharding_op=True))
+                outputs.append(tf_compat.assign_core(graph.get_tensor_by_name(tensor), core))
     inputs = [graph.get_tensor_by_name(_feed(t) + ":0") for t in cluster_.feeds]
-    fdef = graph_to_function_def.graph_to_function_def(
-        graph, [op for op in graph.get_operations() if op.type != "Placeholder"], inputs, outputs)
-    fdef.signature.name = f"tpu_replica_computation_{ops.uid()}"
+    fdef = tf_compat.graph_function_def(graph, [op for op in graph.get_operations() if op.type != "Placeholder"],
+                                        inputs, outputs, f"tpu_replica_computation_{next(_COMPILED)}")
     for i, core in enumerate(arg_cores):  # as DistributedTPURewritePass marks the _Arg nodes
-        fdef.arg_attr[i].attr["_XlaSharding"].s = xla_data_pb2.OpSharding(
-            type=xla_data_pb2.OpSharding.MAXIMAL, tile_assignment_dimensions=[1],
-            tile_assignment_devices=[core]).SerializeToString()
-    ctx = context.context()
-    for f in cluster_.library.function:
-        if not ctx.has_function(f.signature.name):
-            ctx.add_function_def(f)
-    ctx.add_function_def(fdef)
-    try:
-        hlo = ctx.get_compiler_ir(device_name="/job:localhost/replica:0/task:0/device:CPU:0", platform_name=None,
-                                  function_name=fdef.signature.name, flat_args=args, captured_inputs=[], stage="hlo")
-    finally:
-        ctx.remove_function(fdef.signature.name)
-    return hlo.decode() if isinstance(hlo, bytes) else hlo
+        fdef.arg_attr[i].attr["_XlaSharding"].s = tf_compat.maximal_sharding(core)
+    return tf_compat.compiler_ir(fdef, cluster_.library, args, stage="hlo")
 
 
 # ---- reading the HLO text --------------------------------------------------------------------------

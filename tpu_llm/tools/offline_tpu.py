@@ -20,7 +20,6 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 from tpu_llm import tf_compat
 from tpu_llm.config import load_config
@@ -86,10 +85,10 @@ def variables_on_the_cpu(homes: dict | None = None, strategy=None):
     `homes` and `strategy`: homes[id(copy)] = (the copy, the logical core TPUStrategy chose for it; None for
     a variable colocated with another, such as an optimizer's moment: it was not chosen). The copy is
     held so that its id is never another's."""
-    cores = [d.split("device:")[-1] for d in strategy.extended._tpu_devices[0]] if strategy else []  # noqa: SLF001
+    cores = [d.split("device:")[-1] for d in tf_compat.tpu_core_devices(strategy)] if strategy else []
 
     def creator(next_creator, **kwargs):
-        device = (context.context().device_name or "").split("device:")[-1]
+        device = tf_compat.current_device().split("device:")[-1]
         with tf.device("/device:CPU:0"):
             v = next_creator(**kwargs)
         if homes is not None:
@@ -140,9 +139,8 @@ class Step:
         model variable's (Keras colocates them)."""
         core = self.homes.get(id(variable.values[0]), (None, None))[1]
         if core is None:
-            inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-            for i, v in enumerate(inner._trainable_variables):  # noqa: SLF001 - Keras' own order of the moments
-                if any(m.value is variable for m in (inner._momentums[i], inner._velocities[i])):  # noqa: SLF001
+            for v, *moments in tf_compat.adam_moments(self.optimizer):
+                if any(m.value is variable for m in moments):
                     return self.homes.get(id(v.value.values[0]), (None, None))[1]
         return core
 
