@@ -132,6 +132,9 @@ MUTATIONS = [
     M("adamw-decays-twice", "tpu_llm/training/optimizer.py",
       "        pass  # in update_step", "        super()._apply_weight_decay(variables)  # in update_step",
       "tests/test_tf_compat.py::test_keras_adamw_with_reduced_gradients_is_adamw_on_the_already_reduced_gradient"),
+    M("adamw-update-loop-drifts-from-keras", "tpu_llm/training/optimizer.py",
+      "args=(grad, learning_rate), group=False)", "args=(grad, learning_rate), group=True)",
+      "tests/test_tf_compat.py::test_the_copied_keras_update_loop_is_still_keras_own"),
     # three bugs the whole suite used to let through (issue 26): each fails a test of tests/test_trainer.py
     M("warmup-removed", "tpu_llm/training/optimizer.py",
       "    if cfg.warmup_steps == 0:\n", "    if True:  # the schedule starts at the peak\n",

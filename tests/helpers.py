@@ -312,10 +312,10 @@ def make_topology(mesh, host, shuffle=False):
 
 
 def offline_resolver(topology=None):
-    """tools/placement_audit.py's OfflineTPUResolver for a hand-built one-host `topology` (default: 4
+    """tools/offline_tpu.py's OfflineTPUResolver for a hand-built one-host `topology` (default: 4
     cores, a v4-8's 2x2 chips), so TF's own TPUStrategy is built offline (no TPU needed). Imported on
     use: nothing in this module may start TensorFlow at import."""
-    from tpu_llm.tools.placement_audit import OfflineTPUResolver
+    from tpu_llm.tools.offline_tpu import OfflineTPUResolver
 
     return OfflineTPUResolver(topology if topology is not None else make_topology([2, 2, 1, 1], [2, 2, 1, 1]))
 

@@ -8,9 +8,12 @@ pyproject.toml bounds keras to the minor versions it passed with. GPT (model/tra
 blocks with Keras' private `_track_trackable`: the checkpoint canary checks that TF checkpoints still
 hold them."""
 
+import ast
 import inspect
 import json
 import os
+import re
+import textwrap
 
 import keras
 import numpy as np
@@ -170,6 +173,8 @@ KERAS_OPTIMIZER_METHODS = {
     "update_step": ("gradient", "variable", "learning_rate"),  # overridden (public, the contract around it is not)
     "_get_variable_index": ("variable",),  # called: the index of the variable's moments
     "_use_weight_decay": ("variable",),  # called: exclude_from_weight_decay's answer
+    # overridden: Keras' own loop over the variables, copied, each update inside placement_of(variable)
+    "_distributed_tf_update_step": ("distribution", "grads_and_vars", "learning_rate"),
 }
 KERAS_OPTIMIZER_STATE = ("_momentums", "_velocities")  # read and restored: Adam's moments, by variable index
 UPGRADE = ("ReducedGradientsAdamW (tpu_llm/training/optimizer.py) overrides Keras' private optimizer methods: fix it "
@@ -194,6 +199,29 @@ def test_keras_private_optimizer_api_the_optimizer_overrides_is_still_there():
         for variable in variables:
             slot = state[optimizer._get_variable_index(variable)]
             assert isinstance(slot.value, tf.Variable) and tuple(slot.shape) == tuple(variable.shape), (name, slot)
+
+
+def _method_body(cls, name: str) -> list:
+    """The statements of cls.name's source, its docstring left out."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, name)))).body[0]
+    return [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+
+
+def test_the_copied_keras_update_loop_is_still_keras_own():
+    """ReducedGradientsAdamW._distributed_tf_update_step is Keras' loop over the variables with each update
+    wrapped in `placement_of(variable)`: unwrapped, it must be the installed Keras' statement for
+    statement, so a Keras that changes its loop (another argument to update, a grouped update, a step
+    before or after) fails here rather than being silently replaced by the old copy."""
+    ours = _method_body(ReducedGradientsAdamW, "_distributed_tf_update_step")
+    loops = [n for n in ours if isinstance(n, ast.For)]
+    assert len(loops) == 1 and len(loops[0].body) == 1 and isinstance(loops[0].body[0], ast.With), ast.dump(loops[0])
+    placement = loops[0].body[0]
+    assert "placement_of" in ast.unparse(placement.items[0].context_expr)
+    loops[0].body = placement.body  # the copy as Keras wrote it
+    keras_own = _method_body(keras.optimizers.AdamW, "_distributed_tf_update_step")
+    assert [ast.dump(n) for n in ours] == [ast.dump(n) for n in keras_own], (
+        f"keras {keras.__version__} changed the loop ReducedGradientsAdamW copies:\n"
+        + "\n".join(ast.unparse(n) for n in keras_own) + f"\n{UPGRADE}")
 
 
 def adamw_by_hand(w, m, v, g, t, lr, wd, beta_1, beta_2, epsilon, decay):
@@ -248,3 +276,61 @@ def test_keras_adamw_with_reduced_gradients_is_adamw_on_the_already_reduced_grad
         np.testing.assert_allclose(theirs, 2 * ours, rtol=1e-5, atol=1e-7,
                                    err_msg="Keras' AdamW no longer all-reduces in a replica context: is the "
                                            "_all_reduce_sum_gradients override still needed?")
+
+
+# ---- TensorFlow's TPU compile path, offline (tools/compiled_step.py) -----------------------------------
+
+def test_a_function_body_round_trips_to_a_function_compiled_with_argument_and_op_cores():
+    @tf.function
+    def f(x, y):
+        with tf.device("/device:TPU_REPLICATED_CORE:1"):
+            return tf.matmul(x, y)
+
+    body = f.get_concrete_function(tf.TensorSpec([4, 4]), tf.TensorSpec([4, 4])).function_def
+    graph_def = tf_compat.function_graph_def(body)
+    assert sum(n.op == "Placeholder" for n in graph_def.node) == 2  # the arguments
+    assert tf_compat.function_graph(body).outputs[0].shape == [4, 4]
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y = tf.compat.v1.placeholder(tf.float32, [4, 4]), tf.compat.v1.placeholder(tf.float32, [4, 4])
+        with tf.device("/device:TPU_REPLICATED_CORE:1"):
+            out = tf_compat.assign_core(tf.matmul(x, y, name="product"), 1)
+    fdef = tf_compat.graph_function_def(graph, [op for op in graph.get_operations() if op.type != "Placeholder"],
+                                        [x, y], [out], "tf_compat_round_trip")
+    for i in range(2):
+        fdef.arg_attr[i].attr["_XlaSharding"].s = tf_compat.maximal_sharding(0)
+    hlo = tf_compat.compiler_ir(fdef, tf.compat.v1.GraphDef().library, [tf.ones([4, 4])] * 2)
+    assert re.search(r"parameter\(0\).*sharding=\{maximal device=0\}", hlo)
+    assert re.search(r"dot\(.*sharding=\{maximal device=1\}", hlo)
+    assert tf_compat.sharding_core(tf_compat.maximal_sharding(3)) == 3
+
+
+def test_the_offline_tpu_strategys_cores_handles_and_the_adam_moments():
+    from helpers import offline_resolver
+
+    from tpu_llm.parallel import tpu
+
+    resolver = offline_resolver()
+    strategy = tf.distribute.TPUStrategy(resolver, experimental_device_assignment=tpu.device_assignment(
+        resolver.topology, 2))
+    cores = tf_compat.tpu_core_devices(strategy)
+    assert len(cores) == 2 and len(set(cores)) == 2 and all("TPU:" in c for c in cores)
+    seen = []
+
+    def creator(next_creator, **kwargs):
+        seen.append(tf_compat.current_device())
+        with tf.device("/device:CPU:0"):
+            return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator), strategy.scope():
+        with strategy.extended.experimental_logical_device(1):
+            v = tf.Variable(tf.ones([3]))
+    assert seen[0].endswith(cores[1].split("device:")[-1])  # where TPUStrategy put the first replica's copy
+    handles = tf_compat.replica_handles(v)
+    assert len(handles) == len(v.values) + 1 and all(h.dtype == tf.resource for h in handles)
+    variables = [keras.Variable(np.zeros((2, 3), np.float32)), keras.Variable(np.zeros(4, np.float32))]
+    optimizer = keras.optimizers.AdamW()
+    optimizer.build(variables)
+    moments = tf_compat.adam_moments(keras.optimizers.LossScaleOptimizer(optimizer))
+    assert [tuple(m.shape) for _, m, _ in moments] == [tuple(v.shape) for v, _, _ in moments] == [(2, 3), (4,)]
+    assert [w for w, _, _ in moments] == variables

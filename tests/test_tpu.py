@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import make_topology, offline_tpu
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tpu_llm import perf
 from tpu_llm.errors import UserError
@@ -216,45 +218,167 @@ def test_a_second_strategy_on_the_same_tpu_reuses_its_connection(monkeypatch):
 PJRT = ("NEXT_PLUGGABLE_DEVICE_USE_C_API", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH", "TPU_LIBRARY_PATH")
 
 
-def fake_machine(root, *devices, image_libtpu=False):
+def fake_machine(root, *devices, image_libtpu=False, pci=None):
     for d in devices:  # e.g. "dev/accel0", "dev/vfio/0"
         (root / d).parent.mkdir(parents=True, exist_ok=True)
         (root / d).touch()
     if image_libtpu:
         (root / "lib").mkdir(parents=True, exist_ok=True)
         (root / "lib" / "libtpu.so").touch()
+    if pci:  # a Google TPU chip's PCI device id, as sysfs shows it
+        chip = root / "sys/bus/pci/devices/0000:00:05.0"
+        chip.mkdir(parents=True)
+        (chip / "vendor").write_text("0x1ae0\n")
+        (chip / "device").write_text(pci + "\n")
     return str(root)
 
 
-def test_pjrt_variables_point_tensorflow_at_libtpu_on_a_tpu_vm_only(tmp_path):
+def no_metadata():
+    raise AssertionError("the metadata server was asked although the machine showed its generation")
+
+
+WHEEL = "/site-packages/libtpu/libtpu.so"
+
+
+@pytest.mark.parametrize("device,shows,env,metadata,pjrt", [
+    ("dev/vfio/0", None, {"TPU_ACCELERATOR_TYPE": "v5litepod-8"}, no_metadata, True),  # v5e on GKE
+    ("dev/accel0", "0x0062", {}, no_metadata, True),  # v5p, by its chips' PCI id
+    ("dev/vfio/0", None, {}, lambda: "v6e-8", True),  # v6e: the TPU VM's metadata
+    ("dev/vfio/0", None, {}, lambda: "", True),  # /dev/vfio: only v5e and v6e chips
+    ("dev/accel0", "0x005e", {}, no_metadata, False),  # v4
+    ("dev/accel0", None, {"ACCELERATOR_TYPE": "v3-8"}, no_metadata, False),  # Kaggle's v3-8
+    ("dev/accel0", "0x0027", {}, no_metadata, False),  # v2 or v3 (one PCI id)
+    ("dev/accel0", None, {}, lambda: "v2-8", False),  # Colab's v2-8
+    ("dev/accel0", None, {}, lambda: "", False),  # an unknown generation with /dev/accel: left alone
+], ids=["v5e-env", "v5p-pci", "v6e-metadata", "vfio", "v4-pci", "kaggle-v3", "v2-v3-pci", "colab-v2", "accel"])
+def test_pjrt_only_where_google_documents_tensorflows_pjrt_runtime(tmp_path, device, shows, env, metadata, pjrt):
+    """v5e, v5p, v6e: the PJRT plugin; v2, v3, v4: TensorFlow's own TPU runtime, left as it is, with only
+    the library it reads (TPU_LIBRARY_PATH) named."""
+    from tpu_llm.cli import pjrt as module
+
+    root = fake_machine(tmp_path, device, pci=shows)
+    added = module.variables(env=env, root=root, libtpu=WHEEL, metadata=metadata)
+    assert added == (dict(zip(PJRT, ("true", WHEEL, WHEEL))) if pjrt else {"TPU_LIBRARY_PATH": WHEEL})
+    decided = module.decide(env=env, root=root, libtpu=WHEEL, metadata=metadata)
+    assert decided.runtime.startswith("PJRT" if pjrt else "TF's TPU runtime") and WHEEL in decided.describe()
+
+
+def test_pjrt_variables_only_on_a_tpu_vm_and_never_over_the_users(tmp_path):
     from tpu_llm.cli import pjrt
 
-    wheel = "/site-packages/libtpu/libtpu.so"
-    # a plain pip install on a v4 VM (/dev/accel*) or a Colab/Kaggle v5e/v6e (/dev/vfio/N): the wheel's libtpu
-    for device in ("dev/accel0", "dev/vfio/0"):
-        root = fake_machine(tmp_path / device.replace("/", "-"), device)
-        assert pjrt.variables(env={}, root=root, libtpu=wheel) == dict(zip(PJRT, ("true", wheel, wheel)))
-    # a Cloud TPU VM image: its /lib/libtpu.so, built for the image's TensorFlow, first
-    root = fake_machine(tmp_path / "image", "dev/accel0", image_libtpu=True)
-    image = pjrt.variables(env={}, root=root, libtpu=wheel)
-    assert image["TF_PLUGGABLE_DEVICE_LIBRARY_PATH"] == image["TPU_LIBRARY_PATH"] == f"{root}/lib/libtpu.so"
-    # asked for with tpu=local or TPU_NAME=local, device files not visible (a container)
+    # asked for with tpu=local or TPU_NAME=local, device files not visible (a container): PJRT as before
     bare = fake_machine(tmp_path / "bare")
-    assert pjrt.variables("local", env={}, root=bare, libtpu=wheel)["TPU_LIBRARY_PATH"] == wheel
-    assert pjrt.variables(env={"TPU_NAME": "local"}, root=bare, libtpu=wheel)["TPU_LIBRARY_PATH"] == wheel
+    assert pjrt.variables("local", env={}, root=bare, libtpu=WHEEL, metadata=no_metadata) == \
+        dict(zip(PJRT, ("true", WHEEL, WHEEL)))
+    assert pjrt.variables(env={"TPU_NAME": "local"}, root=bare, libtpu=WHEEL)["TPU_LIBRARY_PATH"] == WHEEL
     # nothing elsewhere: no TPU, no libtpu, a pod's worker 0, a TPU reached over the network
-    vm = fake_machine(tmp_path / "vm", "dev/accel0")
-    assert pjrt.variables(env={}, root=bare, libtpu=wheel) == {}
-    assert pjrt.variables(env={}, root=vm, libtpu="") == {}
-    assert pjrt.variables(env={"TPU_NAME": "my-pod", "TPU_LOAD_LIBRARY": "0"}, root=vm, libtpu=wheel) == {}
-    assert pjrt.variables(env={"TPU_LOAD_LIBRARY": "0"}, root=vm, libtpu=wheel) == {}
-    assert pjrt.variables(env={"TPU_NAME": "my-pod"}, root=vm, libtpu=wheel) == {}
-    assert pjrt.variables("grpc://10.0.0.2:8470", env={}, root=vm, libtpu=wheel) == {}
+    vm = fake_machine(tmp_path / "vm", "dev/vfio/0")
+    assert pjrt.variables(env={}, root=bare, libtpu=WHEEL) == {}
+    assert pjrt.variables(env={}, root=vm, libtpu="", metadata=lambda: "") == {}
+    for env in ({"TPU_NAME": "my-pod", "TPU_LOAD_LIBRARY": "0"}, {"TPU_LOAD_LIBRARY": "0"}, {"TPU_NAME": "my-pod"}):
+        assert pjrt.variables(env=env, root=vm, libtpu=WHEEL, metadata=no_metadata) == {}
+    assert pjrt.variables("grpc://10.0.0.2:8470", env={}, root=vm, libtpu=WHEEL, metadata=no_metadata) == {}
     # what the user set stays, and names the library for the rest
     env = {"TPU_LIBRARY_PATH": "/mine/libtpu.so", "NEXT_PLUGGABLE_DEVICE_USE_C_API": "false"}
-    assert pjrt.variables(env=env, root=vm, libtpu=wheel) == {"TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/mine/libtpu.so"}
-    assert pjrt.set_variables(env=env, root=vm, libtpu=wheel) and env["NEXT_PLUGGABLE_DEVICE_USE_C_API"] == "false"
-    assert pjrt.variables(env=env, root=vm, libtpu=wheel) == {}
+    assert pjrt.variables(env=env, root=vm, libtpu=WHEEL, metadata=lambda: "") == \
+        {"TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/mine/libtpu.so"}
+    assert pjrt.set_variables(env=env, root=vm, libtpu=WHEEL, metadata=lambda: "")
+    assert env["NEXT_PLUGGABLE_DEVICE_USE_C_API"] == "false"
+    assert pjrt.variables(env=env, root=vm, libtpu=WHEEL, metadata=lambda: "") == {}
+
+
+def test_the_pinned_libtpu_wheel_before_the_images_unless_its_version_is_not_the_one_asked(tmp_path, monkeypatch):
+    from tpu_llm.cli import pjrt
+
+    image = fake_machine(tmp_path / "image", "dev/vfio/0", image_libtpu=True)
+    monkeypatch.setattr(pjrt, "wheel_check", lambda: (True, "libtpu wheel 0.0.14, as tensorflow-tpu and tpu-llm ask"))
+    assert pjrt.variables(env={}, root=image, libtpu=WHEEL, metadata=lambda: "")["TPU_LIBRARY_PATH"] == WHEEL
+    monkeypatch.setattr(pjrt, "wheel_check", lambda: (False, "libtpu wheel 0.0.52, but tpu-llm asks ==0.0.14"))
+    decided = pjrt.decide(env={}, root=image, libtpu=WHEEL, metadata=lambda: "")
+    assert decided.add["TPU_LIBRARY_PATH"] == f"{image}/lib/libtpu.so" and "0.0.52" in decided.describe()
+    # no image library: the wheel's all the same, and the line says why it may not load
+    vm = fake_machine(tmp_path / "vm", "dev/vfio/0")
+    decided = pjrt.decide(env={}, root=vm, libtpu=WHEEL, metadata=lambda: "")
+    assert decided.add["TPU_LIBRARY_PATH"] == WHEEL and "tpu-llm asks ==0.0.14" in decided.describe()
+
+
+@pytest.mark.parametrize("have,ok,says", [("0.0.14", True, "as tensorflow-tpu and tpu-llm ask"),
+                                          ("0.0.52", False, "tpu-llm asks ==0.0.14"),
+                                          ("0.0.13", False, "tensorflow-tpu asks ~=0.0.14 and tpu-llm asks ==0.0.14")])
+def test_the_libtpu_version_check_reads_what_tensorflow_tpu_and_tpu_llm_declare(monkeypatch, have, ok, says):
+    import importlib.metadata
+
+    from tpu_llm.cli import pjrt
+
+    declared = {"tensorflow-tpu": ["absl-py>=1.0.0", "libtpu~=0.0.14", "numpy>=1.26.0"],
+                "tpu-llm": ["keras<3.16,>=3.10", 'libtpu==0.0.14; extra == "tpu"']}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"libtpu": have}[name])
+    monkeypatch.setattr(importlib.metadata, "requires", lambda name: declared[name])
+    found, said = pjrt.wheel_check()
+    assert found is ok and says in said and have in said
+
+
+def test_the_generation_from_the_metadata_server_of_a_tpu_vm():
+    """A real HTTP server standing in for the GCE metadata server: the header it requires is sent, the
+    answer read; no server (or a slow one) is an empty answer within the timeout, not a hang."""
+    import http.server
+    import threading
+    import time
+
+    from tpu_llm.cli import pjrt
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            ok = self.headers.get("Metadata-Flavor") == "Google" and self.path.endswith("/accelerator-type")
+            self.send_response(200 if ok else 403)
+            self.end_headers()
+            self.wfile.write(b"v6e-8\n" if ok else b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/computeMetadata/v1/instance/attributes/accelerator-type"
+        assert pjrt.metadata_accelerator_type(url) == "v6e-8"
+    finally:
+        server.shutdown()
+        server.server_close()
+    start = time.monotonic()
+    assert pjrt.metadata_accelerator_type(url, timeout=0.2) == ""  # the server is gone
+    assert time.monotonic() - start < 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(answer=st.text(), exported=st.text())
+def test_any_accelerator_type_answer_gives_a_known_generation_or_none(tmp_path_factory, answer, exported):
+    """What the metadata server or the environment says is outside input: any text gives a known kind
+    or none, never an error (and a runtime decision all the same)."""
+    from tpu_llm import tpu_chips
+    from tpu_llm.cli import pjrt
+
+    kinds = {kind for _, kind, _ in tpu_chips.TYPES}
+    assert tpu_chips.kind_of_type(answer) in kinds | {None}
+    root = tmp_path_factory.mktemp("vm")
+    (root / "dev").mkdir()
+    (root / "dev" / "accel0").touch()
+    kind, _ = pjrt.generation(env={"TPU_ACCELERATOR_TYPE": exported}, root=str(root), metadata=lambda: answer)
+    assert kind in kinds | {None}
+    assert pjrt.decide(env={"TPU_ACCELERATOR_TYPE": exported}, root=str(root), libtpu=WHEEL,
+                       metadata=lambda: answer).add
+
+
+def test_describe_says_which_runtime_and_library_this_process_was_pointed_at(monkeypatch):
+    from tpu_llm.cli import pjrt
+
+    monkeypatch.setattr(pjrt, "wheel_libtpu", lambda: WHEEL)
+    monkeypatch.setattr(pjrt, "wheel_check", lambda: (True, "libtpu wheel 0.0.14, as tensorflow-tpu asks"))
+    assert pjrt.describe(dict(zip(PJRT, ("true", WHEEL, WHEEL)))) == \
+        f"TPU runtime: PJRT plugin; libtpu: {WHEEL} (libtpu wheel 0.0.14, as tensorflow-tpu asks)"
+    assert pjrt.describe({"TPU_LIBRARY_PATH": "/lib/libtpu.so"}) == \
+        "TPU runtime: TensorFlow's own (StreamExecutor); libtpu: /lib/libtpu.so"
+    assert "loader's path" in pjrt.describe({})
 
 
 def test_the_libtpu_wheel_is_found_without_importing_it(tmp_path, monkeypatch):

@@ -85,3 +85,105 @@ def all_layers(model) -> list:
     """Every layer inside `model`, nested ones included (Keras 3's private `Layer._flatten_layers`;
     `Model.layers` lists only the top level)."""
     return list(model._flatten_layers())  # noqa: SLF001
+
+
+# ---- TensorFlow's TPU compile path, offline (the placement audit: tools/compiled_step.py) --------------
+# TF exports no API to turn a function's body into a graph and back, to mark an XLA argument's core, or
+# to compile a function by name for its HLO; `experimental_get_compiler_ir` does the last for a
+# tf.function only, through the same private context call used here.
+
+def function_graph_def(function_def):
+    """A FunctionDef's body as a GraphDef, its arguments as placeholders (function_def_to_graph)."""
+    from tensorflow.python.framework import function_def_to_graph
+
+    return function_def_to_graph.function_def_to_graph_def(function_def)[0]
+
+
+def function_graph(function_def):
+    """A FunctionDef's body as a graph whose tensors carry their inferred shapes."""
+    from tensorflow.python.framework import function_def_to_graph
+
+    return function_def_to_graph.function_def_to_graph(function_def)
+
+
+def graph_function_def(graph, operations, inputs, outputs, name: str):
+    """`operations` of `graph` as a FunctionDef named `name` taking `inputs`, returning `outputs`."""
+    from tensorflow.python.framework import graph_to_function_def
+
+    fdef = graph_to_function_def.graph_to_function_def(graph, operations, inputs, outputs)
+    fdef.signature.name = name
+    return fdef
+
+
+def maximal_sharding(core: int) -> bytes:
+    """The serialized XLA OpSharding that puts a value on one logical core (`_XlaSharding`'s value)."""
+    from tensorflow.compiler.xla import xla_data_pb2
+
+    return xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.MAXIMAL, tile_assignment_dimensions=[1],
+                                   tile_assignment_devices=[core]).SerializeToString()
+
+
+def sharding_core(serialized: bytes) -> int | None:
+    """The core of a serialized maximal OpSharding; None for any other sharding."""
+    from tensorflow.compiler.xla import xla_data_pb2
+
+    sharding = xla_data_pb2.OpSharding.FromString(serialized)
+    return sharding.tile_assignment_devices[0] if sharding.type == xla_data_pb2.OpSharding.MAXIMAL else None
+
+
+def assign_core(tensor, core: int):
+    """`tensor` through an XlaSharding op for logical `core` (xla_sharding.assign_device)."""
+    from tensorflow.python.compiler.xla.experimental import xla_sharding
+
+    return xla_sharding.assign_device(tensor, core, use_sharding_op=True)
+
+
+def compiler_ir(function_def, library, args, stage: str = "hlo") -> str:
+    """What XLA's compiler makes of `function_def` (calling functions of `library`, a
+    FunctionDefLibrary) for `args` on this process's CPU: `stage` "hlo" is tf2xla's output before XLA's
+    own passes. The function is registered for the call only."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx.ensure_initialized()
+    for f in library.function:
+        if not ctx.has_function(f.signature.name):
+            ctx.add_function_def(f)
+    ctx.add_function_def(function_def)
+    try:
+        ir = ctx.get_compiler_ir(device_name="/job:localhost/replica:0/task:0/device:CPU:0", platform_name=None,
+                                 function_name=function_def.signature.name, flat_args=args, captured_inputs=[],
+                                 stage=stage)
+    finally:
+        ctx.remove_function(function_def.signature.name)
+    return ir.decode() if isinstance(ir, bytes) else ir
+
+
+def current_device() -> str:
+    """The device the innermost `tf.device` scope (or a strategy's variable placement) names now."""
+    from tensorflow.python.eager import context
+
+    return context.context().device_name or ""
+
+
+def tpu_core_devices(strategy) -> list[str]:
+    """The device of each logical core of a TPUStrategy's first replica (TF 2.20's private
+    `extended._tpu_devices[replica][core]`)."""
+    return [str(d) for d in strategy.extended._tpu_devices[0]]  # noqa: SLF001
+
+
+def replica_handles(variable) -> list:
+    """The resource handles a TPU (or mirrored) variable reaches a traced function by: each replica's
+    copy's, and the packed handle of all of them (TF 2.20's private `_packed_var.packed_handle`, which
+    TPUStrategy passes to a replicated computation)."""
+    handles = [c.handle for c in variable.values]
+    packed = getattr(variable, "_packed_var", None)
+    return handles + ([packed.packed_handle] if packed is not None else [])
+
+
+def adam_moments(optimizer) -> list[tuple]:
+    """(variable, first moment, second moment) per trainable variable of a Keras Adam/AdamW (its private
+    `_trainable_variables`, `_momentums` and `_velocities`, one per variable in that order; Keras
+    variables)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # under LossScaleOptimizer
+    return list(zip(inner._trainable_variables, inner._momentums, inner._velocities))  # noqa: SLF001

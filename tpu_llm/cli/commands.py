@@ -337,8 +337,8 @@ vs simulated), comm (gradient compression and local SGD), families (gpt2 vs llam
 matched size, and the planner on a 1B llama), memory (chunked loss and blockwise attention: XLA's peak
 memory vs the planner, speed, longest context; --only xla|speed|context), data (the input pipeline
 against a v5p-16's demand on configs/gpt2_125m.yaml: throughput, resume time, memory, batch diversity),
-placement (where the train step's matmuls, updates and all-reduces run on a replica's TPU cores for
-each P x T, traced offline through TPUStrategy; docs/pipeline-tensor.md).""",
+placement (where the train step's matmuls, collectives and variables run on a replica's TPU cores for
+each P x T, in the HLO a TPU would compile, made offline through TPUStrategy; docs/pipeline-tensor.md).""",
          suite="which benchmark: " + ", ".join(BENCH_SUITES), data="shakespeare_char: the tinyshakespeare text",
          steps="steps per run (0 = the suite's default)", run_dir="shakespeare_char: keep the run here "
          "(default: a temporary directory)", only="strategies, comm: run only the rows whose name contains this; "
@@ -374,12 +374,12 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
         bench.families(steps=steps or 2000)
     elif suite == "data":  # the input pipeline alone, against a slice's demand
         bench_data.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
-    elif suite == "placement":  # the train step's ops per TPU core, traced offline
+    elif suite == "placement":  # the train step's work per TPU core, compiled offline as a TPU would
         from tpu_llm.tools import placement_audit
 
         problems = [p for audit in placement_audit.run() for p in audit.problems()]
         if problems:
-            raise UserError(f"{len(problems)} placement problem(s), listed above as NOT SPREAD")
+            raise UserError(f"{len(problems)} placement problem(s) in the compiled step, listed above as NOT PLACED")
     else:
         bench.shakespeare_char(data=data, steps=steps or 2000, config=config or "configs/shakespeare_char.yaml",
                                run_dir=run_dir, overrides=overrides)

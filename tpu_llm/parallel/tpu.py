@@ -40,6 +40,8 @@ import tensorflow as tf
 
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizers import REMOTE_OK
+from tpu_llm.tpu_chips import TYPES as _TYPES  # (tools/plan.py and doctor read tpu._TYPES)
+from tpu_llm.tpu_chips import accelerator_type, kind_of_type, pci_tpus
 
 ALTERNATIVES = ("use tpu=local on a TPU VM, tpu=<name> or tpu=grpc://<ip>:8470 for a TPU reached over the "
                 "network, or strategy=auto / mirrored / default to run without one")
@@ -56,25 +58,6 @@ STANDIN_ENV = "TPU_LLM_REMOTE_CPU_STANDIN"
 # URL schemes of storage that a TPU host and this process both reach (TF's own filesystems); file://
 # and ram:// are this machine's, or this process's, alone
 SHARED_SCHEMES = ("gs://", "s3://", "hdfs://", "viewfs://")
-# Google's PCI vendor and TPU device ids, as JAX's hardware detection reads them; the kinds are spelled
-# as perf.TPU_PEAK_TFLOPS (and JAX's device_kind) spell them
-_PCI_KINDS = {"0x0027": "TPU v2/v3", "0x005e": "TPU v4", "0x0062": "TPU v5p", "0x0063": "TPU v5 lite",
-              "0x006f": "TPU v6 lite", "0x0076": "TPU7x"}
-# accelerator-type prefix, device kind, and whether the type counts TensorCores (2 per chip) or chips
-_TYPES = (("v5litepod", "TPU v5 lite", 1), ("v5e", "TPU v5 lite", 1), ("v6e", "TPU v6 lite", 1),
-          ("v5p", "TPU v5p", 2), ("v4", "TPU v4", 2), ("v3", "TPU v3", 2), ("v2", "TPU v2", 2))
-
-
-def _pci_tpus(root: str) -> tuple[int, str | None]:
-    chips, kind = 0, None
-    for vendor in sorted(glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor"))):
-        try:
-            with open(vendor) as v, open(os.path.join(os.path.dirname(vendor), "device")) as d:
-                found = _PCI_KINDS.get(d.read().strip()) if v.read().strip() == "0x1ae0" else None
-        except OSError:
-            continue
-        chips, kind = chips + bool(found), kind or found
-    return chips, kind
 
 
 def _local_evidence(root: str, env: Mapping[str, str]) -> str | None:
@@ -88,7 +71,7 @@ def _local_evidence(root: str, env: Mapping[str, str]) -> str | None:
     if glob.glob(os.path.join(root, "dev/vfio/[0-9]*")) and (
             importlib.util.find_spec("libtpu") or any(map(os.path.exists, libtpu))):
         return "/dev/vfio present and libtpu installed (TPU VM)"
-    chips, kind = _pci_tpus(root)
+    chips, kind = pci_tpus(root)
     if chips:
         return f"{chips} {kind} chip(s) on the PCI bus (TPU VM)"
     try:  # physical devices only: listing logical devices would start the runtime
@@ -128,15 +111,13 @@ def tpu_kind(*, env: Mapping[str, str] | None = None, root: str = "/") -> str:
     and Kaggle export, or the PCI device id of this host's chips (a pod's worker 0 is a host too).
     """
     env = os.environ if env is None else env
-    accelerator = (env.get("TPU_ACCELERATOR_TYPE") or env.get("ACCELERATOR_TYPE") or "").lower()
-    return next((kind for prefix, kind, _ in _TYPES if accelerator.startswith(prefix)), None) \
-        or _pci_tpus(root)[1] or "TPU"
+    return kind_of_type(accelerator_type(env)) or pci_tpus(root)[1] or "TPU"
 
 
 def _slice_name(kind: str, topology, env: Mapping[str, str]) -> str:
     """`v4-8`, `v5litepod-16`, ...; TF shows v4/v5p chips as one (megacore) device, v2/v3 as two."""
-    if env.get("TPU_ACCELERATOR_TYPE") or env.get("ACCELERATOR_TYPE"):
-        return env.get("TPU_ACCELERATOR_TYPE") or env["ACCELERATOR_TYPE"]
+    if accelerator_type(env):
+        return accelerator_type(env)
     chips = topology.num_tasks * topology.num_tpus_per_task // int(topology.mesh_shape[3])
     return next((f"{prefix}-{chips * per_chip}" for prefix, known, per_chip in _TYPES if known == kind), "")
 

@@ -1,0 +1,42 @@
+"""Which TPU generation this machine has, from what it shows without TensorFlow: the accelerator type
+that GKE and Kaggle export, and the PCI device ids of its chips. No TensorFlow here: cli/pjrt.py reads
+it before TensorFlow is imported (parallel/tpu.py too, after)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Mapping
+
+# Google's PCI vendor and TPU device ids, as JAX's hardware detection reads them; the kinds are spelled
+# as perf.TPU_PEAK_TFLOPS (and JAX's device_kind) spell them
+GOOGLE_VENDOR = "0x1ae0"
+PCI_KINDS = {"0x0027": "TPU v2/v3", "0x005e": "TPU v4", "0x0062": "TPU v5p", "0x0063": "TPU v5 lite",
+             "0x006f": "TPU v6 lite", "0x0076": "TPU7x"}
+# accelerator-type prefix, device kind, and whether the type counts TensorCores (2 per chip) or chips
+TYPES = (("v5litepod", "TPU v5 lite", 1), ("v5e", "TPU v5 lite", 1), ("v6e", "TPU v6 lite", 1),
+         ("v5p", "TPU v5p", 2), ("v4", "TPU v4", 2), ("v3", "TPU v3", 2), ("v2", "TPU v2", 2))
+
+
+def pci_tpus(root: str = "/") -> tuple[int, str | None]:
+    """(TPU chips on this machine's PCI bus, the first one's kind); `root` holds sys/ (tests)."""
+    chips, kind = 0, None
+    for vendor in sorted(glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor"))):
+        try:
+            with open(vendor) as v, open(os.path.join(os.path.dirname(vendor), "device")) as d:
+                found = PCI_KINDS.get(d.read().strip()) if v.read().strip() == GOOGLE_VENDOR else None
+        except OSError:
+            continue
+        chips, kind = chips + bool(found), kind or found
+    return chips, kind
+
+
+def accelerator_type(env: Mapping[str, str]) -> str:
+    """The accelerator type GKE (TPU_ACCELERATOR_TYPE) or Kaggle (ACCELERATOR_TYPE) exports, or ""."""
+    return (env.get("TPU_ACCELERATOR_TYPE") or env.get("ACCELERATOR_TYPE") or "").strip()
+
+
+def kind_of_type(accelerator: str) -> str | None:
+    """The device kind of an accelerator type (`v5litepod-8` -> "TPU v5 lite"), None if unknown."""
+    accelerator = accelerator.lower()
+    return next((kind for prefix, kind, _ in TYPES if accelerator.startswith(prefix)), None)
