@@ -23,7 +23,7 @@ from tpu_llm.parallel import pipeline, tpu
 from tpu_llm.parallel.distribute import Placement
 from tpu_llm.tools import compiled_step, offline_tpu, placement_audit, plan
 from tpu_llm.tools.offline_tpu import build_step
-from tpu_llm.training.controller import build_run
+from tpu_llm.training.build import build_run
 from tpu_llm.training.optimizer import make_optimizer
 
 
