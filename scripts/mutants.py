@@ -391,7 +391,7 @@ MUTATIONS = [
     M("docs-11-hosts-read-other-batches", "tpu_llm/data/dataset.py",
       "order = seed if seed is not None else", "order = seed + index if seed is not None else",
       "scripts/docs_check.py docs/distributed.md"),
-    M("docs-12-dry-run-needs-outputs", "tpu_llm/cloud/driver.py",
+    M("docs-12-dry-run-needs-outputs", "tpu_llm/cloud/base.py",
       "            if self.dry and required:", "            if False:", "scripts/docs_check.py docs/cloud-tpu.md"),
     M("docs-13-readme-loss-no-run-gives", "README.md",
       "step  25/500 [#-------------------] loss 4.1898 | lr 1.68e-03", "step  25/500 [#-------------------] loss 4.0712 | lr 1.91e-03",

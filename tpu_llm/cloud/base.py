@@ -1,0 +1,186 @@
+"""The Cloud TPU driver's common ground (for tpu_llm/cloud/driver.py): its settings, the terraform and gcloud
+command lines, the Terraform outputs, the TPU's and the queued resource's state. Standard library only.
+
+The commands themselves live by concern: provision.py (tpu-up, tpu-down), launch.py (train, data-upload),
+watch.py (tpu-status, tpu-logs, tpu-ssh, tpu-stop, tensorboard); driver.py puts them together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+
+from tpu_llm.cloud.shell import (LaunchError, Outputs, Runner, check_application_default, check_gcloud_auth,
+                                 check_tool, explain_failure, tfvars_project)
+from tpu_llm.cloud.worker_plan import SETUP_SCRIPT, env, flag
+
+LOCK = os.path.join("infra", "worker-requirements.txt")
+DEFAULT_ZONE = "us-central1-a"  # infra/variables.tf
+
+
+class Cloud:
+    """Settings from the environment and the building blocks every command uses."""
+
+    def __init__(self):
+        self.runner = Runner(flag("DRY_RUN"), fake_state=env("DRY_RUN_TPU_STATE", "READY"))
+        self.dry = self.runner.dry_run
+        self.tf_dir = env("TF_DIR", "infra")
+        self.tfvars = env("TFVARS", os.path.join(self.tf_dir, "terraform.tfvars"))
+        self.outputs_path = env("TF_OUTPUTS", os.path.join(self.tf_dir, ".outputs.json"))
+        self.iap = env("TPU_SSH", "iap") != "internal"
+        self.wait_minutes = float(env("TPU_WAIT_MINUTES", "30"))
+        self.fake_queued = os.environ.get("DRY_RUN_QUEUED_STATE", "ACTIVE").strip()
+        self.poll_seconds = float(env("TPU_POLL_SECONDS", "20"))
+        self.last_run_path = env("TF_LAST_RUN", os.path.join(self.tf_dir, ".last-run.json"))
+
+    # ---------------------------------------------------------------------------------------------
+    # Building blocks
+
+    def terraform(self, *args: str) -> list[str]:
+        return ["terraform", f"-chdir={self.tf_dir}", *args]
+
+    def tf_var_args(self, *extra: str) -> list[str]:
+        rel = os.path.relpath(self.tfvars, self.tf_dir)  # -var-file is read from TF_DIR (-chdir)
+        var_file = os.path.abspath(self.tfvars) if rel.startswith("..") else rel
+        return ["-input=false", "-auto-approve", f"-var-file={var_file}", *extra]
+
+    def gcloud_tpu(self, o: Outputs, verb: str, *args: str, worker: str) -> list[str]:
+        base = ["gcloud", "alpha"] if self.iap else ["gcloud"]  # --tunnel-through-iap is alpha-only
+        route = "--tunnel-through-iap" if self.iap else "--internal-ip"
+        return [*base, "compute", "tpus", "tpu-vm", verb, *args, f"--zone={o['zone']}", f"--project={o['project_id']}",
+                f"--worker={worker}", route]
+
+    def ssh(self, o: Outputs, worker: str, command: str) -> list[str]:
+        return self.gcloud_tpu(o, "ssh", str(o["tpu_name"]), worker=worker) + [f"--command={command}"]
+
+    def scp(self, o: Outputs, local: str, remote: str, worker: str) -> list[str]:
+        return self.gcloud_tpu(o, "scp", local, f"{o['tpu_name']}:{remote}", worker=worker)
+
+    def outputs(self, required: bool = True) -> Outputs | None:
+        if not os.path.exists(self.outputs_path):
+            if self.dry and required:
+                print(f"DRY_RUN: (no {self.outputs_path}: names from {self.tfvars}, <...> for what only exists after "
+                      "`make tpu-up`)", flush=True)
+                return Outputs.preview(read_tfvars(self.tfvars))
+            if required:
+                raise LaunchError(f"no Cloud TPU outputs ({self.outputs_path} not found): run `make tpu-up` first")
+            return None
+        return Outputs.load(self.outputs_path)
+
+    def save_outputs(self) -> Outputs | None:
+        status, text = self.runner.capture(self.terraform("output", "-json"))
+        if self.dry:
+            return self.outputs(required=True)  # a preview from terraform.tfvars when nothing was applied yet
+        if status != 0:
+            raise LaunchError(explain_failure(["terraform"], status, text, {}))
+        with open(self.outputs_path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return Outputs.load(self.outputs_path)
+
+    def tpu_state(self, o: Outputs) -> str:
+        """READY, CREATING, PREEMPTED, ... or "" when the TPU does not exist."""
+        argv = ["gcloud", "compute", "tpus", "tpu-vm", "describe", str(o["tpu_name"]), f"--zone={o['zone']}",
+                f"--project={o['project_id']}", "--format=value(state)"]
+        status, out = self.runner.capture(argv, dry_result=self.runner.fake_state)
+        if status != 0:
+            if re.search(r"NOT_FOUND|not found", out, re.IGNORECASE):
+                return ""
+            raise LaunchError(explain_failure(argv, status, out, o.context()))
+        return out.strip().splitlines()[-1] if out.strip() else ""
+
+    def queued_args(self, o: Outputs, verb: str, *args: str) -> list[str]:
+        return ["gcloud", "compute", "tpus", "queued-resources", verb, queued_name(o), *args, f"--zone={o['zone']}",
+                f"--project={o['project_id']}"]
+
+    def queued_state(self, o: Outputs) -> str:
+        """ACCEPTED, WAITING_FOR_RESOURCES, ACTIVE, FAILED, SUSPENDED, ... or "" when it does not exist."""
+        argv = self.queued_args(o, "describe", "--format=value(state.state)")
+        status, out = self.runner.capture(argv, dry_result=self.fake_queued)
+        if status != 0:
+            if re.search(r"NOT_FOUND|not found", out, re.IGNORECASE):
+                return ""
+            raise LaunchError(explain_failure(argv, status, out, {**o.context(), "what": "queued resource"}))
+        return out.strip().splitlines()[-1] if out.strip() else ""
+
+    def delete_queued(self, o: Outputs, why: str) -> None:
+        """Delete the queued resource and its TPU, ACTIVE or not (the API deletes an ACTIVE queued
+        resource only with force=true: its nodes go first). Nothing to do if it does not exist."""
+        state = self.queued_state(o)
+        if not state:
+            return
+        print(f"{why}: deleting queued resource {queued_name(o)} ({state}) and its TPU with --force", flush=True)
+        self.runner.stream(self.queued_args(o, "delete", "--force", "--quiet"), {**o.context(), "what": "queued resource"})
+
+    def create_queued(self, o: Outputs) -> None:
+        """The queued resource, with gcloud's GA flags: the project's service account (not the Compute
+        Engine default one), spot or reserved, no external IP, the start-up script as metadata."""
+        if o["spot"] and o.get("reserved"):
+            raise LaunchError("spot and reserved exclude each other; set one of them to false in infra/terraform.tfvars")
+        script = self.write_setup_script(o)
+        labels = ",".join(f"{k}={v}" for k, v in sorted(dict(o.get("labels") or {}).items()))
+        argv = self.queued_args(
+            o, "create", f"--node-id={o['tpu_name']}", f"--accelerator-type={o['accelerator_type']}",
+            f"--runtime-version={o['runtime_version']}", f"--network={o['network']}",
+            f"--subnetwork={o['subnetwork']}", "--internal-ips", f"--service-account={o['service_account_email']}",
+            "--scopes=https://www.googleapis.com/auth/cloud-platform", f"--metadata-from-file=startup-script={script}",
+            f"--tags={o['tpu_name']}", *([f"--labels={labels}"] if labels else []),
+            *(["--spot"] if o["spot"] else []), *(["--reserved"] if o.get("reserved") else []),
+            # the request ends with the wait: never a TPU hours later that nobody waits for
+            f"--valid-until-duration={max(60, int(self.wait_minutes * 60))}s")
+        print(f"tpu-up: requesting {o['accelerator_type']} through queued resource {queued_name(o)}; it waits for "
+              "capacity", flush=True)
+        self.runner.stream(argv, {**o.context(), "what": "queued resource"})
+
+    def check_cloud(self, terraform: bool) -> None:
+        if self.dry:
+            if terraform and not os.path.exists(self.tfvars):
+                print(f"DRY_RUN: {self.tfvars} not found: a real run stops here (no project set; `cp "
+                      f"{os.path.join(self.tf_dir, 'terraform.tfvars.example')} {self.tfvars}` and set project_id); "
+                      "the commands below are what it would run with one", flush=True)
+            return
+        if terraform:
+            tfvars_project(self.tfvars)
+        check_tool("gcloud")
+        check_gcloud_auth(self.runner)
+        if terraform:
+            check_tool("terraform")
+            check_application_default(self.runner)
+
+    def write_setup_script(self, o: Outputs) -> str:
+        """The current start-up script (Terraform's rendering of the lock) as build/tpu-llm-setup.sh."""
+        script = os.path.join("build", SETUP_SCRIPT)
+        if not self.dry:
+            os.makedirs("build", exist_ok=True)
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(o["startup_script"])
+        return script
+
+
+def lock_sha256(tf_dir: str) -> str:
+    """sha256 of worker-requirements.txt, as Terraform's sha256() puts it in the workers' ready marker."""
+    path = os.path.join(tf_dir, "worker-requirements.txt")
+    with open(path if os.path.exists(path) else LOCK, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def queued_name(o: Outputs) -> str:
+    return str(o["queued_resource_name"] or f"{o['tpu_name']}-queued")
+
+
+def read_tfvars(path: str) -> dict[str, str]:
+    """Simple `key = "value"` / `key = true` lines of terraform.tfvars (for messages only)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        pairs = re.findall(r'^\s*([a-z_]+)\s*=\s*"?([^"\n#]*?)"?\s*(?:#.*)?$', f.read(), re.MULTILINE)
+    return dict(pairs)
+
+
+def venv_tool(name: str) -> str:
+    """A tool of the Python running this script (the project's .venv under make), relative if possible."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+

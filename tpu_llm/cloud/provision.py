@@ -1,0 +1,198 @@
+"""`make tpu-up` and `make tpu-down` (for tpu_llm/cloud/driver.py): Terraform applies, the queued resource,
+the wait for READY and for every worker's set-up, and the confirmation before buckets go. Standard library only."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+from tpu_llm.cloud.base import DEFAULT_ZONE, Cloud, lock_sha256, queued_name, read_tfvars
+from tpu_llm.cloud.shell import LaunchError, Outputs, explain_failure
+from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
+from tpu_llm.cloud.worker_plan import SETUP_SCRIPT, STATE_DIR, flag
+
+
+class Provision(Cloud):
+    """`make tpu-up` and `make tpu-down`."""
+
+    def up(self) -> None:
+        settings = read_tfvars(self.tfvars)
+        accel, spot = settings.get("accelerator_type", "v5litepod-8"), settings.get("spot", "true") == "true"
+        print(f"tpu-up: this creates billable resources: a {accel} TPU ({'spot' if spot else 'on-demand'}), billed "
+              "for every hour it exists, training or idle, plus a bucket, Cloud NAT and logs. Run `make tpu-down` "
+              "when you are done.", flush=True)
+        self.check_cloud(terraform=True)
+        self.runner.stream(self.terraform("init", "-input=false"))
+        prefix = settings.get("name_prefix", "tpu-llm")
+        context = {"project": settings.get("project_id", "?"), "zone": settings.get("zone", DEFAULT_ZONE),
+                   "accelerator": accel, "family": accel.split("-")[0], "tpu_name": f"{prefix}-tpu", "prefix": prefix}
+        # The APIs first: the plan reads the zone's accelerator types and images from the TPU API
+        # (infra/tpu.tf), which a new project has not enabled yet. A no-op once they are on.
+        self.runner.stream(self.terraform("apply", *self.tf_var_args("-target=google_project_service.apis")), context)
+        replace = []
+        previous = self.outputs(required=False)
+        if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
+            # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs
+            self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
+        if previous and previous["tpu_enabled"]:
+            state = self.tpu_state(previous)
+            if state in ("PREEMPTED", "TERMINATED"):
+                print(f"tpu-up: TPU {previous['tpu_name']} is {state} (a spot TPU was reclaimed); recreating it. "
+                      "The bucket, its checkpoints and the network are kept; `make train` resumes the run.", flush=True)
+                if previous["use_queued_resource"]:
+                    self.delete_queued(previous, "tpu-up")
+                else:
+                    replace = ["-replace=google_tpu_v2_vm.tpu[0]"]
+        self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=true", *replace)), context)
+        self.runner.fake_state = "READY"  # a dry run pretends the apply worked
+        o = self.save_outputs()
+        if o is None:
+            print(f"tpu-up: (dry run without {self.outputs_path}: nothing more to show)")
+            return
+        if o["use_queued_resource"]:
+            queued = self.queued_state(o)
+            if queued in ("FAILED", "SUSPENDED"):
+                self.delete_queued(o, f"tpu-up: queued resource {queued_name(o)} is {queued}")
+                queued = ""
+            if not queued:
+                self.create_queued(o)
+        if o.get("runtime_choice"):
+            print(f"tpu-up: runtime image {o['runtime_choice']}", flush=True)
+        self.wait_ready(o)
+        self.hosts_from_api(o)
+        ensure_key_in_agent(self.runner)  # before the first --worker=all command
+        self.wait_setup(o)
+        print(f"tpu-up: {o['tpu_name']} ({o['accelerator_type']}, {o['worker_count']} worker(s)) is READY in "
+              f"{o['zone']}; bucket {o['bucket_url']}. Next: `make train` (or `make data-upload` first for a "
+              "pod slice).", flush=True)
+
+    def wait_ready(self, o: Outputs) -> None:
+        deadline, last = time.monotonic() + self.wait_minutes * 60, None
+        while True:
+            queued = self.queued_state(o) if o["use_queued_resource"] else ""
+            if queued in ("FAILED", "SUSPENDED"):
+                raise LaunchError(f"queued resource {queued_name(o)} is {queued}: `gcloud compute tpus "
+                                  f"queued-resources describe {queued_name(o)} --zone={o['zone']}` says "
+                                  "why; `make tpu-up` deletes it and requests it again")
+            state = self.tpu_state(o)
+            if state == "READY":
+                return
+            if state in ("PREEMPTED", "TERMINATED"):
+                raise LaunchError(f"TPU {o['tpu_name']} became {state} while starting; run `make tpu-up` again "
+                                  "to recreate it")
+            shown = f"{state or 'not created yet'}" + (f" (queued resource: {queued})" if queued else "")
+            if shown != last:
+                print(f"tpu-up: TPU {o['tpu_name']} is {shown}; waiting for READY", flush=True)
+                last = shown
+            if time.monotonic() > deadline:
+                waited = f"TPU {o['tpu_name']} is still {shown} after {self.wait_minutes:g} minutes"
+                if o["use_queued_resource"] and not flag("KEEP_QUEUED"):
+                    self.delete_queued(o, "tpu-up: gave up waiting")
+                    raise LaunchError(f"{waited}; the queued resource was deleted, so no TPU comes up unattended "
+                                      "later (KEEP_QUEUED=1 keeps it waiting until its valid-until time); `make "
+                                      "tpu-up` requests it again, TPU_WAIT_MINUTES=N waits longer")
+                if o["use_queued_resource"]:
+                    raise LaunchError(f"{waited}; KEEP_QUEUED=1: the queued resource keeps waiting until its "
+                                      "valid-until time and may become a billed TPU: `make tpu-status` shows it, "
+                                      "`make tpu-down` deletes it")
+                raise LaunchError(f"{waited}; run `make tpu-up` again to keep waiting, or `make tpu-down` to give up")
+            time.sleep(self.poll_seconds)
+
+    def wait_setup(self, o: Outputs) -> None:
+        """Wait for the boot-time set-up on every worker; a worker set up for another lock (metadata is
+        updated in place and never re-runs) or a failed one runs the current script, copied first."""
+        rounds = max(1, int(self.wait_minutes * 6))
+        lock = lock_sha256(self.tf_dir)
+        self.runner.stream(self.scp(o, self.write_setup_script(o), SETUP_SCRIPT, worker="all"), o.context())
+        command = (f"for i in $(seq {rounds}); do "
+                   f"if [ -f {STATE_DIR}/ready ] || [ -f {STATE_DIR}/failed ]; then break; fi; sleep 10; done; "
+                   f"if grep -qx 'lock={lock}' {STATE_DIR}/ready 2>/dev/null; then exit 0; fi; "
+                   f"if [ ! -f {STATE_DIR}/ready ] && [ ! -f {STATE_DIR}/failed ]; then "
+                   f"echo \"set-up still running on $(hostname)\"; exit 1; fi; "
+                   f"echo \"set-up on $(hostname) failed or is for another lock; running the current one\"; "
+                   f"sudo bash ~/{SETUP_SCRIPT} && exit 0; tail -n 20 /var/log/tpu-llm-setup.log; exit 1")
+        print(f"tpu-up: waiting for the set-up script (lock {lock[:12]}) on {o['worker_count']} worker(s)", flush=True)
+        try:
+            self.runner.stream(self.ssh(o, "all", command), o.context())
+        except LaunchError as e:
+            raise LaunchError(f"the worker set-up did not finish ({e}); `make tpu-logs LOGS=setup` shows its "
+                              "log, and `make tpu-up` retries it") from None
+
+    def hosts_from_api(self, o: Outputs) -> None:
+        """The host count from the node's network endpoints (one per worker), not the plan's estimate."""
+        argv = ["gcloud", "compute", "tpus", "tpu-vm", "describe", str(o["tpu_name"]), f"--zone={o['zone']}",
+                f"--project={o['project_id']}", "--format=json(networkEndpoints)"]
+        status, out = self.runner.capture(argv, dry_result="{}")
+        try:
+            endpoints = json.loads(out).get("networkEndpoints") or [] if status == 0 and out.strip() else []
+        except ValueError:
+            endpoints = []
+        if endpoints and len(endpoints) != o["worker_count"]:
+            print(f"tpu-up: the TPU API lists {len(endpoints)} hosts ({o['worker_count']} estimated); using "
+                  f"{len(endpoints)}", flush=True)
+            o["worker_count"] = len(endpoints)
+
+    def down(self) -> None:
+        self.check_cloud(terraform=True)
+        destroy_bucket = flag("DESTROY_BUCKET")
+        self.runner.stream(self.terraform("init", "-input=false"))
+        try:
+            o = self.save_outputs()
+        except LaunchError:  # no state yet: nothing of ours to delete outside Terraform
+            o = None
+        if destroy_bucket:  # asked before anything is deleted
+            self.confirm_destroy(o)
+        if o and o["use_queued_resource"]:  # before Terraform: its queued-resource delete has no force
+            self.delete_queued(o, "tpu-down")
+        if not destroy_bucket:
+            self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=false")))
+            o = self.save_outputs()
+            bucket = o["bucket_url"] if o else "the bucket"
+            print(f"tpu-down: the TPU is deleted. Kept: {bucket} (data, checkpoints, TensorBoard logs), the "
+                  "network and the service account (Cloud NAT bills a little per hour; `make tpu-down "
+                  "DESTROY_BUCKET=1` removes everything).", flush=True)
+            return
+        self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=false",
+                                                                     "-var=bucket_force_destroy=true")))
+        self.runner.stream(self.terraform("destroy", *self.tf_var_args("-var=bucket_force_destroy=true")))
+        if not self.dry and os.path.exists(self.outputs_path):
+            os.remove(self.outputs_path)
+        print("tpu-down: everything infra/ created is deleted.", flush=True)
+
+    def confirm_destroy(self, o: Outputs | None) -> None:
+        """Show the buckets DESTROY_BUCKET=1 deletes with how many objects (all versions) they hold,
+        and ask for the data bucket's name, unless YES=1."""
+        buckets = [str(u) for u in ((o or {}).get("bucket_url"), (o or {}).get("log_bucket_url")) if u]
+        if not buckets and self.dry:
+            print(f"DRY_RUN: (no {self.outputs_path}: a real run lists the buckets from `terraform output` with "
+                  "their object counts and asks before deleting; YES=1 skips the question)", flush=True)
+            return
+        if not buckets:
+            raise LaunchError("DESTROY_BUCKET=1: cannot tell which buckets would be deleted (no Terraform outputs); "
+                              "`make tpu-up` first, or delete them by hand after `gcloud storage ls`")
+        print("tpu-down: DESTROY_BUCKET=1 deletes everything infra/ created, and these buckets with every object "
+              "in them (all versions):", flush=True)
+        for url in buckets:
+            argv = ["gcloud", "storage", "ls", "--all-versions", f"{url}/**", f"--project={o['project_id']}"]
+            status, out = self.runner.capture(argv)
+            if status != 0 and not re.search(r"matched no objects|One or more URLs matched no", out):
+                raise LaunchError(explain_failure(argv, status, out, {**o.context(), "what": f"bucket {url}"}))
+            count = sum(1 for line in out.splitlines() if line.startswith("gs://")) if status == 0 else 0
+            print(f"  {url}: {'?' if self.dry else count} object(s)", flush=True)
+        name = buckets[0].removeprefix("gs://")
+        if flag("YES"):
+            print("tpu-down: YES=1: not asking", flush=True)
+            return
+        if self.dry:
+            print(f"DRY_RUN: (a real run asks for the bucket name {name} here; YES=1 skips the question)", flush=True)
+            return
+        if not sys.stdin.isatty():
+            raise LaunchError(f"DESTROY_BUCKET=1 deletes {', '.join(buckets)} with everything in them; nothing was "
+                              "deleted: run it in a terminal to confirm, or add YES=1")
+        answer = input(f"Type the bucket name {name} to delete it all: ").strip()
+        if answer != name:
+            raise LaunchError(f"not confirmed ({answer!r} is not {name}); nothing was deleted")
+
