@@ -47,8 +47,13 @@ output "runtime_choice" {
 }
 
 output "libtpu" {
-  description = "Which libtpu runs: the pinned wheel from the venv (venv, single host) or the pod image's (image)."
+  description = "Which libtpu runs: the pinned wheel in the training process (venv, single host) or the TF worker container's on every host (container, a pod)."
   value       = module.runtime.libtpu_from
+}
+
+output "tf_worker_image" {
+  description = "A pod's TF worker container, which the set-up points every host's TPU runtime at (empty for one host)."
+  value       = module.runtime.tf_worker_image
 }
 
 output "worker_count" {

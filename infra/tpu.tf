@@ -11,19 +11,18 @@
 #
 # Workers have no external IP; they reach the internet through Cloud NAT and Google APIs through
 # Private Google Access. Every worker runs startup.sh.tftpl at boot, which installs exactly the
-# versions of worker-requirements.txt.
+# versions of worker-requirements.txt, and on a pod points the TPU runtime at the TF worker container.
 
 locals {
   startup_script = templatefile("${path.module}/startup.sh.tftpl", {
-    state_dir          = "/opt/tpu-llm"
-    venv               = "/opt/tpu-llm/venv"
-    requirements       = local.worker_requirements
-    tensorflow_version = local.tensorflow_version
-    tpu_name           = local.tpu_name
-    multi_host         = local.multi_host ? "true" : "false"
-    libtpu_version     = local.libtpu_version
-    lock_sha256        = sha256(local.worker_requirements)
-    bucket_url         = "gs://${local.bucket_name}"
+    state_dir            = "/opt/tpu-llm"
+    venv                 = "/opt/tpu-llm/venv"
+    requirements         = local.worker_requirements
+    lock_sha256          = sha256(local.worker_requirements)
+    tpu_name             = local.tpu_name
+    multi_host           = local.multi_host ? "true" : "false"
+    bucket_url           = "gs://${local.bucket_name}"
+    tf_worker_repository = module.runtime.tf_worker_repository
   })
 
   tpu_description = "tpu-llm training slice (${var.accelerator_type}, ${local.runtime_version})"

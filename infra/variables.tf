@@ -57,12 +57,12 @@ variable "accelerator_type" {
 
 variable "runtime_version" {
   type        = string
-  description = "TPU VM software image. Empty: tpu-vm-tf-VERSION[-pod]-pjrt with VERSION the tensorflow-tpu of infra/worker-requirements.txt (Cloud TPU's naming for TensorFlow images); the plan checks that the zone offers it and lists the TensorFlow images there (`gcloud compute tpus tpu-vm versions list --zone=ZONE` does too)."
+  description = "TPU VM software image. Empty: a base image chosen by infra/runtime (one host: the family's, e.g. v2-alpha-tpuv5-lite for v5e or tpu-ubuntu2204-base for v4; a pod: the one Google's TF release tests run that family's pods on), with TensorFlow from infra/worker-requirements.txt; the plan checks that the zone offers it (`gcloud compute tpus tpu-vm versions list --zone=ZONE` lists them)."
   default     = ""
 
   validation {
-    condition     = var.runtime_version == "" || can(regex("^(tpu-vm-|v2-alpha)[a-z0-9.-]*$", var.runtime_version))
-    error_message = "runtime_version must be empty (automatic) or a TPU VM image name such as tpu-vm-tf-2.20.0-pjrt or tpu-vm-tf-2.20.0-pod-pjrt."
+    condition     = var.runtime_version == "" || can(regex("^(tpu-vm-|v2-alpha|tpu-ubuntu)[a-z0-9.-]*$", var.runtime_version))
+    error_message = "runtime_version must be empty (automatic) or a TPU VM image name such as v2-alpha-tpuv5-lite, v2-alpha-tpuv5 or tpu-ubuntu2204-base."
   }
 }
 

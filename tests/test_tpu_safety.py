@@ -76,7 +76,8 @@ output "choice" { value = module.runtime }
 
 
 # Recorded `gcloud compute tpus tpu-vm versions list` names: the TF images stop before 2.20 (Google's
-# "TPU software versions" page lists them up to 2.18, with -v5e-and-v6 suffixes seen for v5e/v6e).
+# "TPU software versions" page lists them up to 2.18, with -v5e-and-v6 suffixes seen for v5e/v6e); the
+# second list has 2.20 TF images too, which no rule takes any more.
 WITHOUT_220 = ["tpu-ubuntu2204-base", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv5", "v2-alpha-tpuv6e",
                "tpu-vm-tf-2.16.1-pjrt", "tpu-vm-tf-2.16.1-pod-pjrt", "tpu-vm-tf-2.18.0-pjrt-v5e-and-v6",
                "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6", "tpu-vm-tf-2.18.0-pod-pjrt"]
@@ -93,19 +94,24 @@ def test_single_host_takes_the_family_base_image_and_the_venv_libtpu(rule):
     assert "base image" in rule(WITHOUT_220, "v5litepod", False)["reason"]
 
 
-def test_pod_takes_the_lock_tensorflow_image_with_a_suffix_of_its_family(rule):
-    assert rule(WITH_220, "v5litepod", True)["runtime_version"] == "tpu-vm-tf-2.20.0-pod-pjrt-v5e-and-v6"
-    assert rule(WITH_220, "v6e", True)["runtime_version"] == "tpu-vm-tf-2.20.0-pod-pjrt-v5e-and-v6"
-    got = rule(WITH_220, "v5p", True)  # a v5e/v6 image is not one for v5p
-    assert (got["runtime_version"], got["problem"], got["libtpu_from"]) == ("tpu-vm-tf-2.20.0-pod-pjrt", "", "image")
+def test_a_pod_takes_the_base_image_of_google_s_tf_release_tests_and_the_tf_worker_container(rule):
+    from tpu_llm.cloud import pod_check
+
+    for family, image in (("v5litepod", "v2-alpha-tpuv5-lite"), ("v5p", "v2-alpha-tpuv5"), ("v4", "v2-alpha-tpuv5"),
+                          ("v6e", "v2-alpha-tpuv6e")):
+        for versions in (WITHOUT_220, WITH_220):  # a TensorFlow pod image in the zone changes nothing
+            got = rule(versions, family, True)
+            assert (got["runtime_version"], got["problem"], got["libtpu_from"]) == (image, "", "container"), got
+            assert got["tf_worker_image"] == pod_check.tf_worker_image("2.20.0")
+    assert "outside Google's TF release tests" in rule(WITH_220, "v6e", True)["reason"]
+    assert "outside" not in rule(WITH_220, "v5p", True)["reason"]
+    assert rule(WITH_220, "v5p", False)["tf_worker_image"] == ""
 
 
-def test_pod_without_a_lock_tensorflow_image_stops_the_plan_naming_what_exists(rule):
-    got = rule(WITHOUT_220, "v5p", True)
-    assert got["runtime_version"] == ""
-    assert got["problem"].startswith("no TensorFlow 2.20.0 pod image (tpu-vm-tf-2.20.0-pod-pjrt[-SUFFIX]) for v5p")
-    assert "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6, tpu-vm-tf-2.18.0-pod-pjrt" in got["problem"]
-    assert "tpu_llm.cloud lock" in got["problem"]
+def test_an_image_the_zone_does_not_offer_stops_the_plan_naming_what_it_offers(rule):
+    got = rule(["tpu-ubuntu2204-base", "tpu-vm-tf-2.16.1-pod-pjrt"], "v5p", True)
+    assert got["problem"] == ("runtime image v2-alpha-tpuv5 is not offered in this zone; offered there: "
+                              "tpu-ubuntu2204-base, tpu-vm-tf-2.16.1-pod-pjrt")
     # the plan stops on it: a precondition of the TPU and of the runtime_version output
     tpu = (INFRA / "tpu.tf").read_text() + (INFRA / "outputs.tf").read_text()
     assert tpu.count("module.runtime.problem ==") == 2
@@ -340,6 +346,9 @@ def test_dry_run_previews_every_target_from_tfvars_alone(tmp_path, target):
     assert cmds, done.stdout
     assert all("--project=fresh-proj" in c for c in cmds), cmds
     assert all("--zone=us-east5-a" in c for c in cmds if c[1:3] != ["storage", "ls"]), cmds
+    if target == "tpu-up":  # the pod set-up is shown before anything is paid for
+        assert ("tpu-up: pod set-up on every worker: tensorflow-tpu from the lock, and the TPU runtime serving "
+                "TensorFlow from gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:tf-2.20.0-pjrt on port 8470") in done.stdout
     if target == "train":  # a 2-host v5p-16: worker 0 against the pod's servers, data from the bucket's shards
         assert any(c[:6] == SCP[:6] for c in cmds)
         assert "--tpu=tpu-llm-tpu" in cmds[-1][-1] and "gs://fresh-proj-tpu-llm/shards/*.tfrecord" in cmds[-1][-1]

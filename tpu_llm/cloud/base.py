@@ -14,9 +14,8 @@ import sys
 
 from tpu_llm.cloud.shell import (LaunchError, Outputs, Runner, check_application_default, check_gcloud_auth,
                                  check_tool, explain_failure, tfvars_project)
-from tpu_llm.cloud.worker_plan import SETUP_SCRIPT, env, flag
+from tpu_llm.cloud.worker_plan import LOCK_PATH, SETUP_SCRIPT, env, flag
 
-LOCK = os.path.join("infra", "worker-requirements.txt")
 DEFAULT_ZONE = "us-central1-a"  # infra/variables.tf
 
 
@@ -161,7 +160,7 @@ class Cloud:
 def lock_sha256(tf_dir: str) -> str:
     """sha256 of worker-requirements.txt, as Terraform's sha256() puts it in the workers' ready marker."""
     path = os.path.join(tf_dir, "worker-requirements.txt")
-    with open(path if os.path.exists(path) else LOCK, "rb") as f:
+    with open(path if os.path.exists(path) else LOCK_PATH, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
 

@@ -11,14 +11,15 @@ script) and deletes it with `--force` before any destroy or re-creation: the pro
 resource can neither take a service account nor delete an ACTIVE queued resource. Standard
 library only.
 
-How training is launched (as Google's own TF-on-TPU test harness does it):
+How training is launched (as Google's own TF-on-TPU test harness does it; worker_plan.py):
   single-host slice  on the VM, `--strategy=tpu --tpu=local`, with PJRT:
-                     NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/lib/libtpu.so
-                     (plus TPU_LIBRARY_PATH=/lib/libtpu.so: tpu_llm/cloud/worker_plan.py says why)
-  multi-host slice   (a -pod runtime image) on worker 0 only, `--strategy=tpu --tpu=NAME`, with
-                     TPU_NAME=NAME TPU_LOAD_LIBRARY=0: the resolver reaches the TF servers that the pod
-                     runtime starts on every host. Their input pipeline cannot run tensorflow-text's
-                     ops, so pods read pre-tokenized TFRecord shards (`make data-upload`).
+                     NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so
+                     (plus TPU_LIBRARY_PATH: the venv's pinned libtpu, which the set-up links there)
+  multi-host slice   on worker 0 only, `--strategy=tpu --tpu=NAME`, with TPU_NAME=NAME TPU_LOAD_LIBRARY=0:
+                     the resolver reaches the TF servers of every host, the TPU runtime's TF worker
+                     container that the set-up points each host at (infra/startup.sh.tftpl). Their input
+                     pipeline cannot run tensorflow-text's ops, so pods read pre-tokenized TFRecord shards
+                     (`make data-upload`).
 The code is copied to every worker and installed there first; the run directory is on the bucket.
 
 Settings come from the environment (the Makefile passes its variables through):

@@ -61,6 +61,9 @@ class Provision(Cloud):
                 self.create_queued(o)
         if o.get("runtime_choice"):
             print(f"tpu-up: runtime image {o['runtime_choice']}", flush=True)
+        if o.get("tf_worker_image"):
+            print(f"tpu-up: pod set-up on every worker: tensorflow-tpu from the lock, and the TPU runtime serving "
+                  f"TensorFlow from {o['tf_worker_image']} on port 8470", flush=True)
         self.wait_ready(o)
         self.hosts_from_api(o)
         ensure_key_in_agent(self.runner)  # before the first --worker=all command

@@ -1,10 +1,11 @@
 """What `make train` runs on TPU worker 0, and the source it copies to every worker (for tpu_llm/cloud/driver.py).
 
   single-host slice  `--strategy=tpu --tpu=local` with the PJRT variables
-                     NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/lib/libtpu.so
-                     (and TPU_LIBRARY_PATH=/lib/libtpu.so, see PJRT_ENV)
-  multi-host slice   `--strategy=tpu --tpu=NAME` with TPU_NAME=NAME TPU_LOAD_LIBRARY=0 (the pod's TF
-                     servers run the input pipeline, so the data must be TFRecord shards on gs://)
+                     NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so
+                     (and TPU_LIBRARY_PATH, see PJRT_ENV): the venv's pinned libtpu, linked there by the set-up
+  multi-host slice   `--strategy=tpu --tpu=NAME` with TPU_NAME=NAME TPU_LOAD_LIBRARY=0: the TF servers are the
+                     TF worker containers the set-up runs on every host (infra/startup.sh.tftpl), and they run
+                     the input pipeline, so the data must be TFRecord shards on gs://
 
 The run is started with nohup (it survives a dropped ssh; `make tpu-logs` re-attaches), after
 `python -m tpu_llm.cloud preflight` checked the bucket and the data from the worker itself. Its log
@@ -24,6 +25,8 @@ STATE_DIR = "/opt/tpu-llm"  # where infra/startup.sh.tftpl installs (state_dir a
 VENV = f"{STATE_DIR}/venv"
 SOURCE_ARCHIVE = "build/tpu-llm-src.tar.gz"
 SETUP_SCRIPT = "tpu-llm-setup.sh"  # the current rendering of infra/startup.sh.tftpl (outputs startup_script)
+PACKED_LOCK = "worker-requirements.txt"  # the checkout's lock, packed beside it: the set-up installs this one
+LOCK_PATH = os.path.join("infra", "worker-requirements.txt")
 SOURCE_FILES = ("pyproject.toml", "README.md", "tpu_llm", "configs")
 TRAIN_LOG = "~/tpu-llm-train.log"
 PID_FILE = "~/tpu-llm-train.pid"
@@ -39,7 +42,7 @@ LOG_COPY = ("nohup bash -c 'while kill -0 \"$0\" 2>/dev/null; do gcloud storage 
 # libtpu~=0.0.14; the lock pins 0.0.14; newer ones, e.g. 0.0.52, make `import tensorflow` abort:
 # "ConfigureDistributedTpuOp_DoWork not available in this library"). The set-up checks its version and
 # links it at LIBTPU; TPU_LIBRARY_PATH makes TensorFlow's own import-time load take that file too.
-# The single-host image is the family's base image, which has no TensorFlow (docs/cloud-tpu.md).
+# Every image is a base image, which has no TensorFlow (docs/cloud-tpu.md).
 LIBTPU = f"{STATE_DIR}/libtpu.so"
 PJRT_ENV = {"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": LIBTPU,
             "TPU_LIBRARY_PATH": LIBTPU}
@@ -161,7 +164,7 @@ def source_paths(config: str) -> list[str]:
 
 
 def pack_source(archive: str, config: str, setup_script: str | None = None) -> None:
-    """source_paths() (and the set-up script, as SETUP_SCRIPT) as a .tar.gz, without caches."""
+    """source_paths() (and the set-up script as SETUP_SCRIPT, the lock as PACKED_LOCK) as a .tar.gz, without caches."""
     os.makedirs(os.path.dirname(archive), exist_ok=True)
     with tarfile.open(archive, "w:gz") as tar:
         for top in source_paths(config):
@@ -170,3 +173,5 @@ def pack_source(archive: str, config: str, setup_script: str | None = None) -> N
                         else info)
         if setup_script:
             tar.add(setup_script, arcname=SETUP_SCRIPT)
+        if os.path.exists(LOCK_PATH):  # the current lock, not the one rendered into the set-up at `make tpu-up`
+            tar.add(LOCK_PATH, arcname=PACKED_LOCK)
