@@ -19,7 +19,9 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 #   TRAIN_ON=auto|tpu|local   where `make train` runs (auto: the TPU if `make tpu-up` made one)
 #   WORKER=N LOGS=train|gcs|setup LOG_LINES=N PORT=6006 DESTROY_BUCKET=1 YES=1 TPU_SSH=iap|internal TPU_WAIT_MINUTES=30
 #   KEEP_QUEUED=1    tpu-up: keep a queued resource waiting past TPU_WAIT_MINUTES (default: delete it then)
-#   DOWN_AFTER=1     train: `make tpu-down` once the run on the TPU ended
+#   DOWN_AFTER=1     train: worker 0 deletes its TPU itself when the run ends or fails (the laptop may go away)
+#   TTL_HOURS=N      train: worker 0 stops the run after N hours (SIGTERM: a checkpoint) and deletes the TPU
+#   FORCE=1          tpu-down: delete the TPU without asking worker 0 whether a run is training there
 CONFIG ?= configs/tiny.yaml
 TPU := $(PYTHON) -m tpu_llm.cloud
 

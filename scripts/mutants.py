@@ -396,6 +396,18 @@ MUTATIONS = [
     M("docs-13-readme-loss-no-run-gives", "README.md",
       "step  25/500 [#-------------------] loss 4.1898 | lr 1.68e-03", "step  25/500 [#-------------------] loss 4.0712 | lr 1.91e-03",
       "scripts/docs_check.py README.md"),
+    # Issue 39: a run that owns its TPU
+    M("owner-skips-teardown", "tpu_llm/cloud/run_owner.py",
+      "        self.copy_log(force=True)\n        self.teardown()\n", "        self.copy_log(force=True)\n",
+      "tests/test_tpu_ownership.py -k deletes_its_tpu"),
+    M("launch-never-attaches", "tpu_llm/cloud/worker_plan.py",
+      """2>/dev/null)\\" != \\"$key\\" ]; then",""", """2>/dev/null)\\" = \\"$key\\" ]; then",""",
+      "tests/test_tpu_ownership.py -k reattaches"),
+    M("tpu-down-asks-nobody", "tpu_llm/cloud/provision.py",
+      'if flag("FORCE") or not o or not o["tpu_enabled"]', 'if True or not o or not o["tpu_enabled"]',
+      "tests/test_tpu_ownership.py -k tpu_down_refuses"),
+    M("pod-runtime-not-restarted", "infra/startup.sh.tftpl",
+      "    systemctl restart tpu-runtime\n", "\n", "tests/test_infra.py -k tpu_runtime"),
 ]
 
 def check(mutations) -> list[str]:

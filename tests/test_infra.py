@@ -239,6 +239,13 @@ def test_service_account_has_no_primitive_project_role(tf):
     assert roles <= {"roles/logging.logWriter", "roles/monitoring.metricWriter", "roles/tpu.viewer"}
     bucket_roles = {unquote(r) for r in tf["locals"]["bucket_roles"]}
     assert not bucket_roles & PRIMITIVE_ROLES
+    # worker 0 deletes its own TPU (DOWN_AFTER=1): a custom role with exactly the delete and the get it needs
+    role = clean(tf["resource"]["google_project_iam_custom_role"]["tpu_self_delete"])
+    assert role["permissions"] == ["tpu.nodes.delete", "tpu.nodes.get"], role["permissions"]
+    binding = clean(members["tpu_self_delete"])
+    assert binding["role"] == "${google_project_iam_custom_role.tpu_self_delete.name}"
+    assert binding["member"] == "serviceAccount:${google_service_account.tpu.email}"
+    assert "${google_project_iam_member.tpu_self_delete}" in sleep["depends_on"]
     for body in tf["resource"]["google_storage_bucket_iam_member"].values():
         assert "allUsers" not in json.dumps(body) and "allAuthenticatedUsers" not in json.dumps(body)
 

@@ -319,7 +319,7 @@ def test_tpu_up_takes_the_host_count_from_the_api(tmp_path):
     assert "(v6e-16, 4 worker(s))" in done.stdout
 
 
-def test_tpu_stop_sends_sigterm_on_worker_0_and_down_after(tmp_path):
+def test_tpu_stop_sends_sigterm_on_worker_0_and_down_after_leaves_the_teardown_to_worker_0(tmp_path):
     single = write_outputs(tmp_path / "o.json", "v4-8", 1)
     done = make("tpu-stop", TF_OUTPUTS=single)
     assert done.returncode == 0, done.stderr
@@ -332,8 +332,11 @@ def test_tpu_stop_sends_sigterm_on_worker_0_and_down_after(tmp_path):
     assert done.returncode == 0, done.stderr
     cmds = commands(done.stdout)
     launch = next(i for i, c in enumerate(cmds) if c[-1].startswith("--command=set -e"))
-    assert [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false"] \
-        in cmds[launch:]
+    assert launch == len(cmds) - 1  # nothing after the launch: this machine deletes nothing
+    delete = f"gcloud compute tpus tpu-vm delete {NAME} --zone=us-central2-b --project=my-proj --quiet --async"
+    assert f"printf '%s\\n' '{delete}' > ~/tpu-llm-run.teardown" in cmds[launch][-1]  # worker 0 does, at the end
+    assert f"train: worker 0 deletes TPU {NAME} when the run ends or fails (DOWN_AFTER=1), as its service account: " \
+           f"{delete}; this machine deletes nothing" in done.stdout
 
 
 @pytest.mark.parametrize("target", ["train", "tpu-status", "tpu-ssh", "tpu-logs", "tpu-stop", "tpu-up"])

@@ -7,6 +7,7 @@ watch.py (tpu-status, tpu-logs, tpu-ssh, tpu-stop, tensorboard); driver.py puts 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -14,9 +15,17 @@ import sys
 
 from tpu_llm.cloud.shell import (LaunchError, Outputs, Runner, check_application_default, check_gcloud_auth,
                                  check_tool, explain_failure, tfvars_project)
-from tpu_llm.cloud.worker_plan import LOCK_PATH, SETUP_SCRIPT, env, flag
+from tpu_llm.cloud.worker_plan import LOCK_PATH, RUN_STATE, SETUP_SCRIPT, env, flag
 
 DEFAULT_ZONE = "us-central1-a"  # infra/variables.tf
+
+
+@dataclasses.dataclass
+class RunState:
+    """What worker 0 says of its run (worker_plan.RUN_STATE)."""
+    alive: bool
+    key: str = ""  # the settings the live run was started with (TrainPlan.run_key)
+    pid: str = ""
 
 
 class Cloud:
@@ -33,6 +42,8 @@ class Cloud:
         self.fake_queued = os.environ.get("DRY_RUN_QUEUED_STATE", "ACTIVE").strip()
         self.poll_seconds = float(env("TPU_POLL_SECONDS", "20"))
         self.last_run_path = env("TF_LAST_RUN", os.path.join(self.tf_dir, ".last-run.json"))
+        # Once a TPU exists: that it bills and how it stops, said last by every failure (driver.main)
+        self.billing = ""
 
     # ---------------------------------------------------------------------------------------------
     # Building blocks
@@ -88,6 +99,18 @@ class Cloud:
                 return ""
             raise LaunchError(explain_failure(argv, status, out, o.context()))
         return out.strip().splitlines()[-1] if out.strip() else ""
+
+    def run_state(self, o: Outputs) -> RunState:
+        """Whether a run lives on worker 0 (its owner process, or a trainer of an older launch), asked over ssh;
+        LaunchError when worker 0 cannot be asked. A dry run pretends DRY_RUN_RUN_STATE (default: idle)."""
+        argv = self.ssh(o, "0", RUN_STATE)
+        status, out = self.runner.capture(argv, dry_result=os.environ.get("DRY_RUN_RUN_STATE", "tpu-llm-run: idle"))
+        line = next((line for line in out.splitlines() if line.startswith("tpu-llm-run: ")), "")
+        if status != 0 or not line:
+            raise LaunchError("cannot tell whether a run is training on worker 0: "
+                              + explain_failure(argv, status, out, o.context()))
+        words = line.split()[1:] + ["", ""]
+        return RunState(words[0] == "alive", words[1], words[2])
 
     def queued_args(self, o: Outputs, verb: str, *args: str) -> list[str]:
         return ["gcloud", "compute", "tpus", "queued-resources", verb, queued_name(o), *args, f"--zone={o['zone']}",
@@ -162,6 +185,13 @@ def lock_sha256(tf_dir: str) -> str:
     path = os.path.join(tf_dir, "worker-requirements.txt")
     with open(path if os.path.exists(path) else LOCK_PATH, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def billing_note(o: Outputs, owned: bool = False) -> str:
+    """The last word of a failure once a TPU exists: it bills, and how it stops."""
+    if owned:
+        return f"worker 0 deletes TPU {o['tpu_name']} when the run ends (DOWN_AFTER=1); `make tpu-status` shows it"
+    return f"TPU {o['tpu_name']} is still up and billing: `make tpu-down` deletes it"
 
 
 def queued_name(o: Outputs) -> str:

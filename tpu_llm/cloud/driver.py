@@ -27,6 +27,8 @@ Settings come from the environment (the Makefile passes its variables through):
   CONFIG, RUN, RUN_DIR, DATA, TOKENIZER, TOKENIZER_MODEL, ARGS   what to train (see the Makefile)
   INPUT, SHARDS, OVERWRITE                                       data-upload
   TRAIN_ON=auto|tpu|local, WORKER, LOGS=train|gcs|setup, PORT, TPU_WAIT_MINUTES
+  DOWN_AFTER=1, TTL_HOURS=N  train: worker 0 deletes its TPU when the run ends (after N hours at most)
+  FORCE=1            tpu-down: delete the TPU without asking worker 0 whether a run is training there
   DESTROY_BUCKET=1 [YES=1]   tpu-down deletes everything, buckets included, after showing what and
                              asking (YES=1: without asking)
   TPU_SSH=iap|internal   ssh through Identity-Aware Proxy (default; needs gcloud's alpha component)
@@ -34,12 +36,14 @@ Settings come from the environment (the Makefile passes its variables through):
   TF_DIR, TFVARS, TF_OUTPUTS   where the Terraform files, variables and saved outputs are
   DRY_RUN_TPU_STATE      the TPU state a dry run pretends `gcloud ... describe` answered (tests)
   DRY_RUN_QUEUED_STATE   the same for the queued resource (default ACTIVE; "" = it does not exist)
+  DRY_RUN_RUN_STATE      what worker 0 says of its run in a dry run (default `tpu-llm-run: idle`)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from tpu_llm.cloud.base import lock_sha256  # noqa: F401 - tests and tools read the lock's hash from here
@@ -65,19 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     launcher = Launcher()
-    actions = {"up": launcher.up, "down": launcher.down, "status": launcher.status, "ssh": launcher.ssh_session, "stop": launcher.stop,
-               "logs": launcher.logs,
-               "tensorboard": launcher.tensorboard, "data-upload": launcher.data_upload,
-               "train": lambda: launcher.train(args.local_command)}
+    actions = {"up": launcher.up, "down": launcher.down, "status": launcher.status, "ssh": launcher.ssh_session,
+               "stop": launcher.stop, "logs": launcher.logs, "tensorboard": launcher.tensorboard,
+               "data-upload": launcher.data_upload, "train": lambda: launcher.train(args.local_command)}
+    # SIGTERM (a closed terminal, a CI timeout) is handled like Ctrl-C: a queued request is withdrawn, and
+    # whatever bills is said
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return actions[args.command]() or 0
     except LaunchError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        note = f"; {launcher.billing}" if launcher.billing and launcher.billing not in str(e) else ""
+        print(f"error: {e}{note}", file=sys.stderr, flush=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted" + (f": {launcher.billing}" if launcher.billing else ""), file=sys.stderr, flush=True)
         return 130
-
 
 if __name__ == "__main__":
     sys.exit(main())

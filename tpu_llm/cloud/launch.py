@@ -9,10 +9,11 @@ import shlex
 import sys
 import time
 
-from tpu_llm.cloud.base import Cloud, venv_tool
+from tpu_llm.cloud.base import Cloud, billing_note, venv_tool
 from tpu_llm.cloud.shell import LaunchError, Outputs
 from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
-from tpu_llm.cloud.worker_plan import INSTALL, SOURCE_ARCHIVE, TrainPlan, env, flag, pack_source, source_paths
+from tpu_llm.cloud.worker_plan import (BUSY, INSTALL, SOURCE_ARCHIVE, SSH_LOST, TrainPlan, env, flag, pack_source,
+                                       source_paths)
 
 
 class Launch(Cloud):
@@ -47,12 +48,7 @@ class Launch(Cloud):
         o, reason = self.decide()
         print(f"train: {reason}", flush=True)
         if o is None:
-            argv = shlex.split(local_command) + shlex.split(env("ARGS"))
-            self.runner.show(argv)
-            if self.dry:
-                return 0
-            sys.stdout.flush()
-            os.execvp(argv[0], argv)
+            return self.train_here(local_command)
         plan = TrainPlan.from_env(o)
         self.check_cloud(terraform=False)
         state = self.tpu_state(o)
@@ -61,38 +57,71 @@ class Launch(Cloud):
                               f"`make train` resumes from the last checkpoint in {plan.run_dir}")
         if state != "READY":
             raise LaunchError(f"TPU {o['tpu_name']} is {state or 'missing'}, not READY: run `make tpu-up`")
+        self.billing = billing_note(o, owned=False)
+        run = self.run_state(o)
+        if run.alive and run.key != plan.run_key():
+            raise LaunchError(f"a run is already training on worker 0 (pid {run.pid}) with other settings: follow "
+                              "it with `make tpu-logs`, or stop it with `make tpu-stop` (it saves a checkpoint) and "
+                              "run `make train` again")
+        if run.alive:
+            print(f"train: a run with these settings is going on worker 0 (pid {run.pid}): attaching to it; nothing "
+                  "is copied or installed", flush=True)
+        else:
+            self.copy_and_install(o, plan)
+        launch = self.ssh(o, "0", plan.remote_script())
+        self.runner.show(launch)
+        if plan.down_after:
+            print(f"train: {owner_note(o, plan)}; this machine deletes nothing", flush=True)
+        if self.dry:
+            return 0
+        self.record_run(plan)
+        return self.after_run(o, plan, _run_attached(launch))
+
+    def train_here(self, local_command: str) -> int:
+        argv = shlex.split(local_command) + shlex.split(env("ARGS"))
+        self.runner.show(argv)
+        if self.dry:
+            return 0
+        sys.stdout.flush()
+        os.execvp(argv[0], argv)
+        return 0  # not reached
+
+    def copy_and_install(self, o: Outputs, plan: TrainPlan) -> None:
+        """The source (with the set-up script and the current lock) to every worker, installed there."""
         setup = self.write_setup_script(o)
         if self.dry:
-            print(f"DRY_RUN: (would pack {', '.join(source_paths(plan.config))} and {setup} into {SOURCE_ARCHIVE})")
+            print(f"DRY_RUN: (would pack {', '.join(source_paths(plan.config))}, {setup} and the lock into "
+                  f"{SOURCE_ARCHIVE})")
         else:
             pack_source(SOURCE_ARCHIVE, plan.config, setup)
         ensure_key_in_agent(self.runner)  # before the first --worker=all command
         context = o.context()
         self.runner.stream(self.scp(o, SOURCE_ARCHIVE, "tpu-llm-src.tar.gz", worker="all"), context)
         self.runner.stream(self.ssh(o, "all", INSTALL), context)
-        launch = self.ssh(o, "0", plan.remote_script())
-        self.runner.show(launch)
-        if not self.dry:
-            self.record_run(plan)
-        down_after = flag("DOWN_AFTER")
-        if self.dry:
-            if down_after:
-                print("DRY_RUN: (DOWN_AFTER=1: when the run ends, `make tpu-down` follows:)", flush=True)
-                self.down()
+
+    def after_run(self, o: Outputs, plan: TrainPlan, status: int | None) -> int:
+        """What the launch's exit status means; the TPU is never deleted from here (worker 0 owns it)."""
+        if plan.down_after and status != BUSY:  # the owner started, and deletes the TPU at the run's end
+            self.billing = billing_note(o, owned=True)
+        if status is None:  # Ctrl-C: the terminal detached, the run goes on
+            print(f"\ntrain: detached; the run goes on on worker 0 (`make tpu-logs` follows it, `make train` with "
+                  f"the same settings attaches again); {self.billing}", flush=True)
             return 0
-        status = _run_attached(launch)
-        if status is None:  # detached: the run goes on
-            if down_after:
-                print("train: DOWN_AFTER=1 is not honoured after a detach: the run goes on and the TPU bills; "
-                      "`make tpu-down` when it ends", flush=True)
-            return 0
-        if down_after:
-            print(f"train: the run ended (exit status {status}); DOWN_AFTER=1: deleting the TPU", flush=True)
-            self.down()
+        if status == SSH_LOST:
+            if plan.down_after:
+                self.billing += "; if the run never started, `make tpu-down` deletes it"
+            raise LaunchError("the connection to worker 0 dropped (ssh exit 255, after gcloud's own retries): a run it "
+                              "started goes on there; `make tpu-logs` follows it, `make train` with the same settings "
+                              "attaches to it (or starts it, if it never started), `make tpu-status` shows the TPU")
+        if status == BUSY:
+            raise LaunchError("a run with other settings started on worker 0 meanwhile: follow it with `make tpu-logs`, "
+                              "or stop it with `make tpu-stop`")
         if status != 0:
-            raise LaunchError(f"training on worker 0 stopped with exit status {status} (its output is above; "
-                              f"`make tpu-logs` shows the log); the run directory {plan.run_dir} keeps its "
-                              "checkpoints, so `make train` resumes once the cause is fixed")
+            raise LaunchError(f"training on worker 0 stopped with exit status {status} (its output is above; `make "
+                              f"tpu-logs` shows the log); the run directory {plan.run_dir} keeps its checkpoints, so "
+                              "`make train` resumes once the cause is fixed")
+        print(f"train: the run ended; {self.billing}", flush=True)
+        self.billing = ""  # said: main() need not repeat it
         return 0
 
     def data_upload(self) -> int:
@@ -119,7 +148,7 @@ class Launch(Cloud):
 
 def _run_attached(argv: list[str]) -> int | None:
     """Run the launch ssh (already shown) with the terminal attached; its exit status, None when Ctrl-C
-    detached."""
+    (or SIGTERM) detached."""
     import subprocess
 
     try:
@@ -127,6 +156,10 @@ def _run_attached(argv: list[str]) -> int | None:
     except FileNotFoundError:
         raise LaunchError(f"{argv[0]} not found on PATH") from None
     except KeyboardInterrupt:
-        print("\ntrain: detached; training goes on on worker 0 (`make tpu-logs` follows it)", flush=True)
         return None
 
+
+def owner_note(o: Outputs, plan: TrainPlan) -> str:
+    limit = f", or after TTL_HOURS={plan.ttl_hours:g} (it stops the run first)" if plan.ttl_hours > 0 else ""
+    return (f"worker 0 deletes TPU {o['tpu_name']} when the run ends or fails{limit} (DOWN_AFTER=1), as its "
+            f"service account: {shlex.join(plan.teardown_argv())}")

@@ -9,7 +9,7 @@ import re
 import sys
 import time
 
-from tpu_llm.cloud.base import DEFAULT_ZONE, Cloud, lock_sha256, queued_name, read_tfvars
+from tpu_llm.cloud.base import DEFAULT_ZONE, Cloud, billing_note, lock_sha256, queued_name, read_tfvars
 from tpu_llm.cloud.shell import LaunchError, Outputs, explain_failure
 from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
 from tpu_llm.cloud.worker_plan import SETUP_SCRIPT, STATE_DIR, flag
@@ -36,6 +36,7 @@ class Provision(Cloud):
         previous = self.outputs(required=False)
         if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
             # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs
+            self.refuse_if_run_alive(previous, "tpu-up")
             self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
         if previous and previous["tpu_enabled"]:
             state = self.tpu_state(previous)
@@ -65,6 +66,7 @@ class Provision(Cloud):
             print(f"tpu-up: pod set-up on every worker: tensorflow-tpu from the lock, and the TPU runtime serving "
                   f"TensorFlow from {o['tf_worker_image']} on port 8470", flush=True)
         self.wait_ready(o)
+        self.billing = billing_note(o)  # from here on, every failure says it
         self.hosts_from_api(o)
         ensure_key_in_agent(self.runner)  # before the first --worker=all command
         self.wait_setup(o)
@@ -146,6 +148,7 @@ class Provision(Cloud):
             o = self.save_outputs()
         except LaunchError:  # no state yet: nothing of ours to delete outside Terraform
             o = None
+        self.refuse_if_run_alive(o, "tpu-down")
         if destroy_bucket:  # asked before anything is deleted
             self.confirm_destroy(o)
         if o and o["use_queued_resource"]:  # before Terraform: its queued-resource delete has no force
@@ -164,6 +167,20 @@ class Provision(Cloud):
         if not self.dry and os.path.exists(self.outputs_path):
             os.remove(self.outputs_path)
         print("tpu-down: everything infra/ created is deleted.", flush=True)
+
+    def refuse_if_run_alive(self, o: Outputs | None, target: str) -> None:
+        """This machine never deletes a TPU whose run is alive: worker 0 is asked first (FORCE=1: not asked)."""
+        if flag("FORCE") or not o or not o["tpu_enabled"] or self.tpu_state(o) != "READY":
+            return  # preempted, creating or gone: no run lives there
+        try:
+            run = self.run_state(o)
+        except LaunchError as e:
+            raise LaunchError(f"{e}; nothing was deleted, and TPU {o['tpu_name']} is billing: fix the connection, or "
+                              f"`make {target} FORCE=1` deletes it without asking worker 0") from None
+        if run.alive:
+            raise LaunchError(f"a run is training on TPU {o['tpu_name']} (worker 0, pid {run.pid}); nothing was "
+                              f"deleted: `make tpu-stop` stops it (it saves a checkpoint), then `make {target}`; "
+                              f"`make {target} FORCE=1` deletes the TPU under the run")
 
     def confirm_destroy(self, o: Outputs | None) -> None:
         """Show the buckets DESTROY_BUCKET=1 deletes with how many objects (all versions) they hold,

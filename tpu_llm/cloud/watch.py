@@ -9,7 +9,7 @@ import re
 
 from tpu_llm.cloud.base import Cloud, queued_name, venv_tool
 from tpu_llm.cloud.shell import LaunchError, Outputs, explain_failure
-from tpu_llm.cloud.worker_plan import LOG_DIR, PID_FILE, TRAIN_LOG, default_run_dir, env
+from tpu_llm.cloud.worker_plan import LOG_DIR, PID_FILE, RUN_FILES, TRAIN_LOG, default_run_dir, env
 
 
 class Watch(Cloud):
@@ -76,10 +76,13 @@ class Watch(Cloud):
         command = (f"if [ -f {PID_FILE} ] && kill -0 \"$(cat {PID_FILE})\" 2>/dev/null; then pid=$(cat {PID_FILE}); "
                    "kill -TERM \"$pid\"; echo \"tpu-stop: SIGTERM sent to $pid; waiting for its checkpoint\"; "
                    "for i in $(seq 600); do kill -0 \"$pid\" 2>/dev/null || { echo 'tpu-stop: the run stopped'; "
-                   "exit 0; }; sleep 1; done; echo 'tpu-stop: still running after 10 minutes' >&2; exit 1; "
+                   f"[ -f {RUN_FILES['teardown']} ] && echo 'tpu-stop: it was started with DOWN_AFTER=1 or "
+                   "TTL_HOURS: worker 0 deletes the TPU now'; exit 0; }; sleep 1; done; "
+                   "echo 'tpu-stop: still running after 10 minutes' >&2; exit 1; "
                    "else echo 'tpu-stop: no run is training on worker 0'; fi")
         self.runner.stream(self.ssh(o, "0", command), o.context())
-        print("tpu-stop: the TPU still exists and bills: `make tpu-down` deletes it", flush=True)
+        print("tpu-stop: unless worker 0 said above that it deletes it, the TPU still exists and bills: `make tpu-down` "
+              "deletes it", flush=True)
         return 0
 
     def ssh_session(self) -> int:

@@ -1,0 +1,248 @@
+"""Issue 39: a run that owns its TPU, nothing billing unseen, no silent replacement, pods on base images.
+
+Against recorded gcloud/terraform behaviour, offline:
+  - the launch script `make train` sends to worker 0 (from its DRY_RUN line), run here with bash in a
+    scratch HOME, with a fake trainer and a fake gcloud; gcloud re-runs a TPU ssh command whose ssh
+    exits 255 (command_lib/compute/tpus/tpu_vm/ssh_utils.py), so the script runs twice on one run;
+  - the driver itself (`python -m tpu_llm.cloud ...`) with fake gcloud/terraform on PATH: a dropped
+    launch connection, Ctrl-C (SIGINT) or SIGTERM while a queued resource waits, a plan that would
+    replace a running TPU (`terraform show -json` of a saved plan, as Terraform 1.x prints it);
+  - infra/runtime's image rule, applied by the Terraform binary to a zone list without 2.20 pod images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_tpu_launch import (NAME, PROJECT, ZONE, clean_env, commands, fake_cloud, make, one_error_line, outputs_json,
+                             remote, write_outputs)
+from test_tpu_safety import rule  # noqa: F401 - the fixture: infra/runtime applied alone by the Terraform binary
+
+pytestmark = pytest.mark.slow  # bash, the driver and terraform in subprocesses
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = "/opt/tpu-llm/venv/bin"
+DELETE = f"gcloud compute tpus tpu-vm delete {NAME} --zone={ZONE} --project={PROJECT} --quiet --async"
+
+FAKE_TRAINER = """#!/bin/bash
+echo "fake trainer started: $*"
+trap 'echo "fake trainer: SIGTERM, checkpoint saved"; exit 143' TERM
+while [ -n "${FAKE_RELEASE:-}" ] && [ ! -f "$FAKE_RELEASE" ]; do sleep 0.1 & wait $!; done
+echo "fake trainer: done"
+exit "${FAKE_STATUS:-0}"
+"""
+
+
+def single_host(tmp_path: Path) -> tuple[Path, Path]:
+    """The saved outputs of a single-host TPU that exists, and a terraform.tfvars for it."""
+    tfvars = tmp_path / "terraform.tfvars"
+    tfvars.write_text(f'project_id = "{PROJECT}"\nzone = "{ZONE}"\n')
+    return write_outputs(tmp_path / "o.json", "v4-8", 1), tfvars
+
+
+def launch_script(tmp_path: Path, **env) -> str:
+    """The script `make train` runs on worker 0 of a single-host TPU (DRY_RUN), with `env` settings."""
+    outputs, tfvars = single_host(tmp_path)
+    done = make("train", TF_OUTPUTS=outputs, TFVARS=tfvars, **env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (launch,) = [c for c in commands(done.stdout) if c[-1].startswith("--command=set -e")]
+    return "\n".join(remote(launch))
+
+
+class Worker0:
+    """A scratch HOME standing in for worker 0: the venv's python is this one, the trainer a fake, gcloud a
+    fake that logs its arguments (log copies and deletes)."""
+
+    def __init__(self, tmp_path: Path, script: str):
+        self.home, self.bin = tmp_path / "home", tmp_path / "worker-bin"
+        (self.home / "tpu-llm").mkdir(parents=True)
+        self.bin.mkdir()
+        self.calls = tmp_path / "worker-calls.log"
+        (self.bin / "gcloud").write_text(f'#!/bin/sh\necho "gcloud $*" >> {self.calls}\n')
+        (self.bin / "tpu-llm").write_text(FAKE_TRAINER)
+        for tool in self.bin.iterdir():
+            tool.chmod(0o755)
+        self.release = tmp_path / "release"
+        self.script = (script.replace(f"{VENV_BIN}/python -m tpu_llm.cloud preflight", "true")
+                       .replace(f"{VENV_BIN}/python", sys.executable).replace(f"{VENV_BIN}/tpu-llm", str(self.bin / "tpu-llm")))
+
+    def env(self, **extra) -> dict:
+        return {**os.environ, "HOME": str(self.home), "PATH": f"{self.bin}:{os.environ['PATH']}",
+                "PYTHONPATH": str(ROOT), **{k: str(v) for k, v in extra.items()}}
+
+    def start(self, **extra) -> subprocess.Popen:
+        return subprocess.Popen(["bash", "-c", self.script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=self.env(**extra), start_new_session=True)
+
+    def log(self) -> str:
+        path = self.home / "tpu-llm-train.log"
+        return path.read_text() if path.exists() else ""
+
+    def deletes(self) -> list[str]:
+        calls = self.calls.read_text().splitlines() if self.calls.exists() else []
+        return [c for c in calls if " delete " in c]
+
+    def wait_for(self, text: str, seconds: float = 30) -> None:
+        deadline = time.monotonic() + seconds
+        while text not in self.log():
+            assert time.monotonic() < deadline, f"{text!r} never appeared in the log:\n{self.log()}"
+            time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker 0 owns the run, and the TPU with DOWN_AFTER=1
+
+
+@pytest.mark.parametrize("status", [0, 1], ids=["run-ends", "run-fails"])
+def test_worker_0_deletes_its_tpu_when_the_run_ends_or_fails(tmp_path, status):
+    worker = Worker0(tmp_path, launch_script(tmp_path, DOWN_AFTER="1"))
+    done = subprocess.run(["bash", "-c", worker.script], capture_output=True, text=True, timeout=120,
+                          env=worker.env(FAKE_STATUS=status))
+    assert done.returncode == status, done.stdout + done.stderr
+    assert "fake trainer: done" in done.stdout  # the log streamed back to the laptop
+    assert worker.deletes() == [DELETE], worker.calls.read_text()
+    log = worker.log()
+    assert f"the run ended with exit status {status}" in log and "delete requested" in log
+
+
+def test_without_down_after_nothing_is_deleted(tmp_path):
+    worker = Worker0(tmp_path, launch_script(tmp_path))
+    done = subprocess.run(["bash", "-c", worker.script], capture_output=True, text=True, timeout=120, env=worker.env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert worker.deletes() == []
+    assert any(c.startswith("gcloud storage cp --quiet") for c in worker.calls.read_text().splitlines())  # the log copy
+
+
+def test_ttl_hours_stops_the_run_and_deletes_the_tpu(tmp_path):
+    worker = Worker0(tmp_path, launch_script(tmp_path, TTL_HOURS="0.0003"))  # about a second
+    done = subprocess.run(["bash", "-c", worker.script], capture_output=True, text=True, timeout=120,
+                          env=worker.env(FAKE_RELEASE=tmp_path / "never"))
+    assert done.returncode == 143, done.stdout + done.stderr  # SIGTERM: the trainer saved and stopped
+    assert "TTL_HOURS=0.0003 reached: SIGTERM to the run" in worker.log()
+    assert "fake trainer: SIGTERM, checkpoint saved" in worker.log()
+    assert worker.deletes() == [DELETE]
+
+
+def test_a_dropped_connection_reattaches_and_deletes_nothing_while_the_run_lives(tmp_path):
+    worker = Worker0(tmp_path, launch_script(tmp_path, DOWN_AFTER="1"))
+    first = worker.start(FAKE_RELEASE=worker.release)
+    worker.wait_for("fake trainer started")
+    os.killpg(first.pid, signal.SIGHUP)  # the ssh session drops: its processes get SIGHUP
+    first.wait(timeout=30)
+    second = worker.start(FAKE_RELEASE=worker.release)  # gcloud runs the same command again
+    time.sleep(2)
+    assert second.poll() is None, second.stdout.read()  # attached, not refused
+    assert worker.deletes() == []  # the run lives: nothing deleted
+    worker.release.touch()
+    out, _ = second.communicate(timeout=60)
+    assert second.returncode == 0, out
+    assert worker.log().count("fake trainer started") == 1  # one run, not two
+    assert worker.deletes() == [DELETE]
+
+
+def test_a_second_make_train_with_other_settings_is_refused_while_a_run_lives(tmp_path):
+    worker = Worker0(tmp_path, launch_script(tmp_path))
+    first = worker.start(FAKE_RELEASE=worker.release)
+    worker.wait_for("fake trainer started")
+    (tmp_path / "b").mkdir()
+    other = Worker0(tmp_path / "b", launch_script(tmp_path / "b", RUN="other")).script.replace(str(tmp_path / "b"),
+                                                                                                 str(tmp_path))
+    done = subprocess.run(["bash", "-c", other], capture_output=True, text=True, timeout=60, env=worker.env())
+    assert done.returncode == 75 and "a run is already training on worker 0" in done.stdout + done.stderr
+    worker.release.touch()
+    first.communicate(timeout=60)
+
+
+# --------------------------------------------------------------------------------------------------
+# The laptop side: a dropped launch connection deletes nothing
+
+
+def test_a_lost_launch_connection_with_down_after_deletes_nothing(tmp_path):
+    single, tfvars = single_host(tmp_path)
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[
+        ("compute tpus tpu-vm describe*", 0, "READY"),
+        ("*tpu-vm ssh*--command=set -e*", 255, "Connection closed by remote host.\nRetrying: SSH command error."),
+        ("*echo tpu-llm-run:*", 0, "tpu-llm-run: idle")],
+        terraform=[("*output -json*", 0, outputs_json(single))])
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "train"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=clean_env(PATH=bin_dir, TF_OUTPUTS=single, TFVARS=tfvars, DOWN_AFTER=1,
+                                                  SSH_AUTH_SOCK="", TF_LAST_RUN=tmp_path / "last.json"))
+    deletes = [c for c in log.read_text().splitlines()
+               if c.startswith(("gcloud compute tpus tpu-vm delete", "gcloud compute tpus queued-resources delete"))
+               or (c.startswith("terraform") and ("tpu_enabled=false" in c or " destroy" in c))]
+    assert deletes == [], deletes
+    line = one_error_line(done)
+    assert "a run it started goes on there" in line and f"worker 0 deletes TPU {NAME} when the run ends" in line
+
+
+# --------------------------------------------------------------------------------------------------
+# A pod plans on a zone without any TensorFlow pod image
+
+
+def test_a_pod_plans_on_base_images_where_no_tf_pod_image_exists(rule):
+    zone = ["tpu-ubuntu2204-base", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv5", "v2-alpha-tpuv6e",
+            "tpu-vm-tf-2.16.1-pjrt", "tpu-vm-tf-2.16.1-pod-pjrt", "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6"]
+    for family, image in (("v5p", "v2-alpha-tpuv5"), ("v5litepod", "v2-alpha-tpuv5-lite"), ("v4", "v2-alpha-tpuv5")):
+        got = rule(zone, family, True)
+        assert (got["runtime_version"], got["problem"]) == (image, ""), got
+
+
+# --------------------------------------------------------------------------------------------------
+# make tpu-down asks worker 0 first
+
+
+def test_tpu_down_refuses_while_a_run_lives_unless_forced(tmp_path):
+    single, tfvars = single_host(tmp_path)
+    done = make("tpu-down", TF_OUTPUTS=single, TFVARS=tfvars, DRY_RUN_RUN_STATE="tpu-llm-run: alive 0123456789ab 4242")
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert f"a run is training on TPU {NAME} (worker 0, pid 4242); nothing was deleted: `make tpu-stop`" in line
+    assert "`make tpu-down FORCE=1` deletes the TPU under the run" in line
+    assert not [c for c in commands(done.stdout) if "apply" in c]
+    done = make("tpu-down", TF_OUTPUTS=single, TFVARS=tfvars, DRY_RUN_RUN_STATE="tpu-llm-run: alive 0123456789ab 4242",
+                FORCE="1")
+    assert done.returncode == 0, done.stderr
+    assert not [c for c in commands(done.stdout) if c[-1].startswith("--command=for f in")]  # not asked
+    assert [c for c in commands(done.stdout) if "-var=tpu_enabled=false" in c]
+
+
+def test_tpu_down_cannot_ask_worker_0_and_says_the_tpu_bills(tmp_path):
+    single, tfvars = single_host(tmp_path)
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[
+        ("compute tpus tpu-vm describe*", 0, "READY"),
+        ("*tpu-vm ssh*", 255, "ERROR: (gcloud.alpha.compute.tpus.tpu-vm.ssh) Error while connecting [4033: 'not "
+                              "authorized']")], terraform=[("*output -json*", 0, outputs_json(single))])
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "down"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=clean_env(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "saved.json"))
+    line = one_error_line(done)
+    assert "cannot tell whether a run is training on worker 0: ssh through Identity-Aware Proxy failed" in line
+    assert f"nothing was deleted, and TPU {NAME} is billing" in line and "FORCE=1" in line
+    assert "tpu_enabled=false" not in log.read_text()
+
+
+def test_a_failing_delete_is_retried_then_said_in_the_log(tmp_path, monkeypatch):
+    from tpu_llm.cloud import run_owner
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "gcloud").write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in *delete*) '
+                                    'echo "ERROR: PERMISSION_DENIED: tpu.nodes.delete" >&2; exit 1 ;; esac\n')
+    (bin_dir / "gcloud").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    (tmp_path / run_owner.TEARDOWN_FILE).write_text(DELETE + "\n")
+    log = tmp_path / "train.log"
+    status = run_owner.main([f"--log={log}", f"--home={tmp_path}", "--attempts=2", "--retry-seconds=0",
+                             "--log-url=gs://b/l.log", "--", "sh", "-c", "echo trained; exit 3"])
+    assert status == 3 and (tmp_path / run_owner.STATUS_FILE).read_text() == "3\n"
+    text = log.read_text()
+    assert "trained" in text and "the run ended with exit status 3" in text
+    assert "delete attempt 2 of 2 failed: ERROR: PERMISSION_DENIED: tpu.nodes.delete" in text
+    assert "could not delete this TPU; it is billing: run `make tpu-down` on your machine" in text
+    deletes = [c for c in calls.read_text().splitlines() if c.startswith("compute tpus tpu-vm delete")]
+    assert len(deletes) == 2 and calls.read_text().splitlines()[-1].startswith("storage cp")  # the log says it too
