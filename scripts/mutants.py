@@ -406,6 +406,9 @@ MUTATIONS = [
     M("tpu-down-asks-nobody", "tpu_llm/cloud/provision.py",
       'if flag("FORCE") or not o or not o["tpu_enabled"]', 'if True or not o or not o["tpu_enabled"]',
       "tests/test_tpu_ownership.py -k tpu_down_refuses"),
+    M("interrupt-leaves-the-request", "tpu_llm/cloud/provision.py",
+      "        except KeyboardInterrupt:\n            self.withdraw_queued(o)\n",
+      "        except KeyboardInterrupt:\n            raise\n", "tests/test_tpu_ownership.py -k interrupted"),
     M("pod-runtime-not-restarted", "infra/startup.sh.tftpl",
       "    systemctl restart tpu-runtime\n", "\n", "tests/test_infra.py -k tpu_runtime"),
 ]

@@ -378,7 +378,9 @@ def test_ssh_logs_tensorboard_data_upload(single):
         [*SSH, "--worker=all", "--tunnel-through-iap", "--command=tail -n 50 /var/log/tpu-llm-setup.log"]]
     assert commands(make("tpu-status", TF_OUTPUTS=single).stdout) == [
         ["gcloud", "compute", "tpus", "tpu-vm", "describe", NAME, *IAP, "--format=json"],
-        ["gcloud", "storage", "ls", f"{BUCKET}/runs/tiny/logs/train-*.log", f"--project={PROJECT}"]]
+        ["gcloud", "storage", "ls", f"{BUCKET}/runs/tiny/logs/train-*.log", f"--project={PROJECT}"],
+        ["gcloud", "compute", "tpus", "tpu-vm", "list", *IAP, "--format=json"],  # everything of the deployment
+        ["gcloud", "compute", "tpus", "queued-resources", "list", *IAP, "--format=json"]]
     assert commands(make("tensorboard", TF_OUTPUTS=single).stdout) == [
         [".venv/bin/tensorboard", "--logdir", f"{BUCKET}/runs", "--port", "6006"]]
     done = make("data-upload", TF_OUTPUTS=single, INPUT="corpus/*.txt", SHARDS=16)
@@ -582,7 +584,8 @@ def test_status_shows_state_health_workers_and_the_log_tail(tmp_path, pod):
     assert out[2] == "  symptom: HBM_OUT_OF_MEMORY on worker 1: OOM on worker 1"
     assert out[3] == "  workers: 4: 0=10.8.0.2, 1=10.8.0.3, 2=10.8.0.4, 3=10.8.0.5"
     assert out[4] == f"  training log {BUCKET}/runs/tiny/logs/train-20261203T100000Z.log (last 20 lines):"
-    assert out[5:] == [f"    step {i} loss {5 - i / 10:.2f}" for i in range(10, 30)]
+    assert out[5:25] == [f"    step {i} loss {5 - i / 10:.2f}" for i in range(10, 30)]
+    assert out[25:] == ["  everything of tpu-llm in us-central2-b (what bills, or may): nothing"]
 
 
 def test_logs_after_the_tpu_is_gone_come_from_cloud_storage(tmp_path, single):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,15 @@ def single_host(tmp_path: Path) -> tuple[Path, Path]:
     tfvars = tmp_path / "terraform.tfvars"
     tfvars.write_text(f'project_id = "{PROJECT}"\nzone = "{ZONE}"\n')
     return write_outputs(tmp_path / "o.json", "v4-8", 1), tfvars
+
+
+def ready_tpu(tmp_path: Path, *answers) -> tuple[Path, Path, dict]:
+    """Fake gcloud/terraform around a READY single-host TPU, with `answers` recorded first; the driver's env."""
+    single, tfvars = single_host(tmp_path)
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[*answers, ("compute tpus tpu-vm describe*", 0, "READY")],
+                              terraform=[("*output -json*", 0, outputs_json(single))])
+    return bin_dir, log, dict(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=single, SSH_AUTH_SOCK="",
+                              TF_LAST_RUN=tmp_path / "last.json")
 
 
 def launch_script(tmp_path: Path, **env) -> str:
@@ -165,21 +175,80 @@ def test_a_second_make_train_with_other_settings_is_refused_while_a_run_lives(tm
 
 
 def test_a_lost_launch_connection_with_down_after_deletes_nothing(tmp_path):
-    single, tfvars = single_host(tmp_path)
-    bin_dir, log = fake_cloud(tmp_path, gcloud=[
-        ("compute tpus tpu-vm describe*", 0, "READY"),
-        ("*tpu-vm ssh*--command=set -e*", 255, "Connection closed by remote host.\nRetrying: SSH command error."),
-        ("*echo tpu-llm-run:*", 0, "tpu-llm-run: idle")],
-        terraform=[("*output -json*", 0, outputs_json(single))])
+    bin_dir, log, env = ready_tpu(tmp_path, ("*tpu-vm ssh*--command=set -e*", 255, "Connection closed by remote host."
+                                             "\nRetrying: SSH command error."))
     done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "train"], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=clean_env(PATH=bin_dir, TF_OUTPUTS=single, TFVARS=tfvars, DOWN_AFTER=1,
-                                                  SSH_AUTH_SOCK="", TF_LAST_RUN=tmp_path / "last.json"))
+                          cwd=ROOT, env=clean_env(DOWN_AFTER=1, **env))
     deletes = [c for c in log.read_text().splitlines()
                if c.startswith(("gcloud compute tpus tpu-vm delete", "gcloud compute tpus queued-resources delete"))
                or (c.startswith("terraform") and ("tpu_enabled=false" in c or " destroy" in c))]
     assert deletes == [], deletes
     line = one_error_line(done)
     assert "a run it started goes on there" in line and f"worker 0 deletes TPU {NAME} when the run ends" in line
+
+
+# --------------------------------------------------------------------------------------------------
+# Ctrl-C while a queued resource waits
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_queued_wait_deletes_the_request(tmp_path, sig):
+    queued = write_outputs(tmp_path / "q.json", "v4-8", 1, use_queued_resource=True, queued_resource_name=f"{NAME}-queued")
+    tfvars = tmp_path / "terraform.tfvars"
+    tfvars.write_text(f'project_id = "{PROJECT}"\nuse_queued_resource = true\n')
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[
+        ("compute tpus queued-resources describe*", 0, "WAITING_FOR_RESOURCES"),
+        ("compute tpus tpu-vm describe*", 1, "ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: not found")],
+        terraform=[("*output -json*", 0, outputs_json(queued))])
+    up = subprocess.Popen([sys.executable, "-m", "tpu_llm.cloud", "up"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=ROOT, env=clean_env(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "s.json",
+                                                             TPU_WAIT_MINUTES=10, TPU_POLL_SECONDS=0.2))
+    deadline = time.monotonic() + 60
+    while log.read_text().count("queued-resources describe") < 3 if log.exists() else True:
+        assert time.monotonic() < deadline and up.poll() is None, up.communicate()
+        time.sleep(0.1)
+    up.send_signal(sig)
+    out, err = up.communicate(timeout=60)
+    deleted = f"queued-resources delete {NAME}-queued --force --quiet" in log.read_text()
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    assert deleted or f"gcloud compute tpus queued-resources delete {NAME}-queued" in last, (out, err)
+    assert deleted, (out, err)  # the fake gcloud deletes it without trouble
+    assert "deleted" in last and "nothing waits" in last, err
+
+
+def queued_cloud(tmp_path: Path, *answers):
+    """A tpu-up whose queued resource is recorded by `answers` (gcloud's), with its outputs and tfvars."""
+    queued = write_outputs(tmp_path / "q.json", "v4-8", 1, use_queued_resource=True, queued_resource_name=f"{NAME}-queued")
+    tfvars = tmp_path / "terraform.tfvars"
+    tfvars.write_text(f'project_id = "{PROJECT}"\nuse_queued_resource = true\n')
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[*answers, (
+        "compute tpus tpu-vm describe*", 1, "ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: not found")],
+        terraform=[("*output -json*", 0, outputs_json(queued))])
+    return bin_dir, log, dict(TFVARS=tfvars, TF_OUTPUTS=tmp_path / "s.json")
+
+
+EXPIRED = {"state": {"state": "FAILED", "failedData": {"error": {"code": 4, "message": "The queued resource's "
+                                                                 "valid-until time has passed."}}}}
+
+
+def test_a_failed_queued_resource_is_explained_and_deleted(tmp_path):
+    bin_dir, log, env = queued_cloud(tmp_path, ("compute tpus queued-resources describe*json*", 0, json.dumps(EXPIRED)),
+                                     ("compute tpus queued-resources describe*", 0, "FAILED"))
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "up"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=clean_env(PATH=bin_dir, TPU_POLL_SECONDS=0, **env))
+    assert "queued resource tpu-llm-tpu-queued is FAILED (The queued resource's valid-until time has passed.)" \
+        in done.stdout, done.stdout + done.stderr
+    assert f"queued-resources delete {NAME}-queued --force --quiet" in log.read_text()
+
+
+def test_keep_queued_requests_hours_not_the_wait(tmp_path):
+    bin_dir, log, env = queued_cloud(tmp_path, ("compute tpus queued-resources describe*", 1,
+                                                "ERROR: (gcloud.compute.tpus.queued-resources.describe) NOT_FOUND"))
+    for extra, seconds in (({}, 60), ({"KEEP_QUEUED": 1}, 86400), ({"KEEP_QUEUED": 1, "KEEP_QUEUED_HOURS": 2}, 7200)):
+        subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "up"], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT, env=clean_env(PATH=bin_dir, TPU_WAIT_MINUTES="0.001", TPU_POLL_SECONDS=0, **env, **extra))
+        (create,) = [c for c in log.read_text().splitlines() if " queued-resources create " in c][-1:]
+        assert f"--valid-until-duration={seconds}s" in create, create  # the wait (at least a minute), or hours
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,13 +282,10 @@ def test_tpu_down_refuses_while_a_run_lives_unless_forced(tmp_path):
 
 
 def test_tpu_down_cannot_ask_worker_0_and_says_the_tpu_bills(tmp_path):
-    single, tfvars = single_host(tmp_path)
-    bin_dir, log = fake_cloud(tmp_path, gcloud=[
-        ("compute tpus tpu-vm describe*", 0, "READY"),
-        ("*tpu-vm ssh*", 255, "ERROR: (gcloud.alpha.compute.tpus.tpu-vm.ssh) Error while connecting [4033: 'not "
-                              "authorized']")], terraform=[("*output -json*", 0, outputs_json(single))])
+    bin_dir, log, env = ready_tpu(tmp_path, ("*tpu-vm ssh*", 255, "ERROR: (gcloud.alpha.compute.tpus.tpu-vm.ssh) Error "
+                                             "while connecting [4033: 'not authorized']"))
     done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "down"], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env=clean_env(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "saved.json"))
+                          cwd=ROOT, env=clean_env(**{**env, "TF_OUTPUTS": tmp_path / "saved.json"}))
     line = one_error_line(done)
     assert "cannot tell whether a run is training on worker 0: ssh through Identity-Aware Proxy failed" in line
     assert f"nothing was deleted, and TPU {NAME} is billing" in line and "FORCE=1" in line
@@ -246,3 +312,50 @@ def test_a_failing_delete_is_retried_then_said_in_the_log(tmp_path, monkeypatch)
     assert "could not delete this TPU; it is billing: run `make tpu-down` on your machine" in text
     deletes = [c for c in calls.read_text().splitlines() if c.startswith("compute tpus tpu-vm delete")]
     assert len(deletes) == 2 and calls.read_text().splitlines()[-1].startswith("storage cp")  # the log says it too
+
+
+# --------------------------------------------------------------------------------------------------
+# make tpu-status lists everything of the deployment that bills, or may
+
+NODES = [{"name": f"projects/{PROJECT}/locations/{ZONE}/nodes/{NAME}", "state": "READY",
+          "createTime": "2026-12-05T07:48:12.123456789Z"},
+         {"name": f"projects/{PROJECT}/locations/{ZONE}/nodes/someone-elses-tpu", "state": "READY",
+          "createTime": "2026-12-01T00:00:00Z"}]
+QUEUED_LIST = [{"name": f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{NAME}-queued",
+                "state": {"state": "SUSPENDED"}, "createTime": "2026-12-03T09:00:00Z"}]
+
+
+def test_tpu_status_lists_every_tpu_and_queued_resource_of_the_deployment(tmp_path):
+    down = write_outputs(tmp_path / "o.json", "v4-8", 1, tpu_enabled=False)  # after tpu-down: still checked
+    bin_dir, _ = fake_cloud(tmp_path, gcloud=[("compute tpus tpu-vm list*", 0, json.dumps(NODES)),
+                                              ("compute tpus queued-resources list*", 0, json.dumps(QUEUED_LIST)),
+                                              ("storage ls*", 0, "")])
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "status"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=clean_env(PATH=bin_dir, TF_OUTPUTS=down))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    start = lines.index(f"  everything of tpu-llm in {ZONE} (what bills, or may):")
+    assert re.fullmatch(rf"    TPU {NAME}: READY, (\d+ d )?(\d+ h )?\d+ min old", lines[start + 1]), lines
+    assert re.fullmatch(rf"    queued resource {NAME}-queued: SUSPENDED, (\d+ d )?(\d+ h )?\d+ min old", lines[start + 2])
+    assert "someone-elses-tpu" not in done.stdout
+
+
+def test_ages_read_the_api_s_timestamps():
+    import datetime
+
+    from tpu_llm.cloud.watch import age
+
+    now = datetime.datetime(2026, 12, 5, 10, 0, tzinfo=datetime.timezone.utc)
+    assert age("2026-12-05T07:48:12.123456789Z", now) == "2 h 11 min old"
+    assert age("2026-12-03T09:59:00Z", now) == "2 d 0 h 1 min old"
+    assert age("", now) == age("garbage", now) == "age unknown"
+
+
+def test_every_failure_once_a_tpu_exists_ends_saying_it_bills(tmp_path):
+    bin_dir, _, env = ready_tpu(tmp_path, ("*--worker=all*/opt/tpu-llm/ready*", 1, "set-up on t1v-n-0 failed"),
+                                ("*--command=set -e*", 1, "Traceback (most recent call last):\nValueError: boom"))
+    for command, what in (("up", "the worker set-up did not finish"), ("train", "stopped with exit status 1")):
+        done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", command], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env=clean_env(**env))
+        line = one_error_line(done)
+        assert what in line and line.endswith(f"; TPU {NAME} is still up and billing: `make tpu-down` deletes it"), line

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import sys
@@ -126,6 +127,17 @@ class Cloud:
             raise LaunchError(explain_failure(argv, status, out, {**o.context(), "what": "queued resource"}))
         return out.strip().splitlines()[-1] if out.strip() else ""
 
+    def queued_reason(self, o: Outputs) -> str:
+        """Why a queued resource is FAILED, as the API says it (QueuedResourceState.failedData.error): " (...)"
+        or ""."""
+        status, out = self.runner.capture(self.queued_args(o, "describe", "--format=json(state)"), dry_result="{}")
+        try:
+            state = json.loads(out).get("state") or {} if status == 0 else {}
+        except ValueError:
+            state = {}
+        message = ((state.get("failedData") or {}).get("error") or {}).get("message", "")
+        return f" ({message.strip()[:200]})" if message.strip() else ""
+
     def delete_queued(self, o: Outputs, why: str) -> None:
         """Delete the queued resource and its TPU, ACTIVE or not (the API deletes an ACTIVE queued
         resource only with force=true: its nodes go first). Nothing to do if it does not exist."""
@@ -149,11 +161,24 @@ class Cloud:
             "--scopes=https://www.googleapis.com/auth/cloud-platform", f"--metadata-from-file=startup-script={script}",
             f"--tags={o['tpu_name']}", *([f"--labels={labels}"] if labels else []),
             *(["--spot"] if o["spot"] else []), *(["--reserved"] if o.get("reserved") else []),
-            # the request ends with the wait: never a TPU hours later that nobody waits for
-            f"--valid-until-duration={max(60, int(self.wait_minutes * 60))}s")
+            # the request ends with the wait: never a TPU hours later that nobody waits for, unless asked
+            f"--valid-until-duration={self.queued_seconds()}s")
         print(f"tpu-up: requesting {o['accelerator_type']} through queued resource {queued_name(o)}; it waits for "
               "capacity", flush=True)
         self.runner.stream(argv, {**o.context(), "what": "queued resource"})
+
+    def queued_seconds(self) -> int:
+        """How long a new queued resource may wait: the wait itself, or KEEP_QUEUED_HOURS (24) with KEEP_QUEUED=1."""
+        if not flag("KEEP_QUEUED"):
+            return max(60, int(self.wait_minutes * 60))
+        try:
+            hours = float(env("KEEP_QUEUED_HOURS", "24"))
+        except ValueError:
+            hours = 0.0
+        if not 0 < hours <= 24 * 30:
+            raise LaunchError(f"KEEP_QUEUED_HOURS={env('KEEP_QUEUED_HOURS')}: give the hours a queued resource may "
+                              "wait for capacity unattended, e.g. KEEP_QUEUED_HOURS=12")
+        return max(60, int(self.wait_minutes * 60), int(hours * 3600))
 
     def check_cloud(self, terraform: bool) -> None:
         if self.dry:

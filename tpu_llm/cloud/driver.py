@@ -27,6 +27,7 @@ Settings come from the environment (the Makefile passes its variables through):
   CONFIG, RUN, RUN_DIR, DATA, TOKENIZER, TOKENIZER_MODEL, ARGS   what to train (see the Makefile)
   INPUT, SHARDS, OVERWRITE                                       data-upload
   TRAIN_ON=auto|tpu|local, WORKER, LOGS=train|gcs|setup, PORT, TPU_WAIT_MINUTES
+  KEEP_QUEUED=1 [KEEP_QUEUED_HOURS=24]   tpu-up: a queued resource that may wait unattended
   DOWN_AFTER=1, TTL_HOURS=N  train: worker 0 deletes its TPU when the run ends (after N hours at most)
   FORCE=1            tpu-down: delete the TPU without asking worker 0 whether a run is training there
   DESTROY_BUCKET=1 [YES=1]   tpu-down deletes everything, buckets included, after showing what and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -32,40 +33,23 @@ class Provision(Cloud):
         # The APIs first: the plan reads the zone's accelerator types and images from the TPU API
         # (infra/tpu.tf), which a new project has not enabled yet. A no-op once they are on.
         self.runner.stream(self.terraform("apply", *self.tf_var_args("-target=google_project_service.apis")), context)
-        replace = []
-        previous = self.outputs(required=False)
-        if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
-            # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs
-            self.refuse_if_run_alive(previous, "tpu-up")
-            self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
-        if previous and previous["tpu_enabled"]:
-            state = self.tpu_state(previous)
-            if state in ("PREEMPTED", "TERMINATED"):
-                print(f"tpu-up: TPU {previous['tpu_name']} is {state} (a spot TPU was reclaimed); recreating it. "
-                      "The bucket, its checkpoints and the network are kept; `make train` resumes the run.", flush=True)
-                if previous["use_queued_resource"]:
-                    self.delete_queued(previous, "tpu-up")
-                else:
-                    replace = ["-replace=google_tpu_v2_vm.tpu[0]"]
+        replace = self.clear_the_way(self.outputs(required=False), settings)
         self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=true", *replace)), context)
         self.runner.fake_state = "READY"  # a dry run pretends the apply worked
         o = self.save_outputs()
         if o is None:
             print(f"tpu-up: (dry run without {self.outputs_path}: nothing more to show)")
             return
-        if o["use_queued_resource"]:
-            queued = self.queued_state(o)
-            if queued in ("FAILED", "SUSPENDED"):
-                self.delete_queued(o, f"tpu-up: queued resource {queued_name(o)} is {queued}")
-                queued = ""
-            if not queued:
-                self.create_queued(o)
         if o.get("runtime_choice"):
             print(f"tpu-up: runtime image {o['runtime_choice']}", flush=True)
         if o.get("tf_worker_image"):
             print(f"tpu-up: pod set-up on every worker: tensorflow-tpu from the lock, and the TPU runtime serving "
                   f"TensorFlow from {o['tf_worker_image']} on port 8470", flush=True)
-        self.wait_ready(o)
+        if o["use_queued_resource"]:
+            self.request_queued(o)
+        else:
+            self.billing = billing_note(o)  # the VM exists (or is being created) once the apply is done
+            self.wait_ready(o)
         self.billing = billing_note(o)  # from here on, every failure says it
         self.hosts_from_api(o)
         ensure_key_in_agent(self.runner)  # before the first --worker=all command
@@ -74,14 +58,68 @@ class Provision(Cloud):
               f"{o['zone']}; bucket {o['bucket_url']}. Next: `make train` (or `make data-upload` first for a "
               "pod slice).", flush=True)
 
+    def clear_the_way(self, previous: Outputs | None, settings: dict[str, str]) -> list[str]:
+        """Before the apply: a queued resource no longer wanted, or a preempted TPU, goes; the -replace
+        arguments that recreate a preempted TPU VM."""
+        if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
+            # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs
+            self.refuse_if_run_alive(previous, "tpu-up")
+            self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
+        if not previous or not previous["tpu_enabled"]:
+            return []
+        state = self.tpu_state(previous)
+        if state not in ("PREEMPTED", "TERMINATED"):
+            return []
+        print(f"tpu-up: TPU {previous['tpu_name']} is {state} (a spot TPU was reclaimed); recreating it. "
+              "The bucket, its checkpoints and the network are kept; `make train` resumes the run.", flush=True)
+        if previous["use_queued_resource"]:
+            self.delete_queued(previous, "tpu-up")
+            return []
+        return ["-replace=google_tpu_v2_vm.tpu[0]"]
+
+    def request_queued(self, o: Outputs) -> None:
+        """Create the queued resource unless one waits or is ACTIVE, and wait for its TPU. Ctrl-C or
+        SIGTERM meanwhile withdraw the request: none is left to become a billed TPU unattended."""
+        try:
+            queued = self.queued_state(o)
+            if queued in ("FAILED", "SUSPENDED"):
+                print(f"tpu-up: queued resource {queued_name(o)} is {queued}{self.queued_reason(o)}", flush=True)
+                self.delete_queued(o, f"tpu-up: queued resource {queued_name(o)} is {queued}")
+                queued = ""
+            if not queued:
+                self.create_queued(o)
+            self.wait_ready(o)
+        except KeyboardInterrupt:
+            self.withdraw_queued(o)
+
+    def withdraw_queued(self, o: Outputs) -> None:
+        """After an interruption: delete the waiting request, or end with the exact command that does."""
+        argv = self.queued_args(o, "delete", "--force", "--quiet")
+        if flag("KEEP_QUEUED"):
+            raise LaunchError(f"interrupted; KEEP_QUEUED=1: queued resource {queued_name(o)} keeps waiting and may "
+                              f"become a billed TPU; withdraw it with: {shlex.join(argv)}")
+        print(f"\ntpu-up: interrupted: withdrawing queued resource {queued_name(o)} (interrupt again to leave it)",
+              flush=True)
+        try:
+            self.runner.stream(argv, {**o.context(), "what": "queued resource"})
+        except (LaunchError, KeyboardInterrupt) as e:
+            if not re.search(r"NOT_FOUND|not found", str(e), re.IGNORECASE):
+                why = str(e) or "interrupted again"
+                raise LaunchError(f"interrupted, and queued resource {queued_name(o)} is not deleted ({why}); it may "
+                                  f"still become a billed TPU: {shlex.join(argv)}") from None
+        raise LaunchError(f"interrupted: queued resource {queued_name(o)} was deleted; nothing waits to become a TPU "
+                          "(`make tpu-up` requests it again)")
+
     def wait_ready(self, o: Outputs) -> None:
         deadline, last = time.monotonic() + self.wait_minutes * 60, None
         while True:
             queued = self.queued_state(o) if o["use_queued_resource"] else ""
             if queued in ("FAILED", "SUSPENDED"):
-                raise LaunchError(f"queued resource {queued_name(o)} is {queued}: `gcloud compute tpus "
-                                  f"queued-resources describe {queued_name(o)} --zone={o['zone']}` says "
-                                  "why; `make tpu-up` deletes it and requests it again")
+                reason = self.queued_reason(o)  # e.g. its valid-until time passed before capacity came
+                self.delete_queued(o, f"tpu-up: queued resource {queued_name(o)} is {queued}")
+                raise LaunchError(f"queued resource {queued_name(o)} ended {queued}{reason}, and was deleted; `make "
+                                  "tpu-up` requests it again (TPU_WAIT_MINUTES=N waits longer, KEEP_QUEUED=1 lets "
+                                  "it wait KEEP_QUEUED_HOURS unattended)")
             state = self.tpu_state(o)
             if state == "READY":
                 return

@@ -3,6 +3,7 @@ TPU's state and health, the training log live from worker 0 or from Cloud Storag
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -34,7 +35,29 @@ class Watch(Cloud):
             for line in describe_node(json.loads(out) if status == 0 and out.strip() else None):
                 print(f"  {line}")
         self.print_log_tail(o, lines=int(env("LOG_LINES", "20")))
+        self.print_deployment(o)
         return 0
+
+    def print_deployment(self, o: Outputs) -> None:
+        """Every TPU and queued resource of this deployment in its zone (names starting with its prefix), with
+        state and age: what bills or may bill, whatever the saved outputs say (a request left waiting, a
+        node whose worker-0 teardown failed, a TPU made by hand under the prefix)."""
+        prefix = str(o["tpu_name"]).removesuffix("-tpu") + "-"
+        found = []
+        for what, kind in (("TPU", "tpu-vm"), ("queued resource", "queued-resources")):
+            argv = ["gcloud", "compute", "tpus", kind, "list", f"--zone={o['zone']}", f"--project={o['project_id']}",
+                    "--format=json"]
+            status, out = self.runner.capture(argv, dry_result="[]")
+            if status != 0:
+                raise LaunchError(explain_failure(argv, status, out, {**o.context(), "what": f"{what} list"}))
+            found += [(what, item) for item in json.loads(out or "[]")
+                      if str(item.get("name", "")).rsplit("/", 1)[-1].startswith(prefix)]
+        print(f"  everything of {prefix.rstrip('-')} in {o['zone']} (what bills, or may):"
+              + ("" if found else " nothing"))
+        for what, item in found:
+            state = item.get("state")
+            state = state.get("state", "?") if isinstance(state, dict) else state or "?"  # a queued resource's nests
+            print(f"    {what} {str(item['name']).rsplit('/', 1)[-1]}: {state}, {age(item.get('createTime', ''))}")
 
     def newest_log(self, o: Outputs, run_dir: str) -> str:
         """gs:// URL of the run's newest training log, or ""."""
@@ -141,3 +164,14 @@ def describe_node(node: dict | None) -> list[str]:
     return lines
 
 
+
+
+def age(created: str, now: datetime.datetime | None = None) -> str:
+    """'3 h 12 min old' from an API createTime (RFC 3339, UTC, up to nanoseconds), or 'age unknown'."""
+    match = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", created or "")
+    if not match:
+        return "age unknown"
+    start = datetime.datetime.fromisoformat(match.group(1)).replace(tzinfo=datetime.timezone.utc)
+    minutes = max(0, int(((now or datetime.datetime.now(datetime.timezone.utc)) - start).total_seconds() // 60))
+    days, hours = divmod(minutes // 60, 24)
+    return (f"{days} d " if days else "") + (f"{hours} h " if days or hours else "") + f"{minutes % 60} min old"
