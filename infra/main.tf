@@ -19,8 +19,9 @@ locals {
   worker_requirements = file("${path.module}/worker-requirements.txt")
   tensorflow_version  = regex("(?m)^tensorflow-tpu==([0-9][0-9.]*)", local.worker_requirements)[0]
 
-  # Runtime image: chosen by ./runtime (a base image for every slice), and why; docs/cloud-tpu.md.
-  runtime_version = module.runtime.runtime_version
+  # Runtime image: chosen by ./runtime (a base image for every slice), and why; docs/cloud-tpu.md. The
+  # TPU takes the one pinned in the state when it was created (terraform_data.runtime_pin, tpu.tf).
+  runtime_version = try(terraform_data.runtime_pin[0].output, module.runtime.runtime_version)
 
   tpu_name        = "${var.name_prefix}-tpu"
   queued_name     = "${local.tpu_name}-queued"

@@ -71,6 +71,22 @@ module "runtime" {
   override           = var.runtime_version
 }
 
+# The image the TPU was created with, pinned in the state while the TPU exists: runtime_version is
+# ForceNew, so a new choice of ./runtime (another image list in the zone, a new rule in a later version
+# of this configuration) would otherwise replace a running TPU on the next apply. A deliberate change
+# (runtime_version set in terraform.tfvars, another accelerator type or zone) replaces the pin, and with
+# it the TPU: `make tpu-up` refuses a plan that replaces a running TPU unless REPLACE=1. `make tpu-down`
+# deletes the pin with the TPU, so the next TPU takes the current choice.
+resource "terraform_data" "runtime_pin" {
+  count            = var.tpu_enabled ? 1 : 0
+  input            = module.runtime.runtime_version
+  triggers_replace = [var.runtime_version, var.accelerator_type, var.zone]
+
+  lifecycle {
+    ignore_changes = [input]
+  }
+}
+
 resource "google_tpu_v2_vm" "tpu" {
   provider = google-beta
   count    = var.tpu_enabled && !var.use_queued_resource ? 1 : 0

@@ -57,7 +57,7 @@ variable "accelerator_type" {
 
 variable "runtime_version" {
   type        = string
-  description = "TPU VM software image. Empty: a base image chosen by infra/runtime (one host: the family's, e.g. v2-alpha-tpuv5-lite for v5e or tpu-ubuntu2204-base for v4; a pod: the one Google's TF release tests run that family's pods on), with TensorFlow from infra/worker-requirements.txt; the plan checks that the zone offers it (`gcloud compute tpus tpu-vm versions list --zone=ZONE` lists them)."
+  description = "TPU VM software image. Empty: a base image chosen by infra/runtime (one host: the family's, e.g. v2-alpha-tpuv5-lite for v5e or tpu-ubuntu2204-base for v4; a pod: the one Google's TF release tests run that family's pods on), with TensorFlow from infra/worker-requirements.txt; the plan checks that the zone offers it (`gcloud compute tpus tpu-vm versions list --zone=ZONE` lists them). Pinned in the state while the TPU exists: a change replaces the TPU, which `make tpu-up` does only with REPLACE=1."
   default     = ""
 
   validation {

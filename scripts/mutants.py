@@ -409,6 +409,8 @@ MUTATIONS = [
     M("interrupt-leaves-the-request", "tpu_llm/cloud/provision.py",
       "        except KeyboardInterrupt:\n            self.withdraw_queued(o)\n",
       "        except KeyboardInterrupt:\n            raise\n", "tests/test_tpu_ownership.py -k interrupted"),
+    M("replace-without-asking", "tpu_llm/cloud/provision.py",
+      "        if changes and not replace:", "        if False:", "tests/test_tpu_ownership.py -k refuses_to_replace"),
     M("pod-runtime-not-restarted", "infra/startup.sh.tftpl",
       "    systemctl restart tpu-runtime\n", "\n", "tests/test_infra.py -k tpu_runtime"),
 ]

@@ -186,9 +186,20 @@ def test_zone_type_and_image_are_checked_at_plan_time_listing_valid_values(tf):
     assert "google_tpu_v2_runtime_versions" in json.dumps(tf["data"]) and "google_tpu_v2_vm" in tf["resource"]
 
 
+def test_the_image_is_pinned_in_the_state_while_the_tpu_exists(tf):
+    main = tf["locals"]
+    assert main["runtime_version"] == "${try(terraform_data.runtime_pin[0].output, module.runtime.runtime_version)}"
+    pin = clean(tf["resource"]["terraform_data"]["runtime_pin"])
+    assert pin["count"] == "${var.tpu_enabled ? 1 : 0}" and pin["input"] == "${module.runtime.runtime_version}"
+    assert pin["lifecycle"][0]["ignore_changes"] == ["input"]  # a new choice of ./runtime changes nothing
+    # a deliberate change takes the new choice (and replaces the TPU: make tpu-up asks for REPLACE=1)
+    assert pin["triggers_replace"] == ["${var.runtime_version}", "${var.accelerator_type}", "${var.zone}"]
+    vm = tf["resource"]["google_tpu_v2_vm"]["tpu"]
+    assert vm["runtime_version"] == "${local.runtime_version}"
+
+
 def test_default_image_and_zone(tf):
     main = tf["locals"]
-    assert main["runtime_version"] == "${module.runtime.runtime_version}"
     lock = (INFRA / "worker-requirements.txt").read_text()
     pattern = re.search(r'regex\("(.+?)", local\.worker_requirements\)', main["tensorflow_version"]).group(1)
     assert re.search(pattern.replace("\\\\", "\\"), lock).group(1) == "2.20.0"  # the lock's tensorflow-tpu

@@ -236,13 +236,16 @@ def test_tpu_up_applies_then_waits_for_every_worker(request, tfvars, slice_):
     done = make("tpu-up", TF_OUTPUTS=outputs, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert "creates billable resources" in done.stdout and "make tpu-down" in done.stdout
-    init, apis, describe, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
+    init, apis, describe, plan, show, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
     assert init == [*TF, "init", "-input=false"]
     # the APIs first: the plan reads the zone's accelerator types and images from the TPU API
     assert apis == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}",
                     "-target=google_project_service.apis"]
     assert describe == describe2 == DESCRIBE
-    assert apply == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"]
+    # planned, the plan read (a running TPU is never replaced unasked), then exactly that plan applied
+    assert plan == [*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true", "-out=.tpu-up.tfplan"]
+    assert show == [*TF, "show", "-json", ".tpu-up.tfplan"]
+    assert apply == [*TF, "apply", "-input=false", ".tpu-up.tfplan"]
     assert output == [*TF, "output", "-json"]
     assert hosts == [*DESCRIBE[:-1], "--format=json(networkEndpoints)"]  # hosts from the API
     assert copy == [*SCP, "build/tpu-llm-setup.sh", f"{NAME}:tpu-llm-setup.sh", *IAP, "--worker=all",
@@ -256,9 +259,9 @@ def test_tpu_up_recreates_a_preempted_spot_tpu(single, tfvars):
     done = make("tpu-up", TF_OUTPUTS=single, TFVARS=tfvars, DRY_RUN_TPU_STATE="PREEMPTED")
     assert done.returncode == 0, done.stderr
     assert "is PREEMPTED" in done.stdout and "recreating it" in done.stdout
-    apply = [c for c in commands(done.stdout) if c[:3] == [*TF, "apply"]]
-    assert apply[1:] == [[*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true",
-                          "-replace=google_tpu_v2_vm.tpu[0]"]]
+    plan = [c for c in commands(done.stdout) if c[:3] == [*TF, "plan"]]
+    assert plan == [[*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true",
+                     "-replace=google_tpu_v2_vm.tpu[0]", "-out=.tpu-up.tfplan"]]
 
 
 QUEUED = ["gcloud", "compute", "tpus", "queued-resources"]
@@ -304,7 +307,7 @@ def test_tpu_up_deletes_the_queued_resource_when_switching_back_to_a_vm(queued, 
     done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars)  # tfvars without use_queued_resource = true
     cmds = commands(done.stdout)
     assert cmds.index(QUEUED_DELETE) < cmds.index(
-        [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"])
+        [*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true", "-out=.tpu-up.tfplan"])
 
 
 def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, queued_tfvars):
@@ -313,7 +316,7 @@ def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, queued_t
     assert done.returncode == 0, done.stderr
     cmds = commands(done.stdout)
     assert QUEUED_DELETE in cmds and cmds.index(QUEUED_DELETE) < cmds.index(
-        [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"])
+        [*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true", "-out=.tpu-up.tfplan"])
     assert not any("-replace" in " ".join(c) for c in cmds)  # not through Terraform: its delete has no force
 
 
@@ -511,6 +514,7 @@ def fake_cloud(tmp_path: Path, gcloud: list[tuple[str, int, str]], terraform: li
     bin_dir.mkdir(parents=True)
     gcloud = [("auth list*", 0, "me@example.com"), ("auth application-default*", 0, "token"), *gcloud,
               ("*echo tpu-llm-run: idle*", 0, "tpu-llm-run: idle")]
+    terraform = [*terraform, ("*show -json*", 0, '{"format_version": "1.2", "resource_changes": []}')]
     for name, answers in (("gcloud", gcloud), ("terraform", terraform)):
         cases = []
         for i, (pattern, status, text) in enumerate(answers):

@@ -252,6 +252,39 @@ def test_keep_queued_requests_hours_not_the_wait(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# No silent replacement of a running TPU
+
+REPLACE_PLAN = {"format_version": "1.2", "resource_changes": [
+    {"address": "google_tpu_v2_vm.tpu[0]", "type": "google_tpu_v2_vm", "name": "tpu", "index": 0,
+     "change": {"actions": ["delete", "create"], "before": {"runtime_version": "tpu-vm-tf-2.20.0-pod-pjrt"},
+                "after": {}, "after_unknown": {"runtime_version": True}, "replace_paths": [["runtime_version"]]},
+     "action_reason": "replace_because_cannot_update"},
+    {"address": "google_storage_bucket.data", "type": "google_storage_bucket", "name": "data",
+     "change": {"actions": ["no-op"], "before": {}, "after": {}}}]}
+
+
+def test_tpu_up_refuses_to_replace_a_running_tpu_unless_asked(tmp_path):
+    pod = write_outputs(tmp_path / "pod.json", "v4-32", 4, runtime_version="tpu-vm-tf-2.20.0-pod-pjrt")
+    tfvars = tmp_path / "terraform.tfvars"
+    tfvars.write_text(f'project_id = "{PROJECT}"\nzone = "{ZONE}"\naccelerator_type = "v4-32"\n')
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[("compute tpus tpu-vm describe*", 0, "READY"),
+                                                ("*echo tpu-llm-run:*", 0, "tpu-llm-run: idle")],
+                              terraform=[("*show -json*", 0, json.dumps(REPLACE_PLAN)),
+                                         ("*output -json*", 0, outputs_json(pod))])
+    env = dict(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=pod, SSH_AUTH_SOCK="")
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "up"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=clean_env(**env))
+    line = one_error_line(done)
+    assert f"would replace the running TPU {NAME} (READY)" in line and "runtime_version" in line and "REPLACE=1" in line
+    applies = [c for c in log.read_text().splitlines() if " apply " in c]
+    assert all("-target=google_project_service.apis" in c for c in applies), applies  # the TPU's apply never ran
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "up"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=clean_env(REPLACE=1, **env))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "terraform -chdir=infra apply -input=false .tpu-up.tfplan" in log.read_text()
+
+
+# --------------------------------------------------------------------------------------------------
 # A pod plans on a zone without any TensorFlow pod image
 
 
@@ -359,3 +392,27 @@ def test_every_failure_once_a_tpu_exists_ends_saying_it_bills(tmp_path):
                               timeout=60, cwd=ROOT, env=clean_env(**env))
         line = one_error_line(done)
         assert what in line and line.endswith(f"; TPU {NAME} is still up and billing: `make tpu-down` deletes it"), line
+
+
+def test_the_plan_reader_names_the_attributes_that_force_a_new_tpu():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tpu_llm.cloud.provision import replaced_tpus
+
+    assert replaced_tpus(json.dumps(REPLACE_PLAN)) == [
+        "google_tpu_v2_vm.tpu[0] (runtime_version: 'tpu-vm-tf-2.20.0-pod-pjrt' -> (known after apply))"]
+    assert replaced_tpus('{"resource_changes": []}') == [] and replaced_tpus("") == []
+    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                               lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                          max_size=4), max_leaves=20)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.dictionaries(st.sampled_from(["resource_changes", "format_version"]), json_values)
+           | st.builds(lambda c: {"resource_changes": [c]}, st.fixed_dictionaries(
+               {"type": st.just("google_tpu_v2_vm"), "change": st.dictionaries(st.sampled_from(
+                   ["actions", "before", "after", "after_unknown", "replace_paths"]), json_values)})))
+    def any_plan_reads_without_a_crash(plan):
+        assert all(isinstance(line, str) for line in replaced_tpus(json.dumps(plan)))
+
+    any_plan_reads_without_a_crash()

@@ -52,10 +52,10 @@ class Cloud:
     def terraform(self, *args: str) -> list[str]:
         return ["terraform", f"-chdir={self.tf_dir}", *args]
 
-    def tf_var_args(self, *extra: str) -> list[str]:
+    def tf_var_args(self, *extra: str, approve: bool = True) -> list[str]:
         rel = os.path.relpath(self.tfvars, self.tf_dir)  # -var-file is read from TF_DIR (-chdir)
         var_file = os.path.abspath(self.tfvars) if rel.startswith("..") else rel
-        return ["-input=false", "-auto-approve", f"-var-file={var_file}", *extra]
+        return ["-input=false", *(["-auto-approve"] if approve else []), f"-var-file={var_file}", *extra]
 
     def gcloud_tpu(self, o: Outputs, verb: str, *args: str, worker: str) -> list[str]:
         base = ["gcloud", "alpha"] if self.iap else ["gcloud"]  # --tunnel-through-iap is alpha-only

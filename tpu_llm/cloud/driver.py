@@ -29,7 +29,8 @@ Settings come from the environment (the Makefile passes its variables through):
   TRAIN_ON=auto|tpu|local, WORKER, LOGS=train|gcs|setup, PORT, TPU_WAIT_MINUTES
   KEEP_QUEUED=1 [KEEP_QUEUED_HOURS=24]   tpu-up: a queued resource that may wait unattended
   DOWN_AFTER=1, TTL_HOURS=N  train: worker 0 deletes its TPU when the run ends (after N hours at most)
-  FORCE=1            tpu-down: delete the TPU without asking worker 0 whether a run is training there
+  REPLACE=1          tpu-up: apply a plan that replaces the running TPU (refused otherwise)
+  FORCE=1            tpu-down, tpu-up REPLACE=1: do not ask worker 0 whether a run is training there
   DESTROY_BUCKET=1 [YES=1]   tpu-down deletes everything, buckets included, after showing what and
                              asking (YES=1: without asking)
   TPU_SSH=iap|internal   ssh through Identity-Aware Proxy (default; needs gcloud's alpha component)

@@ -16,6 +16,9 @@ from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
 from tpu_llm.cloud.worker_plan import SETUP_SCRIPT, STATE_DIR, flag
 
 
+PLAN_FILE = ".tpu-up.tfplan"  # in infra/ (ignored by git), applied as planned, then removed
+
+
 class Provision(Cloud):
     """`make tpu-up` and `make tpu-down`."""
 
@@ -33,8 +36,9 @@ class Provision(Cloud):
         # The APIs first: the plan reads the zone's accelerator types and images from the TPU API
         # (infra/tpu.tf), which a new project has not enabled yet. A no-op once they are on.
         self.runner.stream(self.terraform("apply", *self.tf_var_args("-target=google_project_service.apis")), context)
-        replace = self.clear_the_way(self.outputs(required=False), settings)
-        self.runner.stream(self.terraform("apply", *self.tf_var_args("-var=tpu_enabled=true", *replace)), context)
+        previous = self.outputs(required=False)
+        replace, state = self.clear_the_way(previous, settings)
+        self.apply_planned(previous or Outputs.preview(settings), state, replace, context)
         self.runner.fake_state = "READY"  # a dry run pretends the apply worked
         o = self.save_outputs()
         if o is None:
@@ -58,24 +62,51 @@ class Provision(Cloud):
               f"{o['zone']}; bucket {o['bucket_url']}. Next: `make train` (or `make data-upload` first for a "
               "pod slice).", flush=True)
 
-    def clear_the_way(self, previous: Outputs | None, settings: dict[str, str]) -> list[str]:
-        """Before the apply: a queued resource no longer wanted, or a preempted TPU, goes; the -replace
-        arguments that recreate a preempted TPU VM."""
+    def clear_the_way(self, previous: Outputs | None, settings: dict[str, str]) -> tuple[list[str], str]:
+        """Before the apply: a queued resource no longer wanted, or a preempted TPU, goes. The -replace
+        arguments that recreate a preempted TPU VM, and the TPU's state ("" if none)."""
         if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
             # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs
             self.refuse_if_run_alive(previous, "tpu-up")
             self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
         if not previous or not previous["tpu_enabled"]:
-            return []
+            return [], ""
         state = self.tpu_state(previous)
         if state not in ("PREEMPTED", "TERMINATED"):
-            return []
+            return [], state
         print(f"tpu-up: TPU {previous['tpu_name']} is {state} (a spot TPU was reclaimed); recreating it. "
               "The bucket, its checkpoints and the network are kept; `make train` resumes the run.", flush=True)
         if previous["use_queued_resource"]:
             self.delete_queued(previous, "tpu-up")
-            return []
-        return ["-replace=google_tpu_v2_vm.tpu[0]"]
+            return [], ""
+        return ["-replace=google_tpu_v2_vm.tpu[0]"], state
+
+    def apply_planned(self, previous: Outputs, state: str, replace: list[str], context: dict) -> None:
+        """Plan, read the plan, apply exactly it: a plan that would replace a running TPU (runtime_version,
+        accelerator_type or zone changed: each forces a new node) stops here unless REPLACE=1, which also
+        lets go of the pinned image (infra/tpu.tf: terraform_data.runtime_pin) to take the current choice."""
+        pin = ["-replace=terraform_data.runtime_pin[0]"] if flag("REPLACE") and state and not replace else []
+        self.runner.stream(self.terraform("plan", *self.tf_var_args("-var=tpu_enabled=true", *replace, *pin,
+                                                                    approve=False), f"-out={PLAN_FILE}"), context)
+        argv = self.terraform("show", "-json", PLAN_FILE)
+        status, text = self.runner.capture(argv)
+        if status != 0:
+            raise LaunchError(explain_failure(argv, status, text, context))
+        changes = replaced_tpus(text) if not self.dry else []
+        if changes and not replace:  # -replace of a preempted TPU is asked for; anything else is checked
+            if state not in ("", "PREEMPTED", "TERMINATED"):
+                if not flag("REPLACE"):
+                    raise LaunchError(f"this apply would replace the running TPU {previous['tpu_name']} ({state}): "
+                                      f"{'; '.join(changes)}; nothing was changed. A run on it would be lost: `make "
+                                      "tpu-up REPLACE=1` replaces it (after `make tpu-stop`), or undo the change in "
+                                      "infra/terraform.tfvars")
+                self.refuse_if_run_alive(previous, "tpu-up REPLACE=1")
+                print(f"tpu-up: REPLACE=1: replacing TPU {previous['tpu_name']} ({'; '.join(changes)})", flush=True)
+        try:
+            self.runner.stream(self.terraform("apply", "-input=false", PLAN_FILE), context)
+        finally:
+            if not self.dry and os.path.exists(os.path.join(self.tf_dir, PLAN_FILE)):
+                os.remove(os.path.join(self.tf_dir, PLAN_FILE))
 
     def request_queued(self, o: Outputs) -> None:
         """Create the queued resource unless one waits or is ACTIVE, and wait for its TPU. Ctrl-C or
@@ -254,3 +285,29 @@ class Provision(Cloud):
         if answer != name:
             raise LaunchError(f"not confirmed ({answer!r} is not {name}); nothing was deleted")
 
+
+
+def replaced_tpus(plan_json: str) -> list[str]:
+    """What `terraform show -json PLAN` says would replace a TPU node: "ADDRESS (ATTRIBUTE: BEFORE -> AFTER, ...)"
+    per replaced google_tpu_v2_vm, from its resource_changes (actions delete and create; replace_paths
+    names the attributes that force it). Anything else in the file is ignored."""
+    try:
+        plan = json.loads(plan_json or "{}")
+    except ValueError:
+        raise LaunchError("`terraform show -json` printed no plan; run `make tpu-up` again") from None
+    found = []
+    changes = plan.get("resource_changes") if isinstance(plan, dict) else None
+    for change in changes if isinstance(changes, list) else []:
+        body = change.get("change") if isinstance(change, dict) else None
+        if not isinstance(body, dict) or change.get("type") != "google_tpu_v2_vm":
+            continue
+        actions = body.get("actions") if isinstance(body.get("actions"), list) else []
+        if not {"delete", "create"} <= {a for a in actions if isinstance(a, str)}:
+            continue
+        before, after, unknown = (body.get(k) if isinstance(body.get(k), dict) else {}
+                                  for k in ("before", "after", "after_unknown"))
+        paths = [p[0] for p in body.get("replace_paths") or [] if isinstance(p, list) and p and isinstance(p[0], str)]
+        said = [f"{name}: {before.get(name)!r} -> "
+                + ("(known after apply)" if unknown.get(name) else repr(after.get(name))) for name in paths]
+        found.append(f"{change.get('address', 'google_tpu_v2_vm')} ({', '.join(said) or change.get('action_reason')})")
+    return found
