@@ -109,6 +109,12 @@ def test_versions_pin_terraform_and_every_provider_to_exact_minor_ranges(tf):
     assert "providers lock" in versions_tf
 
 
+def test_the_state_is_remote_in_a_gcs_backend_configured_by_the_driver(tf):
+    # partial configuration: the driver passes the bucket and prefix (tests/test_tpu_ownership.py runs that)
+    (block,) = [clean(b) for b in tf["terraform"] if "backend" in b]
+    assert block["backend"] == [{"gcs": {}}], block["backend"]
+
+
 def test_every_variable_is_typed_described_and_validated(tf):
     assert tf["variable"], "no variables parsed"
     for name, body in tf["variable"].items():

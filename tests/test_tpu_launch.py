@@ -28,6 +28,10 @@ SSH = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "ssh", NAME, *IAP]
 SCP = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "scp"]
 DESCRIBE = ["gcloud", "compute", "tpus", "tpu-vm", "describe", NAME, *IAP, "--format=value(state)"]
 TF = ["terraform", "-chdir=infra"]
+# the state in the deployment's state bucket, created first when missing
+STATE_BUCKET = ["gcloud", "storage", "buckets", "describe", "gs://my-proj-tpu-llm-tf", "--project=my-proj",
+                "--format=value(name)"]
+INIT = [*TF, "init", "-input=false", "-backend-config=bucket=my-proj-tpu-llm-tf", "-backend-config=prefix=terraform/state"]
 
 
 def write_outputs(path: Path, accelerator: str, workers: int, **changes) -> Path:
@@ -236,8 +240,8 @@ def test_tpu_up_applies_then_waits_for_every_worker(request, tfvars, slice_):
     done = make("tpu-up", TF_OUTPUTS=outputs, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert "creates billable resources" in done.stdout and "make tpu-down" in done.stdout
-    init, apis, describe, plan, show, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
-    assert init == [*TF, "init", "-input=false"]
+    state, init, apis, describe, plan, show, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
+    assert (state, init) == (STATE_BUCKET, INIT)
     # the APIs first: the plan reads the zone's accelerator types and images from the TPU API
     assert apis == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}",
                     "-target=google_project_service.apis"]
@@ -324,7 +328,7 @@ def test_tpu_down_force_deletes_an_active_queued_resource_first(queued, tfvars):
     done = make("tpu-down", TF_OUTPUTS=queued, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert commands(done.stdout) == [
-        [*TF, "init", "-input=false"], [*TF, "output", "-json"], DESCRIBE, RUN_STATE, QUEUED_DESCRIBE, QUEUED_DELETE,
+        STATE_BUCKET, INIT, [*TF, "output", "-json"], DESCRIBE, RUN_STATE, QUEUED_DESCRIBE, QUEUED_DELETE,
         [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false"],
         [*TF, "output", "-json"]]
     assert f"deleting queued resource {NAME}-queued (ACTIVE) and its TPU with --force" in done.stdout
@@ -341,7 +345,7 @@ def test_tpu_down_keeps_the_bucket_unless_asked(single, tfvars):
     done = make("tpu-down", TF_OUTPUTS=single, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert commands(done.stdout) == [
-        [*TF, "init", "-input=false"],
+        STATE_BUCKET, INIT,
         [*TF, "output", "-json"],
         DESCRIBE, RUN_STATE,  # worker 0 is asked first: no TPU whose run lives is deleted from here
         [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false"],
@@ -349,7 +353,7 @@ def test_tpu_down_keeps_the_bucket_unless_asked(single, tfvars):
     assert f"Kept: {BUCKET}" in done.stdout
     done = make("tpu-down", TF_OUTPUTS=single, TFVARS=tfvars, DESTROY_BUCKET=1)
     assert done.returncode == 0, done.stderr
-    assert commands(done.stdout)[4:] == [
+    assert commands(done.stdout)[5:] == [
         ["gcloud", "storage", "ls", "--all-versions", f"{BUCKET}/**", f"--project={PROJECT}"],
         ["gcloud", "storage", "ls", "--all-versions", f"{BUCKET}-logs/**", f"--project={PROJECT}"],
         [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false",
@@ -540,7 +544,8 @@ def test_tpu_down_force_deletes_the_active_queued_resource_before_terraform(tmp_
     assert done.returncode == 0, done.stderr
     calls = [c for c in log.read_text().splitlines() if " auth " not in c]
     assert calls == [
-        "terraform -chdir=infra init -input=false", "terraform -chdir=infra output -json",
+        f"gcloud storage buckets describe gs://my-proj-tpu-llm-tf --project={PROJECT} --format=value(name)",
+        f"terraform -chdir=infra init -input=false {' '.join(INIT[4:])}", "terraform -chdir=infra output -json",
         f"gcloud compute tpus tpu-vm describe {NAME} {' '.join(IAP)} --format=value(state)",  # not READY: no run
         f"gcloud compute tpus queued-resources describe {NAME}-queued --format=value(state.state) {' '.join(IAP)}",
         f"gcloud compute tpus queued-resources delete {NAME}-queued --force --quiet {' '.join(IAP)}",

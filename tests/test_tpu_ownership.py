@@ -416,3 +416,34 @@ def test_the_plan_reader_names_the_attributes_that_force_a_new_tpu():
         assert all(isinstance(line, str) for line in replaced_tpus(json.dumps(plan)))
 
     any_plan_reads_without_a_crash()
+
+
+# --------------------------------------------------------------------------------------------------
+# Remote state: make tpu-down from a fresh clone
+
+
+def test_the_state_bucket_is_made_first_and_a_fresh_clone_can_tear_down(tmp_path):
+    single, tfvars = single_host(tmp_path)
+    tf_dir = tmp_path / "infra"  # a fresh clone's infra/, but with the local state of an older checkout
+    tf_dir.mkdir()
+    (tf_dir / "terraform.tfstate").write_text('{"version": 4}')
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[
+        ("storage buckets describe*", 1, "ERROR: (gcloud.storage.buckets.describe) gs://my-proj-tpu-llm-tf not found: "
+                                         "404."),
+        ("compute tpus tpu-vm describe*", 0, "PREEMPTED")], terraform=[("*output -json*", 0, outputs_json(single))])
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "down"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=clean_env(PATH=bin_dir, TFVARS=tfvars, TF_DIR=tf_dir,
+                                                  TF_OUTPUTS=tmp_path / "no-outputs-yet.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = [c for c in log.read_text().splitlines() if " auth " not in c]
+    bucket = "gs://my-proj-tpu-llm-tf"
+    assert calls[:4] == [
+        f"gcloud storage buckets describe {bucket} --project={PROJECT} --format=value(name)",
+        f"gcloud storage buckets create {bucket} --project={PROJECT} --location=US-CENTRAL2 "
+        "--uniform-bucket-level-access --public-access-prevention",
+        f"gcloud storage buckets update {bucket} --versioning",
+        f"terraform -chdir={tf_dir} init -input=false -backend-config=bucket=my-proj-tpu-llm-tf "
+        "-backend-config=prefix=terraform/state -migrate-state -force-copy"]
+    assert any("-var=tpu_enabled=false" in c for c in calls)  # the TPU went, from the remote state's outputs
+    assert not (tf_dir / "terraform.tfstate").exists() and (tf_dir / "terraform.tfstate.migrated").exists()
+    assert "the local state is now in gs://my-proj-tpu-llm-tf/terraform/state" in done.stdout

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sys
 
 from tpu_llm.cloud.shell import (LaunchError, Outputs, Runner, check_application_default, check_gcloud_auth,
@@ -180,6 +181,36 @@ class Cloud:
                               "wait for capacity unattended, e.g. KEEP_QUEUED_HOURS=12")
         return max(60, int(self.wait_minutes * 60), int(hours * 3600))
 
+    def init_backend(self, settings: dict[str, str]) -> None:
+        """`terraform init` on the remote state in the deployment's state bucket, which is created first when
+        missing (Terraform cannot keep its state in a bucket it manages itself: destroying it would take the
+        state along). A local state from before is copied into it (-migrate-state), then set aside."""
+        bucket = state_bucket(settings)
+        project = settings.get("project_id", "<project_id>")
+        url = f"gs://{bucket}"
+        context = {"project": project, "zone": settings.get("zone", DEFAULT_ZONE), "what": f"state bucket {url}"}
+        status, out = self.runner.capture(["gcloud", "storage", "buckets", "describe", url, f"--project={project}",
+                                           "--format=value(name)"])
+        create = ["gcloud", "storage", "buckets", "create", url, f"--project={project}",
+                  f"--location={bucket_location(settings)}", "--uniform-bucket-level-access", "--public-access-prevention"]
+        versioning = ["gcloud", "storage", "buckets", "update", url, "--versioning"]
+        if self.dry:
+            print(f"DRY_RUN: (when {url} does not exist yet: {shlex.join(create)}; {shlex.join(versioning)})", flush=True)
+        elif status != 0:
+            if not re.search(r"NOT_FOUND|not found|\b404\b", out, re.IGNORECASE):
+                raise LaunchError(explain_failure(["gcloud"], status, out, context))
+            print(f"terraform state: creating {url} (versioned, private)", flush=True)
+            self.runner.stream(create, context)
+            self.runner.stream(versioning, context)
+        local = os.path.join(self.tf_dir, "terraform.tfstate")
+        migrate = ["-migrate-state", "-force-copy"] if os.path.exists(local) else []
+        self.runner.stream(self.terraform("init", "-input=false", f"-backend-config=bucket={bucket}",
+                                          f"-backend-config=prefix={STATE_PREFIX}", *migrate))
+        if migrate and not self.dry:
+            os.replace(local, f"{local}.migrated")
+            print(f"terraform state: the local state is now in {url}/{STATE_PREFIX}; the old file is "
+                  f"{local}.migrated", flush=True)
+
     def check_cloud(self, terraform: bool) -> None:
         if self.dry:
             if terraform and not os.path.exists(self.tfvars):
@@ -217,6 +248,25 @@ def billing_note(o: Outputs, owned: bool = False) -> str:
     if owned:
         return f"worker 0 deletes TPU {o['tpu_name']} when the run ends (DOWN_AFTER=1); `make tpu-status` shows it"
     return f"TPU {o['tpu_name']} is still up and billing: `make tpu-down` deletes it"
+
+
+STATE_PREFIX = "terraform/state"  # the state's folder in the state bucket (default.tfstate in it)
+
+
+def state_bucket(settings: dict[str, str]) -> str:
+    """The deployment's state bucket: TF_STATE_BUCKET, else the data bucket's name + "-tf" (within 63 characters)."""
+    if env("TF_STATE_BUCKET"):
+        return env("TF_STATE_BUCKET").removeprefix("gs://")
+    prefix = settings.get("name_prefix") or "tpu-llm"
+    return (settings.get("bucket_name") or f"{settings.get('project_id', '<project_id>')}-{prefix}") + "-tf"
+
+
+def bucket_location(settings: dict[str, str]) -> str:
+    """Where infra/ puts its buckets (main.tf: bucket_location, else the region of the zone)."""
+    if settings.get("bucket_location"):
+        return settings["bucket_location"].upper()
+    region = settings.get("region") or "-".join(settings.get("zone", DEFAULT_ZONE).split("-")[:2])
+    return region.upper()
 
 
 def queued_name(o: Outputs) -> str:

@@ -36,6 +36,7 @@ Settings come from the environment (the Makefile passes its variables through):
   TPU_SSH=iap|internal   ssh through Identity-Aware Proxy (default; needs gcloud's alpha component)
                          or to internal IPs (from a VM inside the VPC)
   TF_DIR, TFVARS, TF_OUTPUTS   where the Terraform files, variables and saved outputs are
+  TF_STATE_BUCKET    the Terraform state's bucket (default: the data bucket's name + "-tf", made when missing)
   DRY_RUN_TPU_STATE      the TPU state a dry run pretends `gcloud ... describe` answered (tests)
   DRY_RUN_QUEUED_STATE   the same for the queued resource (default ACTIVE; "" = it does not exist)
   DRY_RUN_RUN_STATE      what worker 0 says of its run in a dry run (default `tpu-llm-run: idle`)

@@ -10,7 +10,8 @@ import shlex
 import sys
 import time
 
-from tpu_llm.cloud.base import DEFAULT_ZONE, Cloud, billing_note, lock_sha256, queued_name, read_tfvars
+from tpu_llm.cloud.base import (DEFAULT_ZONE, Cloud, billing_note, lock_sha256, queued_name, read_tfvars,
+                                 state_bucket)
 from tpu_llm.cloud.shell import LaunchError, Outputs, explain_failure
 from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
 from tpu_llm.cloud.worker_plan import SETUP_SCRIPT, STATE_DIR, flag
@@ -29,7 +30,7 @@ class Provision(Cloud):
               "for every hour it exists, training or idle, plus a bucket, Cloud NAT and logs. Run `make tpu-down` "
               "when you are done.", flush=True)
         self.check_cloud(terraform=True)
-        self.runner.stream(self.terraform("init", "-input=false"))
+        self.init_backend(settings)
         prefix = settings.get("name_prefix", "tpu-llm")
         context = {"project": settings.get("project_id", "?"), "zone": settings.get("zone", DEFAULT_ZONE),
                    "accelerator": accel, "family": accel.split("-")[0], "tpu_name": f"{prefix}-tpu", "prefix": prefix}
@@ -212,7 +213,7 @@ class Provision(Cloud):
     def down(self) -> None:
         self.check_cloud(terraform=True)
         destroy_bucket = flag("DESTROY_BUCKET")
-        self.runner.stream(self.terraform("init", "-input=false"))
+        self.init_backend(read_tfvars(self.tfvars))
         try:
             o = self.save_outputs()
         except LaunchError:  # no state yet: nothing of ours to delete outside Terraform
@@ -235,7 +236,9 @@ class Provision(Cloud):
         self.runner.stream(self.terraform("destroy", *self.tf_var_args("-var=bucket_force_destroy=true")))
         if not self.dry and os.path.exists(self.outputs_path):
             os.remove(self.outputs_path)
-        print("tpu-down: everything infra/ created is deleted.", flush=True)
+        state = f"gs://{state_bucket(read_tfvars(self.tfvars))}"
+        print(f"tpu-down: everything infra/ created is deleted. Kept: the state bucket {state} (the now empty "
+              f"Terraform state; `gcloud storage rm -r {state}` deletes it).", flush=True)
 
     def refuse_if_run_alive(self, o: Outputs | None, target: str) -> None:
         """This machine never deletes a TPU whose run is alive: worker 0 is asked first (FORCE=1: not asked)."""
