@@ -49,8 +49,14 @@ variable "accelerator_type" {
   description = "TPU slice: FAMILY-SIZE, e.g. v5litepod-8, v5p-8, v6e-8, v4-8. v5e (v5litepod) and v6e count chips, v2/v3/v4/v5p count TensorCores; more than 8 means several hosts (a pod slice). The plan checks that the zone offers it."
   default     = "v5litepod-8"
 
+  # TPU7x (Ironwood) first, in its own words: the platform's edge, not a typo
   validation {
-    condition     = can(regex("^(v2|v3|v4|v5litepod|v5p|v6e)-[1-9][0-9]*$", var.accelerator_type))
+    condition     = !can(regex("^(v7|tpu7|ironwood)", lower(var.accelerator_type)))
+    error_message = "accelerator_type: TPU7x (Ironwood) does not run TensorFlow (tensorflow-tpu ends at 2.20.0), and the Cloud TPU API this configuration uses (google_tpu_v2_vm) does not reach it; use v6e, v5p, v5litepod (v5e) or v4."
+  }
+
+  validation {
+    condition     = can(regex("^(v2|v3|v4|v5litepod|v5p|v6e)-[1-9][0-9]*$", var.accelerator_type)) || can(regex("^(v7|tpu7|ironwood)", lower(var.accelerator_type)))
     error_message = "accelerator_type must be FAMILY-SIZE with FAMILY one of v2, v3, v4, v5litepod (v5e), v5p, v6e, e.g. v4-8, v4-32, v5litepod-8, v5p-8, v6e-8."
   }
 }

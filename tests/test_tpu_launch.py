@@ -381,8 +381,10 @@ def test_ssh_logs_tensorboard_data_upload(single):
     assert "tpu-logs: TPU tpu-llm-tpu is PREEMPTED; the training log from Cloud Storage" in done.stdout
     assert commands(done.stdout) == [
         DESCRIBE, ["gcloud", "storage", "ls", f"{BUCKET}/runs/exp1/logs/train-*.log", f"--project={PROJECT}"]]
-    assert commands(make("tpu-logs", TF_OUTPUTS=single, LOGS="setup").stdout) == [
+    done = make("tpu-logs", TF_OUTPUTS=single, LOGS="setup")
+    assert commands(done.stdout) == [
         [*SSH, "--worker=all", "--tunnel-through-iap", "--command=tail -n 50 /var/log/tpu-llm-setup.log"]]
+    assert "ssh-add ~/.ssh/google_compute_engine" in done.stdout  # the agent gets gcloud's key for --worker=all
     assert commands(make("tpu-status", TF_OUTPUTS=single).stdout) == [
         ["gcloud", "compute", "tpus", "tpu-vm", "describe", NAME, *IAP, "--format=json"],
         ["gcloud", "storage", "ls", f"{BUCKET}/runs/tiny/logs/train-*.log", f"--project={PROJECT}"],

@@ -447,3 +447,16 @@ def test_the_state_bucket_is_made_first_and_a_fresh_clone_can_tear_down(tmp_path
     assert any("-var=tpu_enabled=false" in c for c in calls)  # the TPU went, from the remote state's outputs
     assert not (tf_dir / "terraform.tfstate").exists() and (tf_dir / "terraform.tfstate.migrated").exists()
     assert "the local state is now in gs://my-proj-tpu-llm-tf/terraform/state" in done.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# The platform's edge
+
+
+def test_tpu7x_is_refused_in_one_line_before_anything_runs(tmp_path):
+    tfvars = tmp_path / "terraform.tfvars"
+    tfvars.write_text(f'project_id = "{PROJECT}"\naccelerator_type = "tpu7x-16"\n')
+    done = make("tpu-up", TFVARS=tfvars, TF_OUTPUTS=tmp_path / "none.json")
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert "TPU7x (Ironwood) does not run TensorFlow (tensorflow-tpu ends at 2.20.0)" in line and "v6e" in line
+    assert commands(done.stdout) == []

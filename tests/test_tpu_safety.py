@@ -317,6 +317,8 @@ def test_tpu_up_takes_the_host_count_from_the_api(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the TPU API lists 4 hosts (2 estimated); using 4" in done.stdout
     assert "(v6e-16, 4 worker(s))" in done.stdout
+    saved = json.loads((tmp_path / "saved.json").read_text())  # kept: make train and tpu-status say 4 too
+    assert saved["worker_count"]["value"] == 4
 
 
 def test_tpu_stop_sends_sigterm_on_worker_0_and_down_after_leaves_the_teardown_to_worker_0(tmp_path):

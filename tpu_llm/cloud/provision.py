@@ -26,6 +26,10 @@ class Provision(Cloud):
     def up(self) -> None:
         settings = read_tfvars(self.tfvars)
         accel, spot = settings.get("accelerator_type", "v5litepod-8"), settings.get("spot", "true") == "true"
+        if re.match(r"(v7|tpu7|ironwood)", accel.lower()):  # as infra/variables.tf, before anything runs
+            raise LaunchError(f"accelerator_type = \"{accel}\" in {self.tfvars}: TPU7x (Ironwood) does not run "
+                              "TensorFlow (tensorflow-tpu ends at 2.20.0), and the Cloud TPU API this uses does not "
+                              "reach it; use v6e, v5p, v5litepod (v5e) or v4")
         print(f"tpu-up: this creates billable resources: a {accel} TPU ({'spot' if spot else 'on-demand'}), billed "
               "for every hour it exists, training or idle, plus a bucket, Cloud NAT and logs. Run `make tpu-down` "
               "when you are done.", flush=True)
@@ -209,6 +213,12 @@ class Provision(Cloud):
             print(f"tpu-up: the TPU API lists {len(endpoints)} hosts ({o['worker_count']} estimated); using "
                   f"{len(endpoints)}", flush=True)
             o["worker_count"] = len(endpoints)
+            if not self.dry:  # kept for make train / tpu-status, which read the saved outputs
+                with open(self.outputs_path, encoding="utf-8") as f:
+                    saved = json.load(f)
+                saved["worker_count"] = {**saved.get("worker_count", {}), "value": len(endpoints)}
+                with open(self.outputs_path, "w", encoding="utf-8") as f:
+                    json.dump(saved, f)
 
     def down(self) -> None:
         self.check_cloud(terraform=True)

@@ -10,6 +10,7 @@ import re
 
 from tpu_llm.cloud.base import Cloud, queued_name, venv_tool
 from tpu_llm.cloud.shell import LaunchError, Outputs, explain_failure
+from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
 from tpu_llm.cloud.worker_plan import LOG_DIR, PID_FILE, RUN_FILES, TRAIN_LOG, default_run_dir, env
 
 
@@ -122,6 +123,7 @@ class Watch(Cloud):
         if which not in ("train", "gcs", "setup"):
             raise LaunchError(f"LOGS={which!r}: use train (live from worker 0, else Cloud Storage), gcs or setup")
         if which == "setup":
+            ensure_key_in_agent(self.runner)  # gcloud needs it for --worker=all on a pod
             return self.runner.interactive(self.ssh(o, "all", "tail -n 50 /var/log/tpu-llm-setup.log"))
         if which == "train":
             state = self.tpu_state(o) if o["tpu_enabled"] else ""
