@@ -18,8 +18,13 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 #   INPUT=GLOB SHARDS=N OVERWRITE=1   data-upload: text to tokenize, shard count (default 32, balanced by tokens), replace old shards
 #   TRAIN_ON=auto|tpu|local   where `make train` runs (auto: the TPU if `make tpu-up` made one)
 #   WORKER=N LOGS=train|gcs|setup LOG_LINES=N PORT=6006 DESTROY_BUCKET=1 YES=1 TPU_SSH=iap|internal TPU_WAIT_MINUTES=30
-#   KEEP_QUEUED=1    tpu-up: keep a queued resource waiting past TPU_WAIT_MINUTES (default: delete it then)
-#   DOWN_AFTER=1     train: `make tpu-down` once the run on the TPU ended
+#   KEEP_QUEUED=1    tpu-up: request a queued resource for KEEP_QUEUED_HOURS=24 and leave it waiting past
+#                    TPU_WAIT_MINUTES or Ctrl-C (default: it lasts the wait, and is deleted then)
+#   DOWN_AFTER=1     train: worker 0 deletes its TPU itself when the run ends or fails (the laptop may go away)
+#   TTL_HOURS=N      train: worker 0 stops the run after N hours (SIGTERM: a checkpoint) and deletes the TPU
+#   TF_STATE_BUCKET=NAME   tpu-up/tpu-down: the Terraform state's bucket (default PROJECT_ID-NAME_PREFIX-tf)
+#   REPLACE=1        tpu-up: apply a plan that replaces the running TPU (else refused; a new image needs it)
+#   FORCE=1          tpu-down, tpu-up REPLACE=1: delete the TPU without asking worker 0 whether a run trains there
 CONFIG ?= configs/tiny.yaml
 TPU := $(PYTHON) -m tpu_llm.cloud
 

@@ -1,6 +1,8 @@
 # The workers' identity: a dedicated service account with object access to the one bucket, log and
-# metric writing, and read access to TPU metadata (a pod's TPUClusterResolver looks the TPU up by
-# name through the TPU API). No primitive role (owner/editor/viewer) anywhere. The TPU VM and the
+# metric writing, read access to TPU metadata (a pod's TPUClusterResolver looks the TPU up by name
+# through the TPU API), and the right to delete a TPU node, which worker 0 uses to delete its own TPU
+# when a run started with DOWN_AFTER=1 or TTL_HOURS ends (tpu_llm/cloud/run_owner.py). No primitive
+# role (owner/editor/viewer) anywhere. The TPU VM and the
 # queued resource (created by `make tpu-up` with gcloud --service-account) both run as it, never as
 # the Compute Engine default service account (which lacks tpu.nodes.get where
 # iam.automaticIamGrantsForDefaultServiceAccounts is enforced, and holds roles/editor elsewhere).
@@ -23,6 +25,28 @@ locals {
     "roles/storage.objectUser",         # read data, write checkpoints and logs, delete old checkpoints (no IAM on objects)
     "roles/storage.legacyBucketReader", # bucket metadata: the pre-flight "bucket exists" check
   ]
+}
+
+# The least role that lets worker 0 delete its TPU: no predefined TPU role is that narrow (roles/tpu.admin
+# and roles/tpu.editor also create, update and reimage nodes), so a custom role with the two permissions
+# `gcloud compute tpus tpu-vm delete --async` needs. Granted on the project: Cloud TPU has no IAM policy on a
+# single node, so it reaches the project's other TPU nodes too (deleting them is all it allows). A queued
+# resource is not deleted by worker 0: once its node is gone it is SUSPENDED, bills nothing, and the next
+# `make tpu-up` or `make tpu-down` deletes it.
+resource "google_project_iam_custom_role" "tpu_self_delete" {
+  project     = var.project_id
+  role_id     = "${replace(var.name_prefix, "-", "_")}_tpu_self_delete"
+  title       = "tpu-llm: delete a TPU node"
+  description = "Lets the TPU workers of ${var.name_prefix} delete their TPU node when a run that owns it ends."
+  permissions = ["tpu.nodes.delete", "tpu.nodes.get"]
+
+  depends_on = [google_project_service.apis]
+}
+
+resource "google_project_iam_member" "tpu_self_delete" {
+  project = var.project_id
+  role    = google_project_iam_custom_role.tpu_self_delete.name
+  member  = "serviceAccount:${google_service_account.tpu.email}"
 }
 
 resource "google_project_iam_member" "tpu" {
@@ -52,6 +76,7 @@ resource "time_sleep" "service_account" {
   depends_on = [
     google_service_account.tpu,
     google_project_iam_member.tpu,
+    google_project_iam_member.tpu_self_delete,
     google_storage_bucket_iam_member.workers,
   ]
 }

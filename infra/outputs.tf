@@ -32,7 +32,7 @@ output "accelerator_type" {
 }
 
 output "runtime_version" {
-  description = "TPU VM software image (chosen by infra/runtime; the plan stops when none fits)."
+  description = "TPU VM software image (chosen by infra/runtime when the TPU was created, pinned in the state since)."
   value       = local.runtime_version
 
   precondition {
@@ -43,12 +43,18 @@ output "runtime_version" {
 
 output "runtime_choice" {
   description = "The image and why it was chosen (`make tpu-up` prints it)."
-  value       = "${local.runtime_version}: ${module.runtime.reason}"
+  value = (local.runtime_version == module.runtime.runtime_version ? "${local.runtime_version}: ${module.runtime.reason}"
+  : "${local.runtime_version}: pinned in the state when the TPU was created; infra/runtime now chooses ${module.runtime.runtime_version} (`make tpu-up REPLACE=1` takes it, replacing the TPU)")
 }
 
 output "libtpu" {
-  description = "Which libtpu runs: the pinned wheel from the venv (venv, single host) or the pod image's (image)."
+  description = "Which libtpu runs: the pinned wheel in the training process (venv, single host) or the TF worker container's on every host (container, a pod)."
   value       = module.runtime.libtpu_from
+}
+
+output "tf_worker_image" {
+  description = "A pod's TF worker container, which the set-up points every host's TPU runtime at (empty for one host)."
+  value       = module.runtime.tf_worker_image
 }
 
 output "worker_count" {

@@ -11,19 +11,18 @@
 #
 # Workers have no external IP; they reach the internet through Cloud NAT and Google APIs through
 # Private Google Access. Every worker runs startup.sh.tftpl at boot, which installs exactly the
-# versions of worker-requirements.txt.
+# versions of worker-requirements.txt, and on a pod points the TPU runtime at the TF worker container.
 
 locals {
   startup_script = templatefile("${path.module}/startup.sh.tftpl", {
-    state_dir          = "/opt/tpu-llm"
-    venv               = "/opt/tpu-llm/venv"
-    requirements       = local.worker_requirements
-    tensorflow_version = local.tensorflow_version
-    tpu_name           = local.tpu_name
-    multi_host         = local.multi_host ? "true" : "false"
-    libtpu_version     = local.libtpu_version
-    lock_sha256        = sha256(local.worker_requirements)
-    bucket_url         = "gs://${local.bucket_name}"
+    state_dir            = "/opt/tpu-llm"
+    venv                 = "/opt/tpu-llm/venv"
+    requirements         = local.worker_requirements
+    lock_sha256          = sha256(local.worker_requirements)
+    tpu_name             = local.tpu_name
+    multi_host           = local.multi_host ? "true" : "false"
+    bucket_url           = "gs://${local.bucket_name}"
+    tf_worker_repository = module.runtime.tf_worker_repository
   })
 
   tpu_description = "tpu-llm training slice (${var.accelerator_type}, ${local.runtime_version})"
@@ -70,6 +69,22 @@ module "runtime" {
   accelerator_family = local.accelerator_family
   multi_host         = local.multi_host
   override           = var.runtime_version
+}
+
+# The image the TPU was created with, pinned in the state while the TPU exists: runtime_version is
+# ForceNew, so a new choice of ./runtime (another image list in the zone, a new rule in a later version
+# of this configuration) would otherwise replace a running TPU on the next apply. A deliberate change
+# (runtime_version set in terraform.tfvars, another accelerator type or zone) replaces the pin, and with
+# it the TPU: `make tpu-up` refuses a plan that replaces a running TPU unless REPLACE=1. `make tpu-down`
+# deletes the pin with the TPU, so the next TPU takes the current choice.
+resource "terraform_data" "runtime_pin" {
+  count            = var.tpu_enabled ? 1 : 0
+  input            = module.runtime.runtime_version
+  triggers_replace = [var.runtime_version, var.accelerator_type, var.zone]
+
+  lifecycle {
+    ignore_changes = [input]
+  }
 }
 
 resource "google_tpu_v2_vm" "tpu" {

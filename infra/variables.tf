@@ -49,20 +49,26 @@ variable "accelerator_type" {
   description = "TPU slice: FAMILY-SIZE, e.g. v5litepod-8, v5p-8, v6e-8, v4-8. v5e (v5litepod) and v6e count chips, v2/v3/v4/v5p count TensorCores; more than 8 means several hosts (a pod slice). The plan checks that the zone offers it."
   default     = "v5litepod-8"
 
+  # TPU7x (Ironwood) first, in its own words: the platform's edge, not a typo
   validation {
-    condition     = can(regex("^(v2|v3|v4|v5litepod|v5p|v6e)-[1-9][0-9]*$", var.accelerator_type))
+    condition     = !can(regex("^(v7|tpu7|ironwood)", lower(var.accelerator_type)))
+    error_message = "accelerator_type: TPU7x (Ironwood) does not run TensorFlow (tensorflow-tpu ends at 2.20.0), and the Cloud TPU API this configuration uses (google_tpu_v2_vm) does not reach it; use v6e, v5p, v5litepod (v5e) or v4."
+  }
+
+  validation {
+    condition     = can(regex("^(v2|v3|v4|v5litepod|v5p|v6e)-[1-9][0-9]*$", var.accelerator_type)) || can(regex("^(v7|tpu7|ironwood)", lower(var.accelerator_type)))
     error_message = "accelerator_type must be FAMILY-SIZE with FAMILY one of v2, v3, v4, v5litepod (v5e), v5p, v6e, e.g. v4-8, v4-32, v5litepod-8, v5p-8, v6e-8."
   }
 }
 
 variable "runtime_version" {
   type        = string
-  description = "TPU VM software image. Empty: tpu-vm-tf-VERSION[-pod]-pjrt with VERSION the tensorflow-tpu of infra/worker-requirements.txt (Cloud TPU's naming for TensorFlow images); the plan checks that the zone offers it and lists the TensorFlow images there (`gcloud compute tpus tpu-vm versions list --zone=ZONE` does too)."
+  description = "TPU VM software image. Empty: a base image chosen by infra/runtime (one host: the family's, e.g. v2-alpha-tpuv5-lite for v5e or tpu-ubuntu2204-base for v4; a pod: the one Google's TF release tests run that family's pods on), with TensorFlow from infra/worker-requirements.txt; the plan checks that the zone offers it (`gcloud compute tpus tpu-vm versions list --zone=ZONE` lists them). Pinned in the state while the TPU exists: a change replaces the TPU, which `make tpu-up` does only with REPLACE=1."
   default     = ""
 
   validation {
-    condition     = var.runtime_version == "" || can(regex("^(tpu-vm-|v2-alpha)[a-z0-9.-]*$", var.runtime_version))
-    error_message = "runtime_version must be empty (automatic) or a TPU VM image name such as tpu-vm-tf-2.20.0-pjrt or tpu-vm-tf-2.20.0-pod-pjrt."
+    condition     = var.runtime_version == "" || can(regex("^(tpu-vm-|v2-alpha|tpu-ubuntu)[a-z0-9.-]*$", var.runtime_version))
+    error_message = "runtime_version must be empty (automatic) or a TPU VM image name such as v2-alpha-tpuv5-lite, v2-alpha-tpuv5 or tpu-ubuntu2204-base."
   }
 }
 

@@ -15,6 +15,13 @@
 terraform {
   required_version = ">= 1.5.0"
 
+  # The state lives in the deployment's state bucket (PROJECT_ID-NAME_PREFIX-tf unless TF_STATE_BUCKET),
+  # so `make tpu-down` works from a fresh clone. Partial configuration: `make tpu-up`/`tpu-down` create
+  # the bucket first when missing (gcloud: versioned, uniform access, public access prevented) and pass
+  # -backend-config=bucket=... -backend-config=prefix=terraform/state to `terraform init`. By hand:
+  # `terraform -chdir=infra init -backend-config=bucket=BUCKET -backend-config=prefix=terraform/state`.
+  backend "gcs" {}
+
   required_providers {
     google = {
       source  = "hashicorp/google"

@@ -627,6 +627,43 @@ def export_symlink(bench: Bench, name: str) -> Outcome:
     return Outcome(f"exit {code}: {line or last_lines(text)}"[:300], ok, lost)
 
 
+OWNER = "import runpy; runpy.run_module('tpu_llm.cloud', run_name='__main__')"  # python -m tpu_llm.cloud ARGS
+
+
+def owned_teardown(bench: Bench, name: str) -> Outcome:
+    """A run owned as on TPU worker 0 (`python -m tpu_llm.cloud own`, DOWN_AFTER=1's teardown file, a fake
+    gcloud): SIGTERM to the trainer after step 12, as `make tpu-stop` or TTL_HOURS send it. The trainer saves
+    and stops (143); the owner records 143, then asks for the TPU's deletion exactly once; the same command
+    then finishes equal to the uninterrupted run."""
+    work = bench.dir(name)
+    run_dir, home, bin_dir, calls, log = work / "run", work / "home", work / "bin", work / "gcloud.log", work / "train.log"
+    home.mkdir(exist_ok=True)
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "gcloud").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (bin_dir / "gcloud").chmod(0o755)
+    (home / "tpu-llm-run.teardown").write_text("gcloud compute tpus tpu-vm delete tpu-x --zone=z --project=p --async\n")
+    log.write_text("")
+    train = [sys.executable, "-m", "tpu_llm", *bench.train_args(run_dir)]
+    owner = Proc(bench.work / f"{name}-owner.log", ["own", f"--log={log}", f"--home={home}", "--copy-seconds=1",
+                                                     "--log-url=gs://b/train.log", "--", *train], code=OWNER,
+                 env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TF_CPP_MIN_LOG_LEVEL": "2"})
+    deadline = time.time() + TIMEOUT
+    while progress(log.read_text(errors="replace")) < 12:
+        if owner.proc.poll() is not None or time.time() > deadline:
+            owner.kill()
+            return Outcome(f"the owned run never reached step 12: {last_lines(log.read_text(errors='replace'))}",
+                           False, "-")
+        time.sleep(0.05)
+    os.kill(int((home / "tpu-llm-train.pid").read_text()), signal.SIGTERM)
+    code = owner.wait()
+    deletes = [c for c in calls.read_text().splitlines() if c.startswith("compute tpus tpu-vm delete")]
+    status = (home / "tpu-llm-run.status").read_text().strip() if (home / "tpu-llm-run.status").exists() else "none"
+    ended = log.read_text().find("the run ended with exit status 143") < log.read_text().find("deleting this TPU")
+    outcome = resume_and_compare(bench, run_dir, code, (143,), name)
+    observed = f"status {status}, {len(deletes)} delete(s) after the run ended; {outcome.observed}"
+    return Outcome(observed[:300], outcome.ok and status == "143" and len(deletes) == 1 and ended, outcome.lost)
+
+
 @dataclasses.dataclass
 class Row:
     name: str
@@ -684,6 +721,8 @@ ROWS = [
         "exit 2, one line naming the link; nothing written through it", symlink_row("metrics.jsonl")),
     Row("symlink-logs", "logs/train a symbolic link to a directory outside the run directory",
         "exit 2, one line naming the link; nothing written through it", symlink_row("logs/train")),
+    Row("owned-teardown", "SIGTERM to a run owned as on TPU worker 0 with DOWN_AFTER=1 (fake gcloud), after step 12",
+        f"143; the owner records it, then deletes the TPU once; {SAME}", owned_teardown),
     Row("two-trainers", "a second trainer (another learning rate) on the run directory of one still training",
         "the second: exit 2, one line naming the first's pid; the first finishes equal to the uninterrupted run",
         two_trainers),

@@ -8,7 +8,10 @@ first of them, exactly as it would without the split.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before anything imports TensorFlow
@@ -17,7 +20,7 @@ os.environ["XDG_CACHE_HOME"] = __import__("tempfile").mkdtemp(prefix="tpu-llm-te
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from helpers import CPU_DEVICES, write_corpus  # noqa: E402
+from helpers import CPU_DEVICES, terraform, write_corpus  # noqa: E402
 
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                            [tf.config.LogicalDeviceConfiguration()] * CPU_DEVICES)
@@ -66,3 +69,36 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(Trainer, "_loss_and_grads_fn", loss_and_grads)
     return lambda *steps: [armed[s].assign(1) for s in steps]
+
+
+@pytest.fixture(scope="module")
+def rule(tmp_path_factory):
+    """choose(versions, family, multi_host) -> infra/runtime's outputs, by `terraform apply` on the module alone."""
+    work = tmp_path_factory.mktemp("runtime")
+    shutil.copytree(Path(__file__).resolve().parent.parent / "infra" / "runtime", work / "runtime")
+    (work / "main.tf").write_text("""
+variable "versions" { type = list(string) }
+variable "family" { type = string }
+variable "multi_host" { type = bool }
+module "runtime" {
+  source             = "./runtime"
+  versions           = var.versions
+  tensorflow_version = "2.20.0"
+  accelerator_family = var.family
+  multi_host         = var.multi_host
+}
+output "choice" { value = module.runtime }
+""")
+    tf = terraform()
+    env = {**os.environ, "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1"}
+    subprocess.run([tf, "init", "-input=false"], cwd=work, capture_output=True, check=True, env=env)
+
+    def choose(versions: list[str], family: str, multi_host: bool) -> dict:
+        done = subprocess.run([tf, "apply", "-auto-approve", "-input=false", f"-var=versions={json.dumps(versions)}",
+                               f"-var=family={family}", f"-var=multi_host={str(multi_host).lower()}"], cwd=work,
+                              capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        out = subprocess.run([tf, "output", "-json", "choice"], cwd=work, capture_output=True, text=True, env=env)
+        return json.loads(out.stdout)
+
+    return choose

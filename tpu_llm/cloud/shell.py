@@ -20,6 +20,8 @@ import shutil
 import subprocess
 import sys
 
+from tpu_llm.cloud.pod_check import tf_worker_image
+
 EXIT_ERROR = 2
 
 # Zones that Cloud TPU's "TPU regions and zones" page (cloud.google.com/tpu/docs/regions-zones)
@@ -279,7 +281,8 @@ class Outputs(dict):
                     "runs_url": f"{bucket}/runs", "log_bucket_url": "", "runtime_version": "<chosen by the plan>",
                     "runtime_choice": "", "network": f"{prefix}-vpc", "subnetwork": f"{prefix}-subnet",
                     "service_account_email": f"{prefix}-tpu@{project}.iam.gserviceaccount.com", "labels": {},
-                    "startup_script": "#!/bin/bash\n# <rendered by terraform from infra/startup.sh.tftpl>\n"})
+                    "startup_script": "#!/bin/bash\n# <rendered by terraform from infra/startup.sh.tftpl>\n",
+                    "tf_worker_image": tf_worker_image(lock_tensorflow()) if workers > 1 else ""})
 
     @property
     def family(self) -> str:
@@ -289,6 +292,16 @@ class Outputs(dict):
         return {"project": self["project_id"], "zone": self["zone"], "tpu_name": self["tpu_name"],
                 "accelerator": self["accelerator_type"], "family": self.family,
                 "prefix": str(self["tpu_name"]).removesuffix("-tpu")}
+
+
+def lock_tensorflow(path: str = os.path.join("infra", "worker-requirements.txt")) -> str:
+    """The tensorflow-tpu version the lock pins (as infra/main.tf reads it), or "?"."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            match = re.search(r"^tensorflow-tpu==([0-9][0-9.]*)", f.read(), re.MULTILINE)
+    except OSError:
+        return "?"
+    return match.group(1) if match else "?"
 
 
 # --------------------------------------------------------------------------------------------------

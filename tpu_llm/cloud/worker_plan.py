@@ -1,22 +1,31 @@
 """What `make train` runs on TPU worker 0, and the source it copies to every worker (for tpu_llm/cloud/driver.py).
 
   single-host slice  `--strategy=tpu --tpu=local` with the PJRT variables
-                     NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/lib/libtpu.so
-                     (and TPU_LIBRARY_PATH=/lib/libtpu.so, see PJRT_ENV)
-  multi-host slice   `--strategy=tpu --tpu=NAME` with TPU_NAME=NAME TPU_LOAD_LIBRARY=0 (the pod's TF
-                     servers run the input pipeline, so the data must be TFRecord shards on gs://)
+                     NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so
+                     (and TPU_LIBRARY_PATH, see PJRT_ENV): the venv's pinned libtpu, linked there by the set-up
+  multi-host slice   `--strategy=tpu --tpu=NAME` with TPU_NAME=NAME TPU_LOAD_LIBRARY=0: the TF servers are the
+                     TF worker containers the set-up runs on every host (infra/startup.sh.tftpl), and they run
+                     the input pipeline, so the data must be TFRecord shards on gs://
 
-The run is started with nohup (it survives a dropped ssh; `make tpu-logs` re-attaches), after
-`python -m tpu_llm.cloud preflight` checked the bucket and the data from the worker itself. Its log
-is copied to RUN_DIR/logs/train-TIMESTAMP.log every LOG_COPY_SECONDS while it runs and once when it
-ends, so it outlives a preempted or deleted TPU (`make tpu-logs` / `make tpu-status` read it there).
+The run belongs to a process of its own on worker 0 (`python -m tpu_llm.cloud own`, run_owner.py),
+started with nohup: it survives a dropped ssh, runs `python -m tpu_llm.cloud preflight` (the bucket
+and the data, checked from the worker itself) and then the training, copies the log to
+RUN_DIR/logs/train-TIMESTAMP.log every LOG_COPY_SECONDS and at the end (so it outlives a preempted or
+deleted TPU: `make tpu-logs` / `make tpu-status` read it there), records the exit status, and with
+DOWN_AFTER=1 or TTL_HOURS deletes the TPU itself when the run ends, fails or runs out of time.
+
+Launching is idempotent: gcloud runs a TPU ssh command again when its ssh exits 255 (up to 10 times),
+and a later `make train` may follow a dropped one. The launch script attaches to a live run started
+with the same settings (or by the same command), and refuses one started with other settings.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import tarfile
+import uuid
 
 from tpu_llm.cloud.shell import LaunchError, Outputs
 
@@ -24,30 +33,35 @@ STATE_DIR = "/opt/tpu-llm"  # where infra/startup.sh.tftpl installs (state_dir a
 VENV = f"{STATE_DIR}/venv"
 SOURCE_ARCHIVE = "build/tpu-llm-src.tar.gz"
 SETUP_SCRIPT = "tpu-llm-setup.sh"  # the current rendering of infra/startup.sh.tftpl (outputs startup_script)
+PACKED_LOCK = "worker-requirements.txt"  # the checkout's lock, packed beside it: the set-up installs this one
+LOCK_PATH = os.path.join("infra", "worker-requirements.txt")
 SOURCE_FILES = ("pyproject.toml", "README.md", "tpu_llm", "configs")
 TRAIN_LOG = "~/tpu-llm-train.log"
 PID_FILE = "~/tpu-llm-train.pid"
 LOG_DIR = "logs"  # under the run directory: train-YYYYMMDDTHHMMSSZ.log, one per `make train`
 LOG_COPY_SECONDS = 30
-# Copies the log to Cloud Storage while the run ($0) lives, then once more (the workers' service
-# account has objectUser on the bucket; gcloud comes with the TPU VM images). Detached like the
-# run, so a dropped ssh does not stop it; a preemption loses at most the last LOG_COPY_SECONDS.
-LOG_COPY = ("nohup bash -c 'while kill -0 \"$0\" 2>/dev/null; do gcloud storage cp --quiet "
-            f"{TRAIN_LOG} \"$1\" >/dev/null 2>&1; sleep {LOG_COPY_SECONDS}; done; gcloud storage cp --quiet "
-            f"{TRAIN_LOG} \"$1\"' \"$pid\" \"$log_url\" >/dev/null 2>&1 < /dev/null &")
+OWNER_PID_FILE = "~/tpu-llm-owner.pid"  # the run's owner process (run_owner.py; the files it keeps are named there)
+RUN_FILES = {name: f"~/tpu-llm-run.{name}" for name in ("launch", "key", "status", "teardown")}
+BUSY = 75  # the launch's exit status when another run holds worker 0 (EX_TEMPFAIL: again once it ended)
+SSH_LOST = 255  # ssh's own failure, which gcloud retries up to 10 times before it gives up
 # Single host: PJRT through the pinned libtpu wheel of the venv (tensorflow-tpu 2.20.0 declares
 # libtpu~=0.0.14; the lock pins 0.0.14; newer ones, e.g. 0.0.52, make `import tensorflow` abort:
 # "ConfigureDistributedTpuOp_DoWork not available in this library"). The set-up checks its version and
 # links it at LIBTPU; TPU_LIBRARY_PATH makes TensorFlow's own import-time load take that file too.
-# The single-host image is the family's base image, which has no TensorFlow (docs/cloud-tpu.md).
+# Every image is a base image, which has no TensorFlow (docs/cloud-tpu.md).
 LIBTPU = f"{STATE_DIR}/libtpu.so"
 PJRT_ENV = {"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": LIBTPU,
             "TPU_LIBRARY_PATH": LIBTPU}
 
 
-# Refuse to start (or to reinstall under) a run while one is training on worker 0.
-BUSY_CHECK = (f"if [ -f {PID_FILE} ] && kill -0 \"$(cat {PID_FILE})\" 2>/dev/null; then "
-              f"echo \"error: a run is already training on worker 0 (pid $(cat {PID_FILE}))\" >&2; exit 2; fi")
+# Refuse to start (or to reinstall under) a run while one is training on worker 0: its owner (which
+# spans the pre-flight check, the training and the teardown) or a trainer started before owners existed.
+BUSY_CHECK = (f"for f in {OWNER_PID_FILE} {PID_FILE}; do if [ -f $f ] && kill -0 \"$(cat $f)\" 2>/dev/null; then "
+              f"echo \"error: a run is already training on worker 0 (pid $(cat $f))\" >&2; exit {BUSY}; fi; done")
+# What the driver asks worker 0 before it launches or deletes anything: `tpu-llm-run: alive KEY PID` or idle.
+RUN_STATE = (f"for f in {OWNER_PID_FILE} {PID_FILE}; do if [ -f $f ] && kill -0 \"$(cat $f)\" 2>/dev/null; then "
+             f"echo \"tpu-llm-run: alive $(cat {RUN_FILES['key']} 2>/dev/null || echo -) $(cat $f)\"; exit 0; fi; "
+             "done; echo tpu-llm-run: idle")
 # On every worker: unpack the copied source and install it with the set-up script packed beside it, the
 # current lock's (not the copy the worker booted with: a changed lock rebuilds the venv).
 INSTALL = (f"{BUSY_CHECK}; rm -rf ~/tpu-llm && mkdir -p ~/tpu-llm && "
@@ -65,9 +79,13 @@ def flag(name: str) -> bool:
 class TrainPlan:
     """What to run on worker 0: the command line, its environment and the checks before it."""
 
-    def __init__(self, o: Outputs, config: str, run_dir: str, data: str, extra: list[str]):
+    def __init__(self, o: Outputs, config: str, run_dir: str, data: str, extra: list[str], down_after: bool = False,
+                 ttl_hours: float = 0.0):
         self.o, self.config, self.run_dir, self.data, self.extra = o, config, run_dir, data, extra
         self.pod = bool(o["multi_host"])
+        self.down_after = down_after or ttl_hours > 0  # a time limit bounds the TPU's life, not only the run's
+        self.ttl_hours = ttl_hours
+        self.launch_id = uuid.uuid4().hex[:12]  # this `make train`: gcloud's re-runs of its ssh carry the same
 
     @classmethod
     def from_env(cls, o: Outputs) -> "TrainPlan":
@@ -97,7 +115,7 @@ class TrainPlan:
         for key in ("TOKENIZER", "TOKENIZER_MODEL"):
             if env(key):
                 extra.insert(0, f"--data.{key.lower()}={env(key)}")
-        return cls(o, config, run_dir, data, extra)
+        return cls(o, config, run_dir, data, extra, down_after=flag("DOWN_AFTER"), ttl_hours=ttl_hours())
 
     def train_argv(self) -> list[str]:
         argv = [f"{VENV}/bin/tpu-llm", "train", "--config", self.config, "--strategy=tpu",
@@ -111,27 +129,90 @@ class TrainPlan:
     def environment(self) -> dict[str, str]:
         return {"TPU_NAME": str(self.o["tpu_name"]), "TPU_LOAD_LIBRARY": "0"} if self.pod else dict(PJRT_ENV)
 
-    def remote_script(self) -> str:
-        preflight = [f"{VENV}/bin/python", "-m", "tpu_llm.cloud", "preflight", f"--run_dir={self.run_dir}"]
+    def preflight_argv(self) -> list[str]:
+        argv = [f"{VENV}/bin/python", "-m", "tpu_llm.cloud", "preflight", f"--run_dir={self.run_dir}"]
         if self.data:
-            preflight.append(f"--data={self.data}")
+            argv.append(f"--data={self.data}")
         if self.pod:
-            preflight.append("--require_tfrecord")
-        env_words = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.environment().items())
+            argv.append("--require_tfrecord")
+        return argv
+
+    def run_key(self) -> str:
+        """Names what is trained: a later `make train` with the same settings attaches to the live run."""
+        what = [self.run_dir, *self.preflight_argv(), *self.train_argv(), *sorted(self.environment().items())]
+        return hashlib.sha256(repr(what).encode()).hexdigest()[:12]
+
+    def teardown_argv(self) -> list[str]:
+        """What worker 0 runs, as its service account, to delete its TPU when the run ended (DOWN_AFTER=1).
+        The node, also of a queued resource: that one is then SUSPENDED and bills nothing, and the next
+        `make tpu-up` or `make tpu-down` deletes it (as Google's TF test harness deletes nodes first)."""
+        return ["gcloud", "compute", "tpus", "tpu-vm", "delete", str(self.o["tpu_name"]), f"--zone={self.o['zone']}",
+                f"--project={self.o['project_id']}", "--quiet", "--async"]
+
+    def owner_argv(self) -> list[str]:
+        argv = [f"{VENV}/bin/python", "-m", "tpu_llm.cloud", "own", f"--log={TRAIN_LOG}", "--log-url=LOG_URL",
+                f"--copy-seconds={LOG_COPY_SECONDS}", f"--preflight={shlex.join(self.preflight_argv())}"]
+        if self.ttl_hours > 0:
+            argv.append(f"--ttl-hours={self.ttl_hours:g}")
+        env_words = [f"{k}={v}" for k, v in self.environment().items()]
+        return [*argv, "--", "env", *env_words, *self.train_argv()]
+
+    def remote_script(self) -> str:
+        """The launch on worker 0: start the run's owner, or attach to the live run this command (a re-run by
+        gcloud after a dropped ssh) or the same settings started; then follow its log, exit with its status."""
+        files = RUN_FILES
+        teardown = ([f"printf '%s\\n' {shlex.quote(shlex.join(self.teardown_argv()))} > {files['teardown']}"]
+                    if self.down_after else [])
+        log_url = f"{shlex.quote(self.run_dir + '/' + LOG_DIR)}/train-$(date -u +%Y%m%dT%H%M%SZ).log"
+        owner = shlex.join(self.owner_argv()).replace("--log-url=LOG_URL", '"--log-url=$log_url"')
+        alive = f"[ -f {OWNER_PID_FILE} ] && kill -0 \"$(cat {OWNER_PID_FILE})\" 2>/dev/null"
         return "\n".join([
             "set -e",
             "cd ~/tpu-llm",
-            shlex.join(preflight),
-            BUSY_CHECK,
-            f"log_url={shlex.quote(self.run_dir + '/' + LOG_DIR)}/train-$(date -u +%Y%m%dT%H%M%SZ).log",
-            f"nohup env {env_words} {shlex.join(self.train_argv())} > {TRAIN_LOG} 2>&1 < /dev/null &",
-            "pid=$!",
-            f"echo \"$pid\" > {PID_FILE}",
-            LOG_COPY,
-            f"echo \"train: the log is copied to $log_url every {LOG_COPY_SECONDS} s\"",
-            f"tail -n +1 -f --pid=\"$pid\" {TRAIN_LOG}",
-            "wait \"$pid\"",
+            f"launch={self.launch_id}",
+            f"key={self.run_key()}",
+            f"if {alive}; then",
+            f"  if [ \"$(cat {files['key']} 2>/dev/null)\" != \"$key\" ]; then",
+            f"    echo \"error: a run is already training on worker 0 (pid $(cat {OWNER_PID_FILE}), other settings)\" >&2",
+            f"    exit {BUSY}",
+            "  fi",
+            f"  echo \"train: attaching to the run with these settings, going on worker 0 (pid $(cat {OWNER_PID_FILE}))\"",
+            *[f"  {line}" for line in teardown],
+            "  from=50",
+            f"elif [ \"$(cat {files['launch']} 2>/dev/null)\" = \"$launch\" ]; then",
+            "  echo \"train: the run this command started has ended (the connection dropped; gcloud ran it again)\"",
+            "  from=50",
+            "else",
+            f"  {BUSY_CHECK}",
+            f"  printf '%s\\n' \"$launch\" > {files['launch']}",
+            f"  printf '%s\\n' \"$key\" > {files['key']}",
+            f"  rm -f {files['status']} {files['teardown']} {PID_FILE}",
+            *[f"  {line}" for line in teardown],
+            f"  log_url={log_url}",
+            f"  : > {TRAIN_LOG}",
+            f"  nohup {owner} > /dev/null 2>&1 < /dev/null &",
+            f"  echo \"$!\" > {OWNER_PID_FILE}",
+            f"  echo \"train: the log is copied to $log_url every {LOG_COPY_SECONDS} s\"",
+            "  from=+1",
+            "fi",
+            f"tail -n \"$from\" -f --pid=\"$(cat {OWNER_PID_FILE})\" {TRAIN_LOG}",
+            f"for _ in $(seq 60); do if [ -f {files['status']} ]; then exit \"$(cat {files['status']})\"; fi; sleep 1; done",
+            f"echo \"error: worker 0 recorded no exit status for the run ({TRAIN_LOG} says why)\" >&2",
+            "exit 1",
         ])
+
+
+def ttl_hours() -> float:
+    """TTL_HOURS: the run's time limit on the TPU (0: none)."""
+    text = env("TTL_HOURS", "0")
+    try:
+        hours = float(text)
+    except ValueError:
+        hours = -1.0
+    if not hours >= 0 or hours == float("inf"):
+        raise LaunchError(f"TTL_HOURS={text}: give the hours the run may last on the TPU, e.g. TTL_HOURS=12 (worker 0 "
+                          "then stops the run and deletes the TPU)")
+    return hours
 
 
 def default_run_dir(o: Outputs, config: str | None = None) -> str:
@@ -161,7 +242,7 @@ def source_paths(config: str) -> list[str]:
 
 
 def pack_source(archive: str, config: str, setup_script: str | None = None) -> None:
-    """source_paths() (and the set-up script, as SETUP_SCRIPT) as a .tar.gz, without caches."""
+    """source_paths() (and the set-up script as SETUP_SCRIPT, the lock as PACKED_LOCK) as a .tar.gz, without caches."""
     os.makedirs(os.path.dirname(archive), exist_ok=True)
     with tarfile.open(archive, "w:gz") as tar:
         for top in source_paths(config):
@@ -170,3 +251,5 @@ def pack_source(archive: str, config: str, setup_script: str | None = None) -> N
                         else info)
         if setup_script:
             tar.add(setup_script, arcname=SETUP_SCRIPT)
+        if os.path.exists(LOCK_PATH):  # the current lock, not the one rendered into the set-up at `make tpu-up`
+            tar.add(LOCK_PATH, arcname=PACKED_LOCK)

@@ -55,6 +55,7 @@ import keras
 import tensorflow as tf
 
 from tpu_llm import __version__
+from tpu_llm.cloud import pod_check
 from tpu_llm.config import Config, load_config
 from tpu_llm.data import sources
 from tpu_llm.errors import UserError
@@ -128,6 +129,8 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
     # data parallel first: one replica per TPU core, GPU or logical CPU, no stages, no tensor groups
     cfg = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, 1, 1, steps, train=train)
     checks: list[Check] = []
+    if remote:  # a pod from worker 0: its hosts' TF servers first, which the strategy needs (cloud/pod_check.py)
+        checks.append(Check("pod", *pod_check.check(tf.__version__)))
     say(f"doctor    tensorflow {tf.__version__}, keras {keras.__version__}; runs in {work}")
     for line in found.describe():
         say(f"          {line}")
