@@ -133,7 +133,6 @@ def test_tests_import_the_package_without_sys_path_edits():
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80
 # Longer ones, each with its reason: "path" for a module, "path::function" for a function (nested ones too).
 LONG = {
-    "tpu_llm/cloud/driver.py": "issue 37: being split on another branch",
     "tpu_llm/model/attention.py::_flash": ("one custom gradient: the forward pass and its backward share the "
                                            "blocking, the mask and the saved log-sum-exp as closures; apart, "
                                            "each loop body would take a dozen arguments"),
