@@ -670,6 +670,24 @@ def test_a_signal_sets_the_flag_while_the_main_thread_is_inside_a_tensorflow_cal
     assert 0.2 <= seconds < 10  # stopped by the flag set during the call, not at its time limit
 
 
+def test_a_signal_that_lands_while_a_function_traces_sets_the_flag_and_leaves_the_graph_alone():
+    """Python runs a handler on the main thread between bytecodes, so a SIGTERM can arrive while the
+    training loop is being traced: the flag must be set at once and no assign op added to the trace
+    (CI saw `Input 'y' of 'Equal' Op has type resource` from exactly that)."""
+    flag = tf.Variable(0)
+    with fault.StopSignals(flag) as signals:
+
+        @tf.function
+        def traced():
+            signals._handle(signal.SIGTERM, None)  # what the interpreter does when the signal lands here
+            return flag > 0
+
+        assert bool(traced())
+        assert not [op.type for op in traced.get_concrete_function().graph.get_operations()
+                    if op.type.startswith("Assign")]
+    assert signals.received == signal.SIGTERM and int(flag.numpy()) == 1
+
+
 def test_stop_signals_restore_the_handlers_they_replaced():
     before = signal.getsignal(signal.SIGINT)
     with fault.StopSignals(tf.Variable(0)) as signals:

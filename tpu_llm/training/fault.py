@@ -111,7 +111,10 @@ class StopSignals:
         self._handled = True
         self.received = self.received or signum
         if self.flag is not None:
-            self.flag.assign(1)
+            # the handler runs on the main thread between bytecodes, possibly while it traces a
+            # tf.function: without init_scope the assign would become an op of that graph
+            with tf.init_scope():
+                self.flag.assign(1)
 
     @property
     def name(self) -> str:
