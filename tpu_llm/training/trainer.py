@@ -93,14 +93,21 @@ class Trainer:
         if self.num_replicas > 1:  # identical dropout masks on every replica otherwise
             per_replica_dropout(model)
         jit = dist.jit_compile and execution == "xla"
-        self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=jit)
+        # On TPU the whole replica step is one XLA program already, and a nested tf.function would be
+        # inlined by TF's TPU compiler with the single-device body placer (every inlined op gets the
+        # device of the call, outside any core scope): the stages' and groups' core annotations would be
+        # lost. So there the functions are plain Python inside the replica step; elsewhere a nested
+        # function, XLA-compiled where the strategy allows it.
+        nested = (lambda fn: fn) if dist.placement.tpu_strategy is not None else \
+            (lambda fn: tf.function(fn, jit_compile=jit))
+        self._loss_and_grads = nested(self._loss_and_grads_fn)
         # asynchronous workers also measure how stale their gradients were when applied
         self.loss_and_grads = Staleness(self.strategy, self._loss_and_grads) if dist.asynchronous else \
             _not_stale(self._loss_and_grads)
         # one optimizer step on every replica; local SGD adds its outer step every sync_every steps
         self.step = self.exchange.wrap(lambda element: self.strategy.run(self._replica_step, args=element),
                                        optimizer.iterations)
-        self._eval_loss = tf.function(self._eval_loss_fn, jit_compile=jit)
+        self._eval_loss = nested(self._eval_loss_fn)
         self.train_loop = tf.function(self._train_loop)
         self.eval_loop = tf.function(self._eval_loop)
 
