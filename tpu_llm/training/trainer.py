@@ -171,10 +171,13 @@ class Trainer:
         xs = tf.reshape(inputs, [k, -1, inputs.shape[-1]])  # (k, b/k, T)
         ys = tf.reshape(targets, [k, -1, targets.shape[-1]])
         loss_sum, grads = micro(xs[0], ys[0])
+        last = len(self.pipeline.stages) - 1  # the stage computing the loss
         for i in tf.range(1, k):
             loss_i, grads_i = micro(xs[i], ys[i])
-            loss_sum += loss_i
-            grads = [g + gi for g, gi in zip(grads, grads_i)]
+            with self.pipeline.placement.stage(last):
+                loss_sum += loss_i
+            # each stage's gradients summed where the stage lives (on TPU: its logical core), not on core 0
+            grads = self.by_stage(lambda pairs: [g + gi for g, gi in pairs], list(zip(grads, grads_i)))
         return loss_sum / k, grads
 
     def _eval_step(self, inputs, targets):
