@@ -138,6 +138,8 @@ class Trainer:
             return fn(grads)
         out = list(grads)
         for i, indices in enumerate(self.stage_groups):
+            if not indices:  # train.freeze left this stage nothing to train
+                continue
             with self.pipeline.placement.stage(i):
                 for k, g in zip(indices, fn([grads[k] for k in indices])):
                     out[k] = g
@@ -150,6 +152,8 @@ class Trainer:
             return tf.linalg.global_norm(grads)
         parts = []
         for i, indices in enumerate(self.stage_groups):
+            if not indices:  # a stage train.freeze left nothing to train
+                continue
             with self.pipeline.placement.stage(i):
                 parts.append(tf.add_n([tf.reduce_sum(tf.square(grads[k])) for k in indices]))
         return tf.sqrt(tf.add_n(parts))
