@@ -176,3 +176,13 @@ def test_freezing_every_variable_of_a_stage_trains_the_others(tmp_path):
     for before, v in zip(frozen, m.wte.variables + m.blocks[0].variables + m.blocks[1].variables):
         np.testing.assert_array_equal(v.numpy(), before)
     assert all((v.numpy() != before).any() for before, v in zip(trained, m.blocks[3].trainable_variables))
+
+
+def test_remat_with_dropout_recomputes_the_forwards_masks(tmp_path):
+    """parallel.remat re-runs each block in the backward pass: its dropout masks must be the forward's
+    (a new draw would differentiate another network), so remat on and off give the same losses."""
+    common = {"model.dropout": 0.1, "train.steps": 6}
+    train(tiny_config(tmp_path / "plain", **common), say=quiet, samples=False)
+    train(tiny_config(tmp_path / "remat", **common, **{"parallel.remat": True}), say=quiet, samples=False)
+    plain, remat = train_losses(tmp_path / "plain" / "run"), train_losses(tmp_path / "remat" / "run")
+    assert len(plain) == 3 and remat == plain  # the mean of each loop of 2 steps

@@ -38,7 +38,11 @@ class ReplicaSeedGenerator(keras.random.SeedGenerator):
     """
 
     def next(self, ordered=True):
-        seed = super().next(ordered)
+        return self.fold(super().next(ordered))
+
+    def fold(self, seed):
+        """A drawn seed, made this replica's (also applied to the seeds a rematerialised block replays:
+        parallel/pipeline.py remat_with_dropout)."""
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return seed
