@@ -167,6 +167,10 @@ class CausalSelfAttention(keras.layers.Layer):
         """The layer's output from the sum of its groups' parts (B, T, C): the proj bias, then dropout."""
         return _output(total, self.proj, self.resid_drop, training)
 
+    def group_dropouts(self) -> list:
+        """The dropout layers `group_part` draws masks from (once per group)."""
+        return [self.attn_drop]
+
 
 def heads(x, n: int):
     """(B, T, n * hd) -> (B, n, T, hd)."""
@@ -261,6 +265,10 @@ class MLP(keras.layers.Layer):
     def combine(self, total, training=False):
         """The layer's output from the sum of its groups' parts (B, T, C): the output bias, then dropout."""
         return _output(total, self.proj if self.family == "gpt2" else self.down, self.drop, training)
+
+    def group_dropouts(self) -> list:
+        """The dropout layers `group_part` draws masks from: none (the MLP's dropout is in `combine`)."""
+        return []
 
 
 class Block(keras.layers.Layer):
