@@ -196,6 +196,12 @@ MUTATIONS = [
     M("remat-state-not-advanced", "tpu_llm/parallel/pipeline.py",
       "generator.state.assign(state + tf.constant([0, n], state.dtype))", "generator.state.assign(state)",
       "tests/test_pipeline.py::test_remat_with_dropout_recomputes_the_forwards_masks"),
+    M("tensor-group-slices-on-the-group-core", "tpu_llm/parallel/tensor.py",
+      "                weights = layer.group_weights(g, self.ways, x.dtype)\n"
+      "                with self.placement.shard(self.stage, g), seed_of_group(g):\n",
+      "                with self.placement.shard(self.stage, g), seed_of_group(g):\n"
+      "                    weights = layer.group_weights(g, self.ways, x.dtype)\n",
+      "tests/test_placement.py::test_tensor_groups_move_slices_not_whole_kernels"),
     M("freeze-empty-stage-in-the-norm", "tpu_llm/training/trainer.py",
       "            if not indices:  # a stage train.freeze left nothing to train\n                continue\n", "",
       "tests/test_pipeline.py::test_freezing_every_variable_of_a_stage_trains_the_others"),
