@@ -159,3 +159,30 @@ def test_eager_graph_and_xla_execution_train_alike(tmp_path):
         tf.config.run_functions_eagerly(False)
     np.testing.assert_allclose(losses["graph"], losses["xla"], rtol=1e-5)
     np.testing.assert_allclose(losses["eager"], losses["xla"], rtol=1e-5)
+
+
+def test_freezing_every_variable_of_a_stage_trains_the_others(tmp_path):
+    """train.freeze may empty a pipeline stage (embeddings and its blocks): its gradient norm, clipping
+    and update are skipped, the other stage trains, the frozen weights stay as they were."""
+    run = build_run(tiny_config(tmp_path, cpu_devices=2, **{"model.n_layer": 4, "parallel.pipeline_stages": 2,
+                                                             "train.freeze": "embeddings,blocks:0-1",
+                                                             "train.clip_norm": 1.0}))
+    assert run.trainer.pipeline.stages[0].blocks == (0, 1) and run.trainer.stage_groups[0] == []
+    m = run.model
+    frozen = [v.numpy() for v in m.wte.variables + m.blocks[0].variables + m.blocks[1].variables]
+    trained = [v.numpy() for v in m.blocks[3].trainable_variables]
+    out = run.trainer.run(run.train_iterator, 2, 2)
+    assert out["steps"] == 2 and out["bad_steps"] == 0 and np.isfinite(out["loss"])
+    for before, v in zip(frozen, m.wte.variables + m.blocks[0].variables + m.blocks[1].variables):
+        np.testing.assert_array_equal(v.numpy(), before)
+    assert all((v.numpy() != before).any() for before, v in zip(trained, m.blocks[3].trainable_variables))
+
+
+def test_remat_with_dropout_recomputes_the_forwards_masks(tmp_path):
+    """parallel.remat re-runs each block in the backward pass: its dropout masks must be the forward's
+    (a new draw would differentiate another network), so remat on and off give the same losses."""
+    common = {"model.dropout": 0.1, "train.steps": 6}
+    train(tiny_config(tmp_path / "plain", **common), say=quiet, samples=False)
+    train(tiny_config(tmp_path / "remat", **common, **{"parallel.remat": True}), say=quiet, samples=False)
+    plain, remat = train_losses(tmp_path / "plain" / "run"), train_losses(tmp_path / "remat" / "run")
+    assert len(plain) == 3 and remat == plain  # the mean of each loop of 2 steps

@@ -144,7 +144,6 @@ def test_each_stage_keeps_its_variables_and_moments_on_its_own_cpu_device(tmp_pa
 
 # ---- the whole train step compiled to HLO as a TPU would (tools/compiled_step.py) ---------------------
 
-PHASE_2 = "issue 38 phase 2: placement dropped by XLA inlining"
 _steps: dict = {}
 
 
@@ -236,7 +235,6 @@ def test_one_core_per_replica_has_nothing_to_place():
     assert set(audit.counts["forward matmuls"]) == {None}  # nothing is annotated with one core per replica
 
 
-@pytest.mark.xfail(strict=True, reason=PHASE_2)
 def test_every_stage_and_group_runs_its_forward_and_backward_matmuls_on_its_own_core():
     """2 x 2: no matmul without a core, each block's on its stage's cores, the stages and each stage's
     groups within 25% of an even split, forward and backward; gradient sums on their stage's core."""
@@ -244,13 +242,11 @@ def test_every_stage_and_group_runs_its_forward_and_backward_matmuls_on_its_own_
     assert not problems, text
 
 
-@pytest.mark.xfail(strict=True, reason=PHASE_2)
 def test_each_variable_is_read_and_written_on_the_core_it_lives_on():
     problems, text = report(compiled(2, 2), {"variable", "collective"})
     assert not problems, text
 
 
-@pytest.mark.xfail(strict=True, reason=PHASE_2)
 def test_tensor_groups_move_slices_not_whole_kernels():
     """A group core other than its stage's first does run matmuls, forward and backward, and computes no
     tensor of a whole kernel's shape (the kernel's cast, reshape or slice, or a full-size gradient)."""
@@ -261,7 +257,6 @@ def test_tensor_groups_move_slices_not_whole_kernels():
     assert not problems, text
 
 
-@pytest.mark.xfail(strict=True, reason=PHASE_2)
 def test_the_evaluation_step_runs_each_stage_on_its_own_core():
     audit = placement_audit.compiled(2, 2, which="eval", step=step(2, 2))
     assert sum(audit.counts["forward matmuls"].values()) == 4 * 2 * 6 + 1  # one batch, no backward
@@ -273,7 +268,6 @@ SETTINGS = [{}, {"precision": "float32", "grad_accum": 1}, {"family": "llama"}]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=PHASE_2)
 @pytest.mark.parametrize("settings", SETTINGS, ids=["bf16-accum2", "fp32-accum1", "llama"])
 @pytest.mark.parametrize("stages,tensor", [layout for layout in placement_audit.LAYOUTS if layout != (1, 1)])
 def test_the_compiled_step_places_every_layout(stages, tensor, settings):

@@ -48,19 +48,23 @@ def attend(q, k, v, pos, dropout, training):
     repeat_kv order). Returns the heads side by side, (B, T, H * hd). Softmax in float32."""
     B, H, T, hd = tf.shape(q)[0], q.shape[1], tf.shape(q)[2], q.shape[3]
     Hkv = k.shape[1]
-    # grouped: one more axis instead of repeating k and v; multi-head keeps the 4-D form, for which XLA
-    # holds one copy of the scores fewer (measured: tests/test_plan.py's "attention" config)
+    # grouped: the H/Hkv query heads reading one kv head side by side as rows, instead of repeating k
+    # and v; multi-head keeps the 4-D form, for which XLA holds one copy of the scores fewer (measured:
+    # tests/test_plan.py's "attention" config). Batched matmuls, not tf.einsum: TF's TPU compiler keeps
+    # a matmul's core assignment (pipeline stages, tensor groups), and drops an Einsum's.
     grouped = Hkv < H
-    qk, pv = ("bgrtd,bgsd->bgrts", "bgrts,bgsd->bgrtd") if grouped else ("bhtd,bhsd->bhts", "bhts,bhsd->bhtd")
     if grouped:
-        q = tf.reshape(q, [B, Hkv, H // Hkv, T, hd])  # (B, Hkv, H/Hkv, T, hd): heads g*H/Hkv.. share kv head g
-    scores = tf.einsum(qk, q, k) * (1.0 / math.sqrt(hd))  # (B, Hkv, H/Hkv, T, S) or (B, H, T, S)
+        q = tf.reshape(q, [B, Hkv, (H // Hkv) * T, hd])  # (B, Hkv, H/Hkv T, hd): heads g*H/Hkv.. share kv head g
+    scores = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(hd))  # (B, Hkv, H/Hkv T, S) or (B, H, T, S)
+    if grouped:
+        scores = tf.reshape(scores, [B, Hkv, H // Hkv, T, -1])  # (B, Hkv, H/Hkv, T, S)
     # query i sits at position pos + i and may see keys at positions <= its own
     allowed = tf.range(tf.shape(k)[2])[None, :] <= (pos + tf.range(T))[:, None]  # (T, S)
     scores = tf.where(allowed, tf.cast(scores, tf.float32), MASKED)
-    probs = dropout(tf.nn.softmax(scores, axis=-1), training=training)
-    y = tf.einsum(pv, tf.cast(probs, v.dtype), v)  # (B, Hkv, H/Hkv, T, hd) or (B, H, T, hd)
-    y = tf.reshape(y, [B, H, T, hd])  # (B, H, T, hd)
+    probs = tf.cast(dropout(tf.nn.softmax(scores, axis=-1), training=training), v.dtype)
+    if grouped:
+        probs = tf.reshape(probs, [B, Hkv, (H // Hkv) * T, -1])  # (B, Hkv, H/Hkv T, S)
+    y = tf.reshape(tf.matmul(probs, v), [B, H, T, hd])  # (B, H, T, hd)
     return tf.reshape(tf.transpose(y, [0, 2, 1, 3]), [B, T, H * hd])  # (B, T, H * hd)
 
 

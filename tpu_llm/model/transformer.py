@@ -149,21 +149,27 @@ class CausalSelfAttention(keras.layers.Layer):
         """One group's share of the attention's output (B, T, C), before the proj bias and dropout, from
         its input x (B, T, C) and its slices `w` (group_weights) alone. Training positions: 0.. (no cache)."""
         if self.family == "gpt2":
-            qkv = tf.einsum("btc,cjhd->jbhtd", x, w["qkv/kernel"])  # (3, B, h, T, hd)
+            kernel = w["qkv/kernel"]  # (C, 3, h, hd)
+            qkv = matmul(x, tf.reshape(kernel, [kernel.shape[0], -1]))  # (B, T, 3 h hd)
             if "qkv/bias" in w:
-                qkv += w["qkv/bias"][:, None, :, None, :]
-            q, k, v = tf.unstack(qkv)  # each (B, h, T, hd)
+                qkv += tf.reshape(w["qkv/bias"], [-1])
+            qkv = tf.reshape(qkv, [tf.shape(x)[0], tf.shape(x)[1], *kernel.shape[1:]])  # (B, T, 3, h, hd)
+            q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each (B, h, T, hd)
         else:  # llama: kv heads of this group and their query heads, rotary positions
             q = heads(_project(x, w, "q"), w["q/kernel"].shape[1] // self.head_dim)  # (B, h, T, hd)
             kv = w["k/kernel"].shape[1] // self.head_dim
             k, v = heads(_project(x, w, "k"), kv), heads(_project(x, w, "v"), kv)  # (B, kv, T, hd)
             q, k = rope(q, 0, self.rope_theta), rope(k, 0, self.rope_theta)
         y = self.attend(q, k, v, 0, self.attn_drop, training)  # (B, T, h * hd)
-        return tf.einsum("btk,kc->btc", y, w["proj/kernel"])  # (B, T, C), this group's share
+        return matmul(y, w["proj/kernel"])  # (B, T, C), this group's share
 
     def combine(self, total, training=False):
         """The layer's output from the sum of its groups' parts (B, T, C): the proj bias, then dropout."""
         return _output(total, self.proj, self.resid_drop, training)
+
+    def group_dropouts(self) -> list:
+        """The dropout layers `group_part` draws masks from (once per group)."""
+        return [self.attn_drop]
 
 
 def heads(x, n: int):
@@ -180,9 +186,18 @@ def _columns(dense: keras.layers.Dense, name: str, start: int, width: int, dtype
     return w
 
 
-def _project(x, w: dict, name: str, equation: str = "btc,ck->btk"):
+def matmul(x, kernel, transpose: bool = False):
+    """x (B, T, K) times kernel (K, N), or kernel (N, K) transposed: (B, T, N), as a 2-D matmul of the
+    (B T, K) rows, as Keras' Dense does. Not tf.einsum: TF's TPU compiler keeps a MatMul's core
+    assignment (pipeline stages, tensor groups) and drops an Einsum's."""
+    B, T = tf.shape(x)[0], tf.shape(x)[1]
+    y = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), kernel, transpose_b=transpose)  # (B T, N)
+    return tf.reshape(y, [B, T, y.shape[-1]])
+
+
+def _project(x, w: dict, name: str):
     """x (B, T, C) times the column slice `name` of `w` (plus its bias slice): (B, T, width)."""
-    y = tf.einsum(equation, x, w[f"{name}/kernel"])
+    y = matmul(x, w[f"{name}/kernel"])
     if f"{name}/bias" in w:
         y += w[f"{name}/bias"]
     return y
@@ -242,14 +257,18 @@ class MLP(keras.layers.Layer):
         """One group's share of the MLP's output (B, T, C), before the output bias and dropout, from its
         input x (B, T, C) and its slices `w` (group_weights) alone."""
         if self.family == "gpt2":
-            hidden = tf.nn.gelu(_project(x, w, "fc", "btc,cu->btu"), approximate=True)  # (B, T, F/ways)
-            return tf.einsum("btu,uc->btc", hidden, w["proj/kernel"])  # (B, T, C)
-        gate, up = _project(x, w, "gate", "btc,cu->btu"), _project(x, w, "up", "btc,cu->btu")  # (B, T, F/ways)
-        return tf.einsum("btu,uc->btc", tf.nn.silu(gate) * up, w["down/kernel"])  # (B, T, C)
+            hidden = tf.nn.gelu(_project(x, w, "fc"), approximate=True)  # (B, T, F/ways)
+            return matmul(hidden, w["proj/kernel"])  # (B, T, C)
+        gate, up = _project(x, w, "gate"), _project(x, w, "up")  # (B, T, F/ways)
+        return matmul(tf.nn.silu(gate) * up, w["down/kernel"])  # (B, T, C)
 
     def combine(self, total, training=False):
         """The layer's output from the sum of its groups' parts (B, T, C): the output bias, then dropout."""
         return _output(total, self.proj if self.family == "gpt2" else self.down, self.drop, training)
+
+    def group_dropouts(self) -> list:
+        """The dropout layers `group_part` draws masks from: none (the MLP's dropout is in `combine`)."""
+        return []
 
 
 class Block(keras.layers.Layer):
@@ -314,7 +333,7 @@ class GPT(keras.Model):
     def head(self, x):
         x = self.ln_f(x)
         # logits in float32 even under mixed precision
-        return tf.einsum("btc,vc->btv", tf.cast(x, tf.float32), tf.cast(self.head_weights(), tf.float32))
+        return matmul(tf.cast(x, tf.float32), tf.cast(self.head_weights(), tf.float32), transpose=True)  # (B, T, V)
 
     def call(self, idx, training=False):
         x = self.embed(idx, training=training)

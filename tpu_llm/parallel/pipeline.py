@@ -156,6 +156,46 @@ def _seeds_here(layer) -> None:
                                          aggregation="none", name=old.name)
 
 
+def remat_with_dropout(run, layer):
+    """tf.recompute_grad(run), whose recomputation draws the forward's dropout masks. Keras' Dropout draws
+    each mask from its seed generator's state and advances it: re-run in the backward pass, it would draw
+    new masks (and advance the state twice per step), differentiating another network. Here the
+    generators' states are read once and handed to the recomputed function as arguments; inside it each
+    generator's draws count up from that state as Keras' own would (a `fold(seed)` of the generator, such
+    as the trainer's per-replica one, still applies) and write nothing; after the forward each state is
+    advanced once per draw. Remat on and off draw the same masks."""
+    generators = [d.seed_generator for d in tf_compat.all_layers(layer) if isinstance(d, keras.layers.Dropout)
+                  and d.rate > 0 and getattr(d, "seed_generator", None) is not None]
+    if not generators:
+        return tf.recompute_grad(run)
+    draws = [0] * len(generators)  # per generator: seeds drawn by the last trace of `replayed`
+
+    def replayed(x, *states):
+        for i, (generator, state) in enumerate(zip(generators, states)):
+            draws[i] = 0
+
+            def next_seed(ordered=True, i=i, generator=generator, state=state):
+                seed = state + tf.constant([0, draws[i]], state.dtype)  # Keras: state, then state + [0, 1]
+                draws[i] += 1
+                return getattr(generator, "fold", lambda s: s)(seed)
+            generator.next = next_seed  # (an instance attribute: the class's `next` is left alone)
+        try:
+            return run(x)
+        finally:
+            for generator in generators:
+                del generator.next
+
+    recomputed = tf.recompute_grad(replayed)
+
+    def call(x):
+        states = [tf.identity(generator.state.value) for generator in generators]
+        y = recomputed(x, *states)
+        for generator, state, n in zip(generators, states, draws):
+            generator.state.assign(state + tf.constant([0, n], state.dtype))
+        return y
+    return call
+
+
 class Pipeline:
     """The training forward pass of `model` as P placed stages over M micro-batches (P = M = 1: the
     plain forward pass, with optional rematerialisation)."""
@@ -178,7 +218,7 @@ class Pipeline:
             def run(x):
                 return block(x, training=training)[0]
         # recompute_grad takes no keyword arguments in graph mode, hence one function per `training`
-        return tf.recompute_grad(run) if remat and training else run
+        return remat_with_dropout(run, block) if remat and training else run
 
     def _stage_fn(self, stage: Stage, blocks):
         model = self.model

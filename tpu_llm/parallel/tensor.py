@@ -26,13 +26,14 @@ cannot split a block T ways inside one of P > 1 pipeline stages.
 
 What is split is the work and the activations of the attention and MLP, forward AND backward, not
 the weights: the variables, their gradients and AdamW's moments stay whole on the stage's first device
-or logical core (group 0: `Placement.variables`, pipeline.build_weights), and each group reads its
-slices from there every step. TF2's GradientTape does not colocate gradient ops with their forward
+or logical core (group 0: `Placement.variables`, pipeline.build_weights); each group's slices are cut
+there (in the stage's placement) and only the slices travel to the group, every step. TF2's GradientTape does not colocate gradient ops with their forward
 ops (they run where `tape.gradient` is called, the stage's scope), so each group's forward is recorded
 on a tape of its own and its backward replayed inside the group's placement (`SplitBlock._on_group`);
 only the input's gradient and the weight slices' gradients travel back. The placement audit
 (tools/placement_audit.py, `tpu-llm bench placement`) shows the T groups sharing forward and backward
-matmuls evenly on an offline TPUStrategy. Sharding the variables themselves would need XLA's SPMD
+matmuls evenly in the compiled program of an offline TPUStrategy, and no group core but the stage's
+first computing a tensor of a whole kernel's shape. Sharding the variables themselves would need XLA's SPMD
 partitioner to own the layout, which the per-core assignments used for stages do not give; so
 `parallel.pipeline_stages` is what divides the weights, and whether T groups are faster than data
 parallelism on a TPU (the copies of weight slices and activations between cores against the shared
@@ -45,9 +46,37 @@ the split model is equivalent in distribution, not bit-for-bit.
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from tpu_llm.model import Block
+
+
+@contextlib.contextmanager
+def group_seeds(dropouts: list):
+    """Inside: seed_of_group(g), a context in which each of `dropouts` draws group g's own seed. Each
+    generator draws once, here (in the stage's placement: its state is read and written where it lives,
+    never from a group's core), and group g's seed is that draw folded with g
+    (tf.random.experimental.stateless_fold_in): the groups' masks differ, and a rematerialised block
+    replaying its draws (pipeline.remat_with_dropout) replays them too."""
+    generators = [d.seed_generator for d in dropouts if d.rate > 0 and getattr(d, "seed_generator", None) is not None]
+    bases = [generator.next() for generator in generators]  # (2,) each
+
+    @contextlib.contextmanager
+    def seed_of_group(g: int):
+        saved = [generator.__dict__.get("next") for generator in generators]  # a replaying block's own
+        for generator, base in zip(generators, bases):
+            generator.next = lambda ordered=True, base=base: tf.random.experimental.stateless_fold_in(base, g)
+        try:
+            yield
+        finally:
+            for generator, previous in zip(generators, saved):
+                if previous is None:
+                    del generator.next
+                else:
+                    generator.next = previous
+    yield seed_of_group
 
 
 class SplitBlock:
@@ -69,11 +98,13 @@ class SplitBlock:
         """layer(x) as the sum over groups g of layer.group_part on g's slices, each on its group's
         device; the sum and layer.combine (output bias, dropout) on the stage's."""
         partials = []
-        for g in range(self.ways):
-            with self.placement.shard(self.stage, g):
-                x_g = self.placement.place_shard(x, self.stage, g)
-                weights = layer.group_weights(g, self.ways, x_g.dtype)
-                partials.append(self.placement.place_shard(self._on_group(layer, x_g, weights, g), self.stage, g))
+        with group_seeds(layer.group_dropouts() if self.training else []) as seed_of_group:
+            for g in range(self.ways):
+                # sliced where the variables live (the stage's placement): only the slices travel to the group
+                weights = layer.group_weights(g, self.ways, x.dtype)
+                with self.placement.shard(self.stage, g), seed_of_group(g):
+                    x_g = self.placement.place_shard(x, self.stage, g)
+                    partials.append(self.placement.place_shard(self._on_group(layer, x_g, weights, g), self.stage, g))
         return layer.combine(tf.add_n(partials), training=self.training)  # (B, T, C), on the stage's device
 
     def _on_group(self, layer, x, weights: dict, g: int):

@@ -38,7 +38,11 @@ class ReplicaSeedGenerator(keras.random.SeedGenerator):
     """
 
     def next(self, ordered=True):
-        seed = super().next(ordered)
+        return self.fold(super().next(ordered))
+
+    def fold(self, seed):
+        """A drawn seed, made this replica's (also applied to the seeds a rematerialised block replays:
+        parallel/pipeline.py remat_with_dropout)."""
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return seed
@@ -93,14 +97,21 @@ class Trainer:
         if self.num_replicas > 1:  # identical dropout masks on every replica otherwise
             per_replica_dropout(model)
         jit = dist.jit_compile and execution == "xla"
-        self._loss_and_grads = tf.function(self._loss_and_grads_fn, jit_compile=jit)
+        # On TPU the whole replica step is one XLA program already, and a nested tf.function would be
+        # inlined by TF's TPU compiler with the single-device body placer (every inlined op gets the
+        # device of the call, outside any core scope): the stages' and groups' core annotations would be
+        # lost. So there the functions are plain Python inside the replica step; elsewhere a nested
+        # function, XLA-compiled where the strategy allows it.
+        nested = (lambda fn: fn) if dist.placement.tpu_strategy is not None else \
+            (lambda fn: tf.function(fn, jit_compile=jit))
+        self._loss_and_grads = nested(self._loss_and_grads_fn)
         # asynchronous workers also measure how stale their gradients were when applied
         self.loss_and_grads = Staleness(self.strategy, self._loss_and_grads) if dist.asynchronous else \
             _not_stale(self._loss_and_grads)
         # one optimizer step on every replica; local SGD adds its outer step every sync_every steps
         self.step = self.exchange.wrap(lambda element: self.strategy.run(self._replica_step, args=element),
                                        optimizer.iterations)
-        self._eval_loss = tf.function(self._eval_loss_fn, jit_compile=jit)
+        self._eval_loss = nested(self._eval_loss_fn)
         self.train_loop = tf.function(self._train_loop)
         self.eval_loop = tf.function(self._eval_loop)
 
@@ -131,6 +142,8 @@ class Trainer:
             return fn(grads)
         out = list(grads)
         for i, indices in enumerate(self.stage_groups):
+            if not indices:  # train.freeze left this stage nothing to train
+                continue
             with self.pipeline.placement.stage(i):
                 for k, g in zip(indices, fn([grads[k] for k in indices])):
                     out[k] = g
@@ -143,6 +156,8 @@ class Trainer:
             return tf.linalg.global_norm(grads)
         parts = []
         for i, indices in enumerate(self.stage_groups):
+            if not indices:  # a stage train.freeze left nothing to train
+                continue
             with self.pipeline.placement.stage(i):
                 parts.append(tf.add_n([tf.reduce_sum(tf.square(grads[k])) for k in indices]))
         return tf.sqrt(tf.add_n(parts))
@@ -164,10 +179,13 @@ class Trainer:
         xs = tf.reshape(inputs, [k, -1, inputs.shape[-1]])  # (k, b/k, T)
         ys = tf.reshape(targets, [k, -1, targets.shape[-1]])
         loss_sum, grads = micro(xs[0], ys[0])
+        last = len(self.pipeline.stages) - 1  # the stage computing the loss
         for i in tf.range(1, k):
             loss_i, grads_i = micro(xs[i], ys[i])
-            loss_sum += loss_i
-            grads = [g + gi for g, gi in zip(grads, grads_i)]
+            with self.pipeline.placement.stage(last):
+                loss_sum += loss_i
+            # each stage's gradients summed where the stage lives (on TPU: its logical core), not on core 0
+            grads = self.by_stage(lambda pairs: [g + gi for g, gi in pairs], list(zip(grads, grads_i)))
         return loss_sum / k, grads
 
     def _eval_step(self, inputs, targets):
