@@ -33,6 +33,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tpu_llm import files
 from tpu_llm.errors import UserError
 from tpu_llm.run_layout import HF_FILE, SPEC_FILE
 
@@ -181,8 +182,8 @@ def read_text(path: str) -> str:
         raise UserError(f"{path} is {size:,} bytes, more than the {MAX_TOKENIZER_BYTES:,} a tokenizer file may have "
                         "(the largest published tokenizer.json is 33 MB); give the tokenizer files that came with the "
                         "checkpoint")
-    with tf.io.gfile.GFile(path, "rb") as f:
-        raw = f.read()
+    raw = files.read_regular(path, MAX_TOKENIZER_BYTES, "the tokenizer file", "give the tokenizer files that came "
+                             "with the checkpoint", follow_links=True)  # a regular file (not a FIFO), bounded
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

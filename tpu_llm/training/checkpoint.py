@@ -24,7 +24,9 @@ import uuid
 import tensorflow as tf
 import yaml
 
+from tpu_llm import files
 from tpu_llm.config import Config, ModelConfig, config_from_dict
+from tpu_llm.config_reading import MAX_CONFIG_BYTES
 from tpu_llm.errors import UserError
 from tpu_llm.files import write_atomically
 from tpu_llm.model import GPT
@@ -36,14 +38,21 @@ from tpu_llm.training.fault import CLUSTER_ERRORS
 
 
 def read_saved_config(run_dir: str) -> dict | None:
+    """The run's config.yaml as a mapping, None if it has none; read as a file from elsewhere (a regular
+    file of at most MAX_CONFIG_BYTES, YAML holding a mapping), else one UserError."""
     path = os.path.join(run_dir, CONFIG_FILE)
-    if not tf.io.gfile.exists(path):
+    fix = "restore it or use another --run_dir"
+    try:
+        raw = files.read_regular(path, MAX_CONFIG_BYTES, "the run's config", fix)
+    except FileNotFoundError:
         return None
-    with tf.io.gfile.GFile(path, "r") as f:
-        try:
-            return yaml.safe_load(f.read())
-        except yaml.YAMLError:
-            raise UserError(f"{path} is not valid YAML; restore it or use another --run_dir") from None
+    try:
+        saved = yaml.safe_load(raw.decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+        raise UserError(f"{path} is not valid YAML; {fix}") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model", {}), dict):
+        raise UserError(f"{path} is not a tpu-llm config (a mapping with a model section); {fix}")
+    return saved
 
 
 def check_run_dir_reachable(run_dir: str) -> None:
