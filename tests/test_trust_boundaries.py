@@ -22,11 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers import TINY_FLAGS, time_limit, write_corpus, write_gpt2, write_safetensors
 
 from tpu_llm import cli, files
 from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
+from tpu_llm.tools import report
+from tpu_llm.training import line_log
 
 FLAGS = [*TINY_FLAGS, "--checkpoint.every_steps=2", "--data.tokenizer=char", "--execution=graph"]
 
@@ -171,6 +175,61 @@ def test_a_resumed_train_drops_malformed_metrics_lines(run_copy, capsys):
     assert cli.main(resume(run, flags)) == 0
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in lines if e["split"] == "train"] == [2, 4, 6]
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**80, 2**80) | st.floats(allow_nan=True) | st.text(max_size=4),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=8)
+ENTRY = st.fixed_dictionaries({}, optional={"split": st.sampled_from(["train", "validation", "summary"]) | JSON,
+                                            "step": st.integers(-5, 50) | JSON, "loss": st.floats() | JSON})
+LINE = (ENTRY.map(json.dumps) | JSON.map(json.dumps) | st.text(max_size=30)).map(lambda line: line.replace("\n", " "))
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(lines=st.lists(LINE, max_size=10), tail=st.binary(max_size=30))
+def test_property_any_metrics_file_is_read_line_by_line_never_raising(tmp_path_factory, lines, tail):
+    """metrics.jsonl comes with the run directory (copied, edited, torn by a kill): whatever its lines hold,
+    `report` and the resume's cut (logged_step) keep the sound lines and skip the others, never raising."""
+    run = tmp_path_factory.mktemp("metrics")
+    (run / "metrics.jsonl").write_bytes("".join(line + "\n" for line in lines).encode() + tail)
+    curves = report.losses(str(run))
+    for split, points in curves.items():
+        assert all(type(step) is int and type(loss) is float for step, loss in points), points
+    kept = [line for line in line_log.read_lines(str(run / "metrics.jsonl"))
+            if (step := line_log.logged_step(line)) is not None and step <= 20]
+    for line in kept:  # what a resume at step 20 keeps: JSON objects with a text split and a whole step <= 20
+        entry = json.loads(line)
+        assert isinstance(entry["split"], str) and int(entry["step"]) == entry["step"] <= 20
+    try:
+        report.report(str(run), str(run / "r.png"), say=lambda _: None)
+    except UserError as e:  # nothing sound in it: one line
+        assert "holds no goodput.jsonl and no metrics.jsonl" in str(e)
+
+
+def test_train_holds_the_lock_before_it_reads_the_newest_checkpoint(run_copy, monkeypatch, capsys):
+    """Issue 40 #8: the lock was taken after the newest checkpoint was read; another trainer could save
+    in between. Now a second open of the lock file cannot take it while the checkpoint is read."""
+    import fcntl
+
+    from tpu_llm.training.checkpoint import Checkpointer
+
+    run, flags = run_copy
+    real, held = Checkpointer.restore_latest, []
+
+    def reading(self, *args, **kwargs):
+        fd = os.open(run / ".tpu-llm-lock", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "restore_latest", reading)
+    assert cli.main(resume(run, flags)) == 0
+    assert held == [True]
 
 
 # ---- 3. data prepare --output ----------------------------------------------------------------------
