@@ -232,6 +232,47 @@ def test_train_holds_the_lock_before_it_reads_the_newest_checkpoint(run_copy, mo
     assert held == [True]
 
 
+# ---- 4. a run whose parts contradict each other ----------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"kind": "byte"}, "holds a byte tokenizer, but the run was trained with data.tokenizer=char"),
+    ({"kind": "char", "chars": "".join(map(chr, range(0x4E00, 0x4E00 + 500)))}, "has 502 ids, the model's embedding 117 rows")])
+def test_generate_and_export_refuse_a_tokenizer_that_contradicts_the_model(run_copy, tmp_path, capsys, spec, words):
+    """Issue 40 #5: a tokenizer.json replaced (by data prepare into the run directory) made generate die with
+    an InvalidArgumentError traceback, or print garbage with exit 0."""
+    run, _ = run_copy
+    (run / "tokenizer.json").write_text(json.dumps(spec))
+    Refusal(capsys, ["generate", "--run_dir", run, "--prompt", "a"], run).assert_refused(words)
+    Refusal(capsys, ["export", "--run_dir", run, "--output", tmp_path / "export"], tmp_path).assert_refused(words)
+
+
+def test_shard_ids_past_the_vocabulary_are_refused_before_training(trained, tmp_path, capsys):
+    """Issue 40 #5: shards whose ids pass the vocabulary trained silently under XLA (a finite loss of
+    nonsense). data prepare records the largest id in meta.json; train (and --dry_run) compares it."""
+    out = tmp_path / "shards"
+    assert cli.main([str(a) for a in prepare_args(trained, out, "--tokenizer", "byte")]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["max_id"] == 256  # the byte tokenizer's end-of-text
+    (out / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abcdefghij"}))  # 12 ids: 10, unknown, end-of-text
+    args = ["train", "--run_dir", tmp_path / "run", f"--data.train={out / 'data-00000-of-00002.tfrecord'}",
+            f"--data.validation={out / 'data-00001-of-00002.tfrecord'}", *FLAGS]
+    for dry in ([], ["--dry_run"]):
+        Refusal(capsys, [*args, *dry], tmp_path).assert_refused(f"hold token id {meta['max_id']:,} (their meta.json), "
+                                                                "past the model's 12 ids")
+
+
+def test_an_hf_tokenizer_id_of_4e9_is_refused_before_the_library_reads_it(gpt2_dir, tmp_path, capsys):
+    """Issue 40 #6: a 4 KB tokenizer.json with one id of 4e9 made import allocate until killed."""
+    source = tmp_path / "gpt2"
+    shutil.copytree(gpt2_dir, source)
+    spec = json.loads((source / "tokenizer.json").read_text())
+    spec["model"]["vocab"][next(iter(spec["model"]["vocab"]))] = 4_000_000_000
+    (source / "tokenizer.json").write_text(json.dumps(spec))
+    r = Refusal(capsys, ["import", "--from", source, "--run_dir", tmp_path / "run"], tmp_path, seconds=60)
+    r.assert_refused("a vocabulary id of 4000000000 passes tpu-llm's cap of 10,000,000 ids")
+
+
 # ---- 3. data prepare --output ----------------------------------------------------------------------
 
 

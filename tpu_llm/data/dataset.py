@@ -160,6 +160,18 @@ def read_meta(folder: str) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
+def check_shard_ids(files: list[str], vocab_size: int) -> None:
+    """Refuse (UserError) shards whose meta.json records a token id (`max_id`, written by data prepare) the
+    model's vocabulary does not hold: XLA gathers such an id silently (a finite loss of nonsense), a TF
+    graph fails with a traceback. Shards without that record (an earlier prepare) are not checked."""
+    for folder in sorted({os.path.dirname(f) for f in files}):
+        top = read_meta(folder).get("max_id")
+        if _count(top) and top >= vocab_size:
+            raise UserError(f"the shards in {folder} hold token id {top:,} (their meta.json), past the model's "
+                            f"{vocab_size:,} ids (model.vocab_size, or the tokenizer's): their tokenizer.json is not the "
+                            "one that made them; prepare the shards again")
+
+
 def _count(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 62
 

@@ -12,6 +12,7 @@ import re
 import time
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from tpu_llm.data.dataset import AUTOTUNE, file_bounds, read_documents
@@ -45,12 +46,18 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
     except (tf.errors.OpError, OSError) as e:
         raise unreachable(output, e, "nothing was written") from None
     start = time.time()
-    total = sum(len(ids) for _, ids in _documents(source, tokenizer))
+    total, top = 0, -1
+    for _, ids in _documents(source, tokenizer):  # the first pass: how many tokens, and the largest id
+        total += len(ids)
+        top = max(top, int(np.max(ids)) if len(ids) else -1)
+    if top >= tokenizer.vocab_size:  # a tokenizer that contradicts itself: training would gather out of range
+        raise UserError(f"the {tokenizer.kind} tokenizer gave token id {top:,}, outside its own {tokenizer.vocab_size:,} "
+                        "ids; check --tokenizer_model; nothing was written")
     if total < num_shards:
         raise UserError(f"the input holds {total:,} tokens, too few for --shards={num_shards} (each shard must "
                         f"hold at least one); pass --shards={max(1, total)} or fewer, or add data")
     try:
-        return _write(source, tokenizer, output, num_shards, existing, total, start, progress)
+        return _write(source, tokenizer, output, num_shards, existing, total, start, progress, top)
     except (tf.errors.OpError, OSError) as e:  # the network or the bucket lost half-way
         raise unreachable(output, e, "a shard is renamed from its .tmp name only once complete; run the same "
                                      "command again with --overwrite") from None
@@ -103,7 +110,7 @@ def unreachable(output: str, error: Exception, after: str) -> UserError:
 
 
 def _write(source: Source, tokenizer, output: str, num_shards: int, existing: list[str], total: int, start: float,
-           progress) -> dict:
+           progress, top: int) -> dict:
     tf.io.gfile.makedirs(output)
     names = [os.path.join(output, f"data-{i:05d}-of-{num_shards:05d}.tfrecord") for i in range(num_shards)]
     bounds = [(i + 1) * total // num_shards for i in range(num_shards)]  # shard i ends before token bounds[i]
@@ -140,6 +147,7 @@ def _write(source: Source, tokenizer, output: str, num_shards: int, existing: li
     shard_tokens = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
     meta = {"files": len(source.files), "tokens": total, "records": sum(records), "shards": num_shards,
             "tokenizer": tokenizer.spec(), "seconds": round(time.time() - start, 1),
+            "max_id": top,  # the largest token id: what training checks against the model's vocabulary
             # what check_shard_sizes compares each shard with before training, and what
             # training_units cuts shards into parts with
             "shard_bytes": {os.path.basename(n): tf.io.gfile.stat(n).length for n in names},

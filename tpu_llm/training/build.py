@@ -127,6 +127,8 @@ def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tupl
     elif cfg.model.vocab_size < tokenizer.vocab_size:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                         f"{tokenizer.vocab_size} ids; set it to 0 (automatic) or >= {tokenizer.vocab_size}")
+    if train_src.format == "tfrecord":  # the ids data prepare recorded, against the model's vocabulary
+        data.check_shard_ids([*train_src.files, *val_src.files], cfg.model.vocab_size)
     # Every check that can fail runs before anything in the run directory is written (record_run below)
     # and before the first step: the data holds a batch, the end-of-run prompt can be encoded.
     for source, split in zip((train_src, val_src), ("training", "validation")):
