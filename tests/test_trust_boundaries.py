@@ -177,7 +177,8 @@ def test_a_resumed_train_drops_malformed_metrics_lines(run_copy, capsys):
     assert [e["step"] for e in lines if e["split"] == "train"] == [2, 4, 6]
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**80, 2**80) | st.floats(allow_nan=True) | st.text(max_size=4),
+SCALARS = st.none() | st.booleans() | st.integers(-2**80, 2**80) | st.floats(allow_nan=True) | st.text(max_size=4)
+JSON = st.recursive(SCALARS,
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
                     max_leaves=8)
 ENTRY = st.fixed_dictionaries({}, optional={"split": st.sampled_from(["train", "validation", "summary"]) | JSON,
@@ -237,7 +238,8 @@ def test_train_holds_the_lock_before_it_reads_the_newest_checkpoint(run_copy, mo
 
 @pytest.mark.parametrize("spec, words", [
     ({"kind": "byte"}, "holds a byte tokenizer, but the run was trained with data.tokenizer=char"),
-    ({"kind": "char", "chars": "".join(map(chr, range(0x4E00, 0x4E00 + 500)))}, "has 502 ids, the model's embedding 117 rows")])
+    ({"kind": "char", "chars": "".join(map(chr, range(0x4E00, 0x4E00 + 500)))},
+     "has 502 ids, the model's embedding 117 rows")])
 def test_generate_and_export_refuse_a_tokenizer_that_contradicts_the_model(run_copy, tmp_path, capsys, spec, words):
     """Issue 40 #5: a tokenizer.json replaced (by data prepare into the run directory) made generate die with
     an InvalidArgumentError traceback, or print garbage with exit 0."""
@@ -254,7 +256,7 @@ def test_shard_ids_past_the_vocabulary_are_refused_before_training(trained, tmp_
     assert cli.main([str(a) for a in prepare_args(trained, out, "--tokenizer", "byte")]) == 0
     meta = json.loads((out / "meta.json").read_text())
     assert meta["max_id"] == 256  # the byte tokenizer's end-of-text
-    (out / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abcdefghij"}))  # 12 ids: 10, unknown, end-of-text
+    (out / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abcdefghij"}))  # 12 ids
     args = ["train", "--run_dir", tmp_path / "run", f"--data.train={out / 'data-00000-of-00002.tfrecord'}",
             f"--data.validation={out / 'data-00001-of-00002.tfrecord'}", *FLAGS]
     for dry in ([], ["--dry_run"]):

@@ -168,8 +168,8 @@ def check_shard_ids(files: list[str], vocab_size: int) -> None:
         top = read_meta(folder).get("max_id")
         if _count(top) and top >= vocab_size:
             raise UserError(f"the shards in {folder} hold token id {top:,} (their meta.json), past the model's "
-                            f"{vocab_size:,} ids (model.vocab_size, or the tokenizer's): their tokenizer.json is not the "
-                            "one that made them; prepare the shards again")
+                            f"{vocab_size:,} ids (model.vocab_size, or the tokenizer's): their tokenizer.json is "
+                            "not the one that made them; prepare the shards again")
 
 
 def _count(n) -> bool:

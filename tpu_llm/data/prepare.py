@@ -51,8 +51,8 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
         total += len(ids)
         top = max(top, int(np.max(ids)) if len(ids) else -1)
     if top >= tokenizer.vocab_size:  # a tokenizer that contradicts itself: training would gather out of range
-        raise UserError(f"the {tokenizer.kind} tokenizer gave token id {top:,}, outside its own {tokenizer.vocab_size:,} "
-                        "ids; check --tokenizer_model; nothing was written")
+        raise UserError(f"the {tokenizer.kind} tokenizer gave token id {top:,}, outside its own "
+                        f"{tokenizer.vocab_size:,} ids; check --tokenizer_model; nothing was written")
     if total < num_shards:
         raise UserError(f"the input holds {total:,} tokens, too few for --shards={num_shards} (each shard must "
                         f"hold at least one); pass --shards={max(1, total)} or fewer, or add data")
@@ -76,8 +76,8 @@ def check_output(output: str, overwrite: bool) -> list[str]:
         raise UserError(f"--output {output!r} is a file, not a directory; choose a new or empty directory")
     run_files = [n for n in names if n in (MARKER_FILE, CONFIG_FILE, CHECKPOINT_DIR)]
     if run_files:
-        raise UserError(f"--output {output!r} is a tpu-llm run directory (it holds {', '.join(run_files)}); shards never "
-                        "go into a run's directory (its tokenizer.json would be replaced): choose a new --output")
+        raise UserError(f"--output {output!r} is a tpu-llm run directory (it holds {', '.join(run_files)}); shards "
+                        "never go into a run's directory (its tokenizer.json would be replaced): choose a new --output")
     ours = [n for n in names if n in OWN_FILES or SHARD_NAME.fullmatch(n)]
     if "://" not in output:  # gs:// has no links
         for name in ours:
@@ -87,7 +87,8 @@ def check_output(output: str, overwrite: bool) -> list[str]:
     shards = [os.path.join(output, n) for n in ours if n.endswith(".tfrecord")]
     if names and not overwrite:
         others = sorted(set(names) - set(ours))
-        what = (f"{len(shards)} shards" if shards else f"files of an earlier data prepare ({', '.join(sorted(ours))})" if ours else
+        what = (f"{len(shards)} shards" if shards else
+                f"files of an earlier data prepare ({', '.join(sorted(ours))})" if ours else
                 f"{len(others)} other files ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})")
         raise UserError(f"{output} already holds {what}; pass --overwrite to replace data prepare's own files there "
                         "(nothing else is touched) or choose another --output")

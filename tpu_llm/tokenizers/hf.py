@@ -96,7 +96,8 @@ def _check_ids(tokenizer_json: str, source: str) -> None:
     top = max((i for i in ids if isinstance(i, (int, float)) and not isinstance(i, bool)), default=0)
     if top >= cap or (isinstance(vocab, list) and len(vocab) > cap):
         raise UserError(f"{source or 'tokenizer.json'}: a vocabulary id of {str(top)[:24]} passes tpu-llm's cap of "
-                        f"{cap:,} ids ({CAPS['model.vocab_size'][1]}); give the tokenizer.json that came with the checkpoint")
+                        f"{cap:,} ids ({CAPS['model.vocab_size'][1]}); give the tokenizer.json that came with the "
+                        "checkpoint")
 
 
 def _content(token) -> str | None:
