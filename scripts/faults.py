@@ -353,6 +353,25 @@ def corrupted_tokenizer(bench: Bench, run_dir: Path) -> list[str]:
     return bench.train_args(run_dir)
 
 
+def special_file(name: str, kind: str):
+    """A run stopped at ckpt-8 whose `name` is then a FIFO (kind "fifo": a reader would wait forever) or
+    hard-linked to a file outside the run directory (kind "hardlink": an append would write into it)."""
+    def prepare(bench: Bench, run_dir: Path) -> list[str]:
+        Proc(bench.work / f"{kind}-{name}-prepare.log", bench.train_args(run_dir, EVERY)).wait()
+        if kind == "fifo":
+            (run_dir / name).unlink()
+            os.mkfifo(run_dir / name)
+        else:
+            os.link(run_dir / name, run_dir.parent / "outside")
+        return bench.train_args(run_dir)
+    return prepare
+
+
+def prepare_into_run(bench: Bench, run_dir: Path) -> list[str]:
+    Proc(bench.work / "prepare-into-run-prepare.log", bench.train_args(run_dir, EVERY)).wait()
+    return ["data", "prepare", "--input", bench.corpus, "--output", str(run_dir), "--shards", "2", "--overwrite"]
+
+
 def truncated_shard(bench: Bench, run_dir: Path) -> list[str]:
     shards = run_dir.parent / "shards"
     Proc(bench.work / "shards-prepare.log", ["data", "prepare", "--input", bench.corpus, "--output", str(shards),
@@ -721,6 +740,15 @@ ROWS = [
         "exit 2, one line naming the link; nothing written through it", symlink_row("metrics.jsonl")),
     Row("symlink-logs", "logs/train a symbolic link to a directory outside the run directory",
         "exit 2, one line naming the link; nothing written through it", symlink_row("logs/train")),
+    Row("fifo-lock", "the run directory's .tpu-llm-lock a FIFO", "exit 2 at once, one line naming the FIFO; the run "
+        "directory unchanged", refused_row(special_file(".tpu-llm-lock", "fifo"), "is a named pipe (FIFO)")),
+    Row("fifo-metrics", "the run directory's metrics.jsonl a FIFO", "exit 2 at once, one line naming the FIFO; the "
+        "run directory unchanged", refused_row(special_file("metrics.jsonl", "fifo"), "is a named pipe (FIFO)")),
+    Row("hardlink-goodput", "goodput.jsonl hard-linked to a file outside the run directory", "exit 2, one line "
+        "naming the hard link; nothing appended through it", refused_row(special_file("goodput.jsonl", "hardlink"),
+                                                                         "goodput.jsonl has 2 hard links")),
+    Row("prepare-into-run", "`data prepare --overwrite --output` a run directory", "exit 2, one line (a run "
+        "directory); the run's tokenizer.json unchanged", refused_row(prepare_into_run, "is a tpu-llm run directory")),
     Row("owned-teardown", "SIGTERM to a run owned as on TPU worker 0 with DOWN_AFTER=1 (fake gcloud), after step 12",
         f"143; the owner records it, then deletes the TPU once; {SAME}", owned_teardown),
     Row("two-trainers", "a second trainer (another learning rate) on the run directory of one still training",

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from tpu_llm import files
 from tpu_llm.errors import UserError
 
 MAX_CONFIG_BYTES = 1 << 20  # a YAML config is a few KB; PyYAML parses about 1 MB a second
@@ -87,9 +88,10 @@ def read_yaml(path: str) -> dict:
     if size > MAX_CONFIG_BYTES:
         raise UserError(f"{path}: {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a config file may have; give a "
                         "YAML config (a few KB)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+    try:  # a regular file only (a FIFO or a device is refused, not read), at most MAX_CONFIG_BYTES read
+        raw = files.read_regular(path, MAX_CONFIG_BYTES, "config file", "give a YAML config (a few KB)",
+                                 follow_links=True)
+        data = yaml.safe_load(raw.decode("utf-8"))
     except UnicodeDecodeError as e:  # e.g. a file saved as Latin-1
         raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
                         "save the config file as UTF-8") from None

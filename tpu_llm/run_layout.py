@@ -60,6 +60,10 @@ HF_EXPORT_DIR = "hf"
 NAMES = (MARKER_FILE, LOCK_FILE, CONFIG_FILE, SPEC_FILE, SP_MODEL_FILE, HF_FILE, IMPORT_FILE, CHECKPOINT_DIR,
          LOGS_DIR, METRICS_FILE, GOODPUT_FILE, REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR)
 
+# the most metrics.jsonl or goodput.jsonl may hold when read back (a line per host call: a million calls of
+# a long run are about 300 MB); a larger file is refused, not read into memory
+MAX_LINE_LOG_BYTES = 1 << 30
+
 WRITE_PROBE = ".write-test-"  # a probe that the directory (or bucket prefix) is writable, deleted straight after
 # probes, workers' scratch (of earlier versions) and the lock (taken just before the marker is written):
 # not content of their own, so a directory holding only these is still empty

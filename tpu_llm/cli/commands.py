@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from tpu_llm import __version__
+from tpu_llm import __version__, files
 from tpu_llm.cli.parser import command, nearest
 # generate's bounds are the config's
 from tpu_llm.config import CAPS, EARLY_STOPPING, INT64, MAX_BEAMS, MAX_NEW_TOKENS, MAX_SAMPLES, SampleConfig
@@ -105,15 +105,11 @@ def _prompt(prompt: str, prompt_file: str) -> str:
         return prompt  # (the parser refused one that is not UTF-8)
     if prompt:
         raise UserError("give --prompt or --prompt_file, not both")
-    try:
-        if os.path.getsize(prompt_file) > MAX_PROMPT_BYTES:
-            raise UserError(f"--prompt_file {prompt_file}: {os.path.getsize(prompt_file):,} bytes, more than "
-                            f"{MAX_PROMPT_BYTES:,}: far longer than any model's context; give the end of the text")
-        with open(prompt_file, "rb") as f:
-            data = f.read()
-    except IsADirectoryError:
-        raise UserError(f"--prompt_file {prompt_file} is a directory; give a UTF-8 text file") from None
-    except OSError as e:
+    try:  # a regular file only, at most MAX_PROMPT_BYTES read (/dev/zero or a FIFO is refused, not read)
+        data = files.read_regular(prompt_file, MAX_PROMPT_BYTES, "--prompt_file",
+                                  "far longer than any model's context; give the end of the text",
+                                  follow_links=True)
+    except FileNotFoundError as e:
         raise UserError(f"--prompt_file {prompt_file} cannot be read ({e.strerror or e}); give a UTF-8 text file "
                         "on this machine") from None
     try:
@@ -216,11 +212,13 @@ defaults for the rest), the tokenizer and a checkpoint at step 0: `generate` and
 it is, `train --config <run_dir>/config.yaml --data.train=...` fine-tunes it (docs/hugging-face.md).""",
          **{"from": "the Hugging Face model directory", "run_dir": "the new run directory (must not exist, or be empty)",
             "max_len": "llama: a shorter context than config.json's max_position_embeddings (it sizes generation's "
-                       "KV cache); 0 = config.json's"})
-def import_(from_: str, run_dir: str, max_len: int = 0):
+                       "KV cache); 0 = config.json's",
+            "allow_non_finite": "import tensors holding NaN or infinity (refused otherwise: a damaged download)"})
+def import_(from_: str, run_dir: str, max_len: int = 0, allow_non_finite: bool = False):
     from tpu_llm.interop import hf
 
-    result = hf.import_checkpoint(from_, run_dir, max_len=max_len)
+    result = hf.import_checkpoint(from_, run_dir, max_len=max_len, allow_non_finite=allow_non_finite,
+                                  warn=lambda line: print(line, file=sys.stderr))
     print(f"imported  {from_} ({result['family']}, {result['params']:,} parameters, {result['dtype']}) "
           f"into {result['run_dir']} at step 0")
     print(f"next      tpu-llm generate --run_dir {result['run_dir']} --prompt 'Hello'")
@@ -391,7 +389,8 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
          output="directory for the shards (local or gs://)", tokenizer="byte | char | sentencepiece | hf",
          tokenizer_model="the SentencePiece .model file (sentencepiece); an HF model directory or its tokenizer.json (hf)",
          shards="number of shard files, balanced by tokens (never empty; docs/data.md: how many)",
-         overwrite="replace shards already in --output")
+         overwrite="replace data prepare's own files already in --output (its shards, meta.json, tokenizer; "
+                   "nothing else; never a run directory)")
 def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tokenizer_model: str = "",
                  shards: int = 8, overwrite: bool = False):
     from tpu_llm.config import TOKENIZERS

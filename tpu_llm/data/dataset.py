@@ -19,6 +19,7 @@ from typing import Callable
 import tensorflow as tf
 
 from tpu_llm.data.sources import TFRECORD_FEATURE, Source
+from tpu_llm import files
 from tpu_llm.errors import UserError
 
 FILES_PER_PIPELINE = 4  # validation: fewer files per input pipeline: split by window, not by file
@@ -133,17 +134,46 @@ def _shard_meta(files: list[str]) -> dict[str, tuple[int, int]]:
     """path -> (records, tokens) of the shards whose folder's meta.json records them."""
     out: dict[str, tuple[int, int]] = {}
     for folder in sorted({os.path.dirname(f) for f in files}):
-        try:
-            with tf.io.gfile.GFile(os.path.join(folder, "meta.json")) as f:
-                meta = json.loads(f.read())
-        except (tf.errors.NotFoundError, ValueError):
+        meta = read_meta(folder)
+        records, tokens = meta.get("shard_records"), meta.get("shard_tokens")
+        if not isinstance(records, dict) or not isinstance(tokens, dict):
             continue
-        if not isinstance(meta, dict):
-            continue
-        records, tokens = meta.get("shard_records", {}), meta.get("shard_tokens", {})
         for name, n in records.items():
-            out[os.path.join(folder, name)] = (int(n), int(tokens.get(name, 0)))
+            if _count(n) and _count(tokens.get(name, 0)):
+                out[os.path.join(folder, name)] = (n, tokens.get(name, 0))
     return {f: out[f] for f in files if f in out}
+
+
+MAX_META_BYTES = 1 << 26  # a shard directory's meta.json: about 100 bytes per shard
+
+
+def read_meta(folder: str) -> dict:
+    """The meta.json `data prepare` wrote in `folder`, {} if there is none or it is not a JSON object (written
+    by something else, or torn); it comes with the shards from anywhere: a regular file of a bounded
+    size (files.read_regular), else one UserError."""
+    try:
+        raw = files.read_regular(os.path.join(folder, "meta.json"), MAX_META_BYTES, "the shards' meta.json",
+                                 "run data prepare again", follow_links=True)
+        meta = json.loads(raw)
+    except (FileNotFoundError, tf.errors.NotFoundError, ValueError, RecursionError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def check_shard_ids(files: list[str], vocab_size: int) -> None:
+    """Refuse (UserError) shards whose meta.json records a token id (`max_id`, written by data prepare) the
+    model's vocabulary does not hold: XLA gathers such an id silently (a finite loss of nonsense), a TF
+    graph fails with a traceback. Shards without that record (an earlier prepare) are not checked."""
+    for folder in sorted({os.path.dirname(f) for f in files}):
+        top = read_meta(folder).get("max_id")
+        if _count(top) and top >= vocab_size:
+            raise UserError(f"the shards in {folder} hold token id {top:,} (their meta.json), past the model's "
+                            f"{vocab_size:,} ids (model.vocab_size, or the tokenizer's): their tokenizer.json is "
+                            "not the one that made them; prepare the shards again")
+
+
+def _count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 62
 
 
 def tokens_of(source: Source, tokenizer, eos) -> Callable:

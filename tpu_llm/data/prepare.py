@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from tpu_llm.data.dataset import AUTOTUNE, file_bounds, read_documents
 from tpu_llm.data.sources import TFRECORD_FEATURE, Source
 from tpu_llm.errors import UserError
+from tpu_llm.files import write_atomically
+from tpu_llm.run_layout import CHECKPOINT_DIR, CONFIG_FILE, HF_FILE, MARKER_FILE, SP_MODEL_FILE, SPEC_FILE
 from tpu_llm.tokenizers import save_tokenizer
 
 RECORD_MAX_TOKENS = 1 << 16  # long documents are split across records of at most this many tokens
+META_FILE = "meta.json"
+OWN_FILES = (META_FILE, SPEC_FILE, SP_MODEL_FILE, HF_FILE)  # with its shards: all data prepare writes
+SHARD_NAME = re.compile(r"data-\d{5,}-of-\d{5,}\.tfrecord(\.tmp)?")
 
 
 def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwrite: bool = False,
@@ -35,22 +42,57 @@ def write_shards(source: Source, tokenizer, output: str, num_shards: int, overwr
     count that fits, before anything is written.
     """
     try:  # before the input is read twice: a bucket out of reach is said at once, in one line
-        existing = tf.io.gfile.glob(os.path.join(output, "*.tfrecord"))
+        existing = check_output(output, overwrite)
     except (tf.errors.OpError, OSError) as e:
         raise unreachable(output, e, "nothing was written") from None
-    if existing and not overwrite:
-        raise UserError(f"{output} already holds {len(existing)} shards; pass --overwrite to "
-                        "replace them or choose another --output")
     start = time.time()
-    total = sum(len(ids) for _, ids in _documents(source, tokenizer))
+    total, top = 0, -1
+    for _, ids in _documents(source, tokenizer):  # the first pass: how many tokens, and the largest id
+        total += len(ids)
+        top = max(top, int(np.max(ids)) if len(ids) else -1)
+    if top >= tokenizer.vocab_size:  # a tokenizer that contradicts itself: training would gather out of range
+        raise UserError(f"the {tokenizer.kind} tokenizer gave token id {top:,}, outside its own "
+                        f"{tokenizer.vocab_size:,} ids; check --tokenizer_model; nothing was written")
     if total < num_shards:
         raise UserError(f"the input holds {total:,} tokens, too few for --shards={num_shards} (each shard must "
                         f"hold at least one); pass --shards={max(1, total)} or fewer, or add data")
     try:
-        return _write(source, tokenizer, output, num_shards, existing, total, start, progress)
+        return _write(source, tokenizer, output, num_shards, existing, total, start, progress, top)
     except (tf.errors.OpError, OSError) as e:  # the network or the bucket lost half-way
         raise unreachable(output, e, "a shard is renamed from its .tmp name only once complete; run the same "
                                      "command again with --overwrite") from None
+
+
+def check_output(output: str, overwrite: bool) -> list[str]:
+    """Refuse (UserError) an --output that `data prepare` does not own; return the shards it would replace.
+
+    It writes only into a new or empty directory, or with --overwrite, and then only its own files
+    (OWN_FILES and its shards): never into a run directory (whose char vocabulary a prepare's
+    tokenizer.json replaced, so that the run could no longer resume), never through a link at one of its
+    names (a linked meta.json was written into the file it named), never into another file's place."""
+    is_dir = tf.io.gfile.isdir(output)
+    names = [n.rstrip("/") for n in tf.io.gfile.listdir(output)] if is_dir else []
+    if not is_dir and tf.io.gfile.exists(output):
+        raise UserError(f"--output {output!r} is a file, not a directory; choose a new or empty directory")
+    run_files = [n for n in names if n in (MARKER_FILE, CONFIG_FILE, CHECKPOINT_DIR)]
+    if run_files:
+        raise UserError(f"--output {output!r} is a tpu-llm run directory (it holds {', '.join(run_files)}); shards "
+                        "never go into a run's directory (its tokenizer.json would be replaced): choose a new --output")
+    ours = [n for n in names if n in OWN_FILES or SHARD_NAME.fullmatch(n)]
+    if "://" not in output:  # gs:// has no links
+        for name in ours:
+            if os.path.islink(os.path.join(output, name)):
+                raise UserError(f"--output {output!r} holds a symbolic link, {name}; data prepare never writes "
+                                "through a link: remove it, or choose a new --output")
+    shards = [os.path.join(output, n) for n in ours if n.endswith(".tfrecord")]
+    if names and not overwrite:
+        others = sorted(set(names) - set(ours))
+        what = (f"{len(shards)} shards" if shards else
+                f"files of an earlier data prepare ({', '.join(sorted(ours))})" if ours else
+                f"{len(others)} other files ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})")
+        raise UserError(f"{output} already holds {what}; pass --overwrite to replace data prepare's own files there "
+                        "(nothing else is touched) or choose another --output")
+    return shards
 
 
 def unreachable(output: str, error: Exception, after: str) -> UserError:
@@ -69,7 +111,7 @@ def unreachable(output: str, error: Exception, after: str) -> UserError:
 
 
 def _write(source: Source, tokenizer, output: str, num_shards: int, existing: list[str], total: int, start: float,
-           progress) -> dict:
+           progress, top: int) -> dict:
     tf.io.gfile.makedirs(output)
     names = [os.path.join(output, f"data-{i:05d}-of-{num_shards:05d}.tfrecord") for i in range(num_shards)]
     bounds = [(i + 1) * total // num_shards for i in range(num_shards)]  # shard i ends before token bounds[i]
@@ -106,13 +148,13 @@ def _write(source: Source, tokenizer, output: str, num_shards: int, existing: li
     shard_tokens = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
     meta = {"files": len(source.files), "tokens": total, "records": sum(records), "shards": num_shards,
             "tokenizer": tokenizer.spec(), "seconds": round(time.time() - start, 1),
+            "max_id": top,  # the largest token id: what training checks against the model's vocabulary
             # what check_shard_sizes compares each shard with before training, and what
             # training_units cuts shards into parts with
             "shard_bytes": {os.path.basename(n): tf.io.gfile.stat(n).length for n in names},
             "shard_records": {os.path.basename(n): r for n, r in zip(names, records)},
             "shard_tokens": {os.path.basename(n): t for n, t in zip(names, shard_tokens)}}
-    with tf.io.gfile.GFile(os.path.join(output, "meta.json"), "w") as f:
-        f.write(json.dumps(meta, indent=1))
+    write_atomically(os.path.join(output, META_FILE), json.dumps(meta, indent=1))
     return meta
 
 

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from tpu_llm.config import CAPS, Config, ModelConfig, config_from_dict
 from tpu_llm.errors import UserError
+from tpu_llm import files
 from tpu_llm.files import write_atomically
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
@@ -333,14 +334,23 @@ def check_tensors(reader: safetensors_io.Reader, m) -> dict[str, str]:
     return names_of
 
 
-def load_weights(model, reader: safetensors_io.Reader, m) -> str:
-    """Assign every tensor of `reader` to its variable of `model`; returns the checkpoint's dtype name."""
+def load_weights(model, reader: safetensors_io.Reader, m, allow_non_finite: bool = False, warn=print) -> str:
+    """Assign every tensor of `reader` to its variable of `model`; returns the checkpoint's dtype name. A
+    tensor holding NaN or infinity is refused naming it (with `allow_non_finite`: said, and assigned)."""
     names_of = check_tensors(reader, m)
     variables, dtypes = _variables(model), set()
     for hf_name, path, transposed in weights(m):
         stored = names_of[hf_name]
         dtypes.add(reader.dtype(stored))
         value = reader.get(stored).astype(np.float32)  # exact for bfloat16 and float16
+        bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+        if bad:  # NaN or infinity: every token's logits would be NaN (generate printed the prompt only)
+            if not allow_non_finite:
+                raise UserError(f"{reader.file(stored)}: tensor {stored} holds {bad:,} non-finite values (NaN or "
+                                f"infinity) of its {value.size:,}; the checkpoint is damaged: download it again (pass "
+                                "--allow_non_finite to import it anyway)")
+            warn(f"warning: {reader.file(stored)}: tensor {stored} holds {bad:,} non-finite values (NaN or "
+                 "infinity); imported as they are (--allow_non_finite)")
         if transposed:
             value = value.T
         variable = variables[path]
@@ -385,7 +395,8 @@ def run_config(hf: dict, source: str, run_dir: str, max_len: int = 0) -> Config:
     return config_from_dict(settings, source=os.path.join(source, "config.json"))
 
 
-def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
+def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_finite: bool = False,
+                      warn=print) -> dict:
     """Make the new run directory `run_dir` from the Hugging Face model directory `source`; `max_len`
     (llama only) shortens the context, which sizes generation's KV cache (config.json's is often 128k).
 
@@ -416,7 +427,7 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0) -> dict:
         with staged_directory(run_dir, f"the run directory {run_dir!r}",
                               "fix its permissions or space, or pass another --run_dir") as tmp:
             net = GPT(cfg.model, cfg.model.vocab_size).build_weights()
-            dtype = load_weights(net, reader, cfg.model)
+            dtype = load_weights(net, reader, cfg.model, allow_non_finite, warn)
             tf.io.gfile.makedirs(tmp)
             write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
             write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
@@ -442,11 +453,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
     run_dir, output = export_target(run_dir, output, HF_EXPORT_DIR, overwrite)
     model, tokenizer, cfg, checkpoint, notes = load_float32(run_dir)
     if dtype == "auto":  # an imported run goes back in the dtype it came in
-        dtype = "float32"
-        meta_path = os.path.join(run_dir, IMPORT_FILE)
-        if tf.io.gfile.exists(meta_path):
-            with tf.io.gfile.GFile(meta_path) as f:
-                dtype = json.load(f).get("dtype", "float32")
+        dtype = imported_dtype(run_dir)
     m = cfg.model
     if not hasattr(m, "family"):  # a model section from before the families: gpt2
         m.family = "gpt2"
@@ -484,6 +491,26 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
                 "family": m.family, "vocab_size": m.vocab_size, "eos_id": eos, "tokenizer_files": written}
         _write_json(os.path.join(tmp, META_FILE), meta)
     return {**meta, "output": output, "notes": notes}
+
+
+def imported_dtype(run_dir: str) -> str:
+    """The dtype an imported run came in (its hf_import.json), float32 for a run trained here. The file is
+    the run directory's own, read as one from elsewhere: a regular file, not a link, of a bounded size,
+    a JSON object naming a dtype export can write; else one UserError."""
+    path = os.path.join(run_dir, IMPORT_FILE)
+    fix = "restore it from a copy of the run directory, or pass --dtype float32, bfloat16 or float16"
+    try:
+        raw = files.read_regular(path, MAX_CONFIG_JSON, "the run's import record", fix)
+    except (FileNotFoundError, tf.errors.NotFoundError):
+        return "float32"
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise UserError(f"{path} is not valid JSON; {fix}") from None
+    dtype = meta.get("dtype", "float32") if isinstance(meta, dict) else None
+    if not isinstance(dtype, str) or dtype not in _NP_DTYPES:
+        raise UserError(f"{path}: dtype {_shown(dtype)} is none export writes ({', '.join(_NP_DTYPES)}); {fix}")
+    return dtype
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
+from tpu_llm import files
 from tpu_llm.errors import UserError
 
 DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
@@ -112,6 +113,8 @@ def read_header(path: str) -> tuple[dict, int]:
     """(the tensors' header entries by name, where the data starts) of the safetensors file at `path`,
     every entry checked against the file before any tensor is read; a UserError names the file, the
     tensor and what is wrong. `__metadata__` (text to text) is left out."""
+    if "://" not in path:  # a regular file (a FIFO would block the read below; the HF cache's links are followed)
+        os.close(files.open_regular(path, "the safetensors file", follow_links=True))
     try:
         file_size = tf.io.gfile.stat(path).length
         with tf.io.gfile.GFile(path, "rb") as f:
@@ -232,8 +235,7 @@ def read_capped(path: str, cap: int, what: str, fix: str) -> bytes:
     size = tf.io.gfile.stat(path).length
     if size > cap:
         raise UserError(f"{path} is {size:,} bytes, more than the {cap:,} {what} may have; {fix}")
-    with tf.io.gfile.GFile(path, "rb") as f:
-        return f.read()
+    return files.read_regular(path, cap, what, fix, follow_links=True)  # a regular file (not a FIFO), bounded
 
 
 def _weight_map(index: str) -> dict[str, str]:

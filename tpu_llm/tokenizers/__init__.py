@@ -16,6 +16,7 @@ import reprlib
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
+from tpu_llm.files import write_atomically
 from tpu_llm.run_layout import HF_FILE, SP_MODEL_FILE, SPEC_FILE
 from tpu_llm.tokenizers import hf
 from tpu_llm.tokenizers.core import (REMOTE_OK, ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer,
@@ -47,15 +48,12 @@ def build_tokenizer(kind: str, model_path: str = "", text_files: list[str] | Non
 def save_tokenizer(tok: Tokenizer, run_dir: str) -> None:
     """`tok` into a run, shard or export directory: tokenizer.json (the spec) and its model file, if any
     (tokenizer.model for SentencePiece; hf_tokenizer.json, Hugging Face's tokenizer.json, for hf)."""
-    tf.io.gfile.makedirs(run_dir)
+    tf.io.gfile.makedirs(run_dir)  # each file written whole and anew (a link at its name replaced, not written through)
     if isinstance(tok, SentencePieceTokenizer):
-        with tf.io.gfile.GFile(os.path.join(run_dir, SP_MODEL_FILE), "wb") as f:
-            f.write(tok.model_proto)
+        write_atomically(os.path.join(run_dir, SP_MODEL_FILE), tok.model_proto)
     if tok.kind == "hf":
-        with tf.io.gfile.GFile(os.path.join(run_dir, tok.spec()["model"]), "w") as f:
-            f.write(tok.json)
-    with tf.io.gfile.GFile(os.path.join(run_dir, SPEC_FILE), "w") as f:
-        f.write(json.dumps(tok.spec(), ensure_ascii=False))
+        write_atomically(os.path.join(run_dir, tok.spec()["model"]), tok.json)
+    write_atomically(os.path.join(run_dir, SPEC_FILE), json.dumps(tok.spec(), ensure_ascii=False))
 
 
 def load_tokenizer(run_dir: str) -> Tokenizer | None:

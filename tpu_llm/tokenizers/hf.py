@@ -33,6 +33,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tpu_llm import files
+from tpu_llm.config import CAPS
 from tpu_llm.errors import UserError
 from tpu_llm.run_layout import HF_FILE, SPEC_FILE
 
@@ -67,6 +69,7 @@ def _library_error(e: BaseException) -> str:
 
 def _parse(tokenizer_json: str, source: str):
     """A `tokenizers.Tokenizer` from the text of a tokenizer.json, or a one-line UserError naming `source`."""
+    _check_ids(tokenizer_json, source)
     tokenizers = import_tokenizers()
     try:
         return tokenizers.Tokenizer.from_str(tokenizer_json)
@@ -74,6 +77,27 @@ def _parse(tokenizer_json: str, source: str):
         raise UserError(f"{source or 'tokenizer.json'}: Hugging Face's tokenizers {tokenizers.__version__} cannot "
                         f"read it ({_library_error(e)}); give the tokenizer.json that came with the "
                         "checkpoint, or upgrade tokenizers") from None
+
+
+def _check_ids(tokenizer_json: str, source: str) -> None:
+    """Refuse, before the library reads it, a tokenizer.json whose vocabulary ids pass config.CAPS'
+    vocabulary cap: the library allocates a table up to its largest id (one id of 4e9 in a 4 KB file
+    allocated until the process was killed). Text that is not JSON is left to the library's message."""
+    try:
+        spec = parse_json(tokenizer_json)
+    except ValueError:
+        return
+    model = spec.get("model") if isinstance(spec, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    ids = list(vocab.values()) if isinstance(vocab, dict) else []
+    added = spec.get("added_tokens") if isinstance(spec, dict) else None
+    ids += [t.get("id") for t in added if isinstance(t, dict)] if isinstance(added, list) else []
+    cap = CAPS["model.vocab_size"][0]
+    top = max((i for i in ids if isinstance(i, (int, float)) and not isinstance(i, bool)), default=0)
+    if top >= cap or (isinstance(vocab, list) and len(vocab) > cap):
+        raise UserError(f"{source or 'tokenizer.json'}: a vocabulary id of {str(top)[:24]} passes tpu-llm's cap of "
+                        f"{cap:,} ids ({CAPS['model.vocab_size'][1]}); give the tokenizer.json that came with the "
+                        "checkpoint")
 
 
 def _content(token) -> str | None:
@@ -181,8 +205,8 @@ def read_text(path: str) -> str:
         raise UserError(f"{path} is {size:,} bytes, more than the {MAX_TOKENIZER_BYTES:,} a tokenizer file may have "
                         "(the largest published tokenizer.json is 33 MB); give the tokenizer files that came with the "
                         "checkpoint")
-    with tf.io.gfile.GFile(path, "rb") as f:
-        raw = f.read()
+    raw = files.read_regular(path, MAX_TOKENIZER_BYTES, "the tokenizer file", "give the tokenizer files that came "
+                             "with the checkpoint", follow_links=True)  # a regular file (not a FIFO), bounded
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

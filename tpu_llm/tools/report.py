@@ -10,42 +10,24 @@ A local run directory is read without TensorFlow; a gs:// one through tf.io.gfil
 from __future__ import annotations
 
 import io
-import json
 import os
 
 from tpu_llm.errors import UserError
 from tpu_llm.run_layout import GOODPUT_FILE, METRICS_FILE, REPORT_FILE
-from tpu_llm.training import goodput
-
-
-def _read_text(path: str) -> str | None:
-    if "://" in path:
-        import tensorflow as tf
-
-        if not tf.io.gfile.exists(path):
-            return None
-        with tf.io.gfile.GFile(path) as f:
-            return f.read()
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise UserError(f"{path} cannot be read ({e.strerror or e})") from None
+from tpu_llm.training import goodput, line_log
 
 
 def losses(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """{"train": [(step, loss)], "validation": [...]} from metrics.jsonl (torn or foreign lines skipped)."""
+    """{"train": [(step, loss)], "validation": [...]} from metrics.jsonl (torn or foreign lines skipped:
+    not JSON, a split that is not "train" or "validation", a step that is not a whole number, a loss
+    that is not a number)."""
     out: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
-    for line in (_read_text(os.path.join(run_dir, METRICS_FILE)) or "").splitlines():
-        try:
-            entry = json.loads(line)
-            split, step, loss = entry["split"], int(entry["step"]), float(entry["loss"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        if split in out:
-            out[split].append((step, loss))
+    for line in line_log.read_lines(os.path.join(run_dir, METRICS_FILE)):
+        entry = line_log.parse_line(line) or {}
+        split, step, loss = entry.get("split"), line_log.whole(entry.get("step")), entry.get("loss")
+        if split in ("train", "validation") and step is not None and isinstance(loss, (int, float)) \
+                and not isinstance(loss, bool) and not abs(loss) >= 1e300:  # (NaN passes: a diverged run's)
+            out[split].append((step, float(loss)))
     return out
 
 

@@ -21,7 +21,7 @@ from tpu_llm.parallel.distribute import Distribution, get_strategy
 from tpu_llm.run_layout import check_no_links
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
-from tpu_llm.training import run_lock
+from tpu_llm.training import line_log, run_lock
 from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir, check_run_dir_owner, check_run_dir_reachable,
                                          record_run, resolve_tokenizer, restore_init_from)
 from tpu_llm.training.optimizer import freeze, make_optimizer
@@ -120,12 +120,15 @@ def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tupl
     if dist.is_chief:  # not another tool's directory (the other workers of a cluster write nothing) ...
         check_run_dir_owner(cfg.run_dir)
         run_lock.check_unlocked(cfg.run_dir)  # ... nor one another trainer is writing (its lock: taken below)
+        line_log.check_logs(cfg.run_dir)  # its logs regular files of its own (no FIFO, no hard link elsewhere)
     tokenizer = setup_tokenizer(cfg, train_src, val_src)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tokenizer.vocab_size
     elif cfg.model.vocab_size < tokenizer.vocab_size:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                         f"{tokenizer.vocab_size} ids; set it to 0 (automatic) or >= {tokenizer.vocab_size}")
+    if train_src.format == "tfrecord":  # the ids data prepare recorded, against the model's vocabulary
+        data.check_shard_ids([*train_src.files, *val_src.files], cfg.model.vocab_size)
     # Every check that can fail runs before anything in the run directory is written (record_run below)
     # and before the first step: the data holds a batch, the end-of-run prompt can be encoded.
     for source, split in zip((train_src, val_src), ("training", "validation")):
@@ -157,14 +160,15 @@ def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "")
                                 cluster=bool(dist.task or dist.asynchronous), io_device=dist.io_device,
                                 model_config=cfg.model, model=model, optimizer=optimizer, rng=rng,
                                 **(communication.trackables() if communication else {}))
-    resumed_from = checkpointer.restore_latest()  # a UserError if none of the checkpoints can be read
-    initialised_from = None
-    if resumed_from is None and cfg.train.init_from:  # a new run from another run's weights (fine-tuning)
-        initialised_from = restore_init_from(cfg.train.init_from, cfg.model, model, tokenizer, dist.io_device)
-    # every check passed: only now is the run directory written, by one writer at a time (the chief,
-    # holding the lock until train ends, Run.release, or this process does)
+    # the chief holds the lock from before the newest checkpoint is read until train ends (Run.release, or
+    # this process does): another trainer cannot save a checkpoint between that read and this run's writes
     lock = run_lock.acquire(cfg.run_dir) if dist.is_chief else None
     try:
+        resumed_from = checkpointer.restore_latest()  # a UserError if none of the checkpoints can be read
+        initialised_from = None
+        if resumed_from is None and cfg.train.init_from:  # a new run from another run's weights (fine-tuning)
+            initialised_from = restore_init_from(cfg.train.init_from, cfg.model, model, tokenizer, dist.io_device)
+        # every check passed: only now is the run directory written, by one writer at a time
         if lock is not None:
             checkpointer.lock = lock
             if lock.note:  # a stale gs:// lock taken over

@@ -24,7 +24,9 @@ import uuid
 import tensorflow as tf
 import yaml
 
+from tpu_llm import files
 from tpu_llm.config import Config, ModelConfig, config_from_dict
+from tpu_llm.config_reading import MAX_CONFIG_BYTES
 from tpu_llm.errors import UserError
 from tpu_llm.files import write_atomically
 from tpu_llm.model import GPT
@@ -36,14 +38,21 @@ from tpu_llm.training.fault import CLUSTER_ERRORS
 
 
 def read_saved_config(run_dir: str) -> dict | None:
+    """The run's config.yaml as a mapping, None if it has none; read as a file from elsewhere (a regular
+    file of at most MAX_CONFIG_BYTES, YAML holding a mapping), else one UserError."""
     path = os.path.join(run_dir, CONFIG_FILE)
-    if not tf.io.gfile.exists(path):
+    fix = "restore it or use another --run_dir"
+    try:
+        raw = files.read_regular(path, MAX_CONFIG_BYTES, "the run's config", fix)
+    except FileNotFoundError:
         return None
-    with tf.io.gfile.GFile(path, "r") as f:
-        try:
-            return yaml.safe_load(f.read())
-        except yaml.YAMLError:
-            raise UserError(f"{path} is not valid YAML; restore it or use another --run_dir") from None
+    try:
+        saved = yaml.safe_load(raw.decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+        raise UserError(f"{path} is not valid YAML; {fix}") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model", {}), dict):
+        raise UserError(f"{path} is not a tpu-llm config (a mapping with a model section); {fix}")
+    return saved
 
 
 def check_run_dir_reachable(run_dir: str) -> None:
@@ -462,6 +471,20 @@ def _remove(path: str) -> None:
         pass  # best effort: a leftover of a failed save is never read (the state file does not name it)
 
 
+def check_tokenizer_fits(run_dir: str, tokenizer: Tokenizer, cfg: Config) -> None:
+    """Refuse (UserError) a tokenizer.json that contradicts the run's config: another kind than the one the
+    run was trained with (data prepare into a run directory replaced a char vocabulary by a byte one),
+    or more ids than the model's embedding has rows (its ids past them cannot be looked up)."""
+    path = os.path.join(run_dir, SPEC_FILE)
+    fix = "restore the run's own tokenizer.json (from a copy of the run directory or its shards' directory)"
+    if tokenizer.kind != cfg.data.tokenizer:
+        raise UserError(f"{path} holds a {tokenizer.kind} tokenizer, but the run was trained with "
+                        f"data.tokenizer={cfg.data.tokenizer} (config.yaml); {fix}")
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise UserError(f"{path} has {tokenizer.vocab_size:,} ids, the model's embedding {cfg.model.vocab_size:,} "
+                        f"rows (model.vocab_size); {fix}")
+
+
 def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes: bool = False):
     """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
     checkpoint's path with `with_checkpoint`, plus with `with_notes` the warnings to show (an unreadable
@@ -473,6 +496,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
         raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
                         "pass the --run_dir of a `tpu-llm train` run")
     cfg = config_from_dict(saved, source=os.path.join(run_dir, CONFIG_FILE))
+    check_tokenizer_fits(run_dir, tokenizer, cfg)
     model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)

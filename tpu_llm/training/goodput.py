@@ -42,7 +42,7 @@ import time
 
 from tpu_llm.errors import UserError
 from tpu_llm.run_layout import GOODPUT_FILE
-from tpu_llm.training.line_log import LineLog
+from tpu_llm.training.line_log import LineLog, parse_line, read_lines
 
 CATEGORIES = ("productive", "compile", "evaluation", "checkpoint", "profiling", "sampling", "startup", "restart",
               "other")
@@ -87,9 +87,11 @@ class Ledger:
     def __init__(self, run_dir: str, started: float, enabled: bool = True, lock=None):
         self.path = os.path.join(run_dir, GOODPUT_FILE)
         self.run_dir, self.started, self.enabled, self.lock = run_dir, started, enabled, lock
+        self.out = LineLog(run_dir, GOODPUT_FILE, lock.check if lock else None)  # on gs://: in batches
+        if enabled:  # a regular file of this run directory only (not a FIFO, not hard-linked elsewhere)
+            self.out.check_file()
         self.records = read_records(self.path) if enabled else []
         self.open = False
-        self.out = LineLog(run_dir, GOODPUT_FILE, lock.check if lock else None)  # on gs://: in batches
 
     def start(self, step: int) -> None:
         """Training starts now, at `step`: the time since `started` was the process's start-up."""
@@ -149,26 +151,10 @@ class Ledger:
 
 def read_records(path: str) -> list[dict]:
     """The records of a goodput.jsonl; a line torn by a kill mid-write (or otherwise unreadable) is skipped."""
-    if "://" in path:
-        import tensorflow as tf
-
-        if not tf.io.gfile.exists(path):
-            return []
-        with tf.io.gfile.GFile(path) as f:
-            text = f.read()
-    else:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except FileNotFoundError:
-            return []
     records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("kind"), str) and _number(record.get("t")):
+    for line in read_lines(path):  # a regular file of a bounded size (line_log.read_lines)
+        record = parse_line(line)
+        if record is not None and isinstance(record.get("kind"), str) and _number(record.get("t")):
             records.append(record)
     return records
 

@@ -12,9 +12,10 @@ import os
 
 import tensorflow as tf
 
+from tpu_llm import files
 from tpu_llm.training import run_lock
 from tpu_llm.run_layout import LOGS_DIR, METRICS_FILE, check_no_links, link_error
-from tpu_llm.training.line_log import LineLog
+from tpu_llm.training.line_log import LineLog, logged_step, read_lines
 
 
 class MetricsLog:
@@ -36,8 +37,9 @@ class MetricsLog:
         self.out = LineLog(run_dir, METRICS_FILE, lock.check if lock else None)  # on gs://: in batches
         # a remote TPU: the writers (and their ops) on this process, not on the TPU host (tpu.CLIENT_IO)
         self.device = device
-        if enabled:  # TF's summary writers follow links: none under logs/ (nor at metrics.jsonl)
+        if enabled:  # TF's summary writers follow links: none under logs/ (nor at metrics.jsonl) ...
             check_no_links(run_dir)
+            self.out.check_file()  # ... and metrics.jsonl a regular file of this directory only
         self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
         with tf.device(device or None):
             self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
@@ -51,13 +53,11 @@ class MetricsLog:
         self.flush()
         check_no_links(self.run_dir)  # it rewrites metrics.jsonl and the event files
         dropped = 0
-        if tf.io.gfile.exists(self.path):
-            with tf.io.gfile.GFile(self.path) as f:
-                lines = f.read().splitlines(keepends=True)
-            kept = [line for line in lines if _logged_step(line) is not None and _logged_step(line) <= step]
-            if len(kept) < len(lines):  # (a line torn by a kill mid-write goes too)
-                dropped = len(lines) - len(kept)
-                _replace(self.path, lambda f: f.write("".join(kept)))
+        lines = read_lines(self.path)
+        kept = [line for line in lines if (logged := logged_step(line)) is not None and logged <= step]
+        if len(kept) < len(lines):  # (a line torn by a kill mid-write goes too, and one from elsewhere)
+            dropped = len(lines) - len(kept)
+            files.write_atomically(self.path, "".join(kept))
         for path in tf.io.gfile.glob(os.path.join(self.logs, "*", "events.out.tfevents.*")):
             _truncate_events(path, step)
         return dropped
@@ -84,21 +84,6 @@ class MetricsLog:
         with tf.device(self.device or None):
             for w in self.writers.values():
                 w.flush()
-
-
-def _logged_step(line: str) -> int | None:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def _replace(path: str, write) -> None:
-    """Write `path` anew through a temporary file renamed over it: a kill leaves the old or the new file."""
-    tmp = f"{path}.tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        write(f)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 def _truncate_events(path: str, step: int) -> None:

@@ -26,7 +26,6 @@ train it (`acquire` returns a handle; the lock goes with the last handle release
 from __future__ import annotations
 
 import datetime
-import errno
 import fcntl
 import json
 import os
@@ -34,6 +33,7 @@ import socket
 import threading
 import time
 
+from tpu_llm import files
 from tpu_llm.cloud import storage as cloud
 from tpu_llm.errors import UserError
 from tpu_llm.run_layout import LOCK_FILE
@@ -122,13 +122,10 @@ class LocalLock:
 
 
 def _open_lock_file(path: str, flags: int) -> int:
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UserError(f"{path} is a symbolic link; tpu-llm never writes a run's files through a link: "
-                            "remove it") from None
-        raise
+    """The lock file, a regular file of this run directory only: a link, a FIFO (which would block the
+    open) or a file hard-linked elsewhere (the holder's line would be written into it) is refused."""
+    return files.open_regular(path, "the run's lock file", flags, single_link=True,
+                              fix="remove it (tpu-llm makes a new one; no tpu-llm process may be using this run_dir)")
 
 
 def _read_holder(fd: int) -> dict:

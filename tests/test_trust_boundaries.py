@@ -1,0 +1,391 @@
+"""Trust boundaries, second round (issue 40): special files where a regular file is expected (a FIFO, a
+device such as /dev/zero), hard links out of a run directory, the run directory's own files damaged or
+from elsewhere, `data prepare` into a directory it does not own, a run whose parts contradict each
+other, non-finite weights on import. Each refusal is one `error:` line, exit 2, nothing in the
+directory changed (and nothing outside it); each case failed (or hung) before its fix.
+
+The commands run through `cli.main` in this process, on copies of one tiny trained run (char
+vocabulary, checkpoints at steps 2 and 4). A FIFO is never opened by the test itself (`state` below
+hashes regular files only): a reader that blocks on it would hang the test, which `time_limit` turns
+into a failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from helpers import TINY_FLAGS, time_limit, write_corpus, write_gpt2, write_safetensors
+
+from tpu_llm import cli, files
+from tpu_llm.errors import UserError
+from tpu_llm.interop import safetensors_io
+from tpu_llm.tools import report
+from tpu_llm.training import line_log
+
+FLAGS = [*TINY_FLAGS, "--checkpoint.every_steps=2", "--data.tokenizer=char", "--execution=graph"]
+
+
+def state(root: Path) -> dict[str, str]:
+    """Every entry under `root`: a regular file by content hash, anything else by its kind (a FIFO is not opened)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode):
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+            else:
+                out[os.path.relpath(path, root)] = stat.filemode(info.st_mode)[0]
+    return out
+
+
+class Refusal:
+    """`tpu-llm ARGS` in this process, within `seconds`; `watch`ed directories compared before and after."""
+
+    def __init__(self, capsys, args: list, *watch: Path, seconds: float = 120):
+        before = [state(w) for w in watch]
+        capsys.readouterr()
+        with time_limit(seconds):
+            self.code = cli.main([str(a) for a in args])
+        self.stdout, self.stderr = capsys.readouterr()
+        self.changed = [str(w) for w, b in zip(watch, before) if state(w) != b]
+
+    def assert_refused(self, *words: str) -> str:
+        lines = self.stderr.splitlines()
+        assert self.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (self.code, self.stderr[-3000:])
+        assert "Traceback" not in self.stderr + self.stdout
+        assert all(w in lines[0] for w in words), lines[0]
+        assert not self.changed, f"changed: {self.changed}"
+        return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The module's run (4 steps, checkpoints at 2 and 4) and the flags that trained it."""
+    tmp = tmp_path_factory.mktemp("trained")
+    write_corpus(tmp / "corpus")
+    flags = [f"--data.train={tmp / 'corpus' / '*.txt'}", *FLAGS]
+    assert cli.main(["train", f"--run_dir={tmp / 'run'}", *flags]) == 0
+    return tmp / "run", flags
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    run, flags = trained
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run", flags
+
+
+def resume(run: Path, flags: list) -> list:
+    return ["train", f"--run_dir={run}", *flags, "--train.steps=6"]
+
+
+# ---- 1. special files and hard links ---------------------------------------------------------------
+
+
+def test_open_regular_refuses_a_fifo_a_device_a_link_and_with_single_link_a_hard_link(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("text")
+    os.link(tmp_path / "file", tmp_path / "hard")
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    with time_limit(5):
+        for path, flags, words in [("fifo", os.O_RDONLY, "is a named pipe (FIFO)"),
+                                   ("fifo", os.O_WRONLY | os.O_APPEND, "is a named pipe (FIFO)"),
+                                   ("/dev/zero", os.O_RDONLY, "is a character device"),
+                                   ("link", os.O_RDONLY, "is a symbolic link"), (".", os.O_RDONLY, "is a directory")]:
+            with pytest.raises(UserError, match=re.escape(words)):
+                files.open_regular(str(tmp_path / path), "the file", flags)
+        with pytest.raises(UserError, match="has 2 hard links"):
+            files.open_regular(str(tmp_path / "hard"), "the file", os.O_WRONLY | os.O_APPEND, single_link=True)
+    os.close(files.open_regular(str(tmp_path / "hard"), "the file"))  # read only: a hard link is harmless
+    os.close(files.open_regular(str(tmp_path / "link"), "the file", follow_links=True))
+
+
+def test_read_regular_is_bounded_for_a_file_whose_size_reads_as_0():
+    assert os.stat("/proc/self/maps").st_size == 0
+    with pytest.raises(UserError, match="holds more than 10 bytes"):
+        files.read_regular("/proc/self/maps", 10, "the file")
+    assert files.read_regular("/proc/self/maps", 1 << 24, "the file").count(b"\n") > 3
+
+
+def test_generate_refuses_dev_zero_as_prompt_file_in_one_line(run_copy, capsys):
+    run, _ = run_copy
+    r = Refusal(capsys, ["generate", "--run_dir", run, "--prompt_file", "/dev/zero"], run, seconds=30)
+    r.assert_refused("--prompt_file /dev/zero is a character device, not a regular file")
+
+
+@pytest.mark.parametrize("name", [".tpu-llm-lock", "metrics.jsonl", "goodput.jsonl", "config.yaml"])
+def test_a_fifo_in_the_run_directory_is_refused_not_waited_on(run_copy, capsys, name):
+    """Issue 40 #1: a FIFO at the lock or at metrics.jsonl blocked a resumed `train` forever."""
+    run, flags = run_copy
+    (run / name).unlink()
+    os.mkfifo(run / name)
+    r = Refusal(capsys, resume(run, flags), run, seconds=60)
+    r.assert_refused(f"{run / name} is a named pipe (FIFO), not a regular file")
+
+
+@pytest.mark.parametrize("name", ["goodput.jsonl", "metrics.jsonl", ".tpu-llm-lock"])
+def test_a_log_hard_linked_out_of_the_run_directory_is_refused_never_appended_to(run_copy, tmp_path, capsys, name):
+    """Issue 40 #2: a goodput.jsonl hard-linked to a file elsewhere was appended to on resume."""
+    run, flags = run_copy
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.link(run / name, outside / "victim")
+    r = Refusal(capsys, resume(run, flags), run, outside)
+    r.assert_refused(f"{run / name} has 2 hard links")
+
+
+# ---- 2. the run directory's own line files ----------------------------------------------------------
+
+
+BAD_LINES = ['{"split": "train", "step": Infinity, "loss": 1.0}', '{"split": "train", "step": NaN, "loss": 1.0}',
+             '{"split": ["train"], "step": 3, "loss": 1.0}', '{"split": "train", "step": "3", "loss": 1.0}',
+             '{"split": "train", "step": 1e999, "loss": 1e999}', '[1, 2]', 'not json', '{"split": {}, "step": 2}',
+             '{"split": "train", "step": 5, "loss": 1' + "0" * 400 + '}', "[" * 100_000]
+
+
+def test_report_skips_malformed_metrics_lines(run_copy, capsys):
+    """Issue 40 #5: a non-finite step or a non-string split in metrics.jsonl was a traceback in `report`."""
+    run, _ = run_copy
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("\n".join(BAD_LINES) + "\n")
+    capsys.readouterr()
+    assert cli.main(["report", "--run_dir", str(run), "--plot", str(run / "r.png")]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "loss" in out
+
+
+def test_a_resumed_train_drops_malformed_metrics_lines(run_copy, capsys):
+    """Issue 40 #5: the same lines were a traceback in a resumed `train`; now they go with the torn ones."""
+    run, flags = run_copy
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("\n".join(BAD_LINES) + "\n")
+    capsys.readouterr()
+    assert cli.main(resume(run, flags)) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in lines if e["split"] == "train"] == [2, 4, 6]
+
+
+SCALARS = st.none() | st.booleans() | st.integers(-2**80, 2**80) | st.floats(allow_nan=True) | st.text(max_size=4)
+JSON = st.recursive(SCALARS,
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=8)
+ENTRY = st.fixed_dictionaries({}, optional={"split": st.sampled_from(["train", "validation", "summary"]) | JSON,
+                                            "step": st.integers(-5, 50) | JSON, "loss": st.floats() | JSON})
+LINE = (ENTRY.map(json.dumps) | JSON.map(json.dumps) | st.text(max_size=30)).map(lambda line: line.replace("\n", " "))
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(lines=st.lists(LINE, max_size=10), tail=st.binary(max_size=30))
+def test_property_any_metrics_file_is_read_line_by_line_never_raising(tmp_path_factory, lines, tail):
+    """metrics.jsonl comes with the run directory (copied, edited, torn by a kill): whatever its lines hold,
+    `report` and the resume's cut (logged_step) keep the sound lines and skip the others, never raising."""
+    run = tmp_path_factory.mktemp("metrics")
+    (run / "metrics.jsonl").write_bytes("".join(line + "\n" for line in lines).encode() + tail)
+    curves = report.losses(str(run))
+    for split, points in curves.items():
+        assert all(type(step) is int and type(loss) is float for step, loss in points), points
+    kept = [line for line in line_log.read_lines(str(run / "metrics.jsonl"))
+            if (step := line_log.logged_step(line)) is not None and step <= 20]
+    for line in kept:  # what a resume at step 20 keeps: JSON objects with a text split and a whole step <= 20
+        entry = json.loads(line)
+        assert isinstance(entry["split"], str) and int(entry["step"]) == entry["step"] <= 20
+    try:
+        report.report(str(run), str(run / "r.png"), say=lambda _: None)
+    except UserError as e:  # nothing sound in it: one line
+        assert "holds no goodput.jsonl and no metrics.jsonl" in str(e)
+
+
+def test_train_holds_the_lock_before_it_reads_the_newest_checkpoint(run_copy, monkeypatch, capsys):
+    """Issue 40 #8: the lock was taken after the newest checkpoint was read; another trainer could save
+    in between. Now a second open of the lock file cannot take it while the checkpoint is read."""
+    import fcntl
+
+    from tpu_llm.training.checkpoint import Checkpointer
+
+    run, flags = run_copy
+    real, held = Checkpointer.restore_latest, []
+
+    def reading(self, *args, **kwargs):
+        fd = os.open(run / ".tpu-llm-lock", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "restore_latest", reading)
+    assert cli.main(resume(run, flags)) == 0
+    assert held == [True]
+
+
+# ---- 4. a run whose parts contradict each other ----------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"kind": "byte"}, "holds a byte tokenizer, but the run was trained with data.tokenizer=char"),
+    ({"kind": "char", "chars": "".join(map(chr, range(0x4E00, 0x4E00 + 500)))},
+     "has 502 ids, the model's embedding 117 rows")])
+def test_generate_and_export_refuse_a_tokenizer_that_contradicts_the_model(run_copy, tmp_path, capsys, spec, words):
+    """Issue 40 #5: a tokenizer.json replaced (by data prepare into the run directory) made generate die with
+    an InvalidArgumentError traceback, or print garbage with exit 0."""
+    run, _ = run_copy
+    (run / "tokenizer.json").write_text(json.dumps(spec))
+    Refusal(capsys, ["generate", "--run_dir", run, "--prompt", "a"], run).assert_refused(words)
+    Refusal(capsys, ["export", "--run_dir", run, "--output", tmp_path / "export"], tmp_path).assert_refused(words)
+
+
+def test_shard_ids_past_the_vocabulary_are_refused_before_training(trained, tmp_path, capsys):
+    """Issue 40 #5: shards whose ids pass the vocabulary trained silently under XLA (a finite loss of
+    nonsense). data prepare records the largest id in meta.json; train (and --dry_run) compares it."""
+    out = tmp_path / "shards"
+    assert cli.main([str(a) for a in prepare_args(trained, out, "--tokenizer", "byte")]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["max_id"] == 256  # the byte tokenizer's end-of-text
+    (out / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abcdefghij"}))  # 12 ids
+    args = ["train", "--run_dir", tmp_path / "run", f"--data.train={out / 'data-00000-of-00002.tfrecord'}",
+            f"--data.validation={out / 'data-00001-of-00002.tfrecord'}", *FLAGS]
+    for dry in ([], ["--dry_run"]):
+        Refusal(capsys, [*args, *dry], tmp_path).assert_refused(f"hold token id {meta['max_id']:,} (their meta.json), "
+                                                                "past the model's 12 ids")
+
+
+def test_an_hf_tokenizer_id_of_4e9_is_refused_before_the_library_reads_it(gpt2_dir, tmp_path, capsys):
+    """Issue 40 #6: a 4 KB tokenizer.json with one id of 4e9 made import allocate until killed."""
+    source = tmp_path / "gpt2"
+    shutil.copytree(gpt2_dir, source)
+    spec = json.loads((source / "tokenizer.json").read_text())
+    spec["model"]["vocab"][next(iter(spec["model"]["vocab"]))] = 4_000_000_000
+    (source / "tokenizer.json").write_text(json.dumps(spec))
+    r = Refusal(capsys, ["import", "--from", source, "--run_dir", tmp_path / "run"], tmp_path, seconds=60)
+    r.assert_refused("a vocabulary id of 4000000000 passes tpu-llm's cap of 10,000,000 ids")
+
+
+# ---- 3. data prepare --output ----------------------------------------------------------------------
+
+
+def prepare_args(trained, output: Path, *more) -> list:
+    run, _ = trained
+    return ["data", "prepare", "--input", run.parent / "corpus" / "*.txt", "--output", output, "--shards", "2", *more]
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_data_prepare_never_writes_into_a_run_directory(trained, run_copy, capsys, overwrite):
+    """Issue 40 #4: the run's char vocabulary was replaced by {"kind": "byte"}; resume was then refused."""
+    run, _ = run_copy
+    r = Refusal(capsys, prepare_args(trained, run, *overwrite), run)
+    r.assert_refused(f"--output {str(run)!r} is a tpu-llm run directory (it holds ")
+
+
+def test_data_prepare_refuses_its_earlier_output_without_overwrite_even_without_shards(trained, tmp_path, capsys):
+    """Issue 40 #4: a directory's own tokenizer.json and meta.json were overwritten without --overwrite."""
+    out = tmp_path / "shards"
+    assert cli.main([str(a) for a in prepare_args(trained, out)]) == 0
+    for shard in out.glob("*.tfrecord"):
+        shard.unlink()
+    r = Refusal(capsys, prepare_args(trained, out, "--tokenizer", "char"), out)
+    r.assert_refused("already holds files of an earlier data prepare (meta.json, tokenizer.json); pass --overwrite")
+
+
+def test_data_prepare_never_writes_through_a_link_and_with_overwrite_only_its_own_files(trained, tmp_path, capsys):
+    """Issue 40 #4: a symlinked meta.json had the next prepare write into the file outside."""
+    out, victim = tmp_path / "shards", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("precious")
+    (out / "meta.json").symlink_to(victim)
+    (out / "notes.tfrecord").write_text("someone else's")
+    r = Refusal(capsys, prepare_args(trained, out, "--overwrite"), out, tmp_path)
+    r.assert_refused("holds a symbolic link, meta.json; data prepare never writes through a link")
+    (out / "meta.json").unlink()
+    r = Refusal(capsys, prepare_args(trained, out), out)
+    r.assert_refused("already holds 1 other files (notes.tfrecord); pass --overwrite")
+    assert cli.main([str(a) for a in prepare_args(trained, out, "--overwrite")]) == 0
+    assert (out / "notes.tfrecord").read_text() == "someone else's" and victim.read_text() == "precious"
+    assert sorted(p.name for p in out.iterdir()) == ["data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord",
+                                                     "meta.json", "notes.tfrecord", "tokenizer.json"]
+
+
+# ---- 5. import: non-finite tensors, special files; export: the import record -----------------------
+
+WTE = "transformer.wte.weight"
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> Path:
+    pytest.importorskip("tokenizers", reason="the checkpoint carries an hf tokenizer: pip install -e '.[hf]'")
+    folder = tmp_path_factory.mktemp("gpt2") / "gpt2"
+    write_gpt2(folder)
+    return folder
+
+
+def with_nan(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    reader = safetensors_io.Reader(str(target))
+    tensors = {name: reader.get(name).copy() for name in reader.where}
+    tensors[WTE][3, :] = np.nan
+    tensors[WTE][5, 1] = np.inf
+    write_safetensors(target / "model.safetensors", tensors)
+    return target
+
+
+def test_import_refuses_non_finite_tensors_naming_them_unless_allowed(gpt2_dir, tmp_path, capsys):
+    """Issue 40 #7: an embedding of NaN imported with exit 0; generate then printed the prompt only."""
+    source = with_nan(gpt2_dir, tmp_path / "nan")
+    r = Refusal(capsys, ["import", "--from", source, "--run_dir", tmp_path / "run"], tmp_path)
+    r.assert_refused(f"tensor {WTE} holds 33 non-finite values (NaN or infinity)", "--allow_non_finite")
+    assert not (tmp_path / "run").exists()
+    capsys.readouterr()
+    assert cli.main(["import", "--from", str(source), "--run_dir", str(tmp_path / "run"), "--allow_non_finite"]) == 0
+    assert capsys.readouterr().err.count(f"warning: {source / 'model.safetensors'}: tensor {WTE} holds 33") == 1
+
+
+def test_import_refuses_a_fifo_as_model_safetensors(gpt2_dir, tmp_path, capsys):
+    """Issue 40 #1: a FIFO as the HF directory's model.safetensors blocked `import`."""
+    source = tmp_path / "gpt2"
+    shutil.copytree(gpt2_dir, source)
+    (source / "model.safetensors").unlink()
+    os.mkfifo(source / "model.safetensors")
+    r = Refusal(capsys, ["import", "--from", source, "--run_dir", tmp_path / "run"], tmp_path, seconds=60)
+    r.assert_refused("model.safetensors is a named pipe (FIFO), not a regular file")
+
+
+@pytest.fixture(scope="module")
+def imported(gpt2_dir, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("imported") / "run"
+    assert cli.main(["import", "--from", str(gpt2_dir), "--run_dir", str(run)]) == 0
+    return run
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", "hf_import.json is not valid JSON"),
+    ('{"dtype": "float8"}', "hf_import.json: dtype \"float8\" is none export writes (float32, bfloat16, float16)"),
+    ('{"dtype": ["bfloat16"]}', "hf_import.json: dtype [\"bfloat16\"] is none export writes"),
+    ("link", "holds a symbolic link, hf_import.json ->")])
+def test_export_refuses_a_damaged_or_linked_import_record_in_one_line(imported, tmp_path, capsys, content, words):
+    """Issue 40 #3: a malformed hf_import.json was a traceback in `export --format hf`, and a linked one
+    was read through the link."""
+    run = tmp_path / "run"
+    shutil.copytree(imported, run)
+    record = run / "hf_import.json"
+    if content == "link":
+        (tmp_path / "elsewhere.json").write_text('{"dtype": "float16"}')
+        record.unlink()
+        record.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        record.write_text(content)
+    r = Refusal(capsys, ["export", "--run_dir", run, "--format", "hf", "--output", tmp_path / "hf"], tmp_path)
+    r.assert_refused(words)
