@@ -284,8 +284,11 @@ MUTATIONS = [
       "    return linear + scores, c * act_bytes", "    return linear, c * act_bytes",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
     M("planner-adam-moments-once", "tpu_llm/tools/plan.py",
-      "return Memory(4 * params, 8 * params, grads,", "return Memory(4 * params, 4 * params, grads,",
+      "return Memory(4 * params, 8 * trainable, grads,", "return Memory(4 * params, 4 * trainable, grads,",
       "tests/test_plan.py::test_parameters_and_optimizer_bytes_are_exact"),
+    M("planner-adam-state-for-frozen-layers", "tpu_llm/tools/plan.py",  # issue 41
+      "trainable = params - frozen_params(cfg, stage, vocab)", "trainable = params",
+      "tests/test_plan.py -k test_frozen_layers_get_no_optimizer_state"),
     M("planner-logits-workspace-dropped", "tpu_llm/tools/plan.py",
       "    return 4 * vocab, 4 * vocab * tokens_micro, 0.0", "    return 4 * vocab, 0.0, 0.0",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu "
