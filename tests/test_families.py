@@ -135,9 +135,28 @@ def test_llama_1b_plans_on_v5p_16_and_v6e_8():
         assert result.fits(plan.TIGHT), name
 
 
+@pytest.mark.parametrize("preset, published", [("qwen2_5_0_5b", 494_032_768), ("qwen2_5_1_5b", 1_543_714_304)])
+def test_qwen2_5_presets_have_the_published_parameter_counts_and_plan(preset, published):
+    cfg = load_config(f"configs/{preset}.yaml")
+    assert model_spec.params(cfg.model, cfg.model.vocab_size) == published  # the q/k/v biases counted
+    fits = {"qwen2_5_0_5b": [("v5litepod-1", {}), ("v5litepod-8", {})],
+            "qwen2_5_1_5b": [("v6e-8", {"parallel.pipeline_stages": 2})]}[preset]
+    for name, overrides in fits:  # the presets' comments
+        assert plan.plan(load_config(f"configs/{preset}.yaml", overrides), name).fits(plan.TIGHT), name
+
+
 @pytest.mark.parametrize("overrides, message", [
-    ({"model.family": "mistral"}, "model.family='mistral'; valid choices: gpt2, llama"),
+    ({"model.family": "gemma"}, "model.family='gemma'; valid choices: gpt2, llama, qwen2, mistral"),
     ({"model.family": "llama"}, "model.bias=true: the llama family has no biases; set model.bias=false"),
+    ({"model.family": "mistral"}, "model.bias=true: the mistral family has no biases; set model.bias=false"),
+    ({"model.family": "qwen2", "model.bias": False}, "the qwen2 family has q/k/v biases .*use model.family=llama"),
+    ({"model.rope_scaling": "llama3"}, "model.rope_scaling='llama3': gpt2 learns its positions"),
+    ({"model.family": "llama", "model.bias": False, "model.rope_scaling": "yarn"},
+     "model.rope_scaling='yarn'; valid choices: none, llama3"),
+    ({"model.family": "llama", "model.bias": False, "model.rope_scaling": "llama3", "model.rope_factor": 0.5},
+     "model.rope_factor=0.5 must be >= 1"),
+    ({"model.family": "llama", "model.bias": False, "model.rope_scaling": "llama3", "model.rope_low_freq_factor": 4.0},
+     "need 0 < low < high"),
     ({"model.family": "llama", "model.bias": False, "model.n_kv_head": 3},
      "model.n_kv_head=3 must divide model.n_head=4; valid values: 1, 2, 4"),
     ({"model.n_kv_head": 2}, "grouped-query attention is for model.family=llama"),

@@ -7,6 +7,11 @@ imported through the CLI. Each model is built once per module (torch and transfo
 import). The comparisons: logits within 1e-4 on sequences of several lengths, greedy generation of 32
 tokens identical to transformers' generate, the export loaded by transformers with no missing or
 unexpected weights and the same logits, and import then export bit-identical, bfloat16 included.
+
+The families of issue 41, in float32 only (the dtype handling is the families' common path above):
+Llama 3.x (rope_type llama3 with every frequency band in use, tied head), Qwen2 (q/k/v biases, tied
+head) and Mistral (untied, a sliding window as long as the context): logits within 1e-5, greedy
+generation through the KV cache, and the round trip.
 """
 
 from __future__ import annotations
@@ -32,19 +37,37 @@ VOCAB = 300
 LENGTHS = (1, 7, 20)  # padding-free batches, one per length
 
 
-def build(family: str, root):
-    """The tiny reference model of `family`, saved in float32 and bfloat16 and imported from both."""
-    torch.manual_seed(0)
+# Llama's layout, tiny: 4 query heads over 2 kv heads of size 8
+LAYOUT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+# wavelengths 2 pi 10000^(i/4) = 6.3, 63, 628, 6283 against 64/4 and 64/1: kept, smoothed, scaled, scaled
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def reference_model(family: str):
+    """A tiny random transformers model of `family` (a family of tpu-llm's, or llama3)."""
     if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                         initializer_range=0.2, bos_token_id=0, eos_token_id=0)
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          rope_theta=50000.0, tie_word_embeddings=False, initializer_range=0.2,
-                                          bos_token_id=0, eos_token_id=0)
-        model = transformers.LlamaForCausalLM(config)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, initializer_range=0.2, bos_token_id=0,
+            eos_token_id=0))
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **LAYOUT, max_position_embeddings=64, rope_theta=50000.0, tie_word_embeddings=False))
+    if family == "llama3":  # Llama 3.2's shape of config: scaled rotary frequencies, tied head
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **LAYOUT, max_position_embeddings=128, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True))
+    if family == "qwen2":  # Qwen2.5 0.5B/1.5B's: q/k/v biases, tied head
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **LAYOUT, max_position_embeddings=64, rope_theta=20000.0, tie_word_embeddings=True))
+    return transformers.MistralForCausalLM(transformers.MistralConfig(  # a window that covers the whole context
+        **LAYOUT, max_position_embeddings=64, sliding_window=64, rope_theta=30000.0, tie_word_embeddings=False))
+
+
+def build(family: str, root, dtypes=("float32", "bfloat16")):
+    """The tiny reference model of `family`, saved in `dtypes` and imported from each."""
+    torch.manual_seed(0)
+    model = reference_model(family)
     with torch.no_grad():  # norms start at 1 and biases at 0: move them, so that a swap would show
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -54,7 +77,7 @@ def build(family: str, root):
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     out = {"model": model, "bf16_model": rounded}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         hf_dir, run_dir = str(root / f"{family}-{dtype}"), str(root / f"{family}-{dtype}-run")
         # (.to converts in place); bfloat16 in shards: model.safetensors.index.json, read shard by shard
         copy.deepcopy(model).to(getattr(torch, dtype)).save_pretrained(hf_dir, **({"max_shard_size": "20KB"} if dtype == "bfloat16" else {}))
@@ -82,11 +105,32 @@ def llama(tmp_path_factory):
     return build("llama", tmp_path_factory.mktemp("llama"))
 
 
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    return build("llama3", tmp_path_factory.mktemp("llama3"), dtypes=("float32",))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return build("qwen2", tmp_path_factory.mktemp("qwen2"), dtypes=("float32",))
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    return build("mistral", tmp_path_factory.mktemp("mistral"), dtypes=("float32",))
+
+
 FAMILIES = ["gpt2", "llama"]
+NEW_FAMILIES = ["llama3", "qwen2", "mistral"]  # issue 41
 
 
 @pytest.fixture(params=FAMILIES)
 def ref(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=NEW_FAMILIES)
+def new_ref(request):
     return request.getfixturevalue(request.param)
 
 
@@ -168,3 +212,37 @@ def test_import_then_export_is_bit_identical_and_loads_in_transformers(ref, dtyp
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "The quick brown fox, café 日本"
     assert tok(text)["input_ids"] == restored(ref["float32"]["run_dir"])[1].encode(text)
+
+
+# ---- issue 41's families ---------------------------------------------------------------------------------
+
+
+def test_new_families_import_to_the_logits_of_transformers_within_1e_5(new_ref):
+    model, _, cfg = restored(new_ref["float32"]["run_dir"])
+    hf = new_ref["model"].config
+    assert cfg.model.family == {"LlamaConfig": "llama", "Qwen2Config": "qwen2", "MistralConfig": "mistral"}[
+        type(hf).__name__]
+    assert cfg.model.tie_embeddings == hf.tie_word_embeddings and cfg.model.kv_heads() == 2
+    assert cfg.model.rope_scaling == ("llama3" if hf.rope_parameters["rope_type"] == "llama3" else "none")
+    for length in (1, 7, 20, 100 if cfg.model.max_len >= 100 else 60):  # past the original context (llama3: 64)
+        ids = tokens(length)
+        np.testing.assert_allclose(model(tf.constant(ids)).numpy(), torch_logits(new_ref["model"], ids), rtol=0,
+                                   atol=1e-5)
+
+
+def test_new_families_generate_greedily_the_ids_of_transformers(new_ref):
+    test_greedy_generation_gives_the_ids_of_transformers(new_ref)
+
+
+def test_new_families_export_bit_identical_and_load_in_transformers(new_ref, tmp_path):
+    out = str(tmp_path / "hf")
+    export_hf(new_ref["float32"]["run_dir"], out)
+    original, exported = safetensors_io.Reader(new_ref["float32"]["hf_dir"]), safetensors_io.Reader(out)
+    assert exported.names() == original.names()  # the biases (qwen2) included, a tied head not saved
+    for name in original.names():
+        assert original.get(name).tobytes() == exported.get(name).tobytes(), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is type(new_ref["model"])
+    assert loaded.config.rope_parameters == new_ref["model"].config.rope_parameters
+    ids = tokens(loaded.config.max_position_embeddings)  # the whole context: Mistral's window included
+    np.testing.assert_array_equal(torch_logits(loaded.eval(), ids), torch_logits(new_ref["model"], ids))

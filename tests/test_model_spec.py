@@ -1,5 +1,5 @@
 """tpu_llm/model_spec.py, the one account of what a model holds and costs, against built models: every
-variable's shape for both families, tied and untied, with and without biases, with grouped-query
+variable's shape for every family, tied and untied, with and without biases, with grouped-query
 attention, and each tensor group's slices against what the layers cut."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ CASES = {
     "llama tied, multi-head": {"family": "llama", "bias": False},
     "llama untied, grouped-query": {"family": "llama", "bias": False, "n_kv_head": 2, "tie_embeddings": False,
                                     "mlp_hidden": 48},
+    "qwen2 tied, grouped-query (q/k/v biases)": {"family": "qwen2", "n_kv_head": 2, "mlp_hidden": 48},
+    "mistral untied": {"family": "mistral", "bias": False, "tie_embeddings": False},
 }
 
 

@@ -29,7 +29,8 @@ from tpu_llm.config_reading import PRESETS_DIR, presets
 from tpu_llm.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
-PRESETS = ["gpt2_125m", "llama_1b", "llama_tiny", "shakespeare_char", "shakespeare_char_llama", "tiny"]
+PRESETS = ["gpt2_125m", "llama_1b", "llama_tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_tiny", "shakespeare_char",
+           "shakespeare_char_llama", "tiny"]
 
 
 # ---- presets ----------------------------------------------------------------------------------------

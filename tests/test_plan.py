@@ -109,6 +109,34 @@ def test_parameters_and_optimizer_bytes_are_exact(tmp_path):
     assert model_spec.flops_per_token(cfg.model, 257, cfg.data.seq_len) == model.flops_per_token(cfg.data.seq_len)
 
 
+@pytest.mark.parametrize("freeze, stages", [("embeddings,blocks:0-1", 1), ("blocks:1-2", 2), ("head,blocks:3", 2)])
+def test_frozen_layers_get_no_optimizer_state_or_gradients_in_the_plan(tmp_path, freeze, stages):
+    """train.freeze: AdamW's m and v and the gradients are charged for the trainable parameters alone, stage by
+    stage, as many as training/optimizer.py's freeze leaves trainable in the built model (an untied head for
+    `head`, a tied table for `embeddings`)."""
+    import tensorflow as tf
+
+    from tpu_llm.model import GPT
+    from tpu_llm.training.optimizer import freeze as apply_freeze
+    from tpu_llm.training.optimizer import make_optimizer
+
+    untied = {"model.family": "llama", "model.bias": False, "model.tie_embeddings": False} if "head" in freeze else {}
+    cfg = tiny_config(tmp_path, **{"train.freeze": freeze, "parallel.pipeline_stages": stages, "model.n_layer": 4, "cpu_devices": stages,
+                                   "train.grad_accum": 1, **untied})
+    model = GPT(cfg.model, 257).build_weights()
+    apply_freeze(cfg.train, model)
+    optimizer = make_optimizer(cfg.train, model)
+    optimizer.build(model.trainable_variables)
+    trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
+    assert 0 < trainable < model_spec.params(cfg.model, 257)  # something frozen, something not
+    memory = plan.plan(cfg, CPU).memory
+    assert sum(mem.parameters for mem in memory) == 4 * model_spec.params(cfg.model, 257)  # all still held
+    assert sum(mem.gradients for mem in memory) == 4 * trainable
+    assert sum(mem.optimizer for mem in memory) == 8 * trainable
+    slots = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
+    assert 0 <= slots - 8 * trainable <= 16  # Keras' step counter and learning rate
+
+
 XLA_STEP = """
 import glob, json, os, re, sys
 import tensorflow as tf

@@ -50,12 +50,19 @@ def test_tpu_placement_puts_each_group_on_its_logical_core():
     assert cores == half_block(0) * 2 + [0] + half_block(2) * 2 + [2]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+ROTARY = {"llama": {**LLAMA, "n_kv_head": 2},  # qwen2: its q/k/v biases; llama3: the scaled rotary frequencies
+          "qwen2": {**LLAMA, "family": "qwen2", "bias": True, "n_kv_head": 2},
+          "llama3": {**LLAMA, "n_kv_head": 2, "rope_scaling": "llama3", "rope_original_max_len": 8}}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "llama3"])
 def test_the_layers_group_parts_sum_to_the_layer_with_gradients_through_the_slices(family):
     """What SplitBlock runs, without devices: each layer's combine(sum of group_part(x, group_weights(g)))
     is the layer's call, and the gradients reach the variables through the slices."""
-    model = tiny_model(1, n_head=4, **({**LLAMA, "n_kv_head": 2} if family == "llama" else {}))
+    model = tiny_model(1, n_head=4, **ROTARY.get(family, {}))
     block = model.blocks[0]
+    for v in block.trainable_variables:  # biases away from zero, so that one added per group (or lost) shows
+        v.assign(v + tf.random.stateless_normal(v.shape, [7, 8], stddev=0.1))
     x = tf.random.stateless_normal([2, 8, 32], [5, 6])
     for layer in (block.attn, block.mlp):
         with tf.GradientTape(persistent=True) as tape:
@@ -72,8 +79,9 @@ def test_the_layers_group_parts_sum_to_the_layer_with_gradients_through_the_slic
     if family == "gpt2":  # 2 of 4 heads of 8 dims, 64 of 128 MLP units
         assert shapes == {"attn/qkv/kernel": (32, 3, 2, 8), "attn/qkv/bias": (3, 2, 8), "attn/proj/kernel": (16, 32),
                           "mlp/fc/kernel": (32, 64), "mlp/fc/bias": (64,), "mlp/proj/kernel": (64, 32)}
-    else:  # 1 of 2 kv heads and its 2 query heads, 32 of 64 units
-        assert shapes == {"attn/q/kernel": (32, 16), "attn/k/kernel": (32, 8), "attn/v/kernel": (32, 8),
+    else:  # 1 of 2 kv heads and its 2 query heads, 32 of 64 units (qwen2: q, k and v bias slices)
+        biases = {"attn/q/bias": (16,), "attn/k/bias": (8,), "attn/v/bias": (8,)} if family == "qwen2" else {}
+        assert shapes == {"attn/q/kernel": (32, 16), "attn/k/kernel": (32, 8), "attn/v/kernel": (32, 8), **biases,
                           "attn/proj/kernel": (16, 32), "mlp/gate/kernel": (32, 32), "mlp/up/kernel": (32, 32),
                           "mlp/down/kernel": (32, 32)}
 

@@ -270,6 +270,24 @@ def with_config(folder: Path, config) -> Path:
     ({**GPT2_CONFIG, "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 2,
       "num_hidden_layers": 1, "intermediate_size": 64, "max_position_embeddings": 32, "rope_scaling": "yes"},
      ['rope_scaling="yes" is not an object']),
+    # issue 41: what the families cannot honour
+    ({**GPT2_CONFIG, "architectures": ["Gemma2ForCausalLM"]},
+     ["Gemma2ForCausalLM needs (1 + weight) RMSNorm", "logit soft-capping", "supported: GPT2LMHeadModel, "]),
+    ({**GPT2_CONFIG, "architectures": ["Gemma3ForCausalLM"]}, ["Gemma3ForCausalLM needs", "sliding-window layers"]),
+    ({**GPT2_CONFIG, "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 2,
+      "num_hidden_layers": 1, "intermediate_size": 64, "max_position_embeddings": 32,
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     ['rope_scaling.rope_type="yarn" is not supported by tpu-llm (supported: default, llama3)']),
+    ({**GPT2_CONFIG, "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 2,
+      "num_hidden_layers": 1, "intermediate_size": 64, "max_position_embeddings": 32,
+      "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+     ["config.json: high_freq_factor=null is not a finite number"]),
+    ({**GPT2_CONFIG, "architectures": ["MistralForCausalLM"], "hidden_size": 32, "num_attention_heads": 2,
+      "num_hidden_layers": 1, "intermediate_size": 64, "max_position_embeddings": 32, "sliding_window": 16},
+     ["sliding_window=16 is shorter than the context of 32 tokens", "import with --max_len 16 (or less)"]),
+    ({**GPT2_CONFIG, "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "num_attention_heads": 2,
+      "num_hidden_layers": 2, "intermediate_size": 64, "max_position_embeddings": 32, "use_sliding_window": True,
+      "sliding_window": 8, "max_window_layers": 1}, ["sliding_window=8 is shorter than the context of 32 tokens"]),
 ])
 def test_a_config_json_tpu_llm_cannot_read_is_one_line(gpt2_dir, tmp_path, capsys, config, words):
     folder = with_config(copy_of(gpt2_dir, tmp_path / "src"), config)
@@ -321,12 +339,13 @@ def test_an_integer_dtype_on_a_weight_is_refused_before_the_model_is_built(gpt2_
     assert_one_line(err, f"model.safetensors: tensor {WTE} has dtype I32; a weight is F32, BF16, F16")
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_the_shapes_import_expects_are_the_built_models(family):
     """hf.variable_shapes (what a checkpoint is compared with before building) against the variables."""
     from helpers import LLAMA, tiny_model
 
-    model = tiny_model(n_layer=2, **(LLAMA if family == "llama" else {}))
+    families = {"llama": LLAMA, "qwen2": {**LLAMA, "family": "qwen2", "bias": True}}
+    model = tiny_model(n_layer=2, **families.get(family, {}))
     model.cfg.vocab_size = model.vocab_size
     shapes = hf.variable_shapes(model.cfg)
     variables = hf._variables(model)
@@ -626,16 +645,28 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "v
                 "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
                 "attention_bias": False, "head_dim": 8}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+FAMILY_CONFIGS = [  # issue 41: Llama 3.2's rope scaling (the 4.x rope_scaling field), Qwen2.5's and Mistral's fields
+    {**LLAMA_CONFIG, "rope_parameters": None, "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
+     "tie_word_embeddings": True},
+    {**LLAMA_CONFIG, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+     "sliding_window": 32, "max_window_layers": 1, "layer_types": ["full_attention"] * 2},
+    {**LLAMA_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}]
 SIZES = st.integers(-2, 70) | st.sampled_from([0, 2**20, 2**20 + 1, 10**7, 10**9, 2**63]) | JSON
 
 
 def config_json(data) -> str:
     how = data.draw(st.sampled_from(["field", "field", "field", "tree", "document", "text"]))
-    config = dict(data.draw(st.sampled_from([GPT2_CONFIG, LLAMA_CONFIG])))
+    config = dict(data.draw(st.sampled_from([GPT2_CONFIG, LLAMA_CONFIG, *FAMILY_CONFIGS])))
     if how == "field":  # sizes and switches, one to three of them
         for _ in range(data.draw(st.integers(1, 3))):
-            key = data.draw(st.sampled_from(sorted(set(GPT2_FIELDS) | set(LLAMA_CONFIG))))
+            key = data.draw(st.sampled_from(sorted(set(GPT2_FIELDS).union(LLAMA_CONFIG, *FAMILY_CONFIGS))))
             config[key] = data.draw(SIZES)
+        if data.draw(st.booleans()):  # and one of the rope scaling's numbers (its type: llama3, yarn, any)
+            rope = dict(LLAMA3_ROPE)
+            rope[data.draw(st.sampled_from(sorted(LLAMA3_ROPE)))] = data.draw(SIZES | st.sampled_from(["yarn", "llama3"]))
+            config[data.draw(st.sampled_from(["rope_scaling", "rope_parameters"]))] = rope
     elif how == "tree":
         config = mutate(data, config)
     elif how == "document":

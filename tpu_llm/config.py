@@ -37,7 +37,8 @@ EXECUTIONS = ("xla", "graph", "eager")
 SCHEDULES = ("gpipe",)
 COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
-FAMILIES = ("gpt2", "llama")
+FAMILIES = ("gpt2", "llama", "qwen2", "mistral")
+ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling: plain rotary, or Llama 3.1's long-context frequencies
 ATTENTIONS = ("dense", "blockwise")
 EARLY_STOPPING = ("false", "true", "never")  # sample.early_stopping: transformers' False, True, "never"
 # each beam is a row of the KV cache (num_beams contexts in memory); published beam searches use 1 to 10
@@ -61,6 +62,7 @@ CAPS: dict[str, tuple[int, str]] = {
     "model.max_len": (LENGTH, "contexts: 2^24 tokens; the longest published one is 10M"),
     "model.vocab_size": (10**7, "vocabularies: 10^7; the largest published ones are about 256K"),
     "model.attention_block": (LENGTH, "contexts: 2^24 tokens"),
+    "model.rope_original_max_len": (LENGTH, "contexts: 2^24 tokens"),
     "data.seq_len": (LENGTH, "contexts: 2^24 tokens"),
     "data.shuffle_buffer": (LENGTH, "windows held in memory: 2^24"),
     "train.steps": (COUNT, "steps: 10^9"),
@@ -98,24 +100,39 @@ class ModelConfig:
     n_embd: int = 128  # model width
     max_len: int = 256  # longest context (gpt2: learned positions; both: the KV cache's length)
     dropout: float = 0.0  # on attention probabilities and residual branches
-    bias: bool = True  # biases in Dense and LayerNorm layers (gpt2 only: llama has none, set false)
+    bias: bool = True  # the family's biases: gpt2 Dense and LayerNorm, qwen2 q/k/v; llama and mistral have none (false)
     vocab_size: int = 0  # 0: the tokenizer's size; larger pads the table (e.g. to a multiple of 128)
-    family: str = "gpt2"  # gpt2 (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, GQA); docs/model-families.md
-    n_kv_head: int = 0  # llama: key/value heads (grouped-query attention), dividing n_head; 0 = n_head, 1 = multi-query
-    mlp_hidden: int = 0  # MLP hidden units; 0 = the family's: gpt2 4 x n_embd, llama 8/3 x n_embd rounded up to a multiple of 256
-    rope_theta: float = 10000.0  # llama: rotary embedding base (Llama 3 uses 500000)
-    norm_eps: float = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (llama); HF checkpoints carry their own
-    tie_embeddings: bool = True  # output head = the token embedding table; false (llama only): a separate lm_head
+    # gpt2 (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, GQA) | qwen2 (llama's with q/k/v biases)
+    family: str = "gpt2"  # | mistral (llama's, as Mistral's checkpoints name it); docs/model-families.md
+    n_kv_head: int = 0  # llama/qwen2/mistral: key/value heads (grouped-query attention), dividing n_head; 0 = n_head, 1 = multi-query
+    mlp_hidden: int = 0  # MLP hidden units; 0 = the family's: gpt2 4 x n_embd, the rotary ones 8/3 x n_embd rounded up to a multiple of 256
+    rope_theta: float = 10000.0  # rotary embedding base (Llama 3 uses 500000)
+    # none | llama3: Llama 3.1/3.2's rotary frequencies for long contexts (rope_factor ... rope_original_max_len)
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0  # llama3: low frequencies are divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above rope_original_max_len / this are scaled in full
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below rope_original_max_len / this are kept
+    rope_original_max_len: int = 8192  # llama3: the context of pretraining
+    norm_eps: float = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (the rotary families); HF checkpoints carry their own
+    tie_embeddings: bool = True  # output head = the token embedding table; false (not gpt2): a separate lm_head
 
     def kv_heads(self) -> int:
         """Key/value heads per block."""
         return self.n_kv_head or self.n_head
 
+    def rotary(self) -> bool:
+        """Llama's layout (llama, qwen2, mistral): RMSNorm, rotary positions, SwiGLU, separate q, k, v."""
+        return self.family != "gpt2"
+
+    def qkv_bias(self) -> bool:
+        """Biases on the q, k and v projections: gpt2's (with model.bias) and qwen2's (no other biases)."""
+        return self.bias and self.family in ("gpt2", "qwen2")
+
     def hidden(self) -> int:
         """The MLP's hidden size: model.mlp_hidden, or the family's default."""
         if self.mlp_hidden:
             return self.mlp_hidden
-        if self.family == "llama":  # Meta's rule (int(2/3 of 4C), up to a multiple of 256): 11008 for 4096
+        if self.rotary():  # Meta's rule (int(2/3 of 4C), up to a multiple of 256): 11008 for 4096
             return -(-int(8 * self.n_embd / 3) // 256) * 256
         return 4 * self.n_embd
     attention: str = "dense"  # dense (T x T scores) | blockwise (online softmax over key blocks, T x block; docs/memory.md)
@@ -418,6 +435,8 @@ def _validate_family(m: ModelConfig) -> None:
     _check(m.rope_theta > 0 and m.norm_eps > 0,
            f"model.rope_theta ({m.rope_theta}) and model.norm_eps ({m.norm_eps}) must be > 0")
     if m.family == "gpt2":
+        _check(m.rope_scaling == "none", f"model.rope_scaling={m.rope_scaling!r}: gpt2 learns its positions (no rotary "
+                                         "embeddings); set model.rope_scaling=none")
         _check(m.n_kv_head in (0, m.n_head), f"model.n_kv_head={m.n_kv_head}: grouped-query attention is for "
                                               "model.family=llama; set model.n_kv_head=0 for gpt2")
         _check(m.tie_embeddings, "model.tie_embeddings=false: gpt2's output head is the embedding table; "
@@ -425,13 +444,30 @@ def _validate_family(m: ModelConfig) -> None:
         _check(m.rope_theta == ModelConfig.rope_theta, f"model.rope_theta={m.rope_theta}: gpt2 learns its positions "
                                                        "(no rotary embeddings); remove it or use model.family=llama")
         return
-    _check(not m.bias, "model.bias=true: the llama family has no biases; set model.bias=false")
+    if m.family == "qwen2":
+        _check(m.bias, "model.bias=false: the qwen2 family has q/k/v biases (model.bias=true); without them use "
+                       "model.family=llama")
+    else:
+        _check(not m.bias, f"model.bias=true: the {m.family} family has no biases; set model.bias=false")
+    _validate_rope_scaling(m)
     _check(m.n_head % m.kv_heads() == 0,
            lambda: f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}; "
                    f"valid values: {_divisors(m.n_head)}")
     _check((m.n_embd // m.n_head) % 2 == 0,
            f"model.n_embd / model.n_head = {m.n_embd // m.n_head} is odd: rotary embeddings rotate pairs of "
            "dimensions; choose an even head size")
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    """model.rope_scaling and its factors, as transformers' _validate_llama3_parameters checks them."""
+    _check(m.rope_scaling in ROPE_SCALINGS,
+           f"model.rope_scaling={m.rope_scaling!r}; valid choices: {', '.join(ROPE_SCALINGS)}")
+    if m.rope_scaling == "llama3":
+        _check(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
+        _check(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+               f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
+               f"{m.rope_high_freq_factor}: need 0 < low < high")
+        _check(m.rope_original_max_len >= 1, f"model.rope_original_max_len={m.rope_original_max_len} must be >= 1")
 
 
 def freeze_spec(text: str, n_layer: int) -> tuple[set, set]:

@@ -26,21 +26,24 @@ def head_dim(m) -> int:
 
 
 def _norm(m, name: str) -> dict[str, tuple[int, ...]]:
-    """gpt2: LayerNormalization's gamma (and beta with biases); llama: RMSNorm's scale."""
-    if m.family == "llama":
+    """gpt2: LayerNormalization's gamma (and beta with biases); the rotary families: RMSNorm's scale."""
+    if m.rotary():
         return {f"{name}/scale": (m.n_embd,)}
     return {f"{name}/gamma": (m.n_embd,), **({f"{name}/beta": (m.n_embd,)} if m.bias else {})}
 
 
 def _dense(m, name: str, inputs: int, units: int) -> dict[str, tuple[int, ...]]:
-    return {f"{name}/kernel": (inputs, units), **({f"{name}/bias": (units,)} if m.bias else {})}
+    """A Dense layer's kernel and, where the family has one there, its bias: every gpt2 layer with
+    model.bias; of the rotary families only qwen2's q, k and v."""
+    bias = m.bias if not m.rotary() else name.endswith(("/q", "/k", "/v")) and m.qkv_bias()
+    return {f"{name}/kernel": (inputs, units), **({f"{name}/bias": (units,)} if bias else {})}
 
 
 def block_shapes(m) -> dict[str, tuple[int, ...]]:
     """Every variable of one block."""
     c, f, hd = m.n_embd, m.hidden(), head_dim(m)
     q, kv = m.n_head * hd, m.kv_heads() * hd
-    if m.family == "llama":  # separate q, k, v (k and v Hkv heads wide); SwiGLU
+    if m.rotary():  # separate q, k, v (k and v Hkv heads wide); SwiGLU
         attn = {**_dense(m, "attn/q", c, q), **_dense(m, "attn/k", c, kv), **_dense(m, "attn/v", c, kv)}
         mlp = {**_dense(m, "mlp/gate", c, f), **_dense(m, "mlp/up", c, f), **_dense(m, "mlp/down", f, c)}
     else:  # q, k, v side by side; GELU MLP
@@ -66,7 +69,7 @@ def group_shapes(m, ways: int) -> dict[str, tuple[int, ...]]:
     `ways` divide H, Hkv and F): what CausalSelfAttention.group_weights and MLP.group_weights cut."""
     c, hd = m.n_embd, head_dim(m)
     h, kv, units = m.n_head // ways, m.kv_heads() // ways, m.hidden() // ways
-    if m.family == "llama":
+    if m.rotary():
         attn = {**_dense(m, "attn/q", c, h * hd), **_dense(m, "attn/k", c, kv * hd), **_dense(m, "attn/v", c, kv * hd)}
         mlp = {**_dense(m, "mlp/gate", c, units), **_dense(m, "mlp/up", c, units), "mlp/down/kernel": (units, c)}
     else:  # the qkv kernel seen as (C, 3, H, hd), its bias as (3, H, hd): the group's heads of each

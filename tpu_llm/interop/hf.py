@@ -1,8 +1,10 @@
 """Hugging Face checkpoints in and out: `tpu-llm import --from DIR` and `tpu-llm export --format hf`.
 
 A Hugging Face model directory holds config.json, the weights (model.safetensors, or shards named by
-model.safetensors.index.json; float32, bfloat16 or float16) and the tokenizer files. Two layouts are
-read and written: GPT2LMHeadModel (model.family gpt2) and LlamaForCausalLM (model.family llama).
+model.safetensors.index.json; float32, bfloat16 or float16) and the tokenizer files. These architectures
+are read and written: GPT2LMHeadModel (model.family gpt2), LlamaForCausalLM (llama, Llama 3.1's
+`rope_type: llama3` included), Qwen2ForCausalLM (qwen2: Llama's layout with q/k/v biases) and
+MistralForCausalLM (mistral); Gemma's are refused in one line naming what they would need.
 
 Import makes a new run directory, as `tpu-llm train` would: the marker, config.yaml (the mapped model
 section, fine-tuning defaults for the rest), the tokenizer, and a checkpoint at step 0 holding the
@@ -49,7 +51,19 @@ from tpu_llm.tokenizers.hf import load_hf_tokenizer, write_hf_tokenizer
 from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable,
                                          is_run_dir)
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "MistralForCausalLM": "mistral"}
+EXPORTED_AS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),  # (architecture,
+               "mistral": ("MistralForCausalLM", "mistral")}                                   # model_type)
+# Gemma: what Llama's layout here lacks, for the one line that refuses it
+_GEMMA = ("(1 + weight) RMSNorm, embeddings scaled by sqrt(hidden_size), a GeGLU MLP, head_dim apart from "
+          "hidden_size / heads{}")
+REFUSED = {"GemmaForCausalLM": _GEMMA.format(""),
+           "Gemma2ForCausalLM": _GEMMA.format(", post-attention and post-MLP norms, logit soft-capping and "
+                                              "sliding-window layers"),
+           "Gemma3ForCausalLM": _GEMMA.format(", post-attention and post-MLP norms, q/k norms and sliding-window "
+                                              "layers with their own rotary base"),
+           "Gemma3ForConditionalGeneration": "a vision tower besides Gemma 3's decoder"}
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": safetensors_io.DTYPES["BF16"],
               "float16": np.dtype(np.float16)}
@@ -139,11 +153,15 @@ def model_config(hf: dict) -> dict:
     archs = hf.get("architectures") or []
     names = archs if isinstance(archs, list) else []
     family = next((ARCHITECTURES[a] for a in names if isinstance(a, str) and a in ARCHITECTURES), None)
+    refused = next((a for a in names if isinstance(a, str) and a in REFUSED), None)
+    if family is None and refused:
+        raise UserError(f"config.json: architectures={_shown(archs)} is not supported by tpu-llm: {refused} needs "
+                        f"{REFUSED[refused]}, which tpu-llm does not have (supported: {', '.join(ARCHITECTURES)})")
     if family is None:
         raise _unsupported("architectures", archs, "supported: " + ", ".join(ARCHITECTURES))
     if family == "gpt2":
         return _gpt2_config(hf)
-    return _llama_config(hf)
+    return _llama_config(hf, family)
 
 
 def _expect(hf: dict, field: str, allowed: tuple, default, supported: str) -> None:
@@ -166,33 +184,64 @@ def _gpt2_config(hf: dict) -> dict:
             "norm_eps": _float(hf, "layer_norm_epsilon", 1e-5)}
 
 
-def _rope(hf: dict) -> float:
-    """rope_theta, from transformers 5's rope_parameters or the older rope_theta / rope_scaling."""
-    params = _object(hf, "rope_parameters")
-    scaling = _object(hf, "rope_scaling")
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "default":
-            raise _unsupported("rope_scaling.rope_type", kind, "only plain rotary embeddings: no rope_scaling")
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise _unsupported("rope_parameters.rope_type", kind, "only default")
-    return _float(params, "rope_theta", _float(hf, "rope_theta", 10000.0))
+ROPE_TYPES = ("default", "llama3")
 
 
-def _llama_config(hf: dict) -> dict:
+def _rope(hf: dict) -> dict:
+    """The model section's rotary settings, from transformers 5's rope_parameters or the older rope_theta
+    and rope_scaling: the base, and Llama 3.1's frequency scaling (rope_type llama3) with its four numbers."""
+    out = {"rope_theta": 10000.0}
+    for field in ("rope_scaling", "rope_parameters"):  # the newer last: it wins
+        params = _object(hf, field)
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise _unsupported(f"{field}.rope_type", kind, "supported: " + ", ".join(ROPE_TYPES))
+        _expect(params, "partial_rotary_factor", (1, 1.0), 1.0, "1.0: every dimension rotates")
+        if kind == "llama3":
+            out.update(rope_scaling="llama3", rope_factor=_float(params, "factor", None),
+                       rope_low_freq_factor=_float(params, "low_freq_factor", None),
+                       rope_high_freq_factor=_float(params, "high_freq_factor", None),
+                       rope_original_max_len=_int(params, "original_max_position_embeddings",
+                                                  "model.rope_original_max_len"))
+        elif params:
+            out.pop("rope_scaling", None)  # rope_parameters says default: an old rope_scaling is overruled
+    out["rope_theta"] = _float(_object(hf, "rope_parameters"), "rope_theta", _float(hf, "rope_theta", 10000.0))
+    return out
+
+
+def _sliding_window(hf: dict, family: str, context: int) -> None:
+    """A UserError if a sliding window (Mistral's; Qwen2's with use_sliding_window) is shorter than
+    `context`, the context the import keeps: only then does it differ from full causal attention."""
+    window = hf.get("sliding_window")
+    if family == "qwen2" and not _bool(hf, "use_sliding_window", False) or window is None:
+        return
+    window = _int(hf, "sliding_window")
+    if family == "qwen2":  # only layers from max_window_layers on (or as layer_types says) slide
+        types = hf.get("layer_types")
+        first = _int(hf, "max_window_layers", default=0, low=0)
+        sliding = ("sliding_attention" in types if isinstance(types, list)
+                   else first < _int(hf, "num_hidden_layers"))
+        if not sliding:
+            return
+    if window < context:
+        raise UserError(f"config.json: sliding_window={window} is shorter than the context of {context} tokens, "
+                        f"and tpu-llm has no sliding-window attention; import with --max_len {window} (or less)")
+
+
+def _llama_config(hf: dict, family: str) -> dict:
+    """Llama's layout: llama, qwen2 (with q/k/v biases, which Qwen2's config.json does not mention) and mistral."""
     C, H = _int(hf, "hidden_size", "model.n_embd"), _int(hf, "num_attention_heads", "model.n_head")
     _expect(hf, "hidden_act", ("silu",), "silu", "silu (SwiGLU)")
-    _expect(hf, "attention_bias", (False,), False, "false: no biases")
+    _expect(hf, "attention_bias", (False,), False, "false: no biases in Llama's attention (Qwen2 is its own family)")
     _expect(hf, "mlp_bias", (False,), False, "false: no biases")
     _expect(hf, "head_dim", (None, C // H), None, f"hidden_size / num_attention_heads = {C // H}")
     _expect(hf, "pretraining_tp", (1,), 1, "1")
     kv = _int(hf, "num_key_value_heads", "model.n_head") if hf.get("num_key_value_heads") not in (None, 0) else H
-    return {"family": "llama", "n_layer": _int(hf, "num_hidden_layers", "model.n_layer"), "n_head": H, "n_embd": C,
+    return {"family": family, "n_layer": _int(hf, "num_hidden_layers", "model.n_layer"), "n_head": H, "n_embd": C,
             "max_len": _int(hf, "max_position_embeddings", "model.max_len"),
-            "dropout": _float(hf, "attention_dropout", 0.0), "bias": False,
+            "dropout": _float(hf, "attention_dropout", 0.0), "bias": family == "qwen2",
             "vocab_size": _int(hf, "vocab_size", "model.vocab_size"), "n_kv_head": kv,
-            "mlp_hidden": _int(hf, "intermediate_size", "model.mlp_hidden"), "rope_theta": _rope(hf),
+            "mlp_hidden": _int(hf, "intermediate_size", "model.mlp_hidden"), **_rope(hf),
             "norm_eps": _float(hf, "rms_norm_eps", 1e-6), "tie_embeddings": _bool(hf, "tie_word_embeddings", False)}
 
 
@@ -219,14 +268,29 @@ def hf_config(m, bos_id: int, eos_id: int, dtype: str) -> dict:
                 "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "layer_norm_epsilon": eps,
                 "initializer_range": 0.02, "scale_attn_weights": True, "use_cache": True,
                 "bos_token_id": bos_id, "eos_token_id": eos_id, "tie_word_embeddings": True, "dtype": dtype}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
-            "hidden_size": m.n_embd, "intermediate_size": m.hidden(), "num_hidden_layers": m.n_layer,
-            "num_attention_heads": m.n_head, "num_key_value_heads": m.kv_heads(), "head_dim": m.n_embd // m.n_head,
-            "max_position_embeddings": m.max_len, "rms_norm_eps": eps, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout, "initializer_range": 0.02,
-            "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-            "tie_word_embeddings": m.tie_embeddings, "use_cache": True, "bos_token_id": bos_id,
-            "eos_token_id": eos_id, "dtype": dtype}
+    architecture, model_type = EXPORTED_AS[family]
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if getattr(m, "rope_scaling", "none") == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": m.rope_theta, "factor": m.rope_factor,
+                "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                "original_max_position_embeddings": m.rope_original_max_len}
+    out = {"architectures": [architecture], "model_type": model_type, "vocab_size": m.vocab_size,
+           "hidden_size": m.n_embd, "intermediate_size": m.hidden(), "num_hidden_layers": m.n_layer,
+           "num_attention_heads": m.n_head, "num_key_value_heads": m.kv_heads(), "head_dim": m.n_embd // m.n_head,
+           "max_position_embeddings": m.max_len, "rms_norm_eps": eps, "hidden_act": "silu",
+           "attention_dropout": m.dropout, "initializer_range": 0.02,
+           # rope_parameters for transformers 5, rope_theta and rope_scaling for 4.x
+           "rope_theta": m.rope_theta, "rope_parameters": rope,
+           **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if len(rope) > 2 else {}),
+           "tie_word_embeddings": m.tie_embeddings, "use_cache": True, "bos_token_id": bos_id,
+           "eos_token_id": eos_id, "dtype": dtype}
+    if family == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:  # full causal attention: no sliding window (import refuses one shorter than the context)
+        out["sliding_window"] = None
+        if family == "qwen2":
+            out.update(use_sliding_window=False, max_window_layers=m.n_layer)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,6 +317,8 @@ def weights(m) -> list[tuple[str, str, bool]]:
         out += [(f"{h}input_layernorm.weight", f"{b}ln1/scale", False)]
         out += [(f"{h}self_attn.{p}_proj.weight", f"{b}attn/{q}/kernel", True)
                 for p, q in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "proj"))]
+        if m.family == "qwen2":  # Qwen2's q/k/v biases (in the order its checkpoints list them)
+            out += [(f"{h}self_attn.{p}_proj.bias", f"{b}attn/{p}/bias", False) for p in ("q", "k", "v")]
         out += [(f"{h}post_attention_layernorm.weight", f"{b}ln2/scale", False)]
         out += [(f"{h}mlp.{p}_proj.weight", f"{b}mlp/{p}/kernel", True) for p in ("gate", "up", "down")]
     out.append(("model.norm.weight", "ln_f/scale", False))
@@ -286,6 +352,7 @@ def variable_shapes(m) -> dict[str, tuple[int, ...]]:
             "ln1/gamma": (C,), "ln1/beta": (C,), "ln1/scale": (C,), "ln2/gamma": (C,), "ln2/beta": (C,), "ln2/scale": (C,),
             "attn/qkv/kernel": (C, 3 * C), "attn/qkv/bias": (3 * C,), "attn/proj/kernel": (q, C), "attn/proj/bias": (C,),
             "attn/q/kernel": (C, q), "attn/k/kernel": (C, kv), "attn/v/kernel": (C, kv),
+            "attn/q/bias": (q,), "attn/k/bias": (kv,), "attn/v/bias": (kv,),
             "mlp/fc/kernel": (C, F), "mlp/fc/bias": (F,), "mlp/proj/kernel": (F, C), "mlp/proj/bias": (C,),
             "mlp/gate/kernel": (C, F), "mlp/up/kernel": (C, F), "mlp/down/kernel": (F, C)}
 
@@ -383,10 +450,12 @@ def run_config(hf: dict, source: str, run_dir: str, max_len: int = 0) -> Config:
     and caps)."""
     model = _known_keys(model_config(hf))
     if max_len and max_len != model["max_len"]:
-        if model.get("family") != "llama" or not 0 < max_len < model["max_len"]:
+        if model.get("family", "gpt2") == "gpt2" or not 0 < max_len < model["max_len"]:
             raise UserError(f"--max_len={max_len}: give a context shorter than config.json's {model['max_len']}, for a "
-                            "llama model (a gpt2 model's learned position table fixes its own)")
+                            "llama, qwen2 or mistral model (a gpt2 model's learned position table fixes its own)")
         model["max_len"] = max_len
+    if model.get("family", "gpt2") != "gpt2":
+        _sliding_window(hf, model["family"], model["max_len"])
     settings = {"run_dir": run_dir, "model": model,
                 "data": {"tokenizer": "hf", "seq_len": min(256, model["max_len"])},
                 # fine-tuning: a tenth of the from-scratch rate, short warmup, no dropout surprises

@@ -1,20 +1,23 @@
-"""GPT decoder in Keras 3 layers, readable top to bottom, in two families (`model.family`).
+"""GPT decoder in Keras 3 layers, readable top to bottom, in two layouts (`model.family`).
 
 gpt2:  token embedding (tied with the output head) + learned positions -> n_layer pre-LayerNorm
        blocks of causal multi-head attention and a GELU MLP -> final LayerNorm -> logits.
 llama: token embedding -> n_layer pre-RMSNorm blocks of grouped-query attention with rotary
-       positions (no learned positions) and a SwiGLU MLP, no biases -> final RMSNorm -> logits,
-       with the output head tied to the embedding or its own (V, C) matrix (`model.tie_embeddings`).
+       positions (no learned positions; Llama 3.1's rescaled frequencies with model.rope_scaling=llama3)
+       and a SwiGLU MLP, no biases -> final RMSNorm -> logits, with the output head tied to the
+       embedding or its own (V, C) matrix (`model.tie_embeddings`). qwen2 is this layout with biases on
+       q, k and v; mistral is this layout under Mistral's name (`ModelConfig.rotary`: all three).
 
 Variables (Keras paths; what `import`/`export --format hf` map Hugging Face tensors onto), with
 C = n_embd, H = n_head, Hkv = n_kv_head (0: H), hd = C / H, F = the MLP's hidden size (model.mlp_hidden):
-  both       wte/embeddings (V, C); ln_f/gamma (gpt2) or ln_f/scale (llama), (C,)
+  both       wte/embeddings (V, C); ln_f/gamma (gpt2) or ln_f/scale (llama layout), (C,)
   gpt2       wpe/embeddings (max_len, C); block_i/ln1, ln2: LayerNormalization gamma [beta];
              block_i/attn/qkv/kernel (C, 3C) [bias] (q, k, v side by side, each head-major),
              block_i/attn/proj/kernel (C, C) [bias]; block_i/mlp/fc/kernel (C, F) [bias],
              block_i/mlp/proj/kernel (F, C) [bias]
   llama      block_i/ln1/scale, block_i/ln2/scale (C,): RMSNorm;
-             block_i/attn/q/kernel (C, H hd), block_i/attn/k/kernel and attn/v/kernel (C, Hkv hd),
+             block_i/attn/q/kernel (C, H hd), block_i/attn/k/kernel and attn/v/kernel (C, Hkv hd)
+             (qwen2: and attn/q/bias, attn/k/bias, attn/v/bias),
              block_i/attn/proj/kernel (H hd, C); block_i/mlp/gate/kernel, mlp/up/kernel (C, F),
              block_i/mlp/down/kernel (F, C); untied head: lm_head/embeddings (V, C)
 Keras Dense kernels are (in, out): the transpose of a torch Linear's weight. Rotary embeddings use
@@ -55,9 +58,11 @@ def _normal(std: float) -> keras.initializers.Initializer:
 
 
 def _dense(units: int, cfg: ModelConfig, name: str, residual: bool = False) -> keras.layers.Dense:
-    # GPT-2 init (both families): std 0.02, residual projections scaled by 1/sqrt(2 * n_layer)
+    # GPT-2 init (every family): std 0.02, residual projections scaled by 1/sqrt(2 * n_layer)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
-    return keras.layers.Dense(units, use_bias=cfg.bias, kernel_initializer=_normal(std), name=name)
+    # biases (model_spec._dense): every gpt2 layer with model.bias; of the rotary families, qwen2's q, k, v
+    bias = cfg.bias if not cfg.rotary() else name in ("q", "k", "v") and cfg.qkv_bias()
+    return keras.layers.Dense(units, use_bias=bias, kernel_initializer=_normal(std), name=name)
 
 
 class RMSNorm(keras.layers.Layer):
@@ -77,16 +82,38 @@ class RMSNorm(keras.layers.Layer):
 
 
 def norm(cfg: ModelConfig, name: str) -> keras.layers.Layer:
-    if cfg.family == "llama":
+    if cfg.rotary():
         return RMSNorm(cfg.norm_eps, name=name)
     return keras.layers.LayerNormalization(epsilon=cfg.norm_eps, center=cfg.bias, name=name)
 
 
-def rope(x, pos, theta: float):
+def rope_scaling(cfg: ModelConfig) -> tuple | None:
+    """model.rope_scaling=llama3's (factor, low_freq_factor, high_freq_factor, original context), else None."""
+    if cfg.rope_scaling == "none":
+        return None
+    return cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+
+
+def llama3_frequencies(inv_freq, factor: float, low: float, high: float, original: int):
+    """Llama 3.1's long-context rotary frequencies (hd/2,), as transformers' _compute_llama3_parameters:
+    wavelengths under original/high are kept, those over original/low divided by `factor`, those between
+    interpolated smoothly. Reciprocals where torch computes `scalar / tensor` as one (float32 alike)."""
+    wavelen = tf.math.reciprocal(inv_freq) * (2 * math.pi)
+    scaled = tf.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (tf.math.reciprocal(wavelen) * original - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return tf.where(medium, smoothed, scaled)
+
+
+def rope(x, pos, theta: float, scaling: tuple | None = None):
     """Rotary position embedding of x (B, heads, T, hd) at positions pos..pos+T-1, HF Llama's layout:
-    dimension i and i + hd/2 rotate together by angle position * theta^(-2i/hd)."""
+    dimension i and i + hd/2 rotate together by angle position * theta^(-2i/hd) (`scaling`: those
+    frequencies as llama3_frequencies rescales them)."""
     hd, T = x.shape[-1], tf.shape(x)[2]
     inv_freq = 1.0 / theta ** (tf.range(0, hd, 2, dtype=tf.float32) / hd)  # (hd/2,)
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, *scaling)
     angles = tf.cast(pos + tf.range(T), tf.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
     angles = tf.concat([angles, angles], axis=-1)  # (T, hd)
     cos, sin = tf.cast(tf.cos(angles), x.dtype), tf.cast(tf.sin(angles), x.dtype)
@@ -97,7 +124,7 @@ def rope(x, pos, theta: float):
 class CausalSelfAttention(keras.layers.Layer):
     def __init__(self, cfg: ModelConfig, **kwargs):
         super().__init__(**kwargs)
-        self.family, self.rope_theta = cfg.family, cfg.rope_theta
+        self.family, self.rope_theta, self.rope_scaling = cfg.family, cfg.rope_theta, rope_scaling(cfg)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), cfg.n_embd // cfg.n_head
         if cfg.family == "gpt2":
             self.qkv = _dense(3 * cfg.n_embd, cfg, "qkv")
@@ -118,7 +145,7 @@ class CausalSelfAttention(keras.layers.Layer):
         else:
             q = heads(self.q(x), self.n_head)  # (B, H, T, hd)
             k, v = heads(self.k(x), self.n_kv_head), heads(self.v(x), self.n_kv_head)  # (B, Hkv, T, hd)
-            q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
+            q, k = rope(q, pos, self.rope_theta, self.rope_scaling), rope(k, pos, self.rope_theta, self.rope_scaling)
         if cache is not None:
             k, v = _cache_write(cache[0], k, pos), _cache_write(cache[1], v, pos)  # (B, Hkv, L, hd)
             cache = (k, v)
@@ -155,11 +182,11 @@ class CausalSelfAttention(keras.layers.Layer):
                 qkv += tf.reshape(w["qkv/bias"], [-1])
             qkv = tf.reshape(qkv, [tf.shape(x)[0], tf.shape(x)[1], *kernel.shape[1:]])  # (B, T, 3, h, hd)
             q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each (B, h, T, hd)
-        else:  # llama: kv heads of this group and their query heads, rotary positions
+        else:  # llama layout: kv heads of this group and their query heads (with their q/k/v bias slices), rotary
             q = heads(_project(x, w, "q"), w["q/kernel"].shape[1] // self.head_dim)  # (B, h, T, hd)
             kv = w["k/kernel"].shape[1] // self.head_dim
             k, v = heads(_project(x, w, "k"), kv), heads(_project(x, w, "v"), kv)  # (B, kv, T, hd)
-            q, k = rope(q, 0, self.rope_theta), rope(k, 0, self.rope_theta)
+            q, k = rope(q, 0, self.rope_theta, self.rope_scaling), rope(k, 0, self.rope_theta, self.rope_scaling)
         y = self.attend(q, k, v, 0, self.attn_drop, training)  # (B, T, h * hd)
         return matmul(y, w["proj/kernel"])  # (B, T, C), this group's share
 

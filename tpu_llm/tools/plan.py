@@ -17,8 +17,10 @@ parameters, FLOPs and activation bytes come from tpu_llm/model_spec.py, which th
 the stage partitioner read too; this docstring derives its activation terms.
   parameters   4 bytes x the stage's parameters (pipeline.partition), whole on the stage's first chip:
                tensor groups (tpu_llm/parallel/tensor.py) split the matmuls and activations, not the weights
-  optimizer    8 bytes x the same: AdamW's m and v, float32
-  gradients    4 bytes x the same, twice with train.grad_accum > 1 (the running sum and the new one)
+  optimizer    8 bytes x the stage's trainable parameters: AdamW's m and v, float32. The layers
+               train.freeze names (training/optimizer.py's freeze) have no optimizer slots
+  gradients    4 bytes x the trainable parameters, twice with train.grad_accum > 1 (the running sum
+               and the new one); frozen layers get none
   activations  what the backward pass reads, for every micro-batch in flight. GPipe runs all M
                forwards before the backwards, so a stage holds the activations of its whole share of
                a micro-step: b = B / (R A) sequences of T tokens. Per block and token:
@@ -77,7 +79,7 @@ import re
 from collections.abc import Sequence
 
 from tpu_llm import model_spec
-from tpu_llm.config import Config
+from tpu_llm.config import Config, freeze_spec
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
 
@@ -211,6 +213,21 @@ def loss_bytes(cfg: Config, vocab: int, tokens_micro: float) -> tuple[float, flo
     return 4 * vocab, 4 * vocab * tokens_micro, 0.0
 
 
+def frozen_params(cfg: Config, stage: pipeline.Stage, vocab: int) -> int:
+    """The parameters of `stage` that train.freeze keeps as they are: the frozen blocks it holds, the
+    embeddings (a tied table with them) on the first stage, an untied head's table on the last."""
+    if not cfg.train.freeze:
+        return 0
+    m = cfg.model
+    named, blocks = freeze_spec(cfg.train.freeze, m.n_layer)
+    n = len(blocks & set(stage.blocks)) * model_spec.block_params(m)
+    if stage.embed and "embeddings" in named:
+        n += model_spec.embedding_params(m, vocab)
+    if stage.head and "head" in named:  # tied: the config is refused when training starts (freeze embeddings)
+        n += model_spec.count({k: s for k, s in model_spec.head_shapes(m, vocab).items() if k.startswith("lm_head")})
+    return n
+
+
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
                  tokens_micro: float, remat: bool) -> Memory:
     """Memory of the chip running `stage`, holding `tokens` tokens of activations (a micro-step of its
@@ -246,8 +263,9 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     if stage.head:
         if stages > 1 and m.tie_embeddings:  # the head reads the tied table held by the first stage: a copy and its gradient
             work += vocab * c * (act_bytes + 4)
-    grads = 4 * params * (2 if cfg.train.grad_accum > 1 else 1)
-    return Memory(4 * params, 8 * params, grads, per_token * tokens, work)
+    trainable = params - frozen_params(cfg, stage, vocab)  # AdamW state and gradients: these only
+    grads = 4 * trainable * (2 if cfg.train.grad_accum > 1 else 1)
+    return Memory(4 * params, 8 * trainable, grads, per_token * tokens, work)
 
 
 def vocab_size(cfg: Config) -> tuple[int, str]:
