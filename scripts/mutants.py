@@ -205,6 +205,13 @@ MUTATIONS = [
     M("freeze-empty-stage-in-the-norm", "tpu_llm/training/trainer.py",
       "            if not indices:  # a stage train.freeze left nothing to train\n                continue\n", "",
       "tests/test_pipeline.py::test_freezing_every_variable_of_a_stage_trains_the_others"),
+    M("unknown-variable-on-stage-0", "tpu_llm/parallel/pipeline.py",
+      "        return owner[id(variable)]\n", "        return owner.get(id(variable), 0)\n",
+      "tests/test_pipeline.py::test_a_variable_no_stage_reads_is_an_error_naming_it_not_stage_0 "
+      "tests/test_placement.py::test_the_update_of_a_variable_no_stage_owns_is_an_error_naming_it_not_core_0"),
+    M("unknown-variable-update-on-core-0", "tpu_llm/training/trainer.py",
+      "dist.placement.stage(owning_stage(where, var))", "dist.placement.stage(where.get(id(var), 0))",
+      "tests/test_placement.py::test_the_update_of_a_variable_no_stage_owns_is_an_error_naming_it_not_core_0"),
     # ---- comm ---------------------------------------------------------------------------------------
     M("powersgd-residual-not-divided-by-replicas", "tpu_llm/parallel/comm.py",
       "updates.append((e, tf.reshape(mat - approx / replicas, shape)))",

@@ -10,6 +10,7 @@ from tpu_llm import model_spec
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
+from tpu_llm.parallel.distribute import Placement
 from tpu_llm.training.controller import build_run, train
 
 # ---- partition ------------------------------------------------------------------------------------
@@ -46,6 +47,16 @@ def test_partition_errors_name_the_fix():
 def test_gpipe_bubble_formula():
     assert pipeline.gpipe_bubble(1, 8) == 0 and pipeline.gpipe_bubble(4, 1) == 0.75
     assert pipeline.gpipe_bubble(4, 8) == pytest.approx(3 / 11)
+
+
+def test_a_variable_no_stage_reads_is_an_error_naming_it_not_stage_0():
+    # the trainer places each variable's reduction and update on its stage: a stray one would go to stage 0
+    model = tiny_model()
+    pipe = pipeline.Pipeline(model, pipeline.partition(model.cfg, 64, 16, 2), Placement())
+    assert pipe.variable_stages([model.blocks[-1].trainable_variables[0], model.wte.trainable_variables[0]]) == [1, 0]
+    stray = keras.Variable(np.zeros(3, np.float32), name="stray")
+    with pytest.raises(LookupError, match="internal error: variable stray belongs to no pipeline stage"):
+        pipe.variable_stages(model.trainable_variables + [stray])
 
 
 # ---- equivalence ----------------------------------------------------------------------------------

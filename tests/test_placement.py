@@ -293,3 +293,26 @@ def test_the_traced_audit_under_loss_scaling_and_for_llama():
     for audit in (placement_audit.traced(2, 2, loss_scaling=True), placement_audit.traced(2, 2, family="llama")):
         assert not audit.problems(), "\n".join(audit.table() + audit.problems())
         assert audit.shared["variable writes"] <= placement_audit.SHARED_ALLOWED["variable writes"]
+
+
+def test_the_update_of_a_variable_no_stage_owns_is_an_error_naming_it_not_core_0():
+    # the optimizer runs each variable's update on its stage's core (Trainer: placement_of); one the
+    # stages do not know would have gone to core 0 unnoticed
+    from tpu_llm.parallel.distribute import Distribution
+    from tpu_llm.training.trainer import Trainer
+
+    cfg = tiny_cfg(n_layer=2, **{"parallel.pipeline_stages": 2})
+    strategy = offline_tpu.offline_tpu_strategy(2, 4)
+    placement = Placement(2, tpu_strategy=strategy)
+    parts = pipeline.partition(cfg.model, 64, 16, 2)
+    with offline_tpu.variables_on_the_cpu(strategy=strategy), strategy.scope():
+        model = pipeline.build_weights(GPT(cfg.model, 64), parts, placement)
+        optimizer = make_optimizer(cfg.train, model)
+        stray = tf.Variable(tf.zeros([3]), name="stray")
+    dist = Distribution(strategy, "tpu", "offline", "TPU", jit_compile=False, placement=placement)
+    Trainer(dist, model, optimizer, cfg.train, pipeline.Pipeline(model, parts, placement), execution="graph")
+    for v in model.trainable_variables:  # each the scope of its stage (where the compiled audit checks it)
+        with optimizer.placement_of(v.value):
+            pass
+    with pytest.raises(LookupError, match="internal error: variable stray.* belongs to no pipeline stage"):
+        optimizer.placement_of(stray)

@@ -196,6 +196,20 @@ def remat_with_dropout(run, layer):
     return call
 
 
+def owning_stage(owner: dict, variable) -> int:
+    """owner[id(variable)], the stage `variable` lives on. A variable no stage reads is a programming error
+    (a layer missing from Pipeline.stage_variables, or a variable from another model): it is raised here,
+    naming the variable, rather than sent to stage 0, where its gradient, norm and update would run on the
+    first stage's device or core without anyone noticing."""
+    try:
+        return owner[id(variable)]
+    except KeyError:
+        name = getattr(variable, "path", None) or getattr(variable, "name", None) or repr(variable)
+        raise LookupError(f"internal error: variable {name} belongs to no pipeline stage (the stages read "
+                          f"{len(owner)} variables); every variable the step updates must be read by a stage "
+                          "(Pipeline.stage_variables)") from None
+
+
 class Pipeline:
     """The training forward pass of `model` as P placed stages over M micro-batches (P = M = 1: the
     plain forward pass, with optional rematerialisation)."""
@@ -256,7 +270,7 @@ class Pipeline:
         for i in range(len(self.stages)):
             for v in self.stage_variables(i):
                 owner.setdefault(id(v), i)
-        return [owner.get(id(v), 0) for v in variables]
+        return [owning_stage(owner, v) for v in variables]
 
     def loss_and_grads(self, inputs, targets, variables, seed=None, watch: bool = False):
         """(mean loss, gradients of seed(mean loss) with respect to `variables`), with each stage's

@@ -22,7 +22,7 @@ from tpu_llm.config import TrainConfig
 from tpu_llm.model import GPT
 from tpu_llm.parallel.comm import AllReduce, replica_variable
 from tpu_llm.parallel.distribute import Distribution
-from tpu_llm.parallel.pipeline import Pipeline, partition
+from tpu_llm.parallel.pipeline import Pipeline, owning_stage, partition
 from tpu_llm.training.optimizer import GuardedUpdate
 
 
@@ -90,7 +90,7 @@ class Trainer:
         if dist.placement.tpu_strategy is not None and len(self.stage_groups) > 1:
             where = {id(v.value): s for v, s in zip(model.trainable_variables, stage_of)}
             inner = getattr(optimizer, "inner_optimizer", optimizer)  # under LossScaleOptimizer
-            inner.placement_of = lambda var: dist.placement.stage(where.get(id(var), 0))
+            inner.placement_of = lambda var: dist.placement.stage(owning_stage(where, var))
         self.data_position = data_position  # SUM on read: each replica writes its input pipeline's row
         self.stop_flag = None if dist.asynchronous or dist.name == "multi_worker" else \
             tf.Variable(0, trainable=False, name="stop")
