@@ -1,12 +1,14 @@
 """tpu_llm/tf_compat.py against the installed TensorFlow and Keras: each private attribute tpu-llm relies on
 still exists and still means what tf_compat assumes. A TF/Keras upgrade that changes one fails here.
 
-The exceptions to "private names live in tf_compat.py" are listed in its docstring. Two are checked here:
-ReducedGradientsAdamW (training/optimizer.py) subclasses Keras' AdamW and overrides private methods, so
-those stay there; the Keras optimizer canary below checks each of them and what they still do, and
-pyproject.toml bounds keras to the minor versions it passed with. GPT (model/transformer.py) tracks its
-blocks with Keras' private `_track_trackable`: the checkpoint canary checks that TF checkpoints still
-hold them."""
+The exceptions to "private names live in tf_compat.py" are listed in its docstring, each with its check.
+Three are checked here: ReducedGradientsAdamW (training/optimizer.py) subclasses Keras' AdamW and overrides
+private methods, one a copy of Keras' own loop; the Keras optimizer canary below checks each of them, the
+copy against the installed Keras, and what they still do, and pyproject.toml bounds keras to the minor
+versions it passed with. The dropout-seed overrides (parallel/pipeline.py, parallel/tensor.py,
+training/trainer.py) assume how Keras' Dropout draws its seeds: the dropout-seed canary checks it. GPT
+(model/transformer.py) tracks its blocks with Keras' private `_track_trackable`: the checkpoint canary
+checks that TF checkpoints still hold them."""
 
 import ast
 import inspect
@@ -166,15 +168,14 @@ def test_all_layers_finds_nested_dropout():
 # What tpu_llm/training/optimizer.py's ReducedGradientsAdamW overrides or calls on Keras' AdamW, with the
 # parameters it assumes (self left out).
 KERAS_OPTIMIZER_METHODS = {
-    # overridden: Keras' loop over the variables, each update placed on its pipeline stage's core
+    # overridden: Keras' own loop over the variables, copied (the copy is checked against Keras' below),
+    # each update inside placement_of(variable): its pipeline stage's core
     "_distributed_tf_update_step": ("distribution", "grads_and_vars", "learning_rate"),
     "_all_reduce_sum_gradients": ("grads_and_vars",),  # overridden: the trainer has already summed them
     "_apply_weight_decay": ("variables",),  # overridden: decayed in update_step, where a skipped step leaves it out
     "update_step": ("gradient", "variable", "learning_rate"),  # overridden (public, the contract around it is not)
     "_get_variable_index": ("variable",),  # called: the index of the variable's moments
     "_use_weight_decay": ("variable",),  # called: exclude_from_weight_decay's answer
-    # overridden: Keras' own loop over the variables, copied, each update inside placement_of(variable)
-    "_distributed_tf_update_step": ("distribution", "grads_and_vars", "learning_rate"),
 }
 KERAS_OPTIMIZER_STATE = ("_momentums", "_velocities")  # read and restored: Adam's moments, by variable index
 UPGRADE = ("ReducedGradientsAdamW (tpu_llm/training/optimizer.py) overrides Keras' private optimizer methods: fix it "
@@ -276,6 +277,72 @@ def test_keras_adamw_with_reduced_gradients_is_adamw_on_the_already_reduced_grad
         np.testing.assert_allclose(theirs, 2 * ours, rtol=1e-5, atol=1e-7,
                                    err_msg="Keras' AdamW no longer all-reduces in a replica context: is the "
                                            "_all_reduce_sum_gradients override still needed?")
+
+
+# ---- Keras' dropout seeds (parallel/pipeline.py, parallel/tensor.py, training/trainer.py) ---------------
+
+DROPOUT_UPGRADE = ("remat_with_dropout and _seeds_here (tpu_llm/parallel/pipeline.py), group_seeds "
+                   "(parallel/tensor.py) and ReplicaSeedGenerator (training/trainer.py) rely on how Keras' Dropout "
+                   "draws its seeds: fix them before widening the keras range in pyproject.toml")
+
+
+def test_keras_dropout_draws_each_mask_from_one_next_of_its_seed_generator_as_the_overrides_assume():
+    """What the dropout-seed overrides assume of Keras' Dropout and SeedGenerator, on the installed Keras:
+    - a Dropout call in training draws exactly one seed, by `self.seed_generator.next()` looked up on
+      the instance (so an instance attribute `next`, as remat_with_dropout and group_seeds set, replaces
+      the draw; a class swapped in by `__class__`, as per_replica_dropout does, is called too), and its
+      mask is a function of that seed alone;
+    - Keras' own `next()` returns the state and then advances it by [0, 1] (remat_with_dropout replays
+      draw i as state + [0, i] and advances the state by [0, n] after the forward);
+    - the state is the generator's `state` attribute, read at each draw: a variable put there in its
+      place (_seeds_here, on a stage's device) is the one drawn from and advanced;
+    - its variable's path ends in `seed_generator_state` (training/build.py, interop/hf.py and
+      tools/offline_tpu.py find the seeds by it)."""
+    from tpu_llm.training.trainer import ReplicaSeedGenerator, per_replica_dropout
+
+    dropout = keras.layers.Dropout(0.5, seed=7)
+    x = tf.ones([4, 32])
+    generator = dropout.seed_generator
+    assert isinstance(generator, keras.random.SeedGenerator), f"keras {keras.__version__}; {DROPOUT_UPGRADE}"
+    assert generator.state.path.endswith("seed_generator_state"), (generator.state.path, DROPOUT_UPGRADE)
+    drawn = []
+
+    def fixed(ordered=True, seed=(3, 4)):
+        drawn.append(ordered)
+        return tf.constant(seed, generator.state.dtype)
+    generator.next = fixed
+    try:
+        first, second = dropout(x, training=True), dropout(x, training=True)
+        generator.next = lambda ordered=True: fixed(ordered, (3, 5))
+        other = dropout(x, training=True)
+    finally:
+        del generator.next
+    assert len(drawn) == 3, f"keras {keras.__version__}: {len(drawn)} seeds drawn for 3 dropout calls; {DROPOUT_UPGRADE}"
+    np.testing.assert_array_equal(first, second, err_msg=f"keras {keras.__version__}: the mask is not the drawn "
+                                                         f"seed's alone; {DROPOUT_UPGRADE}")
+    assert (first.numpy() != other.numpy()).any(), DROPOUT_UPGRADE
+    assert generator.state.numpy().tolist() == [7, 0], "an instance `next` must leave Keras' state alone"
+    # Keras' own draws: state, then state + [0, 1], ... read from whatever variable `state` is now
+    generator.state = keras.Variable(np.array([5, 2]), dtype=generator.state.dtype, trainable=False,
+                                     aggregation="none", name="seed_generator_state")
+    seeds = [generator.next().numpy().tolist() for _ in range(3)]
+    assert seeds == [[5, 2], [5, 3], [5, 4]] and generator.state.numpy().tolist() == [5, 5], \
+        f"keras {keras.__version__}: SeedGenerator.next drew {seeds}; {DROPOUT_UPGRADE}"
+    dropout(x, training=True)
+    assert generator.state.numpy().tolist() == [5, 6], f"keras {keras.__version__}: Dropout no longer draws " \
+                                                       f"through seed_generator.next; {DROPOUT_UPGRADE}"
+    # the per-replica class, swapped in over Keras' own, is what Dropout calls (one replica: Keras' draws)
+    model = keras.Sequential([keras.Input((32,)), dropout])
+    assert per_replica_dropout(model) == 1 and type(generator) is ReplicaSeedGenerator
+    assert ReplicaSeedGenerator.__init__ is keras.random.SeedGenerator.__init__  # no state of its own to miss
+    calls = []
+    fold = ReplicaSeedGenerator.fold
+    try:
+        ReplicaSeedGenerator.fold = lambda self, seed: calls.append(seed) or fold(self, seed)
+        dropout(x, training=True)
+    finally:
+        ReplicaSeedGenerator.fold = fold
+    assert len(calls) == 1 and calls[0].numpy().tolist() == [5, 6], (calls, DROPOUT_UPGRADE)
 
 
 # ---- TensorFlow's TPU compile path, offline (tools/compiled_step.py) -----------------------------------

@@ -5,16 +5,24 @@ answer, it is used (and this module says which); where none does, the private ac
 tests/test_tf_compat.py asserts on the installed TensorFlow/Keras that the attribute still exists and
 still means what the function assumes, so an upgrade fails there, loudly, rather than in a run.
 
-Four other places depend on private behaviour and stay where they are, each with its check:
+Every other module that depends on private TF/Keras behaviour stays where it is, each with its check
+(tests/test_tf_compat.py unless named):
 - training/optimizer.py: `ReducedGradientsAdamW` subclasses Keras' AdamW and overrides its private
-  `_distributed_tf_update_step`, `_all_reduce_sum_gradients` and `_apply_weight_decay` (and reads
-  `_momentums`, `_velocities`, `_get_variable_index`, `_use_weight_decay`); tests/test_tf_compat.py's
-  Keras optimizer canary checks each one and what AdamW still does with them.
+  `_distributed_tf_update_step` (a copy of Keras' own loop, each update in its stage's placement),
+  `_all_reduce_sum_gradients` and `_apply_weight_decay` (and reads `_momentums`, `_velocities`,
+  `_get_variable_index`, `_use_weight_decay`); the Keras optimizer canary checks each one, that the
+  copied loop is still Keras' statement for statement, and what AdamW still does with them.
+- parallel/pipeline.py (`remat_with_dropout`, `_seeds_here`), parallel/tensor.py (`group_seeds`) and
+  training/trainer.py (`ReplicaSeedGenerator`, swapped in by `__class__`): Keras' Dropout draws each
+  mask by one `self.seed_generator.next()` (state, then state + [0, 1]) from the generator's `state`
+  variable; they replace `next` on the instance, the class, or the `state` variable. training/build.py,
+  interop/hf.py and tools/offline_tpu.py find those variables by their Keras path
+  (`.../seed_generator_state`). The Keras dropout-seed canary checks all of it.
 - model/transformer.py: `GPT` tracks its blocks with Keras' private `_track_trackable`, without which
-  a TF checkpoint would hold no block; tests/test_tf_compat.py checks that it still puts them there.
+  a TF checkpoint would hold no block; the checkpoint canary checks that it still puts them there.
 - native_log.py: absl's `SetMinLogLevel` in TensorFlow's framework library, called by its mangled C++
   name (TF exports no Python setter for absl's level); tests/test_progress.py checks that the lines go.
-- tools/placement_audit.py: `OfflineTPUResolver` answers what TPUStrategy asks a TPU cluster resolver
+- tools/offline_tpu.py: `OfflineTPUResolver` answers what TPUStrategy asks a TPU cluster resolver
   (`num_accelerators`, `get_tpu_system_metadata`), so that TF's own TPUStrategy is built on a hand-built
   topology without a TPU; tests/test_placement.py and tests/test_doctor.py build it on several.
 """
