@@ -212,6 +212,17 @@ MUTATIONS = [
     M("unknown-variable-update-on-core-0", "tpu_llm/training/trainer.py",
       "dist.placement.stage(owning_stage(where, var))", "dist.placement.stage(where.get(id(var), 0))",
       "tests/test_placement.py::test_the_update_of_a_variable_no_stage_owns_is_an_error_naming_it_not_core_0"),
+    M("pjrt-on-every-generation", "tpu_llm/tpu_chips.py",
+      "if kind in PJRT_KINDS or (kind is None and unknown_is_pjrt):", "if kind is not None or unknown_is_pjrt:",
+      "tests/test_tpu.py::test_one_table_of_the_runtime_per_generation "
+      "tests/test_tpu.py::test_pjrt_only_where_google_documents_tensorflows_pjrt_runtime"),
+    M("worker-plan-ignores-the-generation", "tpu_llm/cloud/worker_plan.py",
+      'runtime_variables(kind_of_type(str(self.o["accelerator_type"])), LIBTPU)',
+      'runtime_variables("TPU v5 lite", LIBTPU)',
+      "tests/test_tpu_safety.py::test_the_setup_checks_the_venv_libtpu_is_the_pinned_one"),
+    M("doctor-does-not-say-the-runtime", "tpu_llm/tools/doctor/__init__.py",
+      "    elif found.tpu and runtime:\n", "    elif False:\n",
+      "tests/test_doctor.py -k runtime_and_libtpu"),
     # ---- comm ---------------------------------------------------------------------------------------
     M("powersgd-residual-not-divided-by-replicas", "tpu_llm/parallel/comm.py",
       "updates.append((e, tf.reshape(mat - approx / replicas, shape)))",

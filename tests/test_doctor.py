@@ -282,3 +282,26 @@ def test_the_devices_fix_names_the_install_only_when_tensorflow_sees_no_tpu(monk
         "the TPU named is reached over the network")
     assert doctor_devices.devices_fix(found, name="mirrored").startswith("a TPU is attached")
     assert doctor_devices.devices_fix(Found(gpus=2), name="default").startswith("TensorFlow lists 2 GPU(s)")
+
+
+@pytest.mark.parametrize("tpu,says", [("local", "TPU runtime: PJRT plugin; libtpu: /site-packages/libtpu/libtpu.so"),
+                                      ("my-pod", "TPU runtime: the TF servers of the TPU's hosts")])
+def test_doctor_says_which_tpu_runtime_and_libtpu_it_was_pointed_at(tmp_path, monkeypatch, tpu, says):
+    # the CLI hands doctor the line cli/pjrt.describe() makes of the variables it set before TensorFlow
+    # started; a TPU the strategy then cannot reach still gets the line (it is what to check first)
+    from tpu_llm.cli import pjrt
+    from tpu_llm.parallel import distribute
+
+    monkeypatch.setattr(distribute, "look_around", lambda cfg: Found(tpu="/dev/vfio present (TPU VM)"))
+    monkeypatch.setattr(distribute, "choose", lambda cfg, found: (_ for _ in ()).throw(UserError("no TPU here")))
+    monkeypatch.setattr(pjrt, "wheel_libtpu", lambda: None)
+    runtime = pjrt.describe({"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true",
+                             "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/site-packages/libtpu/libtpu.so"})
+    lines = []
+    doctor.run(run_dir=str(tmp_path), tpu=tpu, say=lines.append, runtime=runtime)
+    assert any(line.strip().startswith(says) for line in lines), lines
+    seen = {}
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what cli.main sets stays out of this process
+    monkeypatch.setattr(doctor, "main", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(pjrt, "describe", lambda env=None: "TPU runtime: as described")
+    assert cli.main(["doctor", "--run_dir", str(tmp_path)]) == 0 and seen["runtime"] == "TPU runtime: as described"

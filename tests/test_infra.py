@@ -476,7 +476,8 @@ def test_startup_script_renders_and_passes_shellcheck(tf, tmp_path, multi_host):
     text = script.read_text()
     leftover = set(re.findall(r"\$\{[^}]*\}", text)) - {"${1:-}", "${found%% *}", "${found#* }", "${found:-missing}"}
     assert text.startswith("#!/bin/bash\n") and not leftover, leftover
-    assert ("TPU_LOAD_LIBRARY=0" in text) and ("TF_PLUGGABLE_DEVICE_LIBRARY_PATH=$LIBTPU" in text)
+    assert ("TPU_LOAD_LIBRARY=0" in text) and ("export TPU_LIBRARY_PATH=$LIBTPU" in text)
+    assert "NEXT_PLUGGABLE_DEVICE_USE_C_API" not in text  # PJRT by generation: tpu-llm adds it (tpu_chips)
     assert 'MULTI_HOST="' + ("true" if multi_host else "false") + '"' in text
     syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr

@@ -263,6 +263,20 @@ def test_pjrt_only_where_google_documents_tensorflows_pjrt_runtime(tmp_path, dev
     assert decided.runtime.startswith("PJRT" if pjrt else "TF's TPU runtime") and WHEEL in decided.describe()
 
 
+def test_one_table_of_the_runtime_per_generation():
+    """tpu_chips.runtime_variables, which cli/pjrt.decide and cloud/worker_plan both use: PJRT on v5e, v5p
+    and v6e, TensorFlow's own TPU runtime (only its library named) on v2, v3, v4 and an unknown TPU."""
+    from tpu_llm import tpu_chips
+
+    for prefix, kind, _ in tpu_chips.TYPES:
+        pjrt = prefix in ("v5litepod", "v5e", "v5p", "v6e")
+        assert tpu_chips.runtime_variables(kind, WHEEL) == \
+            (dict(zip(PJRT, ("true", WHEEL, WHEEL))) if pjrt else {"TPU_LIBRARY_PATH": WHEEL}), prefix
+    assert tpu_chips.runtime_variables(tpu_chips.kind_of_type("v4-8"), WHEEL) == {"TPU_LIBRARY_PATH": WHEEL}
+    assert tpu_chips.runtime_variables(None, WHEEL) == {"TPU_LIBRARY_PATH": WHEEL}
+    assert tpu_chips.runtime_variables(None, WHEEL, unknown_is_pjrt=True) == dict(zip(PJRT, ("true", WHEEL, WHEEL)))
+
+
 def test_pjrt_variables_only_on_a_tpu_vm_and_never_over_the_users(tmp_path):
     from tpu_llm.cli import pjrt
 

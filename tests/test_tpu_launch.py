@@ -70,7 +70,7 @@ def owner_line(script: list[str]) -> tuple[list[str], list[str]]:
     return own, words[words.index("--") + 1:-6]
 
 
-def test_train_single_host_on_the_vm_with_pjrt(single):
+def test_train_single_host_on_the_vm_with_the_generations_runtime(single):
     done = make("train", TF_OUTPUTS=single)
     assert done.returncode == 0, done.stderr
     assert f"train: on Cloud TPU {NAME} (v4-8, 1 worker(s), {ZONE})" in done.stdout
@@ -91,8 +91,8 @@ def test_train_single_host_on_the_vm_with_pjrt(single):
     own, train = owner_line(script)
     assert own == ["--log=~/tpu-llm-train.log", "--log-url=$log_url", "--copy-seconds=30",
                    f"--preflight=/opt/tpu-llm/venv/bin/python -m tpu_llm.cloud preflight --run_dir={BUCKET}/runs/tiny"]
-    assert train == ["env", "NEXT_PLUGGABLE_DEVICE_USE_C_API=true",
-                     "TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so", "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so",
+    # a v4: TensorFlow's own TPU runtime, pointed at the venv's libtpu; no PJRT (tpu_chips.runtime_variables)
+    assert train == ["env", "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so",
                      "/opt/tpu-llm/venv/bin/tpu-llm", "train", "--config", "configs/tiny.yaml", "--strategy=tpu",
                      "--tpu=local", f"--run_dir={BUCKET}/runs/tiny"]
     assert "tpu-llm-run.teardown" not in "\n".join(script).replace("rm -f ~/tpu-llm-run.status ~/tpu-llm-run.teardown", "")
@@ -103,6 +103,18 @@ def test_train_single_host_on_the_vm_with_pjrt(single):
                            "exit 1"]
     syntax = subprocess.run(["bash", "-n"], input="\n".join(script), capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
+
+
+@pytest.mark.parametrize("accelerator,pjrt", [("v5litepod-8", True), ("v5p-8", True), ("v6e-8", True),
+                                               ("v4-8", False), ("v3-8", False), ("v2-8", False)])
+def test_a_single_host_gets_pjrt_only_where_google_documents_it_for_tensorflow(tmp_path, accelerator, pjrt):
+    done = make("train", TF_OUTPUTS=write_outputs(tmp_path / "o.json", accelerator, 1))
+    assert done.returncode == 0, done.stderr
+    _, train = owner_line(remote(commands(done.stdout)[-1]))
+    env = train[1:train.index("/opt/tpu-llm/venv/bin/tpu-llm")]
+    libtpu = "/opt/tpu-llm/libtpu.so"
+    assert env == (["NEXT_PLUGGABLE_DEVICE_USE_C_API=true", f"TF_PLUGGABLE_DEVICE_LIBRARY_PATH={libtpu}"] * pjrt
+                   + [f"TPU_LIBRARY_PATH={libtpu}"]), env
 
 
 def test_train_pod_on_worker_0_against_the_pod_servers(pod):

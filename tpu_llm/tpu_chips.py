@@ -1,6 +1,7 @@
 """Which TPU generation this machine has, from what it shows without TensorFlow: the accelerator type
-that GKE and Kaggle export, and the PCI device ids of its chips. No TensorFlow here: cli/pjrt.py reads
-it before TensorFlow is imported (parallel/tpu.py too, after)."""
+that GKE and Kaggle export, and the PCI device ids of its chips; and which TPU runtime TensorFlow is
+pointed at on each generation (`runtime_variables`, the one table cli/pjrt.py and cloud/worker_plan.py
+use). No TensorFlow here: cli/pjrt.py reads it before TensorFlow is imported (parallel/tpu.py too, after)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,26 @@ def kind_of_type(accelerator: str) -> str | None:
     """The device kind of an accelerator type (`v5litepod-8` -> "TPU v5 lite"), None if unknown."""
     accelerator = accelerator.lower()
     return next((kind for prefix, kind, _ in TYPES if accelerator.startswith(prefix)), None)
+
+
+# ---- the TPU runtime per generation --------------------------------------------------------------------
+C_API = "NEXT_PLUGGABLE_DEVICE_USE_C_API"
+PLUGIN = "TF_PLUGGABLE_DEVICE_LIBRARY_PATH"
+LIBRARY = "TPU_LIBRARY_PATH"
+# Where Google documents TensorFlow's PJRT runtime: its "TPU software versions" page
+# (cloud.google.com/tpu/docs/runtimes) gives TensorFlow on v6e, v5p and v5e (2.15.0 and later) in the
+# `-pjrt` form only (tpu-vm-tf-x.y.z[-pod]-pjrt, the PJRT device API). v2-v4 (Colab's v2-8, Kaggle's
+# v3-8) keep TensorFlow's own TPU runtime, which is not switched here.
+PJRT_KINDS = ("TPU v5 lite", "TPU v5p", "TPU v6 lite")
+
+
+def runtime_variables(kind: str | None, library: str, *, unknown_is_pjrt: bool = False) -> dict[str, str]:
+    """The variables that point TensorFlow 2.20 at `library` (a libtpu.so) on a TPU of device `kind`:
+    the PJRT plugin (NEXT_PLUGGABLE_DEVICE_USE_C_API=true, TF_PLUGGABLE_DEVICE_LIBRARY_PATH, and
+    TPU_LIBRARY_PATH for TensorFlow's own import-time load) where Google documents TF's PJRT runtime,
+    v5e, v5p and v6e; only TPU_LIBRARY_PATH, the library TensorFlow's own TPU runtime loads, on v2, v3
+    and v4, whose runtime is left as it is. An unknown `kind` (None) gets the latter, or the PJRT
+    variables with `unknown_is_pjrt`."""
+    if kind in PJRT_KINDS or (kind is None and unknown_is_pjrt):
+        return {C_API: "true", PLUGIN: library, LIBRARY: library}
+    return {LIBRARY: library}

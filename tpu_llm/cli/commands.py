@@ -12,6 +12,7 @@ import os
 import sys
 
 from tpu_llm import __version__, files
+from tpu_llm.cli import pjrt
 from tpu_llm.cli.parser import command, nearest
 # generate's bounds are the config's
 from tpu_llm.config import CAPS, EARLY_STOPPING, INT64, MAX_BEAMS, MAX_NEW_TOKENS, MAX_SAMPLES, SampleConfig
@@ -268,8 +269,9 @@ def doctor(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", 
            stages: int = 0, tensor: int = 0, steps: int = 4):
     from tpu_llm.tools import doctor
 
+    # the runtime and libtpu `main` pointed TensorFlow at (pjrt.set_variables), said on doctor's first lines
     doctor.main(run_dir=run_dir, tpu=tpu, strategy=strategy, cpu_devices=cpu_devices, stages=stages,
-                tensor=tensor, steps=steps)
+                tensor=tensor, steps=steps, runtime=pjrt.describe())
 
 
 @command("info", "what this machine offers (GPUs, TPU, TF_CONFIG) and which strategy a run would use",

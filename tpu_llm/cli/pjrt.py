@@ -5,7 +5,8 @@ TensorFlow 2.20 reaches a TPU VM's chips through one of two runtimes. The PJRT p
 import when NEXT_PLUGGABLE_DEVICE_USE_C_API=true and TF_PLUGGABLE_DEVICE_LIBRARY_PATH names libtpu, is
 what Google documents TensorFlow's TPU runtime as on v5e, v5p and v6e. On v2, v3 and v4 (Colab's v2-8,
 Kaggle's v3-8) TensorFlow's own TPU runtime is left as it is: no PJRT variables, only TPU_LIBRARY_PATH,
-the variable that runtime reads for its libtpu (else it asks the loader for `libtpu.so`). `tpu-llm`
+the variable that runtime reads for its libtpu (else it asks the loader for `libtpu.so`); the table is
+tpu_chips.runtime_variables, which `make train` uses too (cloud/worker_plan.py). `tpu-llm`
 sets them at start-up (tpu_llm/cli/__init__.py `main`), before any command imports TensorFlow, when all of:
 
 * this is a TPU VM: /dev/accel* (v2-v4, v5p chips) or /dev/vfio/<N> (v5e, v6e chips) exists, or the
@@ -37,13 +38,9 @@ import os
 import urllib.request
 from collections.abc import Callable, Mapping, MutableMapping
 
-from tpu_llm.tpu_chips import accelerator_type, kind_of_type, pci_tpus
+from tpu_llm.tpu_chips import C_API, LIBRARY, PLUGIN, accelerator_type, kind_of_type, pci_tpus, runtime_variables
 
-C_API = "NEXT_PLUGGABLE_DEVICE_USE_C_API"
-PLUGIN = "TF_PLUGGABLE_DEVICE_LIBRARY_PATH"
-LIBRARY = "TPU_LIBRARY_PATH"
 IMAGE_LIBTPU = "lib/libtpu.so"  # under root: what Cloud TPU VM images ship
-PJRT_KINDS = ("TPU v5 lite", "TPU v5p", "TPU v6 lite")  # TF's PJRT runtime documented: v5e, v5p, v6e
 METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/accelerator-type"
 METADATA_TIMEOUT = 0.5  # seconds: the metadata server answers at once on a TPU VM
 
@@ -175,9 +172,10 @@ def decide(tpu: str = "", *, env: Mapping[str, str] | None = None, root: str = "
     path, why = _library(env, root, libtpu)
     if not path:  # nothing to load: tpu-llm's TPU connection error says what to install
         return Runtime("", kind, None, why, {})
-    pjrt = kind in PJRT_KINDS or (kind is None and not tpu_vm(root))  # tpu=local in a container: as before
-    wanted = {C_API: "true", PLUGIN: path, LIBRARY: path} if pjrt else {LIBRARY: path}
-    runtime = "PJRT" if pjrt else "TF's TPU runtime (PJRT is documented for v5e, v5p and v6e only)"
+    # the generation's runtime (tpu_chips.runtime_variables); an unknown one asked for as tpu=local where no
+    # device file shows (a container): PJRT, as before
+    wanted = runtime_variables(kind, path, unknown_is_pjrt=not tpu_vm(root))
+    runtime = "PJRT" if C_API in wanted else "TF's TPU runtime (PJRT is documented for v5e, v5p and v6e only)"
     return Runtime(runtime, kind, path, f"{why}; generation from {seen}", {k: v for k, v in wanted.items()
                                                                             if not env.get(k)})
 

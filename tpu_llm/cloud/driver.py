@@ -12,9 +12,10 @@ resource can neither take a service account nor delete an ACTIVE queued resource
 library only.
 
 How training is launched (as Google's own TF-on-TPU test harness does it; worker_plan.py):
-  single-host slice  on the VM, `--strategy=tpu --tpu=local`, with PJRT:
+  single-host slice  on the VM, `--strategy=tpu --tpu=local`, with TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so (the
+                     venv's pinned libtpu, which the set-up links there) and, on v5e, v5p and v6e, PJRT:
                      NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so
-                     (plus TPU_LIBRARY_PATH: the venv's pinned libtpu, which the set-up links there)
+                     (tpu_chips.runtime_variables)
   multi-host slice   on worker 0 only, `--strategy=tpu --tpu=NAME`, with TPU_NAME=NAME TPU_LOAD_LIBRARY=0:
                      the resolver reaches the TF servers of every host, the TPU runtime's TF worker
                      container that the set-up points each host at (infra/startup.sh.tftpl). Their input

@@ -1,8 +1,9 @@
 """What `make train` runs on TPU worker 0, and the source it copies to every worker (for tpu_llm/cloud/driver.py).
 
-  single-host slice  `--strategy=tpu --tpu=local` with the PJRT variables
-                     NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so
-                     (and TPU_LIBRARY_PATH, see PJRT_ENV): the venv's pinned libtpu, linked there by the set-up
+  single-host slice  `--strategy=tpu --tpu=local` with the generation's runtime variables (tpu_chips.runtime_variables)
+                     for the venv's pinned libtpu, linked at /opt/tpu-llm/libtpu.so by the set-up: on v5e, v5p
+                     and v6e PJRT, NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=... and
+                     TPU_LIBRARY_PATH=...; on v2-v4 TensorFlow's own TPU runtime, TPU_LIBRARY_PATH=... alone
   multi-host slice   `--strategy=tpu --tpu=NAME` with TPU_NAME=NAME TPU_LOAD_LIBRARY=0: the TF servers are the
                      TF worker containers the set-up runs on every host (infra/startup.sh.tftpl), and they run
                      the input pipeline, so the data must be TFRecord shards on gs://
@@ -28,6 +29,7 @@ import tarfile
 import uuid
 
 from tpu_llm.cloud.shell import LaunchError, Outputs
+from tpu_llm.tpu_chips import kind_of_type, runtime_variables
 
 STATE_DIR = "/opt/tpu-llm"  # where infra/startup.sh.tftpl installs (state_dir and venv in infra/tpu.tf)
 VENV = f"{STATE_DIR}/venv"
@@ -44,14 +46,12 @@ OWNER_PID_FILE = "~/tpu-llm-owner.pid"  # the run's owner process (run_owner.py;
 RUN_FILES = {name: f"~/tpu-llm-run.{name}" for name in ("launch", "key", "status", "teardown")}
 BUSY = 75  # the launch's exit status when another run holds worker 0 (EX_TEMPFAIL: again once it ended)
 SSH_LOST = 255  # ssh's own failure, which gcloud retries up to 10 times before it gives up
-# Single host: PJRT through the pinned libtpu wheel of the venv (tensorflow-tpu 2.20.0 declares
-# libtpu~=0.0.14; the lock pins 0.0.14; newer ones, e.g. 0.0.52, make `import tensorflow` abort:
-# "ConfigureDistributedTpuOp_DoWork not available in this library"). The set-up checks its version and
-# links it at LIBTPU; TPU_LIBRARY_PATH makes TensorFlow's own import-time load take that file too.
-# Every image is a base image, which has no TensorFlow (docs/cloud-tpu.md).
+# Single host: the pinned libtpu wheel of the venv (tensorflow-tpu 2.20.0 declares libtpu~=0.0.14; the
+# lock pins 0.0.14; newer ones, e.g. 0.0.52, make `import tensorflow` abort: "ConfigureDistributedTpuOp_DoWork
+# not available in this library"), through the runtime Google documents for the slice's generation
+# (tpu_chips.runtime_variables: PJRT on v5e, v5p, v6e). The set-up checks its version and links it at
+# LIBTPU. Every image is a base image, which has no TensorFlow (docs/cloud-tpu.md).
 LIBTPU = f"{STATE_DIR}/libtpu.so"
-PJRT_ENV = {"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": LIBTPU,
-            "TPU_LIBRARY_PATH": LIBTPU}
 
 
 # Refuse to start (or to reinstall under) a run while one is training on worker 0: its owner (which
@@ -127,7 +127,9 @@ class TrainPlan:
         return argv + self.extra
 
     def environment(self) -> dict[str, str]:
-        return {"TPU_NAME": str(self.o["tpu_name"]), "TPU_LOAD_LIBRARY": "0"} if self.pod else dict(PJRT_ENV)
+        if self.pod:
+            return {"TPU_NAME": str(self.o["tpu_name"]), "TPU_LOAD_LIBRARY": "0"}
+        return runtime_variables(kind_of_type(str(self.o["accelerator_type"])), LIBTPU)
 
     def preflight_argv(self) -> list[str]:
         argv = [f"{VENV}/bin/python", "-m", "tpu_llm.cloud", "preflight", f"--run_dir={self.run_dir}"]

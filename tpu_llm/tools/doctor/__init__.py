@@ -110,8 +110,10 @@ def _guarded(name: str, check, *args) -> Check:
 
 
 def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu_devices: int = 8,
-        stages: int = 0, tensor: int = 0, steps: int = 4, say=print) -> list[Check]:
-    """Run every check; print the table; write <run_dir>/doctor.json; returns the checks."""
+        stages: int = 0, tensor: int = 0, steps: int = 4, say=print, runtime: str = "") -> list[Check]:
+    """Run every check; print the table; write <run_dir>/doctor.json; returns the checks. `runtime`: which
+    TPU runtime and libtpu this process was pointed at before TensorFlow started (the CLI's
+    cli/pjrt.describe()), printed when a TPU is found."""
     if not isinstance(steps, int) or steps < 2:
         raise UserError(f"--steps={steps!r} must be an integer >= 2 (the first call compiles, the rest is timed)")
     started = time.perf_counter()
@@ -132,7 +134,7 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
     if remote:  # a pod from worker 0: its hosts' TF servers first, which the strategy needs (cloud/pod_check.py)
         checks.append(Check("pod", *pod_check.check(tf.__version__)))
     say(f"doctor    tensorflow {tf.__version__}, keras {keras.__version__}; runs in {work}")
-    for line in found.describe():
+    for line in found_lines(found, remote, runtime):
         say(f"          {line}")
     try:
         name, reason = distribute.choose(cfg, found)
@@ -185,6 +187,16 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
     # the least proven path last, on its own line
     checks.append(check_model_parallel(make_cfg, found, dist, stages, tensor, steps, f32_loss))
     return _finish(checks, run_dir, started, say)
+
+
+def found_lines(found, remote: bool, runtime: str) -> list[str]:
+    """What was found (GPUs, TPU, TF_CONFIG) and, with a TPU, the runtime and libtpu used (`runtime`)."""
+    lines = found.describe()
+    if found.tpu and remote:  # the TF servers on the TPU's hosts hold the chips: nothing loaded here
+        lines.append("TPU runtime: the TF servers of the TPU's hosts, reached over the network; no libtpu here")
+    elif found.tpu and runtime:
+        lines.append(runtime)
+    return lines
 
 
 def _finish(checks: list[Check], run_dir: str, started: float, say) -> list[Check]:
