@@ -205,6 +205,12 @@ MUTATIONS = [
     M("freeze-empty-stage-in-the-norm", "tpu_llm/training/trainer.py",
       "            if not indices:  # a stage train.freeze left nothing to train\n                continue\n", "",
       "tests/test_pipeline.py::test_freezing_every_variable_of_a_stage_trains_the_others"),
+    M("doctor-hlo-ignores-matmuls-without-a-core", "tpu_llm/tools/doctor/hlo.py",
+      "counts[kind][0 if core is None else core] += 1", "counts[kind][core] += core is not None",
+      "tests/test_doctor_hlo.py -k 'core_0_heavy'"),
+    M("doctor-hlo-reads-only-tf2xlas-module", "tpu_llm/tools/doctor/hlo.py",
+      'stage = "after" if "after" in parsed and any(', 'stage = "before" if "after" in parsed and any(',
+      "tests/test_doctor_hlo.py -k 'core_0_heavy'"),
     # ---- comm ---------------------------------------------------------------------------------------
     M("powersgd-residual-not-divided-by-replicas", "tpu_llm/parallel/comm.py",
       "updates.append((e, tf.reshape(mat - approx / replicas, shape)))",
