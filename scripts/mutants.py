@@ -208,8 +208,8 @@ MUTATIONS = [
     M("doctor-hlo-ignores-matmuls-without-a-core", "tpu_llm/tools/doctor/hlo.py",
       "counts[kind][0 if core is None else core] += 1", "counts[kind][core] += core is not None",
       "tests/test_doctor_hlo.py -k 'core_0_heavy'"),
-    M("doctor-hlo-reads-only-tf2xlas-module", "tpu_llm/tools/doctor/hlo.py",
-      'stage = "after" if "after" in parsed and any(', 'stage = "before" if "after" in parsed and any(',
+    M("doctor-hlo-reads-the-optimized-module", "tpu_llm/tools/doctor/hlo.py",
+      'stage = stage or "before"', 'stage = stage or "after"',
       "tests/test_doctor_hlo.py -k 'core_0_heavy'"),
     # ---- comm ---------------------------------------------------------------------------------------
     M("powersgd-residual-not-divided-by-replicas", "tpu_llm/parallel/comm.py",

@@ -67,10 +67,10 @@ def test_xla_dumps_the_fake_tpu_step_and_its_tf2xla_module_passes_with_the_offli
 @pytest.mark.slow
 def test_the_cpus_optimized_module_is_core_0_heavy_and_the_line_fails_naming_it(dumped):
     # XLA's CPU passes rewrite the attention's batched matmuls without their sharding (a CPU has one device
-    # and no sharding passes): the after-optimizations module, chosen because its other matmuls carry
-    # cores, leaves them to core 0, as a TPU would run them. A real core-0-heavy module, from XLA itself.
+    # and no sharding passes): the after-optimizations module leaves them to core 0. A real core-0-heavy
+    # module, from XLA itself (and the reason the doctor's verdict reads the module before XLA's passes).
     directory, offline = dumped
-    check = hlo.audit_dump(directory, 2, 1, bridge="mlir")
+    check = hlo.audit_dump(directory, 2, 1, bridge="mlir", stage="after")
     assert check.status == "FAIL" and check.values["stage"] == "after optimizations", check.line()
     assert check.name == "hlo mlir" and check.fix == FIX["hlo mlir"]
     assert check.numbers.startswith("2 x 1, mlir bridge (after optimizations): forward matmuls of the stages: [")
@@ -113,21 +113,21 @@ def _write(directory, files: dict):
 
 def test_a_core_0_heavy_module_is_a_fail_line_naming_the_layout_and_the_counts(tmp_path):
     _write(tmp_path, {"module_0001.forward.before_optimizations.txt": FORWARD_ONLY,
-                      "module_0002.step.before_optimizations.txt": EVEN,
-                      "module_0002.step.tpu_after_optimizations.txt": HEAVY})
-    check = hlo.audit_dump(str(tmp_path), 2, 1)
+                      "module_0002.step.before_optimizations.txt": HEAVY,
+                      "module_0002.step.tpu_after_optimizations.txt": EVEN})
+    check = hlo.audit_dump(str(tmp_path), 2, 1)  # the module the bridge handed XLA
     assert check.status == "FAIL" and check.values["module"] == "module_0002.step", check.line()
-    assert check.line() == ("FAIL  hlo default    2 x 1, default bridge (after optimizations): forward matmuls of the "
+    assert check.line() == ("FAIL  hlo default    2 x 1, default bridge (before optimizations): forward matmuls of the "
                             "stages: [2, 0] (not within 25% of an even split) (core 0 heavy); forward matmuls per "
                             "core [2, 0] (1 without a core, on core 0); backward matmuls per core [1, 1]; dump in "
                             f"{tmp_path}")
-    check = hlo.audit_dump(str(tmp_path), 2, 1, stage="before")
+    check = hlo.audit_dump(str(tmp_path), 2, 1, stage="after")
     assert check.status == "PASS" and check.numbers.endswith(
         "forward matmuls per core [1, 1]; backward matmuls per core [1, 1]"), check.line()
     assert check.values["counts"]["after"]["backward matmuls"] == {"0": 1, "1": 1}  # the fusion's core
     # one stage of two tensor groups: the same rule within the stage
     assert hlo.audit_dump(str(tmp_path), 1, 2).numbers.startswith(
-        "1 x 2, default bridge (after optimizations): forward matmuls of stage 0's tensor groups: [2, 0]")
+        "1 x 2, default bridge (before optimizations): forward matmuls of stage 0's tensor groups: [2, 0]")
 
 
 def test_no_dump_or_no_train_step_is_a_warning_naming_the_directory(tmp_path):

@@ -87,9 +87,11 @@ def audit_dump(directory: str, stages: int, tensor: int, bridge: str = "default"
                stage: str = "") -> Check:
     """The line for the train step's module among those dumped in `directory` (`only`: the module names
     to consider, e.g. those new since the step was built): the one with the most backward matmuls. Its
-    after-optimizations text is audited when its matmuls carry cores (a TPU's passes keep every
-    instruction's core), else its before-optimizations text (tf2xla's output), and the line says which;
-    `stage` ("before", "after") chooses instead."""
+    before-optimizations text is audited: the program the bridge (tf2xla or MLIR) handed XLA, where
+    issue 38 found the cores lost. After XLA's own passes a core may be gone for reasons that are not a
+    misplacement (here the CPU's passes rewrite batched matmuls without their sharding; a TPU's
+    partitioner consumes the shardings it implements), so those counts are kept in the values only;
+    `stage` ("before", "after") chooses another text."""
     name, layout = f"hlo {bridge}", f"{stages} x {tensor}, {bridge} bridge"
     found = {m: paths for m, paths in modules(directory).items() if only is None or m in only}
     values = {"directory": directory, "stages": stages, "tensor": tensor, "bridge": bridge, "modules": len(found)}
@@ -106,10 +108,7 @@ def audit_dump(directory: str, stages: int, tensor: int, bridge: str = "default"
         return Check(name, "WARN", f"{layout}: none of the {len(found)} modules XLA dumped in {directory} has a "
                      "backward matmul (no train step among them)", values)
     module, parsed = best
-    if not stage:
-        stage = "after" if "after" in parsed and any(
-            ins.core is not None for ins in parsed["after"].instructions.values()
-            if ins.opcode in placement_audit.MATMULS) else "before"
+    stage = stage or "before"
     counts = count(parsed[stage])
     values.update(module=module, stage=f"{stage} optimizations",
                   counts={stage_: {k: {str(c): n for c, n in v.items()} for k, v in count(m).items()}
