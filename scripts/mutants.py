@@ -223,6 +223,12 @@ MUTATIONS = [
     M("doctor-does-not-say-the-runtime", "tpu_llm/tools/doctor/__init__.py",
       "    elif found.tpu and runtime:\n", "    elif False:\n",
       "tests/test_doctor.py -k runtime_and_libtpu"),
+    M("doctor-hlo-ignores-matmuls-without-a-core", "tpu_llm/tools/doctor/hlo.py",
+      "counts[kind][0 if core is None else core] += 1", "counts[kind][core] += core is not None",
+      "tests/test_doctor_hlo.py -k 'core_0_heavy'"),
+    M("doctor-hlo-reads-the-optimized-module", "tpu_llm/tools/doctor/hlo.py",
+      'stage = stage or "before"', 'stage = stage or "after"',
+      "tests/test_doctor_hlo.py -k 'core_0_heavy'"),
     # ---- comm ---------------------------------------------------------------------------------------
     M("powersgd-residual-not-divided-by-replicas", "tpu_llm/parallel/comm.py",
       "updates.append((e, tf.reshape(mat - approx / replicas, shape)))",

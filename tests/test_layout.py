@@ -19,7 +19,7 @@ PACKAGE = ROOT / "tpu_llm"
 LAYERS = [
     # leaves anyone may import
     {"__init__", "config", "config_reading", "errors", "tf_compat", "perf", "tether", "native_log", "peak",
-     "run_layout", "files", "model_spec", "tpu_chips"},
+     "run_layout", "files", "model_spec", "tpu_chips", "xla_flags"},
     {"cloud", "tokenizers", "model"},
     {"data"},
     {"parallel"},

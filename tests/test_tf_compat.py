@@ -401,3 +401,14 @@ def test_the_offline_tpu_strategys_cores_handles_and_the_adam_moments():
     moments = tf_compat.adam_moments(keras.optimizers.LossScaleOptimizer(optimizer))
     assert [tuple(m.shape) for _, m, _ in moments] == [tuple(v.shape) for v, _, _ in moments] == [(2, 3), (4,)]
     assert [w for w, _, _ in moments] == variables
+
+
+def test_mlir_bridge_forced_follows_the_public_switches():
+    was = tf_compat.mlir_bridge_forced()
+    try:
+        tf.config.experimental.enable_mlir_bridge()
+        assert tf_compat.mlir_bridge_forced()
+        tf.config.experimental.disable_mlir_bridge()
+        assert not tf_compat.mlir_bridge_forced()
+    finally:
+        (tf.config.experimental.enable_mlir_bridge if was else tf.config.experimental.disable_mlir_bridge)()

@@ -195,3 +195,12 @@ def adam_moments(optimizer) -> list[tuple]:
     variables)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # under LossScaleOptimizer
     return list(zip(inner._trainable_variables, inner._momentums, inner._velocities))  # noqa: SLF001
+
+
+def mlir_bridge_forced() -> bool:
+    """Whether the MLIR bridge is forced on in this process (TF_XLA_FLAGS=--tf_mlir_enable_mlir_bridge=true
+    or tf.config.experimental.enable_mlir_bridge): TF's `TF_IsMlirBridgeEnabled` state, 1 for enabled (0 is
+    unspecified, 2 disabled); TF has no public getter."""
+    from tensorflow.python.eager import context
+
+    return int(context.context().enable_mlir_bridge) == 1

@@ -258,8 +258,10 @@ devices; replicas' weights bit-identical; bfloat16 loss close to float32; a chec
 --run_dir (gs:// on a TPU); input pipeline faster than the step; measured step time against `tpu-llm
 plan`; memory. Then, as its own line, the same model in pipeline stages x tensor groups sized to the
 devices found (2 x 2 where 4 divides their number, 2 x 1 on two, none on one): each stage on its own
-device or core, the same loss. Writes <run_dir>/doctor.json; exits 2 when a check fails, with what to
-do under each FAIL line (docs/doctor.md).""",
+device or core, the same loss. On a TPU VM last, the same layout one step in mixed_bfloat16, dropout 0.1,
+grad_accum 2 under the default and the MLIR bridge: its matmuls per core in the HLO XLA dumps (hlo lines).
+Writes <run_dir>/doctor.json; exits 2 when a check fails, with what to do under each FAIL line
+(docs/doctor.md).""",
          run_dir="where doctor.json and the round-trip checkpoint go (gs:// on a TPU)",
          tpu="as train's tpu= ('' finds a Colab/Kaggle TPU or TPU_NAME, local on a TPU VM, a name or grpc://)",
          strategy="as train's strategy=", cpu_devices="logical CPU devices when there is no accelerator",
@@ -267,11 +269,17 @@ do under each FAIL line (docs/doctor.md).""",
          tensor="tensor groups of the model-parallel run (0 = chosen from the devices)", steps="steps of each tiny run")
 def doctor(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu_devices: int = 8,
            stages: int = 0, tensor: int = 0, steps: int = 4):
+    import tempfile
+
+    from tpu_llm import xla_flags
+
+    # XLA reads XLA_FLAGS once, on first use: the hlo lines' dump is asked for before TensorFlow is imported
+    dump = "" if pjrt.not_here(tpu) else xla_flags.ask_dump(tempfile.mkdtemp(prefix=xla_flags.PREFIX))
     from tpu_llm.tools import doctor
 
     # the runtime and libtpu `main` pointed TensorFlow at (pjrt.set_variables), said on doctor's first lines
     doctor.main(run_dir=run_dir, tpu=tpu, strategy=strategy, cpu_devices=cpu_devices, stages=stages,
-                tensor=tensor, steps=steps, runtime=pjrt.describe())
+                tensor=tensor, steps=steps, runtime=pjrt.describe(), hlo_dump=dump)
 
 
 @command("info", "what this machine offers (GPUs, TPU, TF_CONFIG) and which strategy a run would use",

@@ -162,12 +162,9 @@ def decide(tpu: str = "", *, env: Mapping[str, str] | None = None, root: str = "
     `libtpu` (the wheel's library; found and version-checked when None) and `metadata` are for tests.
     """
     env = os.environ if env is None else env
-    if env.get("TPU_LOAD_LIBRARY", "").strip() == "0":  # a pod's worker 0: its TF server holds the chips
-        return Runtime("", None, None, "TPU_LOAD_LIBRARY=0", {})
-    if _remote(tpu) or _remote(env.get("TPU_NAME", "").strip()):  # the TPU's own hosts run the ops
-        return Runtime("", None, None, "a TPU reached over the network", {})
-    if not (tpu_vm(root) or tpu == "local" or env.get("TPU_NAME", "").strip() == "local"):
-        return Runtime("", None, None, "not a TPU VM", {})
+    elsewhere = not_here(tpu, env=env, root=root)
+    if elsewhere:
+        return Runtime("", None, None, elsewhere, {})
     kind, seen = generation(env=env, root=root, metadata=metadata)
     path, why = _library(env, root, libtpu)
     if not path:  # nothing to load: tpu-llm's TPU connection error says what to install
@@ -178,6 +175,18 @@ def decide(tpu: str = "", *, env: Mapping[str, str] | None = None, root: str = "
     runtime = "PJRT" if C_API in wanted else "TF's TPU runtime (PJRT is documented for v5e, v5p and v6e only)"
     return Runtime(runtime, kind, path, f"{why}; generation from {seen}", {k: v for k, v in wanted.items()
                                                                             if not env.get(k)})
+
+
+def not_here(tpu: str = "", *, env: Mapping[str, str] | None = None, root: str = "/") -> str:
+    """Why this process does not run a TPU's programs itself ('' when it does: a TPU VM, or tpu=local)."""
+    env = os.environ if env is None else env
+    if env.get("TPU_LOAD_LIBRARY", "").strip() == "0":  # a pod's worker 0: its TF server holds the chips
+        return "TPU_LOAD_LIBRARY=0"
+    if _remote(tpu) or _remote(env.get("TPU_NAME", "").strip()):  # the TPU's own hosts run the ops
+        return "a TPU reached over the network"
+    if not (tpu_vm(root) or tpu == "local" or env.get("TPU_NAME", "").strip() == "local"):
+        return "not a TPU VM"
+    return ""
 
 
 def _remote(tpu: str) -> bool:

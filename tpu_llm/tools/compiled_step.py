@@ -226,9 +226,10 @@ def arguments(function, cluster_: Cluster, variables: list) -> tuple[list, list]
     return args, owners_of_args
 
 
-def compile_hlo(cluster_: Cluster, args: list, arg_cores: list[int]) -> str:
+def compile_hlo(cluster_: Cluster, args: list, arg_cores: list[int], stage: str = "hlo") -> str:
     """Step 3: the HLO text XlaCompiler makes of the computation, for `args` (tensors, and variables'
-    handles for the resources) assigned to `arg_cores`."""
+    handles for the resources) assigned to `arg_cores`. `stage` "optimized_hlo" also runs XLA's CPU
+    passes, as a real compile does: XLA_FLAGS=--xla_dump_to then dumps the module (tests/test_doctor_hlo.py)."""
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(cluster_.graph_def, name="")
@@ -242,7 +243,7 @@ def compile_hlo(cluster_: Cluster, args: list, arg_cores: list[int]) -> str:
                                         inputs, outputs, f"tpu_replica_computation_{next(_COMPILED)}")
     for i, core in enumerate(arg_cores):  # as DistributedTPURewritePass marks the _Arg nodes
         fdef.arg_attr[i].attr["_XlaSharding"].s = tf_compat.maximal_sharding(core)
-    return tf_compat.compiler_ir(fdef, cluster_.library, args, stage="hlo")
+    return tf_compat.compiler_ir(fdef, cluster_.library, args, stage=stage)
 
 
 # ---- reading the HLO text --------------------------------------------------------------------------
@@ -261,6 +262,7 @@ class Instruction:
     op_name: str  # the TensorFlow op it came from (metadata), "" if none
     attributes: str
     root: bool = False
+    computation: str = ""  # the computation it is in (a fusion's body: what the fusion calls)
 
     def dims(self) -> tuple[int, ...]:
         found = re.match(r"\w+\[([\d,]*)\]", self.shape)
@@ -305,7 +307,7 @@ class Module:
             core = re.search(r"sharding=\{maximal device=(\d+)\}", attributes)
             op_name = re.search(r'op_name="([^"]*)"', attributes)
             ins = Instruction(name, shape, opcode, operands, int(core.group(1)) if core else None,
-                              op_name.group(1) if op_name else "", attributes, bool(is_root) and entry)
+                              op_name.group(1) if op_name else "", attributes, bool(is_root) and entry, computation)
             instructions[name] = ins
             if entry and opcode == "parameter":
                 parameters[int(re.match(r"\s*(\d+)", rest).group(1))] = ins

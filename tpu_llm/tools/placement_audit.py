@@ -93,14 +93,10 @@ class CompiledAudit:
         if P > 1 and self.counts["weight-shaped adds"][None]:  # (one stage: its core is where they default to)
             out.append(Problem("unplaced", f"{self.counts['weight-shaped adds'][None]} adds of a weight's shape "
                                            "(gradient sums: accumulation, a tied table's uses) carry no core"))
-        for kind in ("forward matmuls", "backward matmuls"):
-            if T > 1:
-                for i in range(P):
-                    self._even(out, kind, [i * T + g for g in range(T)], f"stage {i}'s tensor groups")
-            if P > 1:
-                self._even(out, kind, [range(i * T, (i + 1) * T) for i in range(P)], "the stages")
+        out += matmul_spread(self.counts, P, T)
         if P > 1:
-            self._even(out, "collectives", [i * T for i in range(P)], "the stages' first cores")
+            out += uneven(self.counts["collectives"], "collectives", [i * T for i in range(P)],
+                          "the stages' first cores")
         out += [Problem("off its stage", f"{n} matmuls of block {b} on core {c}; its stage's cores are {first}-{last}")
                 for (b, c, first, last), n in sorted(self.off_stage.items())]
         if P > 1 and self.wide_unplaced_collectives:  # (one stage: its core is where they default to)
@@ -124,17 +120,33 @@ class CompiledAudit:
                                               + "; ".join(w for _, w in found[:3])))
         return out
 
-    def _even(self, out: list, kind: str, groups: list, what: str) -> None:
-        counter = self.counts[kind]
-        if not sum(counter.values()):  # none at all (the evaluation step's backward)
-            return
-        counts = [sum(counter.get(c, 0) for c in (g if isinstance(g, range) else [g])) for g in groups]
-        mean = sum(counts) / len(counts)
-        if mean == 0 or any(abs(n - mean) > TOLERANCE * mean for n in counts):
-            heavy = " (core 0 heavy)" if counts[0] == max(counts) and counts[0] > (1 + TOLERANCE) * mean else ""
-            out.append(Problem("uneven", f"{kind} of {what}: {counts} (not within {TOLERANCE:.0%} of an even "
-                                         f"split){heavy}"))
 
+def uneven(counter: collections.Counter, kind: str, groups: list, what: str) -> list[Problem]:
+    """[the Problem] when the `groups` (a core, or a range of cores each) do not share `counter`'s
+    instructions within TOLERANCE of even, naming core 0 when it is the heavy one; [] when they do, or
+    when there are none of `kind` at all (the evaluation step's backward)."""
+    if not sum(counter.values()):
+        return []
+    counts = [sum(counter.get(c, 0) for c in (g if isinstance(g, range) else [g])) for g in groups]
+    mean = sum(counts) / len(counts)
+    if mean and all(abs(n - mean) <= TOLERANCE * mean for n in counts):
+        return []
+    heavy = " (core 0 heavy)" if counts[0] == max(counts) and counts[0] > (1 + TOLERANCE) * mean else ""
+    return [Problem("uneven", f"{kind} of {what}: {counts} (not within {TOLERANCE:.0%} of an even split){heavy}")]
+
+
+def matmul_spread(counts: dict, stages: int, tensor: int) -> list[Problem]:
+    """The forward and backward matmuls (counts[kind]: Counter(core -> instructions)) shared within
+    TOLERANCE of even by each stage's tensor groups and by the stages: the rule of the offline audit and
+    of `tpu-llm doctor`'s audit of a TPU's own HLO dump (tools/doctor/hlo.py)."""
+    P, T, out = stages, tensor, []
+    for kind in ("forward matmuls", "backward matmuls"):
+        if T > 1:
+            for i in range(P):
+                out += uneven(counts[kind], kind, [i * T + g for g in range(T)], f"stage {i}'s tensor groups")
+        if P > 1:
+            out += uneven(counts[kind], kind, [range(i * T, (i + 1) * T) for i in range(P)], "the stages")
+    return out
 
 def _kernel_shapes(step: Step) -> set:
     """The shapes (sorted, without 1s) of every block's weight matrices, and gpt2's qkv kernel as the

@@ -25,6 +25,10 @@ then, as its own check, the least proven path:
                   each stage's variables and AdamW moments on its own device or logical core, adding
                   up to `tpu-llm plan`'s per-stage parameters; replicas bit-identical; the mean loss
                   equal to the data-parallel run's on the same batches
+  hlo default     on a TPU only, the same layout trained one step in mixed_bfloat16 with dropout 0.1 and
+  hlo mlir        grad_accum 2, with the bridge TensorFlow chooses and then with the MLIR bridge: per
+                  core, the forward and backward matmuls of the train step's module in the HLO XLA's
+                  TPU compiler dumped (hlo.py), within 25% of even; a core-0-heavy layout is a FAIL
 
 so a failing model-parallel run costs one line, never the others. A check that crashes is that
 check's FAIL, with its error; only a crash of the data-parallel run itself is the one `run` line.
@@ -34,7 +38,7 @@ strategy reuses it: tpu._CONNECTED), a 2-block width-64 model, three training pr
 bfloat16 data-parallel, float32 model-parallel; the timed second call of the float32 run reuses its
 program), no evaluation, no samples. The float32 run's first call includes the compilation and is not
 timed. The memory line compiles a one-block model's step twice (dense, and with both options) on the
-first device: seconds.
+first device: seconds. On a TPU VM the two hlo lines add two more programs (not measured on one).
 
 This module runs the checks in that order (`run`); they live one family to a module beside it:
 `devices.py` (the devices line), `data_parallel.py` (replicas, bfloat16, checkpoint, input, plan,
@@ -49,12 +53,13 @@ import dataclasses
 import datetime
 import json
 import os
+import tempfile
 import time
 
 import keras
 import tensorflow as tf
 
-from tpu_llm import __version__
+from tpu_llm import __version__, xla_flags
 from tpu_llm.cloud import pod_check
 from tpu_llm.config import Config, load_config
 from tpu_llm.data import sources
@@ -63,6 +68,7 @@ from tpu_llm.parallel import distribute
 from tpu_llm.parallel import tpu as tpus
 from tpu_llm.tools.doctor.data_parallel import (check_bfloat16, check_checkpoint, check_input, check_plan,
                                                 check_profile, check_replicas, input_windows_per_second)
+from tpu_llm.tools.doctor import hlo
 from tpu_llm.tools.doctor.devices import check_devices, devices_fix
 from tpu_llm.tools.doctor.memory import check_memory, first_device
 from tpu_llm.tools.doctor.model_parallel import check_model_parallel, device_count, layout
@@ -110,10 +116,25 @@ def _guarded(name: str, check, *args) -> Check:
 
 
 def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu_devices: int = 8,
-        stages: int = 0, tensor: int = 0, steps: int = 4, say=print, runtime: str = "") -> list[Check]:
+        stages: int = 0, tensor: int = 0, steps: int = 4, say=print, runtime: str = "",
+        hlo_dump: str | None = None) -> list[Check]:
     """Run every check; print the table; write <run_dir>/doctor.json; returns the checks. `runtime`: which
     TPU runtime and libtpu this process was pointed at before TensorFlow started (the CLI's
-    cli/pjrt.describe()), printed when a TPU is found."""
+    cli/pjrt.describe()), printed when a TPU is found. `hlo_dump`: where
+    XLA was asked to dump (the CLI asks before TensorFlow is imported; '' for nowhere); None: asked here,
+    on a TPU VM, before the first TPU contact."""
+    flags = os.environ.get("XLA_FLAGS")
+    try:
+        return _run(run_dir, tpu, strategy, cpu_devices, stages, tensor, steps, say, runtime, hlo_dump)
+    finally:  # the dump was asked for this run only (XLA itself reads the variable once per process)
+        if flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = flags
+
+
+def _run(run_dir: str, tpu: str, strategy: str, cpu_devices: int, stages: int, tensor: int, steps: int,
+         say, runtime: str, dump: str | None) -> list[Check]:
     if not isinstance(steps, int) or steps < 2:
         raise UserError(f"--steps={steps!r} must be an integer >= 2 (the first call compiles, the rest is timed)")
     started = time.perf_counter()
@@ -128,6 +149,9 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
         remote = False
     # a remote TPU (a pod from worker 0, tpu=<name>) reads its data from shared storage, never local files
     train = stage_data(os.path.join(work, "data")) if remote and tpus.shared_storage(run_dir) else ""
+    # a TPU VM compiles here: XLA dumps what it compiles (the hlo lines), asked before the first TPU contact
+    if dump is None:
+        dump = xla_flags.ask_dump(tempfile.mkdtemp(prefix=xla_flags.PREFIX)) if found.tpu and not remote else ""
     # data parallel first: one replica per TPU core, GPU or logical CPU, no stages, no tensor groups
     cfg = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, 1, 1, steps, train=train)
     checks: list[Check] = []
@@ -186,6 +210,8 @@ def run(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", cpu
     checks.append(_guarded("memory", check_memory, first_device(dist.strategy)))
     # the least proven path last, on its own line
     checks.append(check_model_parallel(make_cfg, found, dist, stages, tensor, steps, f32_loss))
+    if dist.name == "tpu":  # XLA's TPU compiler is what they read
+        checks += _hlo_lines(make_cfg, found, stages, tensor, "" if remote else dump, devices)
     return _finish(checks, run_dir, started, say)
 
 
@@ -196,6 +222,22 @@ def found_lines(found, remote: bool, runtime: str) -> list[str]:
         lines.append("TPU runtime: the TF servers of the TPU's hosts, reached over the network; no libtpu here")
     elif found.tpu and runtime:
         lines.append(runtime)
+    return lines
+
+
+def _hlo_lines(make_cfg, found, stages: int, tensor: int, dump: str, devices: int) -> list[Check]:
+    """The hlo default and hlo mlir lines (hlo.py): SKIP where this process does not compile the TPU's
+    programs (no dump) or the layout does not fit."""
+    lines = []
+    for bridge in hlo.BRIDGES:
+        if not dump:
+            lines.append(Check(f"hlo {bridge}", "SKIP", "the TPU's hosts compile its programs, not this process "
+                               "(a TPU over the network, a pod's worker 0): set XLA_FLAGS=--xla_dump_to=DIR "
+                               "--xla_dump_hlo_as_text there to read them"))
+        elif devices % (stages * tensor):
+            lines.append(Check(f"hlo {bridge}", "SKIP", f"{stages} x {tensor} does not fit (model parallel line)"))
+        else:
+            lines.append(_guarded(f"hlo {bridge}", hlo.check_hlo, make_cfg, found, stages, tensor, bridge, dump))
     return lines
 
 
@@ -211,8 +253,10 @@ def _finish(checks: list[Check], run_dir: str, started: float, say) -> list[Chec
     path = os.path.join(run_dir, "doctor.json")
     with tf.io.gfile.GFile(path, "w") as f:
         f.write(json.dumps(report, indent=1, default=str) + "\n")
+    warned = sum(c.status == "WARN" for c in checks)
     say(f"doctor    {sum(c.status == 'PASS' for c in checks)} passed, {sum(c.status == 'FAIL' for c in checks)} "
-        f"failed, {sum(c.status == 'SKIP' for c in checks)} skipped in {seconds:.0f} s; wrote {path}")
+        f"failed, {f'{warned} warned, ' if warned else ''}{sum(c.status == 'SKIP' for c in checks)} "
+        f"skipped in {seconds:.0f} s; wrote {path}")
     return checks
 
 

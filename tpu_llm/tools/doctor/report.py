@@ -24,6 +24,12 @@ FIX = {
             "compare `tpu-llm plan --accelerator ...` with this machine's type",
     "profile": "TensorFlow's profiler cannot trace here: train without train.profile_steps, and report it with "
                "doctor.json",
+    "hlo default": "the TPU's compiler put the pipeline stages' or tensor groups' matmuls on too few cores (the "
+                   "numbers above): train with parallel.pipeline_stages=1 parallel.tensor=1 here and report it with "
+                   "doctor.json and the HLO dump it names (issue 38)",
+    "hlo mlir": "with the MLIR bridge the stages' or groups' matmuls land on too few cores, or the step does not "
+                "compile: do not set TF_XLA_FLAGS=--tf_mlir_enable_mlir_bridge=true for model-parallel runs here; "
+                "report it with doctor.json and the HLO dump it names",
     "memory": "train with train.loss_chunk=0 model.attention=dense if the results differ, and plan with a margin if "
               "the memory differs from the planner's; report it with doctor.json",
 }
@@ -32,7 +38,7 @@ FIX = {
 @dataclasses.dataclass
 class Check:
     name: str
-    status: str  # PASS, FAIL or SKIP
+    status: str  # PASS, FAIL, WARN (worth knowing, not a failure) or SKIP
     numbers: str  # what was measured, one line
     values: dict = dataclasses.field(default_factory=dict)  # the same as numbers, for doctor.json
     fix: str = ""  # what to do when it failed, if more precise than FIX[name]
