@@ -212,7 +212,8 @@ def _dataset(cfg: Config, dist: Distribution, tokenizer, source, training: bool,
     seed = None if dist.asynchronous and training else cfg.train.seed
     fn = data.make_dataset_fn(source, tokenizer, cfg.data.seq_len, cfg.train.batch_size,
                               training=training, seed=seed, shuffle_buffer=cfg.data.shuffle_buffer,
-                              with_position=training and not dist.asynchronous, **resume)
+                              with_position=training and not dist.asynchronous, vocab_size=cfg.model.vocab_size,
+                              **resume)
     return dist.distribute_dataset(fn), fn
 
 
