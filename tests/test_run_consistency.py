@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
-from helpers import TINY_FLAGS
-from test_trust_boundaries import Refusal
+from helpers import TINY_FLAGS, trained_run, write_corpus
+from test_trust_boundaries import Refusal, run_copy  # noqa: F401 (a fixture: a copy of this module's `trained`)
 
 from tpu_llm.data import sources
 
@@ -53,3 +53,85 @@ def test_a_shard_id_past_the_vocabulary_stops_the_run_in_one_line_whatever_meta_
                                    "prepare them again with this run's tokenizer")), last
     assert not r.changed
     assert not list((run / "checkpoints").glob("ckpt-*")), "a checkpoint was saved"
+
+
+# ---- a run's files against each other: links, tokenizer -------------------------------------------------
+
+SNOWMAN = "\u2603"  # in no corpus of the tests: a character the run's vocabulary does not hold
+FLAGS = [*TINY_FLAGS, "--checkpoint.every_steps=2", "--data.tokenizer=char", "--execution=graph",
+         "--model.vocab_size=128"]  # room for a larger vocabulary: the ids alone cannot tell two apart
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run (char vocabulary of ~117 ids in an embedding of 128, checkpoints at steps 2 and 4), its flags."""
+    return trained_run(tmp_path_factory.mktemp("trained"), FLAGS)
+
+
+def commands(run: Path, flags: list, tmp_path: Path) -> dict[str, list]:
+    """Each command that reads the run: a resumed train, generate, export, report."""
+    return {"train": ["train", f"--run_dir={run}", *flags, "--train.steps=6"],
+            "generate": ["generate", "--run_dir", run, "--prompt", "a", "--max_new_tokens", "4"],
+            "export": ["export", "--run_dir", run, "--output", tmp_path / "export"],
+            "report": ["report", "--run_dir", run]}
+
+
+@pytest.mark.parametrize("rel", ["tokenizer/vocab.json", "checkpoints/old/ckpt-2.index", "export/variables/x",
+                                 "notes.txt"])
+def test_a_link_anywhere_in_the_run_directory_is_refused_by_every_command(run_copy, tmp_path, capsys, rel):
+    """Issue 40 #3: a link at a name of no list, or in a subdirectory other than checkpoints/ and logs/, was
+    read or written through (report.png, under a link, got the plot written into the link's target)."""
+    run, flags = run_copy
+    (tmp_path / "outside").write_text("precious")
+    (run / rel).parent.mkdir(parents=True, exist_ok=True)
+    (run / rel).symlink_to(tmp_path / "outside")
+    for command, args in commands(run, flags, tmp_path).items():
+        r = Refusal(capsys, args, run, tmp_path)
+        r.assert_refused(f"holds a symbolic link, {rel} -> {tmp_path / 'outside'}; tpu-llm never reads or writes")
+    assert (tmp_path / "outside").read_text() == "precious"
+
+
+def replace_tokenizer(run: Path, more: bool) -> None:
+    """The run's char vocabulary with one character more (`more`), or one character swapped: the same size."""
+    spec = json.loads((run / "tokenizer.json").read_text())
+    spec["chars"] = spec["chars"] + SNOWMAN if more else spec["chars"][:-1] + SNOWMAN
+    (run / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+
+
+REFUSED = "was trained with another tokenizer than"
+
+
+@pytest.mark.parametrize("more", [False, True])
+def test_generate_and_export_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(run_copy, tmp_path, capsys, more):
+    """Issue 40 #5: a tokenizer.json replaced by another vocabulary that fits the embedding (the same size, or
+    a larger one within model.vocab_size) generated garbage with exit 0; the checkpoint records the
+    tokenizer's content hash."""
+    run, flags = run_copy
+    replace_tokenizer(run, more)
+    for command in ("generate", "export"):
+        Refusal(capsys, commands(run, flags, tmp_path)[command], run, tmp_path).assert_refused(
+            f"checkpoint {run}/checkpoints/ckpt-4 {REFUSED} {run}/tokenizer.json (sha256 ")
+
+
+def test_a_resume_refuses_a_tokenizer_the_checkpoint_was_not_trained_with(run_copy, tmp_path, capsys):
+    """Issue 40 #5: a resumed run took a replaced tokenizer.json that covers its data and fits the embedding
+    (one character more), and trained on with every id meaning another character."""
+    run, flags = run_copy
+    replace_tokenizer(run, more=True)
+    Refusal(capsys, commands(run, flags, tmp_path)["train"], run).assert_refused(
+        f"checkpoint {run}/checkpoints/ckpt-4 {REFUSED} {run}/tokenizer.json")
+
+
+def test_init_from_refuses_a_run_whose_tokenizer_was_replaced_since_its_checkpoint(run_copy, tmp_path, capsys):
+    """Issue 40 #5: train.init_from compares the source's tokenizer.json with this run's; a source whose
+    tokenizer.json was replaced (here by the vocabulary of this run's data) passed that and started from
+    weights trained on other ids."""
+    run, flags = run_copy
+    replace_tokenizer(run, more=True)
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus)
+    (corpus / "snowman.txt").write_text(SNOWMAN + "\n")
+    new = tmp_path / "new"
+    args = ["train", f"--run_dir={new}", f"--data.train={corpus / '*.txt'}", *FLAGS, f"--train.init_from={run}"]
+    Refusal(capsys, args, run).assert_refused(f"checkpoint {run}/checkpoints/ckpt-4 {REFUSED} {run}/tokenizer.json")
+    assert [p.name for p in new.iterdir()] == [".tpu-llm-lock"]  # (empty: the lock is no content of its own)

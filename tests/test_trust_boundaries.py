@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import TINY_FLAGS, time_limit, write_corpus, write_gpt2, write_safetensors
+from helpers import TINY_FLAGS, copy_run, time_limit, trained_run, write_gpt2, write_safetensors
 
 from tpu_llm import cli, files
 from tpu_llm.errors import UserError
@@ -73,18 +73,12 @@ class Refusal:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The module's run (4 steps, checkpoints at 2 and 4) and the flags that trained it."""
-    tmp = tmp_path_factory.mktemp("trained")
-    write_corpus(tmp / "corpus")
-    flags = [f"--data.train={tmp / 'corpus' / '*.txt'}", *FLAGS]
-    assert cli.main(["train", f"--run_dir={tmp / 'run'}", *flags]) == 0
-    return tmp / "run", flags
+    return trained_run(tmp_path_factory.mktemp("trained"), FLAGS)
 
 
 @pytest.fixture
 def run_copy(trained, tmp_path):
-    run, flags = trained
-    shutil.copytree(run, tmp_path / "run")
-    return tmp_path / "run", flags
+    return copy_run(trained, tmp_path)
 
 
 def resume(run: Path, flags: list) -> list:

@@ -158,8 +158,8 @@ def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "")
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
                                 cluster=bool(dist.task or dist.asynchronous), io_device=dist.io_device,
-                                model_config=cfg.model, model=model, optimizer=optimizer, rng=rng,
-                                **(communication.trackables() if communication else {}))
+                                model_config=cfg.model, tokenizer=tokenizer, model=model, optimizer=optimizer,
+                                rng=rng, **(communication.trackables() if communication else {}))
     # the chief holds the lock from before the newest checkpoint is read until train ends (Run.release, or
     # this process does): another trainer cannot save a checkpoint between that read and this run's writes
     lock = run_lock.acquire(cfg.run_dir) if dist.is_chief else None
