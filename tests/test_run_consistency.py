@@ -12,10 +12,15 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers import TINY_FLAGS, trained_run, write_corpus
 from test_trust_boundaries import Refusal, run_copy  # noqa: F401 (a fixture: a copy of this module's `trained`)
 
+from tpu_llm.data import dataset as data
 from tpu_llm.data import sources
+from tpu_llm.errors import UserError
+from tpu_llm.training import checkpoint
 
 CHARS = "abcdefghij"  # a char tokenizer of 12 ids: the 10 characters, end-of-text and unknown
 
@@ -135,3 +140,35 @@ def test_init_from_refuses_a_run_whose_tokenizer_was_replaced_since_its_checkpoi
     args = ["train", f"--run_dir={new}", f"--data.train={corpus / '*.txt'}", *FLAGS, f"--train.init_from={run}"]
     Refusal(capsys, args, run).assert_refused(f"checkpoint {run}/checkpoints/ckpt-4 {REFUSED} {run}/tokenizer.json")
     assert [p.name for p in new.iterdir()] == [".tpu-llm-lock"]  # (empty: the lock is no content of its own)
+
+
+# ---- records of a run or shard directory from elsewhere: read, or one line ----------------------------
+
+KEYS = st.sampled_from(["model", "max_id", "shard_records", "shard_tokens", "shard_bytes", "a.tfrecord", "n_layer"])
+VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS | st.text(max_size=4), inner,
+                                                                                   max_size=4), max_leaves=12)
+RECORDS = VALUES.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=120)
+
+
+@settings(max_examples=300, derandomize=True, database=None, deadline=None)
+@given(raw=RECORDS)
+def test_property_a_run_config_and_a_shards_meta_json_are_read_or_one_line(tmp_path_factory, raw):
+    """config.yaml and a shard directory's meta.json come with directories copied from anywhere: whatever
+    they hold, they are read (meta.json's unusable parts ignored) or refused in one UserError line."""
+    folder = tmp_path_factory.mktemp("records")
+    for name in ("config.yaml", "meta.json"):
+        (folder / name).write_bytes(raw)
+    try:
+        saved = checkpoint.read_saved_config(str(folder))
+        assert isinstance(saved, dict) and isinstance(saved.get("model", {}), dict)
+    except UserError as e:
+        assert "\n" not in str(e) and "config.yaml" in str(e)
+    shard = str(folder / "a.tfrecord")
+    assert isinstance(data.read_meta(str(folder)), dict)
+    recorded = data._shard_meta([shard])
+    assert all(isinstance(n, int) and n >= 0 for counts in recorded.values() for n in counts), recorded
+    try:
+        data.check_shard_ids([shard], 300)
+    except UserError as e:
+        assert "\n" not in str(e) and "past the model's 300 ids" in str(e)
