@@ -554,6 +554,31 @@ def corrupt_record_row(bench: Bench, name: str) -> Outcome:
     return Outcome(observed, ok, lost)
 
 
+def shard_ids_row(bench: Bench, name: str) -> Outcome:
+    """Byte-level shards whose tokenizer.json was replaced by a 12-id char vocabulary and whose meta.json says
+    their largest id is 10 (a lie that passes the check before training): the input pipeline's own check
+    stops the first host call with one line naming the id; no checkpoint written (XLA gathered the ids past
+    the embedding silently, a finite loss of nonsense)."""
+    run_dir = bench.dir(name) / "run"
+    shards = run_dir.parent / "shards"
+    Proc(bench.work / f"{name}-prepare.log", ["data", "prepare", "--input", bench.corpus, "--output", str(shards),
+                                              "--shards", "2", "--tokenizer", "byte"]).wait()
+    meta = json.loads((shards / "meta.json").read_text())
+    (shards / "meta.json").write_text(json.dumps({**meta, "max_id": 10}))
+    (shards / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abcdefghij"}))
+    train, validation = sorted(shards.glob("*.tfrecord"))
+    p = Proc(bench.work / f"{name}.log", ["train", f"--run_dir={run_dir}", f"--data.train={train}",
+                                          f"--data.validation={validation}", "--data.tokenizer=char", *TINY,
+                                          f"--train.steps={STEPS}"])
+    code, text = p.wait(), p.text
+    line = error_line(text)
+    latest, _ = checkpoint_finite(run_dir)
+    lost = "no" if latest is None else f"YES: {latest} was saved"
+    ok = code == 2 and "outside the model's 12 ids" in line and not has_traceback(text) and lost == "no"
+    observed = f"exit {code}: {line or last_lines(text)}"[:300] + (" (with a traceback)" if has_traceback(text) else "")
+    return Outcome(observed, ok, lost)
+
+
 def full_disk(bench: Bench, name: str) -> Outcome:
     mount = bench.dir(f"{name}/disk")
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount)], capture_output=True,
@@ -729,6 +754,9 @@ ROWS = [
     Row("hf-tokenizer-size", "`import` with a 500 MB tokenizer.json", "exit 2, one line naming the file and the "
         "100 MB cap, before reading it; nothing written",
         refused_row(hf_import(sparse_tokenizer_json), "a tokenizer file may have")),
+    Row("shard-ids", "shards holding byte ids (up to 255) with a 12-id tokenizer.json and a meta.json that says "
+        "their largest id is 10", "exit 2, one line naming the id and the model's 12 ids; no checkpoint written",
+        shard_ids_row, reference=False),
     Row("corrupt-record", "one flipped byte mid-way through a TFRecord training shard (its size unchanged)",
         "exit 2, one line naming the shard and the byte; the checkpoints saved before it readable, unchanged by "
         "running the same command again", corrupt_record_row, reference=False),

@@ -64,7 +64,8 @@ def weights_hash(run_dir: str) -> str:
     reader = tf.train.load_checkpoint(prefix)
     digest = hashlib.sha256()
     for name in sorted(reader.get_variable_to_shape_map()):
-        if "save_counter" in name or name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH"):
+        # the tokenizer's content hash (issue 40) is no weight: left out, so fingerprints of earlier runs still compare
+        if "save_counter" in name or name.startswith(("_CHECKPOINTABLE_OBJECT_GRAPH", "tokenizer/")):
             continue
         value = reader.get_tensor(name)
         digest.update(name.encode())

@@ -131,6 +131,24 @@ TINY_FLAGS = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--m
               "--train.warmup_steps=1", "--train.eval_steps=1", "--sample.num_samples=0"]
 
 
+def trained_run(tmp: Path, flags: list) -> tuple[Path, list]:
+    """A run trained by `tpu-llm train FLAGS` through `cli.main` in this process, on a write_corpus corpus
+    under `tmp`: (its run directory, the flags that trained it, data included). For module fixtures."""
+    from tpu_llm import cli
+
+    write_corpus(tmp / "corpus")
+    flags = [f"--data.train={tmp / 'corpus' / '*.txt'}", *flags]
+    assert cli.main(["train", f"--run_dir={tmp / 'run'}", *flags]) == 0
+    return tmp / "run", flags
+
+
+def copy_run(trained: tuple[Path, list], tmp_path: Path) -> tuple[Path, list]:
+    """A copy of a `trained_run` in `tmp_path` (a test may damage it), with its flags."""
+    run, flags = trained
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run", flags
+
+
 # `python -c PAUSED train ...` runs the CLI held before its host call number PAUSE_AT_CALL (environment)
 # until the file PAUSE_UNTIL appears (never, if unset): a run surely still running, or one killed
 # between two host calls. It prints "paused" when it holds.

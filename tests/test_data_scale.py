@@ -99,6 +99,9 @@ def test_empty_inputs_give_a_one_line_error_not_a_hang(tmp_path):
     error = iterate_with_timeout(fn).get("error")
     assert isinstance(error, tf.errors.InvalidArgumentError)
     assert "a training input lane read all 2 parts of the data without a token" in error.message
+    line = str(data.input_error(error, "training", sources.Source(hollow, "tfrecord", description="shards"), 257))
+    assert line == "the training data (shards): a training input lane read all 2 parts of the data without a " \
+        "token; the data is empty"  # train's one line (actions.user_errors), not a traceback
 
 
 # --- 64-bit offsets -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,6 @@ PIECES = st.sampled_from(["ckpt-", "ckpt", "-", "0", "7", "12", "\u0663", "\u00b
                           UNFINISHED_SUFFIX, "/", "checkpoints", "run", "a.b", ""])
 NAMES = st.lists(PIECES, max_size=8).map("".join) | st.text(max_size=20)
 SUFFIXES = st.sampled_from(["", ".index", UNFINISHED_SUFFIX])
-# written only by `report` and `export`, never read by a run (`export` refuses a link at its --output)
-UNGUARDED = (run_layout.REPORT_FILE, run_layout.EXPORT_DIR, run_layout.HF_EXPORT_DIR)
 
 
 @PROPERTY
@@ -70,14 +69,36 @@ def test_the_run_directory_page_lists_the_names_of_run_layout():
             and "." not in name] == list(run_layout.LOG_SPLITS)
 
 
-@pytest.mark.parametrize("name", [n for n in run_layout.NAMES if n not in UNGUARDED] + ["config.yaml.tmp-1a2b3c4d"])
-def test_a_link_at_any_name_tpu_llm_reads_or_writes_is_refused(name, tmp_path):
-    """Every file of a run that train, generate and export read or write (hf_import.json was missed: its
-    prefix was written "import.json"), with its temporary siblings; another name is not the run's."""
-    (tmp_path / "outside").write_text("precious")
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "notes.txt").symlink_to(tmp_path / "outside")
-    run_layout.check_no_links(str(tmp_path / "run"))
-    (tmp_path / "run" / name).symlink_to(tmp_path / "outside")
-    with pytest.raises(UserError, match=f"holds a symbolic link, {re.escape(name)} -> "):
+# deeper than the run's own trees, names of no list: a link anywhere is refused, not only at the listed names
+ELSEWHERE = ["notes.txt", "config.yaml.tmp-1a2b3c4d", "checkpoints/old/ckpt-2.index", "tokenizer/vocab.json",
+             "logs/validation/events.out.tfevents.1", "logs/train/plugins/profile/trace.json.gz",
+             "export/variables/variables.index", "hf/model.safetensors", "a/b/c/d/e"]
+
+
+@pytest.mark.parametrize("rel", [*run_layout.NAMES, *ELSEWHERE])
+def test_a_link_anywhere_in_a_run_directory_is_refused_naming_it(rel, tmp_path):
+    """Issue 40 #3: only the listed names were checked (hf_import.json was missed: its prefix was written
+    "import.json"), and under them only checkpoints/ and logs/, so a link at another name or in another
+    subdirectory was read or written through. The run directory itself may be a link (a disk mounted elsewhere)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("precious")
+    real = tmp_path / "disk" / "run"
+    for name in ["checkpoints/ckpt-2.index", "logs/train/events.out.tfevents.1", "config.yaml"]:
+        (real / name).parent.mkdir(parents=True, exist_ok=True)
+        (real / name).write_text("ours")
+    (tmp_path / "run").symlink_to(real)
+    run_layout.check_no_links(str(tmp_path / "run"))  # no link inside it
+    if (real / rel).is_dir():  # checkpoints/, logs/: the link replaces the directory
+        shutil.rmtree(real / rel)
+    elif (real / rel).exists():  # config.yaml: the link replaces the file
+        (real / rel).unlink()
+    (real / rel).parent.mkdir(parents=True, exist_ok=True)
+    (real / rel).symlink_to(outside / "precious")
+    with pytest.raises(UserError, match=f"holds a symbolic link, {re.escape(rel)} -> {re.escape(str(outside))}/"):
         run_layout.check_no_links(str(tmp_path / "run"))
+    if rel.split("/")[0] == run_layout.CHECKPOINT_DIR:  # before a save: checkpoints/ only
+        with pytest.raises(UserError, match=re.escape(rel)):
+            run_layout.check_no_links(str(tmp_path / "run"), trees=(run_layout.CHECKPOINT_DIR,))
+    else:
+        run_layout.check_no_links(str(tmp_path / "run"), trees=(run_layout.CHECKPOINT_DIR,))

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import TINY_FLAGS, time_limit, write_corpus, write_gpt2, write_safetensors
+from helpers import TINY_FLAGS, copy_run, time_limit, trained_run, write_gpt2, write_safetensors
 
 from tpu_llm import cli, files
 from tpu_llm.errors import UserError
@@ -73,18 +73,12 @@ class Refusal:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The module's run (4 steps, checkpoints at 2 and 4) and the flags that trained it."""
-    tmp = tmp_path_factory.mktemp("trained")
-    write_corpus(tmp / "corpus")
-    flags = [f"--data.train={tmp / 'corpus' / '*.txt'}", *FLAGS]
-    assert cli.main(["train", f"--run_dir={tmp / 'run'}", *flags]) == 0
-    return tmp / "run", flags
+    return trained_run(tmp_path_factory.mktemp("trained"), FLAGS)
 
 
 @pytest.fixture
 def run_copy(trained, tmp_path):
-    run, flags = trained
-    shutil.copytree(run, tmp_path / "run")
-    return tmp_path / "run", flags
+    return copy_run(trained, tmp_path)
 
 
 def resume(run: Path, flags: list) -> list:
@@ -264,15 +258,28 @@ def test_shard_ids_past_the_vocabulary_are_refused_before_training(trained, tmp_
                                                                 "past the model's 12 ids")
 
 
-def test_an_hf_tokenizer_id_of_4e9_is_refused_before_the_library_reads_it(gpt2_dir, tmp_path, capsys):
-    """Issue 40 #6: a 4 KB tokenizer.json with one id of 4e9 made import allocate until killed."""
+def test_an_hf_tokenizer_id_of_4e9_is_refused_before_the_library_reads_it(trained, gpt2_dir, tmp_path, capsys):
+    """Issue 40 #6: a 4 KB tokenizer.json with one id of 4e9 made import allocate until killed, and ids past
+    config.CAPS' vocabulary were accepted by data prepare and train --dry_run (shards of that tokenizer)."""
     source = tmp_path / "gpt2"
     shutil.copytree(gpt2_dir, source)
+    shards = tmp_path / "shards"
+    hf = ["--tokenizer", "hf", "--tokenizer_model", source]
+    assert cli.main([str(a) for a in prepare_args(trained, shards, *hf)]) == 0
     spec = json.loads((source / "tokenizer.json").read_text())
     spec["model"]["vocab"][next(iter(spec["model"]["vocab"]))] = 4_000_000_000
     (source / "tokenizer.json").write_text(json.dumps(spec))
+    capped = "a vocabulary id of 4000000000 passes tpu-llm's cap of 10,000,000 ids"
     r = Refusal(capsys, ["import", "--from", source, "--run_dir", tmp_path / "run"], tmp_path, seconds=60)
-    r.assert_refused("a vocabulary id of 4000000000 passes tpu-llm's cap of 10,000,000 ids")
+    r.assert_refused(capped)
+    r = Refusal(capsys, prepare_args(trained, tmp_path / "more", *hf), tmp_path, seconds=60)
+    r.assert_refused(capped)
+    shutil.copy(source / "tokenizer.json", shards / "hf_tokenizer.json")  # the shards' copy, likewise
+    train, validation = sorted(shards.glob("*.tfrecord"))
+    r = Refusal(capsys, ["train", "--run_dir", tmp_path / "run", f"--data.train={train}",
+                         f"--data.validation={validation}", "--data.tokenizer=hf", *TINY_FLAGS, "--dry_run"], tmp_path,
+                seconds=60)
+    r.assert_refused("passes tpu-llm's cap of 10,000,000 ids")
 
 
 # ---- 3. data prepare --output ----------------------------------------------------------------------

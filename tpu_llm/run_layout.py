@@ -1,6 +1,7 @@
 """The run directory's layout: the name of every file tpu-llm keeps in a run directory, the step of a
 checkpoint's name, and the check that none of the files tpu-llm reads or writes there is a symbolic link
-(docs/run-directory.md shows the same list; tests/test_run_layout.py compares the two).
+(docs/run-directory.md shows the same list; tests/test_run_layout.py compares the two), and the check that
+no symbolic link is anywhere in a run directory.
 
 <run_dir>/
   .tpu-llm-run         MARKER_FILE: marks the directory as a tpu-llm run (nothing else is ever written into
@@ -26,12 +27,13 @@ from here, so the layout is written down once. Reading and writing the files (tf
 stays with their owners: training/checkpoint.py (the Checkpointer, the run directory's checks),
 training/line_log.py, training/run_lock.py.
 
-A local run directory is a guarded space: `check_no_links` refuses a symbolic link at any name tpu-llm
-reads or writes in it (the names of GUARDED and their temporary siblings such as config.yaml.tmp-1a2b3c4d,
-checkpoints/ and logs/ with everything in them), at the start and again before each save and each
-metrics line: TensorFlow's writers follow links, so a planted `ckpt-N.index` link had the next save
-write a checkpoint index into whatever file it named. The run directory itself may be a link (a disk
-mounted elsewhere); gs:// has no links.
+A local run directory is a guarded space: `check_no_links` refuses a symbolic link anywhere in it, at
+any depth and whatever its name (not only the names of NAMES: an export's files, a tokenizer file of a
+later version, a user's notes), at the start of train, generate, export and report, and again (checkpoints/
+only) before each save: TensorFlow's writers follow links, so a planted `ckpt-N.index` link had the next
+save write a checkpoint index into whatever file it named, and a link at a name of no list was read
+through (`hf_import.json` was missed by one). The run directory itself may be a link (a disk mounted
+elsewhere); gs:// has no links.
 """
 
 from __future__ import annotations
@@ -68,10 +70,6 @@ WRITE_PROBE = ".write-test-"  # a probe that the directory (or bucket prefix) is
 # probes, workers' scratch (of earlier versions) and the lock (taken just before the marker is written):
 # not content of their own, so a directory holding only these is still empty
 OWN_TEMPORARY = (WRITE_PROBE, ".scratch-", LOCK_FILE)
-# the top-level names train, generate and export read or write, never links (prefixes: with their temporary
-# siblings, e.g. config.yaml.tmp-1a2b3c4d); the others are written only by `report` and `export`
-GUARDED = tuple(name for name in NAMES if name not in (REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR))
-
 CHECKPOINT_PREFIX = "ckpt-"  # tf.train.CheckpointManager's names (its default checkpoint_name "ckpt"): ckpt-N
 UNFINISHED_SUFFIX = "_temp"  # TensorFlow writes checkpoint ckpt-N into ckpt-N_temp/ first
 
@@ -91,27 +89,22 @@ def checkpoint_step(path: str | None, suffix: str = "") -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
-def check_no_links(run_dir: str, trees: tuple[str, ...] = (CHECKPOINT_DIR, LOGS_DIR), top: bool = True) -> None:
-    """Refuse (UserError) a symbolic link among the files tpu-llm reads or writes in a local `run_dir`:
-    the top-level names of `GUARDED` (with `top`) and everything under `trees`. A few directory reads;
-    gs:// has no links. (The run directory itself may be one.)"""
+WHOLE = ""  # check_no_links' tree for the whole run directory
+
+
+def check_no_links(run_dir: str, trees: tuple[str, ...] = (WHOLE,)) -> None:
+    """Refuse (UserError) a symbolic link anywhere in a local `run_dir` (or only under `trees`, e.g.
+    (CHECKPOINT_DIR,) before a save), naming the first one found. One directory read per directory (the
+    entries' types come with them); gs:// has no links. (The run directory itself may be one.)"""
     if "://" in run_dir:
         return
-    if top:
-        try:
-            with os.scandir(run_dir) as entries:
-                for entry in entries:
-                    if entry.name.startswith(GUARDED) and entry.is_symlink():
-                        raise link_error(run_dir, entry.name)
-        except (FileNotFoundError, NotADirectoryError):
-            return
     for tree in trees:
         _check_tree(run_dir, tree)
 
 
 def _check_tree(run_dir: str, rel: str) -> None:
-    path = os.path.join(run_dir, rel)
-    if os.path.islink(path):
+    path = os.path.join(run_dir, rel) if rel else run_dir
+    if rel and os.path.islink(path):
         raise link_error(run_dir, rel)
     try:
         with os.scandir(path) as entries:

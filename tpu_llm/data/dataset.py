@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Callable
 
 import tensorflow as tf
@@ -176,6 +177,41 @@ def _count(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 62
 
 
+# The pipeline's own assertions start their message with INPUT_CHECK; `input_error` turns the TensorFlow
+# error they end a host call with into one line (training/actions.user_errors).
+INPUT_CHECK = "tpu-llm input check: "
+IDS_CHECK = "token ids outside the vocabulary"
+
+
+def bounded_ids(windows: tf.Tensor, vocab_size: int) -> tf.Tensor:
+    """`windows` (a batch of token windows), once every id in it is in [0, vocab_size): checked on the host,
+    in tf.data, as the ids leave the pipeline. A shard's ids index the embedding, and XLA gathers an id past
+    it without an error (on TPU: rows of garbage, a finite loss of nonsense); check_shard_ids trusts what
+    meta.json records, this holds when it lies or is missing. Two reductions over the batch: about 30 us per
+    batch of 64 x 1025 ids (docs/data.md)."""
+    top, bottom = tf.reduce_max(windows), tf.reduce_min(windows)
+    check = tf.debugging.Assert(tf.logical_and(bottom >= 0, top < vocab_size), [INPUT_CHECK + IDS_CHECK, top, bottom])
+    with tf.control_dependencies([check]):
+        return tf.identity(windows)
+
+
+def input_error(error: Exception, split: str, source: Source, vocab_size: int) -> UserError | None:
+    """The one line for a host call that one of the pipeline's own assertions stopped (`error` a TensorFlow
+    error), else None (another error: not the pipeline's to explain)."""
+    found = re.search(re.escape(INPUT_CHECK) + r"([^\]]*)\]((?: \[-?\d+\])*)", getattr(error, "message", "") or "")
+    if not found:
+        return None
+    what, values = found.group(1), [int(v) for v in re.findall(r"-?\d+", found.group(2))]
+    data = f"the {split} data ({source.description or ', '.join(source.files[:3])})"
+    if what == IDS_CHECK and len(values) == 2:
+        top, bottom = values
+        bad = top if top >= vocab_size else bottom
+        return UserError(f"{data} holds token id {bad:,}, outside the model's {vocab_size:,} ids (model.vocab_size, "
+                         "or the tokenizer's): the shards were made by another tokenizer (their meta.json does not "
+                         "say so, or is missing); prepare them again with this run's tokenizer")
+    return UserError(f"{data}: {what}")
+
+
 def tokens_of(source: Source, tokenizer, eos) -> Callable:
     """(document part, last) -> int32 tokens; the end-of-text token after a text file's last piece."""
     @NO_AUTOGRAPH
@@ -271,7 +307,7 @@ def files_fingerprint(files: list[str]) -> int:
 
 def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, *, training: bool,
                     seed: int | None, shuffle_buffer: int, skip_steps: int = 0, start=None,
-                    with_position: bool = False) -> Callable:
+                    with_position: bool = False, vocab_size: int = 0) -> Callable:
     """A function of `tf.distribute.InputContext` returning this host's batched dataset.
 
     Each element is `(inputs, targets)`, both int32 `(per_replica_batch, seq_len)`; targets are the
@@ -296,6 +332,9 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     on another slice continues the same global order from the saved table, neither repeating nor
     skipping a window.
 
+    `vocab_size` (> 0): every batch's ids are checked against it as they leave the pipeline (`bounded_ids`:
+    an id outside stops the host call; `input_error` says so in one line).
+
     `with_position` adds a third element, the position after the batch, as an int64
     `(lanes, len(POSITION_FIELDS))` update: this pipeline's lanes' rows in the first of its replicas'
     batches of a step, zeros elsewhere, so that summing over replicas (a SUM-on-read variable, see
@@ -315,12 +354,18 @@ def make_dataset_fn(source: Source, tokenizer, seq_len: int, global_batch: int, 
     window = seq_len + 1
     eos = tf.constant([tokenizer.eos_id], tf.int32)
     tokens = tokens_of(source, tokenizer, eos)
+
+    @NO_AUTOGRAPH
+    def split(w):  # a batch of windows -> (inputs, targets), its ids checked first
+        w = bounded_ids(w, vocab_size) if vocab_size else w
+        return w[:, :-1], w[:, 1:]
     if not training:
-        return _validation_fn(source, tokens, window, global_batch)
-    return _training_fn(source, tokens, window, global_batch, seed, shuffle_buffer, skip_steps, start, with_position)
+        return _validation_fn(source, tokens, window, global_batch, split)
+    return _training_fn(source, tokens, window, global_batch, seed, shuffle_buffer, skip_steps, start, with_position,
+                        split)
 
 
-def _validation_fn(source: Source, tokens: Callable, window: int, global_batch: int) -> Callable:
+def _validation_fn(source: Source, tokens: Callable, window: int, global_batch: int, split: Callable) -> Callable:
     """make_dataset_fn's validation stream: the files in order, each pipeline its share (of the files when
     there are enough of them, else of the windows), repeated."""
     def validation(ctx):
@@ -339,7 +384,7 @@ def _validation_fn(source: Source, tokens: Callable, window: int, global_batch: 
             windows = windows.shard(pipelines, index)
         batches = windows.batch(ctx.get_per_replica_batch_size(global_batch), drop_remainder=True)
         # an eval pass may ask for more batches than one epoch holds
-        return batches.map(lambda w: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE).repeat()
+        return batches.map(split, num_parallel_calls=AUTOTUNE).repeat()
 
     def dataset_fn(ctx: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         return validation(ctx or tf.distribute.InputContext()).prefetch(AUTOTUNE)
@@ -348,7 +393,7 @@ def _validation_fn(source: Source, tokens: Callable, window: int, global_batch: 
 
 
 def _training_fn(source: Source, tokens: Callable, window: int, global_batch: int, seed: int | None,
-                 shuffle_buffer: int, skip_steps: int, start, with_position: bool) -> Callable:
+                 shuffle_buffer: int, skip_steps: int, start, with_position: bool, split: Callable) -> Callable:
     """make_dataset_fn's training stream: lanes over the parts of the data, resumable from `start`."""
     units = training_units(source)
     if not units:
@@ -394,9 +439,9 @@ def _training_fn(source: Source, tokens: Callable, window: int, global_batch: in
             steps = steps.skip(skip_steps)
         batches = steps.map(per_replica_batches, num_parallel_calls=AUTOTUNE).unbatch()
         if with_position:
-            batches = batches.map(lambda w, u: (w[:, :-1], w[:, 1:], u), num_parallel_calls=AUTOTUNE)
+            batches = batches.map(lambda w, u: (*split(w), u), num_parallel_calls=AUTOTUNE)
         else:
-            batches = batches.map(lambda w, u: (w[:, :-1], w[:, 1:]), num_parallel_calls=AUTOTUNE)
+            batches = batches.map(lambda w, u: split(w), num_parallel_calls=AUTOTUNE)
         return batches.prefetch(AUTOTUNE)
 
     dataset_fn.resumed, dataset_fn.rows = resumed, lanes
@@ -445,7 +490,7 @@ def _lane_steps(files: list[str], units: list[tuple[int, int, int, int]], read, 
             s, d, doc, last = element
             empty = tf.where(tf.equal(d, -1), empty + 1, tf.where(tf.size(doc) > 0, tf.constant(0, tf.int64), empty))
             check = tf.debugging.assert_less(empty, tf.cast(n + 1, tf.int64), message=(
-                f"error: a training input lane read all {n} parts of the data without a token; the data is empty"))
+                f"{INPUT_CHECK}a training input lane read all {n} parts of the data without a token; the data is empty"))
             with tf.control_dependencies([check]):
                 return tf.identity(empty), element
 

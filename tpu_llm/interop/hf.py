@@ -504,7 +504,8 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_fin
             architecture = next(a for a in hf["architectures"] if isinstance(a, str) and a in ARCHITECTURES)
             meta = {"source": source, "architecture": architecture, "dtype": dtype, "config": hf}
             write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
-            Checkpointer(tmp, keep=cfg.checkpoint.keep, model=net).save(0)  # the model only: train adds the optimizer
+            # the model only (train adds the optimizer), and the tokenizer it goes with
+            Checkpointer(tmp, keep=cfg.checkpoint.keep, tokenizer=tokenizer, model=net).save(0)
     finally:
         keras.mixed_precision.set_global_policy(policy)
     return {"run_dir": run_dir, "family": cfg.model.family, "dtype": dtype, "eos_id": eos,

@@ -9,6 +9,7 @@ the model was trained with.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import reprlib
@@ -25,8 +26,8 @@ from tpu_llm.tokenizers.hf import HFTokenizer, check_pretokenized, load_hf_token
 
 __all__ = ["REMOTE_OK", "SP_MODEL_FILE", "SPEC_FILE", "HF_FILE", "ByteTokenizer", "CharTokenizer", "HFTokenizer",
            "SentencePieceTokenizer", "Tokenizer", "build_tokenizer", "check_covers", "check_pretokenized",
-           "import_tensorflow_text", "load_hf_tokenizer", "load_tokenizer", "save_tokenizer", "train_sentencepiece",
-           "write_hf_tokenizer"]
+           "content_hash", "import_tensorflow_text", "load_hf_tokenizer", "load_tokenizer", "save_tokenizer",
+           "train_sentencepiece", "write_hf_tokenizer"]
 
 
 def build_tokenizer(kind: str, model_path: str = "", text_files: list[str] | None = None) -> Tokenizer:
@@ -43,6 +44,14 @@ def build_tokenizer(kind: str, model_path: str = "", text_files: list[str] | Non
     if kind == "hf":
         return hf.load_hf_tokenizer(model_path)
     raise UserError(f"data.tokenizer={kind!r}; valid choices: byte, char, sentencepiece, hf")
+
+
+def content_hash(tok: Tokenizer) -> str:
+    """sha256 of the tokenizer's canonical serialization (its spec, keys sorted; a SentencePiece or Hugging
+    Face spec holds its model file's own sha256): the same for the same ids, whoever wrote the file.
+    Checkpoints record it (training/checkpoint.Checkpointer): a tokenizer.json replaced since, even by one
+    of the same size, is refused on resume, generate and export."""
+    return hashlib.sha256(json.dumps(tok.spec(), sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 def save_tokenizer(tok: Tokenizer, run_dir: str) -> None:

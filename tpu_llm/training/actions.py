@@ -21,6 +21,7 @@ import time
 import tensorflow as tf
 
 from tpu_llm import perf
+from tpu_llm.data import dataset as data
 from tpu_llm.data import sources
 from tpu_llm.errors import UserError
 from tpu_llm.training import goodput
@@ -37,7 +38,8 @@ from tpu_llm.training.samples import local_copy, print_samples
 @contextlib.contextmanager
 def user_errors(run: Run, step: int, split: str):
     """A host call of training steps (`split` "training") or of validation batches ("validation") whose
-    data ran out, whose memory did not suffice or whose shard is damaged: one line, nothing saved."""
+    data ran out, whose memory did not suffice, whose shard is damaged or whose batch failed one of the input
+    pipeline's own checks (a token id past the vocabulary: data.bounded_ids): one line, nothing saved."""
     source = run.sources[0 if split == "training" else 1]
     try:
         yield
@@ -49,6 +51,11 @@ def user_errors(run: Run, step: int, split: str):
         raise out_of_memory(e, run, step, "training" if split == "training" else "evaluating") from None
     except tf.errors.DataLossError as e:  # a damaged shard: one line naming it (nothing saved)
         raise sources.corrupt_record(e, source, split, True, run.checkpointer.latest) from None
+    except tf.errors.InvalidArgumentError as e:
+        line = data.input_error(e, split, source, run.cfg.model.vocab_size)
+        if line is None:
+            raise
+        raise line from None
 
 
 def out_of_memory(error: tf.errors.ResourceExhaustedError, run: Run, step: int, doing: str = "training") -> UserError:

@@ -158,8 +158,8 @@ def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "")
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
                                 cluster=bool(dist.task or dist.asynchronous), io_device=dist.io_device,
-                                model_config=cfg.model, model=model, optimizer=optimizer, rng=rng,
-                                **(communication.trackables() if communication else {}))
+                                model_config=cfg.model, tokenizer=tokenizer, model=model, optimizer=optimizer,
+                                rng=rng, **(communication.trackables() if communication else {}))
     # the chief holds the lock from before the newest checkpoint is read until train ends (Run.release, or
     # this process does): another trainer cannot save a checkpoint between that read and this run's writes
     lock = run_lock.acquire(cfg.run_dir) if dist.is_chief else None
@@ -212,7 +212,8 @@ def _dataset(cfg: Config, dist: Distribution, tokenizer, source, training: bool,
     seed = None if dist.asynchronous and training else cfg.train.seed
     fn = data.make_dataset_fn(source, tokenizer, cfg.data.seq_len, cfg.train.batch_size,
                               training=training, seed=seed, shuffle_buffer=cfg.data.shuffle_buffer,
-                              with_position=training and not dist.asynchronous, **resume)
+                              with_position=training and not dist.asynchronous, vocab_size=cfg.model.vocab_size,
+                              **resume)
     return dist.distribute_dataset(fn), fn
 
 

@@ -33,7 +33,7 @@ from tpu_llm.model import GPT
 from tpu_llm.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, MARKER_FILE,
                                OWN_TEMPORARY, SPEC_FILE, UNFINISHED_SUFFIX, WRITE_PROBE, check_no_links, checkpoint_name,
                                checkpoint_step)
-from tpu_llm.tokenizers import Tokenizer, load_tokenizer, save_tokenizer
+from tpu_llm.tokenizers import Tokenizer, content_hash, load_tokenizer, save_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
 
 
@@ -172,7 +172,8 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
         raise UserError(f"train.init_from={source!r} was trained with another tokenizer ({theirs.kind}) than this "
                         f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
                         f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
-    checkpointer = Checkpointer(source, keep=1, io_device=io_device, model_config=current, model=model)
+    checkpointer = Checkpointer(source, keep=1, io_device=io_device, model_config=current, tokenizer=tokenizer,
+                                model=model)
     path = checkpointer.restore_latest()  # the newest readable one; UserError if none can be read
     if path is None:
         raise UserError(f"train.init_from={source!r} has no checkpoint in {CHECKPOINT_DIR}/ yet")
@@ -219,14 +220,18 @@ class Checkpointer:
     `model_config` (the run's model section) is saved in every checkpoint, and a checkpoint made with
     another model section is refused on restore (`restore`), naming the key: the same tensor shapes
     hold other models (model.n_head), so an edited config.yaml resumed silently with another model.
+    `tokenizer`'s content hash (tokenizers.content_hash) is saved likewise, and a checkpoint made with
+    another tokenizer is refused on restore: a tokenizer.json replaced since (another vocabulary, even one of
+    the same size) fed and decoded other ids, garbage with exit 0.
     `save_counter` (the number of saves in the run's history) is restored with the checkpoint. `lock`
     (run_lock.acquire's handle) is checked before each save: a run that lost its lock writes no more.
     """
 
-    NOT_RESTORED = ("data_position", "model_config")
+    NOT_RESTORED = ("data_position", "model_config", "tokenizer")
 
     def __init__(self, run_dir: str, keep: int, scratch: str = "", keep_every_hours: float = 0.0,
-                 cluster: bool = False, io_device: str = "", model_config: ModelConfig | None = None, **trackables):
+                 cluster: bool = False, io_device: str = "", model_config: ModelConfig | None = None,
+                 tokenizer: Tokenizer | None = None, **trackables):
         self.options = tf.train.CheckpointOptions(experimental_io_device=io_device or None)
         self.run_dir, self.directory = run_dir, os.path.join(run_dir, CHECKPOINT_DIR)
         self.keep, self.keep_every_hours, self.cluster = keep, keep_every_hours, cluster
@@ -239,6 +244,9 @@ class Checkpointer:
         self.model_config = model_config
         if model_config is not None:
             trackables["model_config"] = tf.Variable(model_section(model_config), trainable=False, dtype=tf.string)
+        self.tokenizer = content_hash(tokenizer) if tokenizer is not None else ""
+        if self.tokenizer:
+            trackables["tokenizer"] = tf.Variable(self.tokenizer, trainable=False, dtype=tf.string)
         self.lock = None
         self.saves: int | None = None  # save_counter of the checkpoint restored
         self.notes: list[str] = []  # warnings for the log
@@ -308,6 +316,8 @@ class Checkpointer:
             held = self.held(path)
             if self.model_config is not None and "model_config" in held:  # (none before issue 28, or imported)
                 self._check_model(path)
+            if self.tokenizer and "tokenizer" in held:  # (none before issue 40)
+                self._check_tokenizer(path)
             # the optimizer too if the checkpoint has one: `tpu-llm import` saves the model alone (step 0)
             objects = {k: v for k, v in self.trackables.items()
                        if k not in self.NOT_RESTORED and (k in held or k == "model")}
@@ -337,6 +347,15 @@ class Checkpointer:
             raise UserError(f"checkpoint {path} does not fit this model (it was made with model.{key}={theirs}, this "
                             f"config has {ours}): the model section changed since it was saved (an edited "
                             "config.yaml?); resume with the model section it was made with, or use another --run_dir")
+
+    def _check_tokenizer(self, path: str) -> None:
+        theirs = self.read(path, "tokenizer")
+        theirs = theirs.decode(errors="replace") if isinstance(theirs, bytes) else str(theirs)
+        if theirs != self.tokenizer:
+            raise UserError(f"checkpoint {path} was trained with another tokenizer than {self.run_dir}/{SPEC_FILE} "
+                            f"(sha256 {theirs[:12]}..., this one's {self.tokenizer[:12]}...): the file was replaced "
+                            "since (data prepare into the run directory, a copy from another run?); restore the "
+                            "run's own tokenizer.json (from a copy of the run directory or its shards' directory)")
 
     def remove_unfinished(self) -> list[str]:
         """Delete the `ckpt-N_temp/` directories in checkpoints/ that no checkpoint state records: what a
@@ -383,7 +402,7 @@ class Checkpointer:
         if self.lock is not None:
             self.lock.check()
         if not self.worker:
-            check_no_links(self.run_dir, trees=(CHECKPOINT_DIR,), top=False)
+            check_no_links(self.run_dir, trees=(CHECKPOINT_DIR,))
         try:
             if not self.worker:
                 if self.manager is None:  # the state file names no checkpoint: this save writes a new one
@@ -498,7 +517,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     cfg = config_from_dict(saved, source=os.path.join(run_dir, CONFIG_FILE))
     check_tokenizer_fits(run_dir, tokenizer, cfg)
     model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
-    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, model=model)
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer, model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
     if path is None:
         raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")
