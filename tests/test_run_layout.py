@@ -24,7 +24,7 @@ PIECES = st.sampled_from(["ckpt-", "ckpt", "-", "0", "7", "12", "\u0663", "\u00b
 NAMES = st.lists(PIECES, max_size=8).map("".join) | st.text(max_size=20)
 SUFFIXES = st.sampled_from(["", ".index", UNFINISHED_SUFFIX])
 # written only by `report` and `export`, never read by a run (`export` refuses a link at its --output)
-UNGUARDED = (run_layout.REPORT_FILE, run_layout.EXPORT_DIR, run_layout.HF_EXPORT_DIR)
+UNGUARDED = (run_layout.REPORT_FILE, run_layout.EXPORT_DIR, run_layout.HF_EXPORT_DIR, run_layout.PEFT_EXPORT_DIR)
 
 
 @PROPERTY

@@ -17,7 +17,8 @@ checkpoint's name, and the check that none of the files tpu-llm reads or writes 
                        after its step)
   goodput.jsonl        GOODPUT_FILE: what each training process did and for how long, only appended to
   report.png           REPORT_FILE: `tpu-llm report`'s plot
-  export/, hf/         EXPORT_DIR, HF_EXPORT_DIR: `tpu-llm export`'s default --output (SavedModel, Hugging Face)
+  export/, hf/, peft/  EXPORT_DIR, HF_EXPORT_DIR, PEFT_EXPORT_DIR: `tpu-llm export`'s default --output
+                       (SavedModel, Hugging Face, a LoRA run's adapters in PEFT's format)
 
 Standard library only, and a leaf of the package (tests/test_layout.py, layer 0): the Cloud helpers
 (cloud/storage.py lists a bucket's checkpoints without TensorFlow), `tpu-llm report` and the CLI's checks
@@ -56,9 +57,10 @@ GOODPUT_FILE = "goodput.jsonl"
 REPORT_FILE = "report.png"
 EXPORT_DIR = "export"
 HF_EXPORT_DIR = "hf"
+PEFT_EXPORT_DIR = "peft"
 # every top-level name of a run directory (docs/run-directory.md lists the same)
 NAMES = (MARKER_FILE, LOCK_FILE, CONFIG_FILE, SPEC_FILE, SP_MODEL_FILE, HF_FILE, IMPORT_FILE, CHECKPOINT_DIR,
-         LOGS_DIR, METRICS_FILE, GOODPUT_FILE, REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR)
+         LOGS_DIR, METRICS_FILE, GOODPUT_FILE, REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR, PEFT_EXPORT_DIR)
 
 # the most metrics.jsonl or goodput.jsonl may hold when read back (a line per host call: a million calls of
 # a long run are about 300 MB); a larger file is refused, not read into memory
@@ -70,7 +72,7 @@ WRITE_PROBE = ".write-test-"  # a probe that the directory (or bucket prefix) is
 OWN_TEMPORARY = (WRITE_PROBE, ".scratch-", LOCK_FILE)
 # the top-level names train, generate and export read or write, never links (prefixes: with their temporary
 # siblings, e.g. config.yaml.tmp-1a2b3c4d); the others are written only by `report` and `export`
-GUARDED = tuple(name for name in NAMES if name not in (REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR))
+GUARDED = tuple(name for name in NAMES if name not in (REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR, PEFT_EXPORT_DIR))
 
 CHECKPOINT_PREFIX = "ckpt-"  # tf.train.CheckpointManager's names (its default checkpoint_name "ckpt"): ckpt-N
 UNFINISHED_SUFFIX = "_temp"  # TensorFlow writes checkpoint ckpt-N into ckpt-N_temp/ first
