@@ -18,7 +18,8 @@ no symbolic link is anywhere in a run directory.
                        after its step)
   goodput.jsonl        GOODPUT_FILE: what each training process did and for how long, only appended to
   report.png           REPORT_FILE: `tpu-llm report`'s plot
-  export/, hf/         EXPORT_DIR, HF_EXPORT_DIR: `tpu-llm export`'s default --output (SavedModel, Hugging Face)
+  export/, hf/, peft/  EXPORT_DIR, HF_EXPORT_DIR, PEFT_EXPORT_DIR: `tpu-llm export`'s default --output
+                       (SavedModel, Hugging Face, a LoRA run's adapters in PEFT's format)
 
 Standard library only, and a leaf of the package (tests/test_layout.py, layer 0): the Cloud helpers
 (cloud/storage.py lists a bucket's checkpoints without TensorFlow), `tpu-llm report` and the CLI's checks
@@ -58,9 +59,10 @@ GOODPUT_FILE = "goodput.jsonl"
 REPORT_FILE = "report.png"
 EXPORT_DIR = "export"
 HF_EXPORT_DIR = "hf"
+PEFT_EXPORT_DIR = "peft"
 # every top-level name of a run directory (docs/run-directory.md lists the same)
 NAMES = (MARKER_FILE, LOCK_FILE, CONFIG_FILE, SPEC_FILE, SP_MODEL_FILE, HF_FILE, IMPORT_FILE, CHECKPOINT_DIR,
-         LOGS_DIR, METRICS_FILE, GOODPUT_FILE, REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR)
+         LOGS_DIR, METRICS_FILE, GOODPUT_FILE, REPORT_FILE, EXPORT_DIR, HF_EXPORT_DIR, PEFT_EXPORT_DIR)
 
 # the most metrics.jsonl or goodput.jsonl may hold when read back (a line per host call: a million calls of
 # a long run are about 300 MB); a larger file is refused, not read into memory

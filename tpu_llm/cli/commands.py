@@ -167,17 +167,33 @@ and generate (tokens, max_new_tokens, temperature, top_k, top_p, seed -> ids); m
 config.yaml and the tokenizer are written beside it. See tpu_llm/interop/export.py.
 --format hf: config.json, model.safetensors, generation_config.json and the tokenizer files, which
 transformers' AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or LlamaForCausalLM). See
-tpu_llm/interop/hf.py and docs/hugging-face.md.""",
+tpu_llm/interop/hf.py and docs/hugging-face.md; a LoRA run's adapters come merged into the weights.
+--format peft: a LoRA run's adapters (adapter_config.json, adapter_model.safetensors), which
+peft.PeftModel.from_pretrained puts on the base transformers model. See docs/lora.md.""",
          run_dir="the run directory of a `tpu-llm train` run", output="where to write (default <run_dir>/export, "
-         "<run_dir>/hf with --format hf)", overwrite="replace an earlier export at --output",
-         format="savedmodel | hf (Hugging Face: safetensors and config.json)",
+         "<run_dir>/hf or <run_dir>/peft with those formats)", overwrite="replace an earlier export at --output",
+         format="savedmodel | hf (Hugging Face: safetensors and config.json) | peft (a LoRA run's adapters)",
          dtype="--format hf: weights as auto (an imported run's own dtype, else float32) | float32 | bfloat16 | float16")
 def export(run_dir: str, output: str = "", overwrite: bool = False, format: str = "savedmodel", dtype: str = "auto"):
     from tpu_llm.interop import export
 
-    if format not in ("savedmodel", "hf"):
-        near = nearest(format, ("savedmodel", "hf"))
-        raise UserError(f"--format={format!r}; " + (f"did you mean {near!r}? " if near else "") + "choose savedmodel or hf")
+    if format not in ("savedmodel", "hf", "peft"):
+        near = nearest(format, ("savedmodel", "hf", "peft"))
+        raise UserError(f"--format={format!r}; " + (f"did you mean {near!r}? " if near else "") +
+                        "choose savedmodel, hf or peft")
+    if format == "peft":
+        from tpu_llm.interop import peft
+
+        if dtype != "auto":
+            raise UserError("--dtype is for --format hf (PEFT's adapters are float32)")
+        meta = peft.export(run_dir, output, overwrite=overwrite)
+        for note in meta.get("notes", []):
+            print(f"warning   {note}", file=sys.stderr, flush=True)
+        print(f"exported  {meta['run_dir']} at step {meta['step']} to {meta['output']}")
+        print(f"saved     {meta['adapters']} LoRA adapters of rank {meta['rank']} in PEFT's format: "
+              f"{peft.CONFIG_FILE}, {peft.WEIGHTS_FILE}")
+        print(f"use       peft.PeftModel.from_pretrained(base_model, {meta['output']!r})")
+        return
     if format == "hf":
         from tpu_llm.interop import hf
 
@@ -214,13 +230,18 @@ it is, `train --config <run_dir>/config.yaml --data.train=...` fine-tunes it (do
          **{"from": "the Hugging Face model directory", "run_dir": "the new run directory (must not exist, or be empty)",
             "max_len": "llama: a shorter context than config.json's max_position_embeddings (it sizes generation's "
                        "KV cache); 0 = config.json's",
-            "allow_non_finite": "import tensors holding NaN or infinity (refused otherwise: a damaged download)"})
-def import_(from_: str, run_dir: str, max_len: int = 0, allow_non_finite: bool = False):
-    from tpu_llm.interop import hf
+            "allow_non_finite": "import tensors holding NaN or infinity (refused otherwise: a damaged download)",
+            "adapter": "a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) to put on "
+                       "the model: a LoRA run (docs/lora.md)"})
+def import_(from_: str, run_dir: str, max_len: int = 0, allow_non_finite: bool = False, adapter: str = ""):
+    from tpu_llm.interop import hf, peft
 
-    result = hf.import_checkpoint(from_, run_dir, max_len=max_len, allow_non_finite=allow_non_finite,
-                                  warn=lambda line: print(line, file=sys.stderr))
-    print(f"imported  {from_} ({result['family']}, {result['params']:,} parameters, {result['dtype']}) "
+    options = {"max_len": max_len, "allow_non_finite": allow_non_finite,
+               "warn": lambda line: print(line, file=sys.stderr)}
+    result = (peft.import_with_adapter(from_, run_dir, adapter, **options) if adapter
+              else hf.import_checkpoint(from_, run_dir, **options))
+    lora = f" with the LoRA adapter {adapter} (rank {result['lora_rank']})" if adapter else ""
+    print(f"imported  {from_} ({result['family']}, {result['params']:,} parameters, {result['dtype']}){lora} "
           f"into {result['run_dir']} at step 0")
     print(f"next      tpu-llm generate --run_dir {result['run_dir']} --prompt 'Hello'")
     # the hf tokenizer trains on shards only: the fine-tune hint tokenizes first (both lines work as printed)

@@ -98,14 +98,20 @@ def read_config(source: str) -> dict:
     if not tf.io.gfile.exists(path):
         raise UserError(f"--from {source!r} has no config.json; give a Hugging Face model directory (e.g. "
                         "`huggingface-cli download gpt2 --local-dir gpt2`)")
-    raw = safetensors_io.read_capped(path, MAX_CONFIG_JSON, "a config.json", _FIX)
+    return read_json(path)
+
+
+def read_json(path: str, fix: str = _FIX) -> dict:
+    """The JSON object in the file `path` (config.json, a PEFT adapter's adapter_config.json) of at most
+    MAX_CONFIG_JSON bytes, or a one-line UserError ending in `fix`."""
+    raw = safetensors_io.read_capped(path, MAX_CONFIG_JSON, f"a {os.path.basename(path)}", fix)
     try:
         hf = json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: nested thousands deep
         reason = str(e).splitlines()[0][:80] if isinstance(e, ValueError) else "nested too deeply"
-        raise UserError(f"{path} is not valid JSON ({reason}); {_FIX}") from None
+        raise UserError(f"{path} is not valid JSON ({reason}); {fix}") from None
     if not isinstance(hf, dict):
-        raise UserError(f"{path} is a JSON {type(hf).__name__}, not an object; {_FIX}")
+        raise UserError(f"{path} is a JSON {type(hf).__name__}, not an object; {fix}")
     return hf
 
 
@@ -465,9 +471,11 @@ def run_config(hf: dict, source: str, run_dir: str, max_len: int = 0) -> Config:
 
 
 def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_finite: bool = False,
-                      warn=print) -> dict:
+                      warn=print, adapt=None) -> dict:
     """Make the new run directory `run_dir` from the Hugging Face model directory `source`; `max_len`
-    (llama only) shortens the context, which sizes generation's KV cache (config.json's is often 128k).
+    (llama only) shortens the context, which sizes generation's KV cache (config.json's is often 128k);
+    `adapt(cfg)`, called once `source` is checked, checks more and returns `put_on(model) -> model`
+    (interop/peft.py's adapters).
 
     Everything from `source` is checked before anything is built or written, cheapest first: config.json
     (types, caps), every safetensors header, the tensors' names, dtypes and shapes against config.json,
@@ -483,6 +491,7 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_fin
         raise UserError(f"run_dir {run_dir!r} already holds a tpu-llm run; import into a new --run_dir")
     reader = safetensors_io.Reader(source)  # the weights' headers: fail before anything is written
     check_tensors(reader, cfg.model)
+    put_on = adapt(cfg) if adapt else None  # before anything is written too
     tokenizer = load_hf_tokenizer(source)
     eos = getattr(tokenizer, "eos_id", None)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -497,6 +506,7 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_fin
                               "fix its permissions or space, or pass another --run_dir") as tmp:
             net = GPT(cfg.model, cfg.model.vocab_size).build_weights()
             dtype = load_weights(net, reader, cfg.model, allow_non_finite, warn)
+            net = put_on(net) if put_on else net
             tf.io.gfile.makedirs(tmp)
             write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
             write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
@@ -509,7 +519,7 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_fin
     finally:
         keras.mixed_precision.set_global_policy(policy)
     return {"run_dir": run_dir, "family": cfg.model.family, "dtype": dtype, "eos_id": eos,
-            "params": net.num_params(), "tokenizer": tokenizer.kind}
+            "params": net.num_params(), "tokenizer": tokenizer.kind, "lora_rank": cfg.train.lora_rank}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -553,13 +563,13 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, dtype: str =
         tf.io.gfile.makedirs(tmp)
         safetensors_io.write(os.path.join(tmp, safetensors_io.SINGLE_FILE),
                              [(n, shapes[n], np_dtype) for n in table], produce)
-        _write_json(os.path.join(tmp, "config.json"), hf_config(m, bos, eos, dtype))
-        _write_json(os.path.join(tmp, "generation_config.json"),
+        write_json(os.path.join(tmp, "config.json"), hf_config(m, bos, eos, dtype))
+        write_json(os.path.join(tmp, "generation_config.json"),
                     {"bos_token_id": bos, "eos_token_id": eos, "max_length": m.max_len})
         written = _write_tokenizer(tokenizer, tmp, m.max_len)
         meta = {"run_dir": run_dir, "checkpoint": checkpoint, "step": step, "format": "hf", "dtype": dtype,
                 "family": m.family, "vocab_size": m.vocab_size, "eos_id": eos, "tokenizer_files": written}
-        _write_json(os.path.join(tmp, META_FILE), meta)
+        write_json(os.path.join(tmp, META_FILE), meta)
     return {**meta, "output": output, "notes": notes}
 
 
@@ -583,7 +593,7 @@ def imported_dtype(run_dir: str) -> str:
     return dtype
 
 
-def _write_json(path: str, data: dict) -> None:
+def write_json(path: str, data: dict) -> None:
     with tf.io.gfile.GFile(path, "w") as f:
         f.write(json.dumps(data, indent=2) + "\n")
 

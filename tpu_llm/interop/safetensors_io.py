@@ -181,14 +181,17 @@ class Reader:
     Every header is read and checked when the Reader is made (read_header): the names, dtypes and
     shapes it then reports are sound, and `get` reads only bytes inside the file."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, single: str = SINGLE_FILE):
+        """`single`: the one file to read instead of the model's (a PEFT adapter's adapter_model.safetensors)."""
         self.directory = directory
         self.where: dict[str, tuple[str, dict, int]] = {}  # name -> (file, header entry, data start)
         index = os.path.join(directory, INDEX_FILE)
-        if tf.io.gfile.exists(index):
+        if single == SINGLE_FILE and tf.io.gfile.exists(index):
             files = sorted(set(_weight_map(index).values()))
-        elif tf.io.gfile.exists(os.path.join(directory, SINGLE_FILE)):
-            files = [SINGLE_FILE]
+        elif tf.io.gfile.exists(os.path.join(directory, single)):
+            files = [single]
+        elif single != SINGLE_FILE:
+            raise UserError(f"{directory} has no {single}; give the directory PEFT's save_pretrained wrote")
         else:
             raise UserError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}; download the model's "
                             "safetensors weights (pytorch_model.bin is not read)")

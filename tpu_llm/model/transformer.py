@@ -20,6 +20,8 @@ C = n_embd, H = n_head, Hkv = n_kv_head (0: H), hd = C / H, F = the MLP's hidden
              (qwen2: and attn/q/bias, attn/k/bias, attn/v/bias),
              block_i/attn/proj/kernel (H hd, C); block_i/mlp/gate/kernel, mlp/up/kernel (C, F),
              block_i/mlp/down/kernel (F, C); untied head: lm_head/embeddings (V, C)
+  LoRA       (train.lora_*, model/lora.py) beside each adapted kernel, e.g. block_i/attn/q/lora_a (in, r) and
+             block_i/attn/q/lora_b (r, out); then only these are trainable
 Keras Dense kernels are (in, out): the transpose of a torch Linear's weight. Rotary embeddings use
 Hugging Face Llama's convention (rotate_half: dimension i pairs with i + hd/2, not interleaved), so
 HF q/k weights need no permutation; query head h reads key/value head h // (H / Hkv) (HF repeat_kv).
@@ -50,6 +52,7 @@ import tensorflow as tf
 from tpu_llm import model_spec
 from tpu_llm.config import ModelConfig
 from tpu_llm.model import attention
+from tpu_llm.model.lora import Lora, LoraDense, adapter
 from tpu_llm.model.loss import cross_entropy
 
 
@@ -57,11 +60,15 @@ def _normal(std: float) -> keras.initializers.Initializer:
     return keras.initializers.RandomNormal(mean=0.0, stddev=std)
 
 
-def _dense(units: int, cfg: ModelConfig, name: str, residual: bool = False) -> keras.layers.Dense:
+def _dense(units: int, cfg: ModelConfig, name: str, residual: bool = False, lora: Lora | None = None,
+           part: str = "") -> keras.layers.Dense:
+    """A projection of layer `part` (attn or mlp): with an adapter (LoraDense) when `lora` names it."""
     # GPT-2 init (every family): std 0.02, residual projections scaled by 1/sqrt(2 * n_layer)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
     # biases (model_spec._dense): every gpt2 layer with model.bias; of the rotary families, qwen2's q, k, v
     bias = cfg.bias if not cfg.rotary() else name in ("q", "k", "v") and cfg.qkv_bias()
+    if lora is not None and f"{part}/{name}" in lora.layers:
+        return LoraDense(units, lora, use_bias=bias, kernel_initializer=_normal(std), name=name)
     return keras.layers.Dense(units, use_bias=bias, kernel_initializer=_normal(std), name=name)
 
 
@@ -122,17 +129,17 @@ def rope(x, pos, theta: float, scaling: tuple | None = None):
 
 
 class CausalSelfAttention(keras.layers.Layer):
-    def __init__(self, cfg: ModelConfig, **kwargs):
+    def __init__(self, cfg: ModelConfig, lora: Lora | None = None, **kwargs):
         super().__init__(**kwargs)
         self.family, self.rope_theta, self.rope_scaling = cfg.family, cfg.rope_theta, rope_scaling(cfg)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), cfg.n_embd // cfg.n_head
         if cfg.family == "gpt2":
-            self.qkv = _dense(3 * cfg.n_embd, cfg, "qkv")
+            self.qkv = _dense(3 * cfg.n_embd, cfg, "qkv", lora=lora, part="attn")
         else:  # separate projections: k and v have n_kv_head heads
-            self.q = _dense(self.n_head * self.head_dim, cfg, "q")
-            self.k = _dense(self.n_kv_head * self.head_dim, cfg, "k")
-            self.v = _dense(self.n_kv_head * self.head_dim, cfg, "v")
-        self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True)
+            self.q = _dense(self.n_head * self.head_dim, cfg, "q", lora=lora, part="attn")
+            self.k = _dense(self.n_kv_head * self.head_dim, cfg, "k", lora=lora, part="attn")
+            self.v = _dense(self.n_kv_head * self.head_dim, cfg, "v", lora=lora, part="attn")
+        self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True, lora=lora, part="attn")
         self.attn_drop = keras.layers.Dropout(cfg.dropout)
         self.resid_drop = keras.layers.Dropout(cfg.dropout)
         self.attend = attention.for_config(cfg)  # model.attention: dense (attention.attend) or blockwise
@@ -164,12 +171,15 @@ class CausalSelfAttention(keras.layers.Layer):
             w = {"qkv/kernel": tf.reshape(tf.cast(self.qkv.kernel, dtype), [-1, 3, self.n_head, hd])[:, :, heads]}
             if self.qkv.bias is not None:  # (C, 3, h, hd) and (3, h, hd)
                 w["qkv/bias"] = tf.reshape(tf.cast(self.qkv.bias, dtype), [3, self.n_head, hd])[:, heads]
+            if isinstance(self.qkv, LoraDense):  # A whole (C, r), B's columns of these heads (r, 3, h, hd)
+                w.update(_adapter_slices(self.qkv, "qkv", dtype))
+                w["qkv/lora_b"] = tf.reshape(w["qkv/lora_b"], [-1, 3, self.n_head, hd])[:, :, heads]
         else:
             kv = self.n_kv_head // ways
             w = _columns(self.q, "q", g * h * hd, h * hd, dtype)  # (C, h hd)
             for name in ("k", "v"):  # (C, kv hd)
                 w.update(_columns(getattr(self, name), name, g * kv * hd, kv * hd, dtype))
-        w["proj/kernel"] = tf.cast(self.proj.kernel, dtype)[g * h * hd:(g + 1) * h * hd]  # (h hd, C): matching rows
+        w.update(_rows(self.proj, "proj", g * h * hd, h * hd, dtype))  # (h hd, C): matching rows
         return w
 
     def group_part(self, x, w: dict, training=False):
@@ -180,6 +190,8 @@ class CausalSelfAttention(keras.layers.Layer):
             qkv = matmul(x, tf.reshape(kernel, [kernel.shape[0], -1]))  # (B, T, 3 h hd)
             if "qkv/bias" in w:
                 qkv += tf.reshape(w["qkv/bias"], [-1])
+            if "qkv/lora_a" in w:
+                qkv += adapter(x, w["qkv/lora_a"], tf.reshape(w["qkv/lora_b"], [w["qkv/lora_b"].shape[0], -1]), 1.0)
             qkv = tf.reshape(qkv, [tf.shape(x)[0], tf.shape(x)[1], *kernel.shape[1:]])  # (B, T, 3, h, hd)
             q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each (B, h, T, hd)
         else:  # llama layout: kv heads of this group and their query heads (with their q/k/v bias slices), rotary
@@ -188,7 +200,7 @@ class CausalSelfAttention(keras.layers.Layer):
             k, v = heads(_project(x, w, "k"), kv), heads(_project(x, w, "v"), kv)  # (B, kv, T, hd)
             q, k = rope(q, 0, self.rope_theta, self.rope_scaling), rope(k, 0, self.rope_theta, self.rope_scaling)
         y = self.attend(q, k, v, 0, self.attn_drop, training)  # (B, T, h * hd)
-        return matmul(y, w["proj/kernel"])  # (B, T, C), this group's share
+        return _project(y, w, "proj")  # (B, T, C), this group's share (its bias: combine's)
 
     def combine(self, total, training=False):
         """The layer's output from the sum of its groups' parts (B, T, C): the proj bias, then dropout."""
@@ -206,11 +218,33 @@ def heads(x, n: int):
 
 
 def _columns(dense: keras.layers.Dense, name: str, start: int, width: int, dtype) -> dict:
-    """Columns start..start+width of `dense`'s kernel (C, width) and bias (width,), cast to `dtype`."""
+    """Columns start..start+width of `dense`'s kernel (C, width) and bias (width,), cast to `dtype`; with an
+    adapter, its whole A (C, r) and those columns of B (r, width)."""
     w = {f"{name}/kernel": tf.cast(dense.kernel, dtype)[:, start:start + width]}
     if dense.bias is not None:
         w[f"{name}/bias"] = tf.cast(dense.bias, dtype)[start:start + width]
+    if isinstance(dense, LoraDense):
+        w.update(_adapter_slices(dense, name, dtype))
+        w[f"{name}/lora_b"] = w[f"{name}/lora_b"][:, start:start + width]
     return w
+
+
+def _rows(dense: keras.layers.Dense, name: str, start: int, width: int, dtype) -> dict:
+    """Rows start..start+width of an output projection's kernel (width, C) (its bias: `combine`'s); with an
+    adapter, those rows of A (width, r) and the whole B (r, C): the groups' x_g A_g B sum to x A B."""
+    w = {f"{name}/kernel": tf.cast(dense.kernel, dtype)[start:start + width]}
+    if isinstance(dense, LoraDense):
+        w.update(_adapter_slices(dense, name, dtype))
+        w[f"{name}/lora_a"] = w[f"{name}/lora_a"][start:start + width]
+    return w
+
+
+def _adapter_slices(dense: LoraDense, name: str, dtype) -> dict:
+    """`dense`'s adapter A and B * scale (the scale applied here, once, so that a group's slices are all it
+    needs), cast to `dtype`. Groups draw no adapter dropout (config refuses train.lora_dropout with tensor
+    groups)."""
+    return {f"{name}/lora_a": tf.cast(dense.lora_a, dtype),
+            f"{name}/lora_b": tf.cast(dense.lora_b * dense.scale, dtype)}
 
 
 def matmul(x, kernel, transpose: bool = False):
@@ -223,10 +257,12 @@ def matmul(x, kernel, transpose: bool = False):
 
 
 def _project(x, w: dict, name: str):
-    """x (B, T, C) times the column slice `name` of `w` (plus its bias slice): (B, T, width)."""
+    """x (B, T, C) times the slice `name` of `w` (plus its bias slice and its adapter's share): (B, T, width)."""
     y = matmul(x, w[f"{name}/kernel"])
     if f"{name}/bias" in w:
         y += w[f"{name}/bias"]
+    if f"{name}/lora_a" in w:
+        y += adapter(x, w[f"{name}/lora_a"], w[f"{name}/lora_b"], 1.0)
     return y
 
 
@@ -248,15 +284,15 @@ def _cache_write(cache, new, pos):
 class MLP(keras.layers.Layer):
     """gpt2: proj(gelu(fc(x))); llama: down(silu(gate(x)) * up(x)) (SwiGLU). Hidden size F."""
 
-    def __init__(self, cfg: ModelConfig, **kwargs):
+    def __init__(self, cfg: ModelConfig, lora: Lora | None = None, **kwargs):
         super().__init__(**kwargs)
         self.family, hidden = cfg.family, cfg.hidden()
         if cfg.family == "gpt2":
-            self.fc = _dense(hidden, cfg, "fc")
-            self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True)
+            self.fc = _dense(hidden, cfg, "fc", lora=lora, part="mlp")
+            self.proj = _dense(cfg.n_embd, cfg, "proj", residual=True, lora=lora, part="mlp")
         else:
-            self.gate, self.up = _dense(hidden, cfg, "gate"), _dense(hidden, cfg, "up")
-            self.down = _dense(cfg.n_embd, cfg, "down", residual=True)
+            self.gate, self.up = (_dense(hidden, cfg, name, lora=lora, part="mlp") for name in ("gate", "up"))
+            self.down = _dense(cfg.n_embd, cfg, "down", residual=True, lora=lora, part="mlp")
         self.drop = keras.layers.Dropout(cfg.dropout)
 
     def call(self, x, training=False):
@@ -277,7 +313,7 @@ class MLP(keras.layers.Layer):
         w = {}
         for name in first:
             w.update(_columns(getattr(self, name), name, g * units, units, dtype))  # (C, F/ways), (F/ways,)
-        w[f"{last}/kernel"] = tf.cast(getattr(self, last).kernel, dtype)[g * units:(g + 1) * units]  # (F/ways, C)
+        w.update(_rows(getattr(self, last), last, g * units, units, dtype))  # (F/ways, C)
         return w
 
     def group_part(self, x, w: dict, training=False):
@@ -285,9 +321,9 @@ class MLP(keras.layers.Layer):
         input x (B, T, C) and its slices `w` (group_weights) alone."""
         if self.family == "gpt2":
             hidden = tf.nn.gelu(_project(x, w, "fc"), approximate=True)  # (B, T, F/ways)
-            return matmul(hidden, w["proj/kernel"])  # (B, T, C)
+            return _project(hidden, w, "proj")  # (B, T, C)
         gate, up = _project(x, w, "gate"), _project(x, w, "up")  # (B, T, F/ways)
-        return matmul(tf.nn.silu(gate) * up, w["down/kernel"])  # (B, T, C)
+        return _project(tf.nn.silu(gate) * up, w, "down")  # (B, T, C)
 
     def combine(self, total, training=False):
         """The layer's output from the sum of its groups' parts (B, T, C): the output bias, then dropout."""
@@ -301,12 +337,12 @@ class MLP(keras.layers.Layer):
 class Block(keras.layers.Layer):
     """x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: ModelConfig, **kwargs):
+    def __init__(self, cfg: ModelConfig, lora: Lora | None = None, **kwargs):
         super().__init__(**kwargs)
         self.ln1 = norm(cfg, "ln1")
-        self.attn = CausalSelfAttention(cfg, name="attn")
+        self.attn = CausalSelfAttention(cfg, lora, name="attn")
         self.ln2 = norm(cfg, "ln2")
-        self.mlp = MLP(cfg, name="mlp")
+        self.mlp = MLP(cfg, lora, name="mlp")
 
     def call(self, x, training=False, cache=None, pos=0):
         a, cache = self.attn(self.ln1(x), training=training, cache=cache, pos=pos)
@@ -316,9 +352,12 @@ class Block(keras.layers.Layer):
 
 
 class GPT(keras.Model):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, **kwargs):
+    """`lora`: adapters on the projections it names (model/lora.py: train.lora_*), every other weight
+    frozen; None: no adapters, every weight trainable (train.freeze: optimizer.freeze)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, lora: Lora | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.cfg, self.vocab_size = cfg, vocab_size
+        self.cfg, self.vocab_size, self.lora = cfg, vocab_size, lora
         self.wte = keras.layers.Embedding(vocab_size, cfg.n_embd, embeddings_initializer=_normal(0.02),
                                           name="wte")
         self.wpe = None  # llama: rotary positions inside attention instead
@@ -326,7 +365,7 @@ class GPT(keras.Model):
             self.wpe = keras.layers.Embedding(cfg.max_len, cfg.n_embd, embeddings_initializer=_normal(0.02),
                                               name="wpe")
         self.drop = keras.layers.Dropout(cfg.dropout)
-        self.blocks = [Block(cfg, name=f"block_{i}") for i in range(cfg.n_layer)]
+        self.blocks = [Block(cfg, lora, name=f"block_{i}") for i in range(cfg.n_layer)]
         for i, block in enumerate(self.blocks):
             # Keras 3 tracks a list of layers for `weights`, but TF checkpoints do not see into it
             # (tf.train.Checkpoint(model=...) would save only the embeddings and the final norm)
@@ -338,8 +377,12 @@ class GPT(keras.Model):
                                                   name="lm_head")
 
     def build_weights(self) -> "GPT":
-        """Create every variable (call once, inside the strategy scope)."""
+        """Create every variable (call once, inside the strategy scope); with adapters, freeze the rest."""
         self(tf.zeros([1, 1], tf.int32))
+        if self.lora is not None:  # the embeddings, norms and head (LoraDense froze its own kernel and bias)
+            for v in self.weights:
+                if not v.path.endswith(("/lora_a", "/lora_b")):
+                    v.trainable = False
         return self
 
     def embed(self, idx, training=False, pos=0):
@@ -385,7 +428,11 @@ class GPT(keras.Model):
     # ---- size and cost ---------------------------------------------------------------------------
 
     def num_params(self, include_positions: bool = True) -> int:
-        n = sum(int(math.prod(v.shape)) for v in self.trainable_variables)
+        """The trainable parameters; with adapters, the base model's (the adapters are a small extra: the
+        matmuls, and so the FLOPs, are the base model's)."""
+        counted = self.trainable_variables if self.lora is None else [
+            v for v in self.weights if not v.path.endswith(("/lora_a", "/lora_b"))]
+        n = sum(int(math.prod(v.shape)) for v in counted)
         return n if include_positions or self.wpe is None else n - self.cfg.max_len * self.cfg.n_embd
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -401,5 +448,7 @@ def loss_fn(logits, targets):
 
 
 def decay_mask(model: GPT) -> list:
-    """Variables that get weight decay: Dense kernels only (not norms, biases or embeddings)."""
-    return [v for v in model.trainable_variables if len(v.shape) == 2 and v.path.endswith("kernel")]
+    """Variables that get weight decay: Dense kernels and LoRA's A and B (not norms, biases or embeddings; as
+    transformers' Trainer decays a PEFT model's adapters)."""
+    decayed = ("kernel", "lora_a", "lora_b")
+    return [v for v in model.trainable_variables if len(v.shape) == 2 and v.path.endswith(decayed)]

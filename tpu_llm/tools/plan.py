@@ -79,7 +79,7 @@ import re
 from collections.abc import Sequence
 
 from tpu_llm import model_spec
-from tpu_llm.config import Config, freeze_spec
+from tpu_llm.config import LORA_TARGETS, Config, freeze_spec, lora_targets
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
 
@@ -215,7 +215,10 @@ def loss_bytes(cfg: Config, vocab: int, tokens_micro: float) -> tuple[float, flo
 
 def frozen_params(cfg: Config, stage: pipeline.Stage, vocab: int) -> int:
     """The parameters of `stage` that train.freeze keeps as they are: the frozen blocks it holds, the
-    embeddings (a tied table with them) on the first stage, an untied head's table on the last."""
+    embeddings (a tied table with them) on the first stage, an untied head's table on the last. With
+    LoRA (train.lora_rank) all of them: only the adapters train."""
+    if cfg.train.lora_rank:
+        return stage.params
     if not cfg.train.freeze:
         return 0
     m = cfg.model
@@ -226,6 +229,17 @@ def frozen_params(cfg: Config, stage: pipeline.Stage, vocab: int) -> int:
     if stage.head and "head" in named:  # tied: the config is refused when training starts (freeze embeddings)
         n += model_spec.count({k: s for k, s in model_spec.head_shapes(m, vocab).items() if k.startswith("lm_head")})
     return n
+
+
+def adapter_params(cfg: Config, stage: pipeline.Stage) -> int:
+    """LoRA's A and B in `stage`'s blocks: r (in + out) for each projection train.lora_targets adapts
+    (model/lora.py), every block alike; 0 without LoRA."""
+    t, m = cfg.train, cfg.model
+    if not t.lora_rank:
+        return 0
+    table, shapes = LORA_TARGETS["gpt2" if m.family == "gpt2" else "rotary"], model_spec.block_shapes(m)
+    layers = {path for name in lora_targets(t.lora_targets, m.family) for path in table[name]}
+    return len(stage.blocks) * sum(t.lora_rank * sum(shapes[f"{path}/kernel"]) for path in layers)
 
 
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
@@ -263,9 +277,10 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     if stage.head:
         if stages > 1 and m.tie_embeddings:  # the head reads the tied table held by the first stage: a copy and its gradient
             work += vocab * c * (act_bytes + 4)
-    trainable = params - frozen_params(cfg, stage, vocab)  # AdamW state and gradients: these only
+    adapters = adapter_params(cfg, stage)  # LoRA: float32 variables beside the (frozen) weights
+    trainable = params + adapters - frozen_params(cfg, stage, vocab)  # AdamW state and gradients: these only
     grads = 4 * trainable * (2 if cfg.train.grad_accum > 1 else 1)
-    return Memory(4 * params, 8 * trainable, grads, per_token * tokens, work)
+    return Memory(4 * (params + adapters), 8 * trainable, grads, per_token * tokens, work)
 
 
 def vocab_size(cfg: Config) -> tuple[int, str]:

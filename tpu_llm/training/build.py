@@ -15,7 +15,7 @@ from tpu_llm.config import Config
 from tpu_llm.data import dataset as data
 from tpu_llm.data import sources
 from tpu_llm.errors import UserError
-from tpu_llm.model import GPT
+from tpu_llm.model import GPT, lora
 from tpu_llm.parallel import comm, pipeline, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy
 from tpu_llm.run_layout import check_no_links
@@ -195,7 +195,7 @@ def _build_model(cfg: Config, dist: Distribution, stages, precision: str, local_
     """The model (each stage's variables on its own device or logical TPU core: pipeline.build_weights),
     its optimizer and the gradient exchange (None: the plain all-reduce)."""
     with dist.strategy.scope(), comm.variable_scope(local_sgd):
-        model = pipeline.build_weights(GPT(cfg.model, cfg.model.vocab_size), stages, dist.placement)
+        model = pipeline.build_weights(GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)), stages, dist.placement)
         freeze(cfg.train, model)  # fine-tuning: layers that stay as they are (train.freeze)
         optimizer = make_optimizer(cfg.train, model)
         if precision == "mixed_float16":  # float16 gradients underflow without a scaled loss

@@ -26,10 +26,10 @@ import yaml
 
 from tpu_llm import files
 from tpu_llm.config import Config, ModelConfig, config_from_dict
-from tpu_llm.config_reading import MAX_CONFIG_BYTES
+from tpu_llm.config_reading import MAX_CONFIG_BYTES, REPR
 from tpu_llm.errors import UserError
 from tpu_llm.files import write_atomically
-from tpu_llm.model import GPT
+from tpu_llm.model import GPT, lora
 from tpu_llm.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, MARKER_FILE,
                                OWN_TEMPORARY, SPEC_FILE, UNFINISHED_SUFFIX, WRITE_PROBE, check_no_links, checkpoint_name,
                                checkpoint_step)
@@ -127,7 +127,7 @@ def check_run_dir(cfg: Config, unstated: str = "") -> None:
     check_run_dir_owner(run_dir)
     saved = read_saved_config(run_dir)
     if saved is not None:
-        differences = _model_differences(saved.get("model", {}), cfg.model)
+        differences = _model_differences(saved.get("model", {}), cfg.model) + _lora_differences(saved, cfg)
         if differences:
             why = f" and this command gave {unstated}" if unstated else ""
             fresh = f"{run_dir.rstrip('/')}-2" if not run_dir.endswith("-2") else f"{run_dir}x"
@@ -172,16 +172,35 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
         raise UserError(f"train.init_from={source!r} was trained with another tokenizer ({theirs.kind}) than this "
                         f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
                         f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
+    if saved.get("train", {}).get("lora_rank"):  # its adapters are no base weight: they would be dropped
+        raise UserError(f"train.init_from={source!r} is a LoRA run (train.lora_rank={saved['train']['lora_rank']}); "
+                        f"start from a merged copy of it: `tpu-llm export --format hf {source} DIR`, then "
+                        "`tpu-llm import DIR --run_dir BASE` and train.init_from=BASE")
+    # with adapters: the base run holds none, so its weights go into a model without them, then across
+    base = GPT(current, model.vocab_size).build_weights() if getattr(model, "lora", None) else model
     checkpointer = Checkpointer(source, keep=1, io_device=io_device, model_config=current, tokenizer=tokenizer,
-                                model=model)
+                                model=base)
     path = checkpointer.restore_latest()  # the newest readable one; UserError if none can be read
     if path is None:
         raise UserError(f"train.init_from={source!r} has no checkpoint in {CHECKPOINT_DIR}/ yet")
+    if base is not model:
+        lora.copy_base(base, model)
     return path
 
 
 def _model_differences(saved: dict, current: ModelConfig) -> list[str]:
     return [f"model.{key}={theirs} (this config has {ours})" for key, theirs, ours in _model_changes(saved, current)]
+
+
+def _lora_differences(saved: dict, current: Config) -> list[str]:
+    """The train.lora_* settings that made a run's adapters (rank, alpha, targets), where `current` differs
+    from the run's saved config: a checkpoint's adapters of another rank would not fit, and with no
+    adapters now they would be dropped without a word."""
+    theirs, ours = saved.get("train", {}), current.train
+    if not theirs.get("lora_rank") and not ours.lora_rank:
+        return []
+    return [f"train.{key}={REPR.repr(theirs.get(key))} (this config has {REPR.repr(getattr(ours, key))})"
+            for key in ("lora_rank", "lora_alpha", "lora_targets") if theirs.get(key) != getattr(ours, key)]
 
 
 def _model_changes(saved: dict, current: ModelConfig) -> list[tuple]:
@@ -516,8 +535,9 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
                         "pass the --run_dir of a `tpu-llm train` run")
     cfg = config_from_dict(saved, source=os.path.join(run_dir, CONFIG_FILE))
     check_tokenizer_fits(run_dir, tokenizer, cfg)
-    model = GPT(cfg.model, cfg.model.vocab_size).build_weights()
-    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer, model=model)
+    model = GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)).build_weights()
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
+                      model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
     if path is None:
         raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")

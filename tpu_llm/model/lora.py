@@ -1,0 +1,133 @@
+"""LoRA (Hu et al. 2021) as Hugging Face PEFT computes it: low-rank adapters on chosen projections.
+
+A projection y = x W + b with an adapter of rank r becomes
+
+    y = x W + b + (dropout(x) A B) * alpha / r        A: (in, r), B: (r, out)
+
+PEFT's `LoraLayer` with its defaults: A initialised as torch's kaiming_uniform_(a=sqrt(5)) on its
+(r, in) weight (uniform in +-1/sqrt(in)), B zero (a new adapter leaves the model as it was), dropout
+on the adapter's input only, the adapter computed in float32 (PEFT casts the input to lora_A's dtype)
+and added to the base projection's output. Keras kernels are (in, out), so A and B here are the
+transposes of PEFT's lora_A.weight (r, in) and lora_B.weight (out, r).
+
+Which projections get one is `train.lora_targets` in PEFT's module names (config.LORA_TARGETS): one
+adapter per PEFT module. Our layouts hold the modules Hugging Face's models hold (llama: separate q,
+k, v; gpt2: the fused c_attn, a single Conv1D in transformers too, whose adapter PEFT fits to the
+whole (C, 3C) matrix), so each adapter is PEFT's, weight for weight: no fused kernel needs splitting.
+
+Every other weight is frozen (not trainable: no gradient, no optimizer slots, bit-identical after
+training); the adapters are the variables `.../lora_a` and `.../lora_b` beside the kernel they adapt
+(e.g. block_0/attn/q/lora_a), saved in the checkpoints with the rest of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import keras
+import tensorflow as tf
+
+from tpu_llm.config import LORA_TARGETS, Config, lora_targets
+
+ADAPTERS = ("/lora_a", "/lora_b")  # how an adapter's variables' paths end
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """The adapters of a model: rank, scale (alpha / rank), dropout and the layers (paths below a block,
+    e.g. attn/q) that get one."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    layers: frozenset
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def spec(cfg: Config) -> Lora | None:
+    """The adapters the run's train.lora_* ask for (None: lora_rank 0, no adapters)."""
+    train, family = cfg.train, cfg.model.family
+    if not train.lora_rank:
+        return None
+    table = LORA_TARGETS["gpt2" if family == "gpt2" else "rotary"]
+    layers = frozenset(path for name in lora_targets(train.lora_targets, family) for path in table[name])
+    return Lora(train.lora_rank, train.lora_alpha, train.lora_dropout, layers)
+
+
+class LoraDense(keras.layers.Dense):
+    """A Dense layer (its kernel and bias at their paths) with a trainable float32 adapter."""
+
+    def __init__(self, units: int, lora: Lora, **kwargs):
+        super().__init__(units, **kwargs)
+        self.rank, self.scale = lora.rank, lora.scale
+        self.lora_drop = keras.layers.Dropout(lora.dropout) if lora.dropout else None
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        fan_in = int(input_shape[-1])
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
+        # autocast off: read in float32 under mixed precision too (the adapter computes in float32)
+        self.lora_a = self.add_weight(shape=(fan_in, self.rank), name="lora_a", autocast=False,
+                                      initializer=keras.initializers.RandomUniform(-bound, bound))
+        self.lora_b = self.add_weight(shape=(self.rank, self.units), name="lora_b", initializer="zeros",
+                                      autocast=False)  # (the kernel and bias: frozen by GPT.build_weights)
+
+    def call(self, inputs, training=None):
+        y = super().call(inputs)
+        if self.lora_drop is not None:
+            inputs = self.lora_drop(inputs, training=training)
+        return y + tf.cast(adapter(inputs, self.lora_a, self.lora_b, self.scale), y.dtype)
+
+
+def adapter(x, a, b, scale: float):
+    """(x A B) * scale for x (B, T, in), A (in, r), B (r, out): (B, T, out) in A's dtype, as two 2-D
+    matmuls of the (B T) rows (never the (in, out) product A B: r is small)."""
+    rows = tf.reshape(tf.cast(x, a.dtype), [-1, x.shape[-1]])
+    y = tf.matmul(tf.matmul(rows, a), b) * scale
+    return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [b.shape[-1]]], 0))
+
+
+def adapted(model) -> list:
+    """The model's LoraDense layers, by their path (block_i/attn/q, ...)."""
+    return [layer for block in model.blocks for part in (block.attn, block.mlp)
+            for layer in part._layers if isinstance(layer, LoraDense)]
+
+
+def merged_kernel(layer: LoraDense):
+    """The layer's kernel with its adapter folded in, W + A B scale (float32): what `export` writes."""
+    return tf.cast(layer.kernel, tf.float32) + tf.matmul(layer.lora_a, layer.lora_b) * layer.scale
+
+
+def _by_path(model) -> dict:
+    """{path below the model's own name (block_0/attn/q/kernel): variable} of `model`'s weights, dropout
+    seeds left out. (A model built stage by stage, pipeline.build_weights, has paths without its name.)"""
+    prefix = model.name + "/"
+    return {v.path.removeprefix(prefix): v for v in model.weights if "seed_generator" not in v.path}
+
+
+def copy_base(base, model) -> None:
+    """Assign every weight of `base` but its adapters (the same model without adapters, restored from a base
+    run: train.init_from; or the reverse, `merged`) to `model`'s variable of that path."""
+    ours = _by_path(model)
+    for path, variable in _by_path(base).items():
+        if not path.endswith(ADAPTERS):
+            ours[path].assign(variable)
+
+
+def merged(model):
+    """A model without adapters whose kernels are `model`'s with each adapter folded in (W + A B scale),
+    every other weight the same: what `export` writes (SavedModel, model.weights.h5, --format hf), a model
+    that loads without tpu-llm's or PEFT's adapter code. `model` itself without adapters is returned as it is."""
+    if model.lora is None:
+        return model
+    plain = type(model)(model.cfg, model.vocab_size).build_weights()
+    copy_base(model, plain)  # the base weights; the adapters have no place in it ...
+    prefix = model.name + "/"
+    kernels = _by_path(plain)
+    for layer in adapted(model):  # ... but in its kernels
+        kernels[f"{layer.path.removeprefix(prefix)}/kernel"].assign(merged_kernel(layer))
+    return plain
