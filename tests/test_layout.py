@@ -18,8 +18,8 @@ PACKAGE = ROOT / "tpu_llm"
 # Sub-packages and top-level modules by layer: a module may import its own sub-package and lower layers.
 LAYERS = [
     # leaves anyone may import
-    {"__init__", "config", "config_reading", "errors", "tf_compat", "perf", "tether", "native_log", "peak",
-     "run_layout", "files", "model_spec", "tpu_chips", "xla_flags"},
+    {"__init__", "config", "config_reading", "config_lora", "errors", "tf_compat", "perf", "tether", "native_log",
+     "peak", "run_layout", "files", "model_spec", "tpu_chips", "xla_flags"},
     {"cloud", "tokenizers", "model"},
     {"data"},
     {"parallel"},

@@ -19,13 +19,14 @@ import dataclasses
 import math
 import os
 import re
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from tpu_llm import model_spec
+from tpu_llm.config_lora import LORA_TARGETS, lora_targets, validate_lora  # noqa: F401 (re-exported)
 from tpu_llm.config_reading import REPR, apply_mapping, config_file, read_yaml, set_dotted
-from tpu_llm.errors import UserError
+from tpu_llm.config_reading import check as _check
 
 TOKENIZERS = ("byte", "char", "sentencepiece", "hf")
 DATA_FORMATS = ("auto", "text", "tfrecord")
@@ -40,14 +41,6 @@ OUTER_OPTIMIZERS = ("sgd", "nesterov")
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral")
 ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling: plain rotary, or Llama 3.1's long-context frequencies
 ATTENTIONS = ("dense", "blockwise")
-# train.lora_targets: PEFT's module names per layout, and what each adapts here (model/lora.py). gpt2's c_proj
-# names the attention's and the MLP's output projections alike, as PEFT matches module names.
-LORA_TARGETS = {
-    "gpt2": {"c_attn": ("attn/qkv",), "c_proj": ("attn/proj", "mlp/proj"), "c_fc": ("mlp/fc",)},
-    "rotary": {"q_proj": ("attn/q",), "k_proj": ("attn/k",), "v_proj": ("attn/v",), "o_proj": ("attn/proj",),
-               "gate_proj": ("mlp/gate",), "up_proj": ("mlp/up",), "down_proj": ("mlp/down",)},
-}
-LORA_DEFAULT_TARGETS = {"gpt2": "c_attn", "rotary": "q_proj,v_proj"}  # PEFT's defaults for GPT-2 and Llama
 EARLY_STOPPING = ("false", "true", "never")  # sample.early_stopping: transformers' False, True, "never"
 # each beam is a row of the KV cache (num_beams contexts in memory); published beam searches use 1 to 10
 MAX_BEAMS = 64
@@ -302,13 +295,6 @@ def config_from_dict(data: dict, source: str) -> Config:
     return cfg
 
 
-def _check(ok: bool, message: str | Callable[[], str]) -> None:
-    """A UserError with `message` unless `ok`; a message that costs something to build (the divisors of a
-    number) is given as a function, called only on failure."""
-    if not ok:
-        raise UserError(f"config: {message() if callable(message) else message}")
-
-
 def approx_params(m: ModelConfig) -> int:
     """The parameters of the model section `m`, from its sizes alone (norms and biases left out): what
     MAX_PARAMS bounds. vocab_size 0 (the tokenizer's) counts no table."""
@@ -363,7 +349,7 @@ def validate(cfg: Config) -> None:
     _check(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     _check(t.max_bad_steps >= 0, f"train.max_bad_steps={t.max_bad_steps} must be >= 0 (0 = stop at the first)")
     freeze_spec(t.freeze, m.n_layer)
-    _validate_lora(cfg)
+    validate_lora(cfg)
     profile_range(t.profile_steps, t.steps)
     _check(t.on_bad_step in BAD_STEP_ACTIONS,
            f"train.on_bad_step={t.on_bad_step!r}; valid choices: {', '.join(BAD_STEP_ACTIONS)}")
@@ -484,34 +470,6 @@ def _validate_rope_scaling(m: ModelConfig) -> None:
                f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
                f"{m.rope_high_freq_factor}: need 0 < low < high")
         _check(m.rope_original_max_len >= 1, f"model.rope_original_max_len={m.rope_original_max_len} must be >= 1")
-
-
-def _validate_lora(cfg: Config) -> None:
-    t = cfg.train
-    _check(t.lora_rank >= 0, f"train.lora_rank={t.lora_rank} must be >= 0 (0 = off)")
-    if not t.lora_rank:
-        return
-    lora_targets(t.lora_targets, cfg.model.family)
-    _check(t.lora_alpha > 0, f"train.lora_alpha={t.lora_alpha} must be > 0 (the adapters' scale is alpha / rank)")
-    _check(0 <= t.lora_dropout < 1, f"train.lora_dropout={t.lora_dropout} must be in [0, 1)")
-    _check(not t.freeze, f"train.freeze={REPR.repr(t.freeze)} with train.lora_rank={t.lora_rank}: LoRA freezes every "
-                         "weight but the adapters already; drop train.freeze (or choose train.lora_targets)")
-    _check(t.lora_dropout == 0 or cfg.parallel.tensor == 1,
-           f"train.lora_dropout={t.lora_dropout} is not supported with parallel.tensor={cfg.parallel.tensor} (each "
-           "group would draw its own mask of the adapter's input); set train.lora_dropout=0 or parallel.tensor=1")
-
-
-def lora_targets(text: str, family: str) -> list[str]:
-    """train.lora_targets as PEFT module names ("" = PEFT's default for the family); a UserError names an
-    unknown one and the valid ones."""
-    layout = "gpt2" if family == "gpt2" else "rotary"
-    names = [n.strip() for n in (text or LORA_DEFAULT_TARGETS[layout]).split(",") if n.strip()]
-    valid = LORA_TARGETS[layout]
-    unknown = [n for n in names if n not in valid]
-    _check(not unknown and bool(names),
-           lambda: f"train.lora_targets={REPR.repr(text)}: {REPR.repr(unknown[0]) if unknown else 'no module'} is not a "
-                   f"module of model.family={family}; valid targets: {', '.join(valid)}")
-    return list(dict.fromkeys(names))
 
 
 def freeze_spec(text: str, n_layer: int) -> tuple[set, set]:

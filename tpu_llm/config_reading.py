@@ -15,7 +15,7 @@ import math
 import os
 import re
 import reprlib
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -28,6 +28,13 @@ REPR = reprlib.Repr()
 REPR.maxlevel, REPR.maxstring, REPR.maxother, REPR.maxlong = 3, 80, 80, 40
 
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")  # package data (the wheel has it)
+
+
+def check(ok: bool, message: str | Callable[[], str]) -> None:
+    """A UserError with `message` unless `ok`; a message that costs something to build (the divisors of a
+    number) is given as a function, called only on failure. (config.py's and config_lora.py's checks.)"""
+    if not ok:
+        raise UserError(f"config: {message() if callable(message) else message}")
 
 
 def presets() -> dict[str, str]:
