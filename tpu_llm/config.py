@@ -182,6 +182,8 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on each adapter's input (PEFT's lora_dropout)
     # PEFT module names, comma-separated: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (llama layout)
     lora_targets: str = ""  # or c_attn, c_proj, c_fc (gpt2); "" = PEFT's default: q_proj,v_proj (llama layout), c_attn (gpt2)
+    # how the frozen projection kernels of the blocks are stored (docs/lora.md); the adapters train in float32:
+    lora_base_dtype: str = "float32"  # float32 | bfloat16 | int8 (Keras' int8: per-output-channel scales)
     loss_chunk: int = 0  # tokens per chunk of the head and loss (no B x T x vocab logits); 0 = off (docs/memory.md)
     # START:END: a TensorFlow profiler trace of steps START to END (1 = the first step), in logs/train/plugins/profile
     profile_steps: str = ""  # e.g. 10:20; whole host calls, cut at START-1 and END (docs/profiling.md); "" = off

@@ -1,5 +1,5 @@
-"""The LoRA settings (train.lora_*, docs/lora.md): PEFT's module names per layout and their checks;
-tpu_llm/config.py holds the schema and calls `validate_lora`."""
+"""The LoRA settings (train.lora_*, docs/lora.md): PEFT's module names per layout, the stored base's
+dtypes, and their checks; tpu_llm/config.py holds the schema and calls `validate_lora`."""
 
 from __future__ import annotations
 
@@ -14,13 +14,18 @@ LORA_TARGETS = {
                "gate_proj": ("mlp/gate",), "up_proj": ("mlp/up",), "down_proj": ("mlp/down",)},
 }
 LORA_DEFAULT_TARGETS = {"gpt2": "c_attn", "rotary": "q_proj,v_proj"}  # PEFT's defaults for GPT-2 and Llama
+LORA_BASE_DTYPES = ("float32", "bfloat16", "int8")  # train.lora_base_dtype: how a LoRA run stores its frozen base
 
 
 def validate_lora(cfg) -> None:
     """The train.lora_* settings of `cfg` (a config.Config), each bad one a UserError of one line."""
     t = cfg.train
     _check(t.lora_rank >= 0, f"train.lora_rank={t.lora_rank} must be >= 0 (0 = off)")
+    _check(t.lora_base_dtype in LORA_BASE_DTYPES,
+           f"train.lora_base_dtype={t.lora_base_dtype!r}; valid choices: {', '.join(LORA_BASE_DTYPES)}")
     if not t.lora_rank:
+        _check(t.lora_base_dtype == "float32", f"train.lora_base_dtype={t.lora_base_dtype} needs train.lora_rank > 0 "
+                                               "(only a LoRA run's base is frozen); set train.lora_rank or drop it")
         return
     lora_targets(t.lora_targets, cfg.model.family)
     _check(t.lora_alpha > 0, f"train.lora_alpha={t.lora_alpha} must be > 0 (the adapters' scale is alpha / rank)")

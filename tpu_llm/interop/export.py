@@ -151,8 +151,8 @@ def load_float32(run_dir: str):
     keras.mixed_precision.set_global_policy("float32")
     try:
         model, tokenizer, cfg, checkpoint, notes = load_for_generation(run_dir, with_checkpoint=True, with_notes=True)
-        if cfg.train.lora_rank:  # a LoRA run: its adapters folded into the kernels (docs/lora.md)
-            model, cfg.train.lora_rank = lora.merged(model), 0
+        if cfg.train.lora_rank:  # a LoRA run: its adapters folded into float32 kernels (docs/lora.md)
+            model, cfg.train.lora_rank, cfg.train.lora_base_dtype = lora.merged(model), 0, "float32"
         return model, tokenizer, cfg, checkpoint, notes
     finally:
         keras.mixed_precision.set_global_policy(policy)

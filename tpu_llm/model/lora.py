@@ -18,6 +18,12 @@ whole (C, 3C) matrix), so each adapter is PEFT's, weight for weight: no fused ke
 Every other weight is frozen (not trainable: no gradient, no optimizer slots, bit-identical after
 training); the adapters are the variables `.../lora_a` and `.../lora_b` beside the kernel they adapt
 (e.g. block_0/attn/q/lora_a), saved in the checkpoints with the rest of the model.
+
+The frozen base (train.lora_base_dtype): every projection kernel of the blocks is stored as float32,
+bfloat16, or int8 as Keras' own int8 Dense holds it (Dense.quantize("int8")'s variables: one float32
+scale per output column, `.../kernel_scale`, W ~ q / scale), weight-only: the input is not quantized, so
+the int8 kernel saves memory without rounding the activations. The embeddings, head, norms and biases stay float32 (see
+docs/lora.md for why). The adapters are float32 in every case.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import tensorflow as tf
 from tpu_llm.config import LORA_TARGETS, Config, lora_targets
 
 ADAPTERS = ("/lora_a", "/lora_b")  # how an adapter's variables' paths end
+SCALE = "/kernel_scale"  # an int8 kernel's per-output-channel scales (Keras' int8 Dense)
+# Keras' int8 with no activation quantizer: the input stays in the compute dtype (weight-only int8)
+WEIGHT_ONLY_INT8 = keras.quantizers.Int8QuantizationConfig(activation_quantizer=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +51,7 @@ class Lora:
     alpha: float
     dropout: float
     layers: frozenset
+    base_dtype: str = "float32"  # train.lora_base_dtype: how the frozen projection kernels are stored
 
     @property
     def scale(self) -> float:
@@ -55,19 +65,58 @@ def spec(cfg: Config) -> Lora | None:
         return None
     table = LORA_TARGETS["gpt2" if family == "gpt2" else "rotary"]
     layers = frozenset(path for name in lora_targets(train.lora_targets, family) for path in table[name])
-    return Lora(train.lora_rank, train.lora_alpha, train.lora_dropout, layers)
+    return Lora(train.lora_rank, train.lora_alpha, train.lora_dropout, layers, train.lora_base_dtype)
 
 
-class LoraDense(keras.layers.Dense):
-    """A Dense layer (its kernel and bias at their paths) with a trainable float32 adapter."""
+class FrozenDense(keras.layers.Dense):
+    """A frozen Dense layer whose kernel is stored as `base_dtype`: float32 (a plain Dense), bfloat16, or
+    int8 as Keras' own int8 Dense (its dtype policy int8_from_<the global policy>: an int8 `kernel` and a
+    float32 `kernel_scale` per output column, computed by Keras' _int8_call; weight-only: WEIGHT_ONLY_INT8).
+    The kernel keeps its path (and its checkpoint key, the attribute `_kernel`). A bfloat16 kernel is cast
+    to the compute dtype by Keras' Dense. Built in its stored dtype directly: no float32 kernel is made and
+    dropped (Keras' Dense.quantize would, and its `del` runs a gc.collect per layer: ~0.3 s each)."""
 
-    def __init__(self, units: int, lora: Lora, **kwargs):
+    def __init__(self, units: int, base_dtype: str = "float32", **kwargs):
+        if base_dtype == "int8":
+            kwargs.update(dtype=f"int8_from_{keras.config.dtype_policy().name}", quantization_config=WEIGHT_ONLY_INT8)
         super().__init__(units, **kwargs)
-        self.rank, self.scale = lora.rank, lora.scale
-        self.lora_drop = keras.layers.Dropout(lora.dropout) if lora.dropout else None
+        self.base_dtype = base_dtype
+
+    def add_weight(self, *args, name=None, **kwargs):
+        if name == "kernel" and self.base_dtype == "bfloat16":  # Dense.build's kernel, made bfloat16 and frozen
+            kwargs.update(dtype="bfloat16", trainable=False)
+        return super().add_weight(*args, name=name, **kwargs)
 
     def build(self, input_shape):
         super().build(input_shape)
+        if self.base_dtype == "int8":  # Keras made it zeros: the initializer's draw, quantized as Dense.quantize does
+            with tf.init_scope():  # eagerly: Keras builds a layer inside a scratch graph
+                q, scale = quantized(self.kernel_initializer(self._kernel.shape, "float32"))
+                self._kernel.assign(q)
+                self.kernel_scale.assign(scale)
+        self.add_adapter(input_shape)
+
+    def add_adapter(self, input_shape) -> None:
+        """A subclass's further variables (LoraDense: the adapter)."""
+
+
+def quantized(kernel) -> tuple:
+    """(int8 kernel, float32 scales (out,)) of a float `kernel` (in, out), as Keras' Dense.quantize("int8")
+    computes them: abs-max per output column, q = round(w * scale), scale = 127 / max|w_col|; on the host."""
+    q, scale = keras.quantizers.abs_max_quantize(tf.convert_to_tensor(kernel, tf.float32), axis=0, to_numpy=True)
+    return q, tf.squeeze(scale, 0)
+
+
+class LoraDense(FrozenDense):
+    """A Dense layer (its kernel and bias at their paths, the kernel stored as `lora.base_dtype`) with a
+    trainable float32 adapter."""
+
+    def __init__(self, units: int, lora: Lora, **kwargs):
+        super().__init__(units, lora.base_dtype, **kwargs)
+        self.rank, self.scale = lora.rank, lora.scale
+        self.lora_drop = keras.layers.Dropout(lora.dropout) if lora.dropout else None
+
+    def add_adapter(self, input_shape) -> None:
         fan_in = int(input_shape[-1])
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
         # autocast off: read in float32 under mixed precision too (the adapter computes in float32)
@@ -77,7 +126,14 @@ class LoraDense(keras.layers.Dense):
                                       autocast=False)  # (the kernel and bias: frozen by GPT.build_weights)
 
     def call(self, inputs, training=None):
-        y = super().call(inputs)
+        return self._adapted(inputs, super().call(inputs), training)
+
+    def _int8_call(self, inputs, training=None):
+        """An int8 layer's call (Keras' Layer.__call__ calls this, not `call`), with the adapter."""
+        return self._adapted(inputs, super()._int8_call(inputs), training)
+
+    def _adapted(self, inputs, y, training):
+        """The base projection's output `y` plus the adapter's, in y's dtype."""
         if self.lora_drop is not None:
             inputs = self.lora_drop(inputs, training=training)
         return y + tf.cast(adapter(inputs, self.lora_a, self.lora_b, self.scale), y.dtype)
@@ -97,9 +153,17 @@ def adapted(model) -> list:
             for layer in part._layers if isinstance(layer, LoraDense)]
 
 
+def float_kernel(dense: keras.layers.Dense):
+    """`dense`'s kernel in float32; an int8 one dequantized as Keras computes with it, q / scale."""
+    kernel = tf.cast(tf.convert_to_tensor(dense.kernel), tf.float32)
+    if dense.quantization_mode == "int8":
+        kernel = kernel / tf.convert_to_tensor(dense.kernel_scale)
+    return kernel
+
+
 def merged_kernel(layer: LoraDense):
     """The layer's kernel with its adapter folded in, W + A B scale (float32): what `export` writes."""
-    return tf.cast(layer.kernel, tf.float32) + tf.matmul(layer.lora_a, layer.lora_b) * layer.scale
+    return float_kernel(layer) + tf.matmul(layer.lora_a, layer.lora_b) * layer.scale
 
 
 def _by_path(model) -> dict:
@@ -111,11 +175,21 @@ def _by_path(model) -> dict:
 
 def copy_base(base, model) -> None:
     """Assign every weight of `base` but its adapters (the same model without adapters, restored from a base
-    run: train.init_from; or the reverse, `merged`) to `model`'s variable of that path."""
-    ours = _by_path(model)
-    for path, variable in _by_path(base).items():
-        if not path.endswith(ADAPTERS):
-            ours[path].assign(variable)
+    run: train.init_from; or the reverse, `merged`) to `model`'s variable of that path, in that variable's
+    dtype: cast to a bfloat16 base, quantized into an int8 one, an int8 kernel dequantized (q / scale)."""
+    ours, theirs = _by_path(model), _by_path(base)
+    for path, variable in theirs.items():
+        if path.endswith(ADAPTERS + (SCALE,)):
+            continue
+        value = variable
+        if path + "_scale" in theirs:  # an int8 kernel (.../kernel and .../kernel_scale): W = q / scale
+            value = tf.cast(variable, tf.float32) / theirs[path + "_scale"]
+        if path + "_scale" in ours:  # quantized as Dense.quantize("int8") does: abs-max per output channel
+            q, scale = quantized(value)
+            ours[path].assign(q)
+            ours[path + "_scale"].assign(scale)
+        else:  # float32, or cast to a bfloat16 base
+            ours[path].assign(tf.cast(value, ours[path].dtype))
 
 
 def merged(model):

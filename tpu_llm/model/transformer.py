@@ -52,7 +52,7 @@ import tensorflow as tf
 from tpu_llm import model_spec
 from tpu_llm.config import ModelConfig
 from tpu_llm.model import attention
-from tpu_llm.model.lora import Lora, LoraDense, adapter
+from tpu_llm.model.lora import SCALE, FrozenDense, Lora, LoraDense, adapter
 from tpu_llm.model.loss import cross_entropy
 
 
@@ -69,6 +69,8 @@ def _dense(units: int, cfg: ModelConfig, name: str, residual: bool = False, lora
     bias = cfg.bias if not cfg.rotary() else name in ("q", "k", "v") and cfg.qkv_bias()
     if lora is not None and f"{part}/{name}" in lora.layers:
         return LoraDense(units, lora, use_bias=bias, kernel_initializer=_normal(std), name=name)
+    if lora is not None and lora.base_dtype != "float32":  # a frozen kernel in bfloat16 or int8 all the same
+        return FrozenDense(units, lora.base_dtype, use_bias=bias, kernel_initializer=_normal(std), name=name)
     return keras.layers.Dense(units, use_bias=bias, kernel_initializer=_normal(std), name=name)
 
 
@@ -168,7 +170,8 @@ class CausalSelfAttention(keras.layers.Layer):
         h, hd = self.n_head // ways, self.head_dim
         if self.family == "gpt2":
             heads = slice(g * h, (g + 1) * h)
-            w = {"qkv/kernel": tf.reshape(tf.cast(self.qkv.kernel, dtype), [-1, 3, self.n_head, hd])[:, :, heads]}
+            w = {"qkv/kernel": _kernel_slice(self.qkv, dtype,  # (C, 3, h, hd); an int8 one's scales (1, 3, h, hd)
+                                             lambda t: tf.reshape(t, [-1, 3, self.n_head, hd])[..., heads, :])}
             if self.qkv.bias is not None:  # (C, 3, h, hd) and (3, h, hd)
                 w["qkv/bias"] = tf.reshape(tf.cast(self.qkv.bias, dtype), [3, self.n_head, hd])[:, heads]
             if isinstance(self.qkv, LoraDense):  # A whole (C, r), B's columns of these heads (r, 3, h, hd)
@@ -220,7 +223,7 @@ def heads(x, n: int):
 def _columns(dense: keras.layers.Dense, name: str, start: int, width: int, dtype) -> dict:
     """Columns start..start+width of `dense`'s kernel (C, width) and bias (width,), cast to `dtype`; with an
     adapter, its whole A (C, r) and those columns of B (r, width)."""
-    w = {f"{name}/kernel": tf.cast(dense.kernel, dtype)[:, start:start + width]}
+    w = {f"{name}/kernel": _kernel_slice(dense, dtype, lambda t: t[..., start:start + width])}
     if dense.bias is not None:
         w[f"{name}/bias"] = tf.cast(dense.bias, dtype)[start:start + width]
     if isinstance(dense, LoraDense):
@@ -232,11 +235,21 @@ def _columns(dense: keras.layers.Dense, name: str, start: int, width: int, dtype
 def _rows(dense: keras.layers.Dense, name: str, start: int, width: int, dtype) -> dict:
     """Rows start..start+width of an output projection's kernel (width, C) (its bias: `combine`'s); with an
     adapter, those rows of A (width, r) and the whole B (r, C): the groups' x_g A_g B sum to x A B."""
-    w = {f"{name}/kernel": tf.cast(dense.kernel, dtype)[start:start + width]}
+    w = {f"{name}/kernel": _kernel_slice(dense, dtype, rows=slice(start, start + width))}
     if isinstance(dense, LoraDense):
         w.update(_adapter_slices(dense, name, dtype))
         w[f"{name}/lora_a"] = w[f"{name}/lora_a"][start:start + width]
     return w
+
+
+def _kernel_slice(dense: keras.layers.Dense, dtype, columns=lambda t: t, rows=slice(None)):
+    """`dense`'s kernel rows `rows`, its columns cut by `columns` (applied to the kernel (in, out) and to the
+    scales (out,) alike), in `dtype`: a bfloat16 kernel's slice cast, an int8 one's dequantized with its
+    scales' slice (q / scale, as Keras computes), so only the slice is ever made float."""
+    kernel = columns(tf.convert_to_tensor(dense.kernel)[rows])
+    if dense.quantization_mode == "int8":
+        kernel = tf.cast(kernel, tf.float32) / columns(tf.convert_to_tensor(dense.kernel_scale))
+    return tf.cast(kernel, dtype)
 
 
 def _adapter_slices(dense: LoraDense, name: str, dtype) -> dict:
@@ -430,8 +443,8 @@ class GPT(keras.Model):
     def num_params(self, include_positions: bool = True) -> int:
         """The trainable parameters; with adapters, the base model's (the adapters are a small extra: the
         matmuls, and so the FLOPs, are the base model's)."""
-        counted = self.trainable_variables if self.lora is None else [
-            v for v in self.weights if not v.path.endswith(("/lora_a", "/lora_b"))]
+        counted = self.trainable_variables if self.lora is None else [  # (an int8 base's scales: no parameters)
+            v for v in self.weights if not v.path.endswith(("/lora_a", "/lora_b", SCALE))]
         n = sum(int(math.prod(v.shape)) for v in counted)
         return n if include_positions or self.wpe is None else n - self.cfg.max_len * self.cfg.n_embd
 

@@ -16,7 +16,10 @@ Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in 
 parameters, FLOPs and activation bytes come from tpu_llm/model_spec.py, which the model, the config and
 the stage partitioner read too; this docstring derives its activation terms.
   parameters   4 bytes x the stage's parameters (pipeline.partition), whole on the stage's first chip:
-               tensor groups (tpu_llm/parallel/tensor.py) split the matmuls and activations, not the weights
+               tensor groups (tpu_llm/parallel/tensor.py) split the matmuls and activations, not the weights.
+               LoRA: the adapters at 4 bytes beside them, and a frozen base stored in bfloat16
+               (train.lora_base_dtype) holds the blocks' projection kernels at 2 bytes, int8 at 1 plus a
+               float32 scale per output column (embeddings, head, norms and biases: 4)
   optimizer    8 bytes x the stage's trainable parameters: AdamW's m and v, float32. The layers
                train.freeze names (training/optimizer.py's freeze) have no optimizer slots
   gradients    4 bytes x the trainable parameters, twice with train.grad_accum > 1 (the running sum
@@ -280,7 +283,22 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     adapters = adapter_params(cfg, stage)  # LoRA: float32 variables beside the (frozen) weights
     trainable = params + adapters - frozen_params(cfg, stage, vocab)  # AdamW state and gradients: these only
     grads = 4 * trainable * (2 if cfg.train.grad_accum > 1 else 1)
-    return Memory(4 * (params + adapters), 8 * trainable, grads, per_token * tokens, work)
+    return Memory(parameter_bytes(cfg, stage, adapters), 8 * trainable, grads, per_token * tokens, work)
+
+
+def parameter_bytes(cfg: Config, stage: pipeline.Stage, adapters: int) -> int:
+    """Bytes of `stage`'s weights and `adapters`: 4 each, but a LoRA base stored in bfloat16 or int8
+    (train.lora_base_dtype, model/lora.py's FrozenDense) holds its blocks' projection kernels at 2 bytes,
+    or 1 plus a float32 scale per output column (Keras' int8 Dense: kernel_scale)."""
+    full = 4 * (stage.params + adapters)
+    base = cfg.train.lora_base_dtype if cfg.train.lora_rank else "float32"
+    if base == "float32":
+        return full
+    kernels = [shape for path, shape in model_spec.block_shapes(cfg.model).items() if path.endswith("/kernel")]
+    elements = len(stage.blocks) * sum(rows * cols for rows, cols in kernels)
+    if base == "bfloat16":
+        return full - 2 * elements
+    return full - 3 * elements + 4 * len(stage.blocks) * sum(cols for _, cols in kernels)
 
 
 def vocab_size(cfg: Config) -> tuple[int, str]:

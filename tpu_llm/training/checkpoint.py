@@ -193,14 +193,17 @@ def _model_differences(saved: dict, current: ModelConfig) -> list[str]:
 
 
 def _lora_differences(saved: dict, current: Config) -> list[str]:
-    """The train.lora_* settings that made a run's adapters (rank, alpha, targets), where `current` differs
-    from the run's saved config: a checkpoint's adapters of another rank would not fit, and with no
-    adapters now they would be dropped without a word."""
-    theirs, ours = saved.get("train", {}), current.train
+    """The train.lora_* settings that made a run's adapters (rank, alpha, targets) and its stored base
+    (lora_base_dtype), where `current` differs from the run's saved config: a checkpoint's adapters of
+    another rank would not fit, with no adapters now they would be dropped without a word, and a base of
+    another dtype has other variables (int8: kernel_scale). A run saved before lora_base_dtype existed
+    had a float32 base."""
+    theirs, ours = {"lora_base_dtype": "float32", **saved.get("train", {})}, current.train
     if not theirs.get("lora_rank") and not ours.lora_rank:
         return []
     return [f"train.{key}={REPR.repr(theirs.get(key))} (this config has {REPR.repr(getattr(ours, key))})"
-            for key in ("lora_rank", "lora_alpha", "lora_targets") if theirs.get(key) != getattr(ours, key)]
+            for key in ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
+            if theirs.get(key) != getattr(ours, key)]
 
 
 def _model_changes(saved: dict, current: ModelConfig) -> list[tuple]:

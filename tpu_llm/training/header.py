@@ -55,7 +55,8 @@ def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
     frozen = f"; frozen: {phases.frozen_layers(t.freeze, m.n_layer)}" if t.freeze else ""
     if t.lora_rank:  # docs/lora.md
         frozen = (f"; LoRA rank {t.lora_rank}, alpha {t.lora_alpha:g} on "
-                  f"{', '.join(lora_targets(t.lora_targets, m.family))}, the rest frozen")
+                  f"{', '.join(lora_targets(t.lora_targets, m.family))}, the rest frozen"
+                  + (f", the base stored in {t.lora_base_dtype}" if t.lora_base_dtype != "float32" else ""))
     lines += [f"model     {phases.parameters_text(run.model)} ({m.family}: {m.n_layer} layers, {m.n_head} heads, width "
               f"{m.n_embd}{frozen}); {perf.format_count(run.model.flops_per_token(d.seq_len))}FLOP/token",
               f"batch     {t.batch_size} x {d.seq_len} tokens = {t.batch_size * d.seq_len:,} per step; "

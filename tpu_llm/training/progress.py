@@ -64,8 +64,9 @@ def sampling_line(samples: int, tokens: int) -> str:
 
 
 def parameters_text(model) -> str:
-    """'N trainable of M total parameters' (frozen layers count in the total only)."""
-    total = sum(int(math.prod(v.shape)) for v in model.weights)
+    """'N trainable of M total parameters' (frozen layers count in the total only; an int8 LoRA base's
+    quantization scales, .../kernel_scale, are no parameters)."""
+    total = sum(int(math.prod(v.shape)) for v in model.weights if not v.path.endswith("/kernel_scale"))
     trainable = sum(int(math.prod(v.shape)) for v in model.trainable_weights)
     return f"{trainable:,} trainable of {total:,} total parameters"
 
