@@ -506,7 +506,7 @@ MUTATIONS = [
       'kwargs.update(dtype="bfloat16", trainable=False)', "kwargs.update(trainable=False)",
       "tests/test_lora_base.py -k 'test_the_base_is_stored and bfloat16-gpt2'"),
     M("lora-int8-scale-dropped", "tpu_llm/model/lora.py",
-      "        kernel = kernel / tf.convert_to_tensor(dense.kernel_scale)\n", "",
+      "        kernel = kernel / tf.convert_to_tensor(dense.kernel_scale)\n", "        pass\n",
       "tests/test_lora_base.py -k 'test_the_base_is_stored and int8-gpt2'"),
     M("lora-int8-group-slice-scale-dropped", "tpu_llm/model/transformer.py",
       "kernel = tf.cast(kernel, tf.float32) / columns(tf.convert_to_tensor(dense.kernel_scale))",
