@@ -362,6 +362,12 @@ MUTATIONS = [
     M("planner-adam-state-for-frozen-layers", "tpu_llm/tools/plan.py",  # issue 41
       "trainable = params + adapters - frozen_params(cfg, stage, vocab)", "trainable = params + adapters",
       "tests/test_plan.py -k test_frozen_layers_get_no_optimizer_state"),
+    M("planner-frozen-weights-get-weight-gradient-flops", "tpu_llm/model_spec.py",  # issue 41
+      "+ (2 * p if trains else 0) + 4 * adapters", "+ 2 * p + 4 * adapters",
+      "tests/test_plan.py -k test_frozen_weights_have_no_weight_gradient_flops"),
+    M("planner-backward-through-frozen-bottom-blocks", "tpu_llm/model_spec.py",  # issue 41
+      'through = not lora and "embeddings" not in names', "through = True",
+      "tests/test_plan.py -k test_frozen_weights_have_no_weight_gradient_flops"),
     M("planner-logits-workspace-dropped", "tpu_llm/tools/plan.py",
       "    return 4 * vocab, 4 * vocab * tokens_micro, 0.0", "    return 4 * vocab, 0.0, 0.0",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu "

@@ -137,6 +137,37 @@ def test_frozen_layers_get_no_optimizer_state_or_gradients_in_the_plan(tmp_path,
     assert 0 <= slots - 8 * trainable <= 16  # Keras' step counter and learning rate
 
 
+# a tiny Llama: 2 blocks of width 64 (4 query heads over 2 kv heads of 16), SwiGLU 128, a tied 256-id table
+TINY_LLAMA = {"model.family": "llama", "model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 64,
+              "model.mlp_hidden": 128, "model.vocab_size": 256, "model.bias": False, "model.tie_embeddings": True,
+              "model.max_len": 64, "data.seq_len": 64, "train.batch_size": 2, "precision": "float32"}
+ALL_SEVEN = {"train.lora_rank": 4, "train.lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"}
+
+
+@pytest.mark.parametrize("extra, by_hand", [
+    # every weight trains: 6 per weight, attention's 12 C T per block
+    ({}, 6 * (2 * 36992 + 16448) + 2 * 12 * 64 * 64),
+    # LoRA: the frozen base 4 per weight (forward, its input's gradient), the adapters 6
+    (ALL_SEVEN, 2 * (4 * 36992 + 12 * 64 * 64 + 6 * 4096) + 4 * 16448),
+    # block 0 and the table frozen: block 0 runs forward only (nothing below it trains), block 1 trains,
+    # the head needs its input's gradient and the final norm's, not the table's
+    ({"train.freeze": "embeddings,blocks:0"},
+     (2 * 36992 + 4 * 64 * 64) + (6 * 36992 + 12 * 64 * 64) + (4 * 16448 + 2 * 64)),
+])
+def test_frozen_weights_have_no_weight_gradient_flops(extra, by_hand):
+    """Training FLOPs per token of a tiny Llama against a hand count, in the planner and in the trainer's MFU
+    (training/progress.py). A block: norms 2 x 64, q 64 x 64, k and v 64 x 32, o 64 x 64, gate and up
+    64 x 128, down 128 x 64 = 36,992 weights; rank-4 adapters on all seven: 4 (in + out) each = 4,096; the
+    head reads the (256, 64) table and the final norm: 16,448."""
+    from tpu_llm.training import progress
+
+    cfg = load_config(None, {**TINY_LLAMA, **extra})
+    assert progress.flops_per_token(cfg, 256) == by_hand
+    result = plan.plan(cfg, CPU)
+    assert result.model_flops_per_step == by_hand * 2 * 64
+    assert ("no weight gradient" in "\n".join(result.lines())) == bool(extra.get("train.lora_rank"))
+
+
 XLA_STEP = """
 import glob, json, os, re, sys
 import tensorflow as tf
