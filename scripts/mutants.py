@@ -368,6 +368,9 @@ MUTATIONS = [
     M("planner-backward-through-frozen-bottom-blocks", "tpu_llm/model_spec.py",  # issue 41
       'through = not lora and "embeddings" not in names', "through = True",
       "tests/test_plan.py -k test_frozen_weights_have_no_weight_gradient_flops"),
+    M("planner-lora-base-gets-adam-state", "tpu_llm/tools/plan.py",  # issue 41: against the compiled step
+      "    if cfg.train.lora_rank:\n        return stage.params", "    if cfg.train.lora_rank:\n        return 0",
+      "tests/test_plan.py -k test_lora_trainable_and_adamw_bytes_in_the_compiled_step_match_the_plan"),
     M("planner-logits-workspace-dropped", "tpu_llm/tools/plan.py",
       "    return 4 * vocab, 4 * vocab * tokens_micro, 0.0", "    return 4 * vocab, 0.0, 0.0",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu "

@@ -168,6 +168,21 @@ def test_frozen_weights_have_no_weight_gradient_flops(extra, by_hand):
     assert ("no weight gradient" in "\n".join(result.lines())) == bool(extra.get("train.lora_rank"))
 
 
+def test_lora_trainable_and_adamw_bytes_in_the_compiled_step_match_the_plan():
+    """The trainer's whole step compiled for a tiny Llama with rank-4 adapters on all seven projections: the
+    parameters XLA updates in place (the adapters, AdamW's m, v and step) are the planner's trainable weights
+    and optimizer within 15% (exactly, but for the step counter), and the base is only read."""
+    from tpu_llm.tools import xla_memory
+
+    cfg = load_config(None, {**TINY_LLAMA, **ALL_SEVEN})
+    held = xla_memory.state(cfg, 256, gradients=False)
+    mem = plan.plan(cfg, CPU).memory[0]
+    planned = mem.optimizer / 2 + mem.optimizer  # the trainable weights (4 bytes) and AdamW's m and v (8)
+    measured = held["trained"] + held["optimizer"]
+    assert held["written"] == measured and abs(measured / planned - 1) < 0.15
+    assert held["trained"] == 4 * 2 * 4096 and held["frozen"] == mem.parameters - held["trained"]
+
+
 XLA_STEP = """
 import glob, json, os, re, sys
 import tensorflow as tf
