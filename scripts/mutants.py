@@ -371,6 +371,12 @@ MUTATIONS = [
     M("planner-lora-base-gets-adam-state", "tpu_llm/tools/plan.py",  # issue 41: against the compiled step
       "    if cfg.train.lora_rank:\n        return stage.params", "    if cfg.train.lora_rank:\n        return 0",
       "tests/test_plan.py -k test_lora_trainable_and_adamw_bytes_in_the_compiled_step_match_the_plan"),
+    M("planner-lora-adapter-outputs-not-kept-apart", "tpu_llm/model_spec.py",  # issue 41
+      "    return 2 * len(hidden) * m.hidden() * act_bytes / ways", "    return 0.0",
+      "tests/test_plan.py -k test_lora_and_a_frozen_table_temp_within_15_percent_of_xla"),
+    M("planner-frozen-table-lends-its-gradient-room", "tpu_llm/tools/plan.py",  # issue 41
+      "forward <= 4 * vocab * c and table_trains:", "forward <= 4 * vocab * c:",
+      "tests/test_plan.py -k test_lora_and_a_frozen_table_temp_within_15_percent_of_xla"),
     M("planner-logits-workspace-dropped", "tpu_llm/tools/plan.py",
       "    return 4 * vocab, 4 * vocab * tokens_micro, 0.0", "    return 4 * vocab, 0.0, 0.0",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu "

@@ -183,6 +183,22 @@ def test_lora_trainable_and_adamw_bytes_in_the_compiled_step_match_the_plan():
     assert held["trained"] == 4 * 2 * 4096 and held["frozen"] == mem.parameters - held["trained"]
 
 
+def test_lora_and_a_frozen_table_temp_within_15_percent_of_xla():
+    """XLA's temp for a small Llama (width 128, no more tokens than that) trained in full, with LoRA on all
+    seven projections and with its tied table frozen, against the planner's activations + workspace: a
+    frozen table has no gradient whose room XLA lends to the loss's exp, and XLA keeps an adapted gate's
+    and up's base and adapter outputs apart (tpu_llm/model_spec.py's lora_activation_bytes)."""
+    from tpu_llm.tools import xla_memory
+
+    small = {**TINY_LLAMA, "model.n_embd": 128, "model.mlp_hidden": 512, "model.vocab_size": 4096,
+             "model.max_len": 128, "data.seq_len": 128, "train.batch_size": 1}
+    cfgs = [load_config(None, {**small, **extra}) for extra in ({}, {**ALL_SEVEN, "train.lora_rank": 8},
+                                                                {"train.freeze": "embeddings"})]
+    for cfg, xla in zip(cfgs, xla_memory.measure(cfgs, 4096)):
+        mem = plan.plan(cfg, CPU).memory[0]
+        assert abs((mem.activations + mem.workspace) / xla["temp"] - 1) < 0.15, (cfg.train, xla, mem)
+
+
 XLA_STEP = """
 import glob, json, os, re, sys
 import tensorflow as tf

@@ -207,6 +207,16 @@ def block_activation_bytes(m, seq_len: int, ways: int, act_bytes: int) -> tuple[
     return linear + scores, c * act_bytes
 
 
+def lora_activation_bytes(m, layers, ways: int, act_bytes: int) -> float:
+    """Bytes per token a block keeps beyond `block_activation_bytes` with LoRA adapters on `layers` (paths
+    below a block): only an elementwise op (SwiGLU, GELU) reads an adapted MLP input projection's (gate,
+    up; gpt2: fc) output, so XLA fuses the adapter's addition into its readers and keeps the base's output
+    and the adapter's apart. 2 x the width for each, as XLA:CPU's buffer assignment shows it for the
+    Llama-3.2-1B block (4.6 F per block with gate and up adapted) and GPT-2 small's (docs/memory.md)."""
+    hidden = [path for path in layers if path in ("mlp/gate", "mlp/up", "mlp/fc")]
+    return 2 * len(hidden) * m.hidden() * act_bytes / ways
+
+
 def mlp_activation_bytes(m, ways: int, act_bytes: int) -> float:
     """Of block_activation_bytes' split tensors, those the planner counts as freed before the block's
     attention backward runs: the MLP's three (F wide) and two C wide."""

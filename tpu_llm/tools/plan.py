@@ -34,6 +34,9 @@ the stage partitioner read too; this docstring derives its activation terms.
                read in XLA:CPU's buffer assignment) and that our softmax is float32.
                llama blocks (docs/model-families.md) keep q, the rotated k and v (n_kv_head heads
                wide) and the SwiGLU's gate, up and product (model.mlp_hidden wide) in their place.
+               LoRA (model_spec.lora_activation_bytes): XLA fuses an adapter's addition into the
+               elementwise op reading an adapted gate, up or fc and keeps the base's and the adapter's
+               outputs apart: 2 F a more per token for each (XLA:CPU's buffer assignment, docs/memory.md).
                remat (a recomputed block keeps only its input): n_s C a per token.
                First stage: the embedding output C a. Last stage: the final norm's input C a, the
                head's float32 input 4C, and the loss's logits 4V per token (float32; loss.py).
@@ -47,7 +50,8 @@ the stage partitioner read too; this docstring derives its activation terms.
                gradient (4 V C); bf16 casts of the stage's weights. The head's gradient of a tied
                table is the table's gradient itself (the embedding's is added in place at the end),
                and until the head's backward writes it XLA lends its (V, C) room to the forward's exp
-               when that fits (tokens <= C), which the planner counts.
+               when that fits (tokens <= C), which the planner counts; a frozen table (LoRA,
+               train.freeze=embeddings) has no gradient to lend.
   chunked loss (train.loss_chunk = k, tpu_llm/model/loss.py): no 4V per token is kept; the head keeps
                the float32 tokens (4C per token, and their padded chunks 4C) and the log-sum-exp;
                forward and backward hold (k, V) float32 tiles (about three at XLA:CPU's peak) and
@@ -84,7 +88,7 @@ from tpu_llm import model_spec
 from tpu_llm.config import Config, freeze_spec
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
-from tpu_llm.training import progress as phases
+from tpu_llm.training import progress
 
 GIB = 2.0**30
 # HBM per chip, GiB (Cloud TPU documentation; ARCHITECTURE.md), keyed by device kind as tpu._TYPES spells it
@@ -237,7 +241,7 @@ def frozen_params(cfg: Config, stage: pipeline.Stage, vocab: int) -> int:
 def adapter_params(cfg: Config, stage: pipeline.Stage) -> int:
     """LoRA's A and B in `stage`'s blocks: r (in + out) for each projection train.lora_targets adapts
     (model/lora.py), every block alike; 0 without LoRA."""
-    return len(stage.blocks) * phases.adapters_per_block(cfg)
+    return len(stage.blocks) * progress.adapters_per_block(cfg)
 
 
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
@@ -249,6 +253,9 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     n_blocks = len(stage.blocks)
     params = stage.params  # whole, also with tensor groups: they split compute and activations only
     full, kept = block_activation_bytes(cfg, act_bytes)
+    # LoRA: XLA keeps an adapted MLP projection's base and adapter outputs apart (model_spec)
+    adapted = model_spec.lora_activation_bytes(m, progress.lora_layers(cfg), cfg.parallel.tensor, act_bytes)
+    full += adapted
     per_token = n_blocks * (kept if remat else full)
     work = 2 * params if act_bytes == 2 else 0.0  # compute-dtype casts of the weights
     # Phases of the step, each with what is alive beyond the activations: the loss's forward, its
@@ -260,7 +267,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     # one block's backward: its attention's transients (and with remat the block recomputed), once the
     # loss's logits and the block's own MLP tensors are freed
     _, attention_work = attention_bytes(cfg, act_bytes)
-    mlp = model_spec.mlp_activation_bytes(m, cfg.parallel.tensor, act_bytes)  # of block_activation_bytes
+    mlp = model_spec.mlp_activation_bytes(m, cfg.parallel.tensor, act_bytes) + adapted  # of `full`
     block_phase = (attention_work + (full if remat else 0) - mlp) * tokens_micro
     if stage.embed:
         per_token += c * act_bytes + (c if m.dropout > 0 else 0)
@@ -268,7 +275,9 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
         loss_kept, forward, backward = loss_bytes(cfg, vocab, tokens_micro)
         per_token += c * act_bytes + 4 * c + loss_kept
         block_phase -= loss_kept * tokens_micro
-        if not cfg.train.loss_chunk and stage.embed and m.tie_embeddings and forward <= 4 * vocab * c:
+        # only a table that trains has a gradient to lend: frozen (LoRA, train.freeze) the exp is temp
+        table_trains = not cfg.train.lora_rank and "embeddings" not in freeze_spec(cfg.train.freeze, m.n_layer)[0]
+        if not cfg.train.loss_chunk and stage.embed and m.tie_embeddings and forward <= 4 * vocab * c and table_trains:
             forward = 0.0
         phases += [forward, backward]
     work += max(phases + [block_phase])
@@ -531,10 +540,10 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
 
     # a frozen weight (train.freeze, or all but LoRA's adapters) has no weight gradient: 4N, not 6N
     frozen = freeze_spec(t.freeze, cfg.model.n_layer) if t.freeze else ((), ())
-    adapters = phases.adapters_per_block(cfg)
+    adapters = progress.adapters_per_block(cfg)
     layers, head = model_spec.layer_flops_per_token(cfg.model, vocab, seq, frozen, adapters)
     block_forward = model_spec.block_flops_per_token(cfg.model, seq) / 3 + 2 * adapters  # what remat repeats
-    model_flops = phases.flops_per_token(cfg, vocab) * t.batch_size * seq
+    model_flops = progress.flops_per_token(cfg, vocab) * t.batch_size * seq
     executed = model_flops + (cfg.model.n_layer * block_forward * t.batch_size * seq if p.remat else 0.0)
     rate = acc.peak_flops * mfu * (p.tensor if not acc.shared_memory else 1)
     forward = [(s.flops_per_token / 3 + 2 * adapters * len(s.blocks)) * tokens_micro / rate for s in stages]

@@ -89,14 +89,18 @@ def frozen_layers(freeze: str, n_layer: int) -> str:
     return ", ".join(parts)
 
 
-def adapters_per_block(cfg: Config) -> int:
-    """LoRA's A and B parameters in one block (every block alike; model/lora.py); 0 without LoRA."""
+def lora_layers(cfg: Config) -> set:
+    """The layers (paths below a block, e.g. attn/q) LoRA adapts in every block; empty without LoRA."""
     t, m = cfg.train, cfg.model
     if not t.lora_rank:
-        return 0
+        return set()
     table = LORA_TARGETS["gpt2" if m.family == "gpt2" else "rotary"]
-    return model_spec.adapter_params(m, t.lora_rank, {path for name in lora_targets(t.lora_targets, m.family)
-                                                      for path in table[name]})
+    return {path for name in lora_targets(t.lora_targets, m.family) for path in table[name]}
+
+
+def adapters_per_block(cfg: Config) -> int:
+    """LoRA's A and B parameters in one block (every block alike; model/lora.py); 0 without LoRA."""
+    return model_spec.adapter_params(cfg.model, cfg.train.lora_rank, lora_layers(cfg))
 
 
 def flops_per_token(cfg: Config, vocab: int) -> int:
