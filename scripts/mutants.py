@@ -377,6 +377,13 @@ MUTATIONS = [
     M("planner-frozen-table-lends-its-gradient-room", "tpu_llm/tools/plan.py",  # issue 41
       "forward <= 4 * vocab * c and table_trains:", "forward <= 4 * vocab * c:",
       "tests/test_plan.py -k test_lora_and_a_frozen_table_temp_within_15_percent_of_xla"),
+    M("mfu-counts-lora-base-weight-gradients", "tpu_llm/training/controller.py",  # issue 41
+      "phases.flops_per_token(cfg, run.model.vocab_size), peak)", "run.model.flops_per_token(d.seq_len), peak)",
+      "tests/test_lora.py -k test_training_moves_only_the_adapters_and_resume_is_exact"),
+    M("header-flops-count-lora-base-weight-gradients", "tpu_llm/training/header.py",  # issue 41
+      "perf.format_count(phases.flops_per_token(cfg, run.model.vocab_size))",
+      "perf.format_count(run.model.flops_per_token(d.seq_len))",
+      "tests/test_lora.py -k test_training_moves_only_the_adapters_and_resume_is_exact"),
     M("planner-logits-workspace-dropped", "tpu_llm/tools/plan.py",
       "    return 4 * vocab, 4 * vocab * tokens_micro, 0.0", "    return 4 * vocab, 0.0, 0.0",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu "
