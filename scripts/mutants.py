@@ -362,6 +362,28 @@ MUTATIONS = [
     M("planner-adam-state-for-frozen-layers", "tpu_llm/tools/plan.py",  # issue 41
       "trainable = params + adapters - frozen_params(cfg, stage, vocab)", "trainable = params + adapters",
       "tests/test_plan.py -k test_frozen_layers_get_no_optimizer_state"),
+    M("planner-frozen-weights-get-weight-gradient-flops", "tpu_llm/model_spec.py",  # issue 41
+      "+ (2 * p if trains else 0) + 4 * adapters", "+ 2 * p + 4 * adapters",
+      "tests/test_plan.py -k test_frozen_weights_have_no_weight_gradient_flops"),
+    M("planner-backward-through-frozen-bottom-blocks", "tpu_llm/model_spec.py",  # issue 41
+      'through = not lora and "embeddings" not in names', "through = True",
+      "tests/test_plan.py -k test_frozen_weights_have_no_weight_gradient_flops"),
+    M("planner-lora-base-gets-adam-state", "tpu_llm/tools/plan.py",  # issue 41: against the compiled step
+      "    if cfg.train.lora_rank:\n        return stage.params", "    if cfg.train.lora_rank:\n        return 0",
+      "tests/test_plan.py -k test_lora_trainable_and_adamw_bytes_in_the_compiled_step_match_the_plan"),
+    M("planner-lora-adapter-outputs-not-kept-apart", "tpu_llm/model_spec.py",  # issue 41
+      "    return 2 * len(hidden) * m.hidden() * act_bytes / ways", "    return 0.0",
+      "tests/test_plan.py -k test_lora_and_a_frozen_table_temp_within_15_percent_of_xla"),
+    M("planner-frozen-table-lends-its-gradient-room", "tpu_llm/tools/plan.py",  # issue 41
+      "forward <= 4 * vocab * c and table_trains:", "forward <= 4 * vocab * c:",
+      "tests/test_plan.py -k test_lora_and_a_frozen_table_temp_within_15_percent_of_xla"),
+    M("mfu-counts-lora-base-weight-gradients", "tpu_llm/training/controller.py",  # issue 41
+      "phases.flops_per_token(cfg, run.model.vocab_size), peak)", "run.model.flops_per_token(d.seq_len), peak)",
+      "tests/test_lora.py -k test_training_moves_only_the_adapters_and_resume_is_exact"),
+    M("header-flops-count-lora-base-weight-gradients", "tpu_llm/training/header.py",  # issue 41
+      "perf.format_count(phases.flops_per_token(cfg, run.model.vocab_size))",
+      "perf.format_count(run.model.flops_per_token(d.seq_len))",
+      "tests/test_lora.py -k test_training_moves_only_the_adapters_and_resume_is_exact"),
     M("planner-logits-workspace-dropped", "tpu_llm/tools/plan.py",
       "    return 4 * vocab, 4 * vocab * tokens_micro, 0.0", "    return 4 * vocab, 0.0, 0.0",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu "

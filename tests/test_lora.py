@@ -15,9 +15,11 @@ import pytest
 import tensorflow as tf
 from helpers import CPUS, LLAMA, loss_and_grads, quiet, tiny_config
 
+from tpu_llm import perf
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, lora
+from tpu_llm.training import progress
 from tpu_llm.training.controller import build_run, train
 
 ALL = {"gpt2": "c_attn,c_proj,c_fc", "llama": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"}
@@ -157,7 +159,16 @@ def test_training_moves_only_the_adapters_and_resume_is_exact(base_run):
     base = by_path(build_run(tiny_config(tmp, **{"run_dir": str(tmp / "base"), "train.steps": 2,
                                                  "execution": "graph"})).model)
     init = {"train.init_from": str(tmp / "base")}
-    train(lora_cfg(tmp, "straight", **init), say=quiet)
+    said = []
+    train(lora_cfg(tmp, "straight", **init), say=lambda *line: said.append(" ".join(map(str, line))))
+    # the MFU counts no weight gradient for the frozen base (training/progress.py), as tpu-llm plan does
+    flops = progress.flops_per_token(lora_cfg(tmp, "straight"), 257)
+    assert any(f"); {perf.format_count(flops)}FLOP/token" in line for line in said), said
+    number, unit = re.search(r"MFU peak: ([0-9.]+)([kMGT]?)FLOP/s", "\n".join(said)).groups()
+    peak = float(number) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit]
+    timed = [e for e in map(json.loads, open(tmp / "straight" / "metrics.jsonl"))
+             if e["split"] == "train" and math.isfinite(e.get("mfu", math.nan))][-1]
+    assert timed["mfu"] * peak / timed["tokens_per_sec"] == pytest.approx(flops, rel=0.01)  # 1 decimal of the peak
     train(lora_cfg(tmp, "resumed", steps=4, **init), say=quiet)  # stops at a checkpoint ...
     train(lora_cfg(tmp, "resumed", **init), say=quiet)  # ... and the same command with more steps resumes
     straight, resumed = (build_run(lora_cfg(tmp, run, **init)) for run in ("straight", "resumed"))

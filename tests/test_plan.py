@@ -137,6 +137,68 @@ def test_frozen_layers_get_no_optimizer_state_or_gradients_in_the_plan(tmp_path,
     assert 0 <= slots - 8 * trainable <= 16  # Keras' step counter and learning rate
 
 
+# a tiny Llama: 2 blocks of width 64 (4 query heads over 2 kv heads of 16), SwiGLU 128, a tied 256-id table
+TINY_LLAMA = {"model.family": "llama", "model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 64,
+              "model.mlp_hidden": 128, "model.vocab_size": 256, "model.bias": False, "model.tie_embeddings": True,
+              "model.max_len": 64, "data.seq_len": 64, "train.batch_size": 2, "precision": "float32"}
+ALL_SEVEN = {"train.lora_rank": 4, "train.lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"}
+
+
+@pytest.mark.parametrize("extra, by_hand", [
+    # every weight trains: 6 per weight, attention's 12 C T per block
+    ({}, 6 * (2 * 36992 + 16448) + 2 * 12 * 64 * 64),
+    # LoRA: the frozen base 4 per weight (forward, its input's gradient), the adapters 6
+    (ALL_SEVEN, 2 * (4 * 36992 + 12 * 64 * 64 + 6 * 4096) + 4 * 16448),
+    # block 0 and the table frozen: block 0 runs forward only (nothing below it trains), block 1 trains,
+    # the head needs its input's gradient and the final norm's, not the table's
+    ({"train.freeze": "embeddings,blocks:0"},
+     (2 * 36992 + 4 * 64 * 64) + (6 * 36992 + 12 * 64 * 64) + (4 * 16448 + 2 * 64)),
+])
+def test_frozen_weights_have_no_weight_gradient_flops(extra, by_hand):
+    """Training FLOPs per token of a tiny Llama against a hand count, in the planner and in the trainer's MFU
+    (training/progress.py). A block: norms 2 x 64, q 64 x 64, k and v 64 x 32, o 64 x 64, gate and up
+    64 x 128, down 128 x 64 = 36,992 weights; rank-4 adapters on all seven: 4 (in + out) each = 4,096; the
+    head reads the (256, 64) table and the final norm: 16,448."""
+    from tpu_llm.training import progress
+
+    cfg = load_config(None, {**TINY_LLAMA, **extra})
+    assert progress.flops_per_token(cfg, 256) == by_hand
+    result = plan.plan(cfg, CPU)
+    assert result.model_flops_per_step == by_hand * 2 * 64
+    assert ("no weight gradient" in "\n".join(result.lines())) == bool(extra.get("train.lora_rank"))
+
+
+def test_lora_trainable_and_adamw_bytes_in_the_compiled_step_match_the_plan():
+    """The trainer's whole step compiled for a tiny Llama with rank-4 adapters on all seven projections: the
+    parameters XLA updates in place (the adapters, AdamW's m, v and step) are the planner's trainable weights
+    and optimizer within 15% (exactly, but for the step counter), and the base is only read."""
+    from tpu_llm.tools import xla_memory
+
+    cfg = load_config(None, {**TINY_LLAMA, **ALL_SEVEN})
+    held = xla_memory.state(cfg, 256, gradients=False)
+    mem = plan.plan(cfg, CPU).memory[0]
+    planned = mem.optimizer / 2 + mem.optimizer  # the trainable weights (4 bytes) and AdamW's m and v (8)
+    measured = held["trained"] + held["optimizer"]
+    assert held["written"] == measured and abs(measured / planned - 1) < 0.15
+    assert held["trained"] == 4 * 2 * 4096 and held["frozen"] == mem.parameters - held["trained"]
+
+
+def test_lora_and_a_frozen_table_temp_within_15_percent_of_xla():
+    """XLA's temp for a small Llama (width 128, no more tokens than that) trained in full, with LoRA on all
+    seven projections and with its tied table frozen, against the planner's activations + workspace: a
+    frozen table has no gradient whose room XLA lends to the loss's exp, and XLA keeps an adapted gate's
+    and up's base and adapter outputs apart (tpu_llm/model_spec.py's lora_activation_bytes)."""
+    from tpu_llm.tools import xla_memory
+
+    small = {**TINY_LLAMA, "model.n_embd": 128, "model.mlp_hidden": 512, "model.vocab_size": 4096,
+             "model.max_len": 128, "data.seq_len": 128, "train.batch_size": 1}
+    cfgs = [load_config(None, {**small, **extra}) for extra in ({}, {**ALL_SEVEN, "train.lora_rank": 8},
+                                                                {"train.freeze": "embeddings"})]
+    for cfg, xla in zip(cfgs, xla_memory.measure(cfgs, 4096)):
+        mem = plan.plan(cfg, CPU).memory[0]
+        assert abs((mem.activations + mem.workspace) / xla["temp"] - 1) < 0.15, (cfg.train, xla, mem)
+
+
 XLA_STEP = """
 import glob, json, os, re, sys
 import tensorflow as tf

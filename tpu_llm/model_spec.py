@@ -128,10 +128,56 @@ def attention_flops_per_token(m, seq_len: int) -> int:
 
 
 def flops_per_token(m, vocab: int, seq_len: int, n_params: int | None = None) -> int:
-    """The model's: 6 N + 12 L C T, N the parameters (default: all of `params`) less the lookups. The
-    MFU numerator the trainer prints and `tpu-llm plan`'s model FLOPs."""
+    """The model's: 6 N + 12 L C T, N the parameters (default: all of `params`) less the lookups: every
+    weight trained (`training_flops_per_token` counts frozen ones)."""
     n = params(m, vocab) if n_params is None else n_params
     return 6 * (n - lookup_params(m, vocab)) + m.n_layer * attention_flops_per_token(m, seq_len)
+
+
+def adapter_params(m, rank: int, layers) -> int:
+    """LoRA's A (in, r) and B (r, out) in one block: r (in + out) for each adapted projection (`layers`:
+    paths below a block, e.g. attn/q; model/lora.py)."""
+    shapes = block_shapes(m)
+    return sum(rank * sum(shapes[f"{path}/kernel"]) for path in layers)
+
+
+def layer_flops_per_token(m, vocab: int, seq_len: int, frozen: tuple = ((), ()), adapters: int = 0,
+                          ) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(forward, backward) training FLOPs per token of each block and of the head when some weights stay
+    as they are: `frozen` is config.freeze_spec's (layer names, block indices) of train.freeze, and
+    `adapters` > 0 (LoRA's parameters per block, `adapter_params`) freezes every weight but them.
+
+    Per weight 2 FLOPs forward, 2 for the gradient of the layer's input, 2 for its own gradient: 6N when
+    everything trains. A frozen weight has no weight gradient (4N); below every trained weight the
+    backward does not run at all (2N: train.freeze of the first blocks with the embeddings). Attention
+    (12 C T, no weights) is 4 C T forward and 8 C T backward. The adapters train: 6 x theirs. The head's
+    matmul reads the (V, C) table, tied or not; the lookup of the input table is no matmul, but when that
+    table trains its gradient needs the blocks' backward. Convention: a block with trained weights is
+    counted with its whole backward (its first matmuls' input gradient, needed only from below, too)."""
+    names, blocks = frozen
+    lora = adapters > 0
+    p, attention = block_params(m), attention_flops_per_token(m, seq_len)
+    through = not lora and "embeddings" not in names  # the input table trains: the backward reaches block 0
+    layers = []
+    for i in range(m.n_layer):
+        trains = not lora and i not in blocks
+        through = through or trains or lora
+        backward = (2 * p + 2 * attention // 3 if through else 0) + (2 * p if trains else 0) + 4 * adapters
+        layers.append((2 * p + attention // 3 + 2 * adapters, backward))
+    table = vocab * m.n_embd
+    norm = head_params(m, vocab) - (0 if m.tie_embeddings else table)  # the final norm
+    table_trains = not lora and ("embeddings" if m.tie_embeddings else "head") not in names
+    head = (2 * (table + norm),
+            (2 * (table + norm) if through else 0) + 2 * table * table_trains + 2 * norm * (not lora))
+    return layers, head
+
+
+def training_flops_per_token(m, vocab: int, seq_len: int, frozen: tuple = ((), ()), adapters: int = 0) -> int:
+    """The model's training FLOPs per token with train.freeze's `frozen` layers or LoRA's `adapters`
+    (`layer_flops_per_token`): `flops_per_token` when everything trains. The MFU numerator the trainer
+    prints (training/progress.py) and `tpu-llm plan`'s model FLOPs."""
+    layers, head = layer_flops_per_token(m, vocab, seq_len, frozen, adapters)
+    return sum(f + b for f, b in layers) + sum(head)
 
 
 def block_flops_per_token(m, seq_len: int) -> float:
@@ -159,6 +205,16 @@ def block_activation_bytes(m, seq_len: int, ways: int, act_bytes: int) -> tuple[
     if m.dropout > 0:  # 1-byte masks on both residual branches and the probabilities, and dropped probs
         linear, scores = linear + 2 * c, scores + h * seq_len * 5 / ways
     return linear + scores, c * act_bytes
+
+
+def lora_activation_bytes(m, layers, ways: int, act_bytes: int) -> float:
+    """Bytes per token a block keeps beyond `block_activation_bytes` with LoRA adapters on `layers` (paths
+    below a block): only an elementwise op (SwiGLU, GELU) reads an adapted MLP input projection's (gate,
+    up; gpt2: fc) output, so XLA fuses the adapter's addition into its readers and keeps the base's output
+    and the adapter's apart. 2 x the width for each, as XLA:CPU's buffer assignment shows it for the
+    Llama-3.2-1B block (4.6 F per block with gate and up adapted) and GPT-2 small's (docs/memory.md)."""
+    hidden = [path for path in layers if path in ("mlp/gate", "mlp/up", "mlp/fc")]
+    return 2 * len(hidden) * m.hidden() * act_bytes / ways
 
 
 def mlp_activation_bytes(m, ways: int, act_bytes: int) -> float:

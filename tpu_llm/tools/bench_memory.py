@@ -1,6 +1,7 @@
 """`tpu-llm bench memory` (docs/memory.md): the chunked loss and blockwise attention. (a) XLA's buffer
 assignment against the planner's memory for GPT-2 small and Llama-3.2-1B shapes, (b) training-step speed
-with each option on and off, (c) the longest sequence the planner fits on three TPU types, before and after.
+with each option on and off, (c) the longest sequence the planner fits on three TPU types, before and after,
+(d) LoRA's trainable state, gradients and temp against full fine-tuning's, in the compiled programs.
 """
 
 from __future__ import annotations
@@ -84,6 +85,107 @@ def memory_table(only: str = "") -> list[dict]:
         print(f"  {loss} loss, {attn} attention: " + ", ".join(f"T={r['seq']}: {r['xla_temp'] / gib * 1024 / r['seq']:.3f}"
                                                               for r in line) + f"; slopes {' -> '.join(slopes)}")
     return rows
+
+
+LORA_RANK = 16
+LORA_TARGETS = {"llama": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "gpt2": "c_attn,c_proj,c_fc"}
+LORA_SHAPES = [("tiny T=128", "configs/tiny.yaml", {"precision": "float32", "model.vocab_size": 257}),
+               ("gpt2_125m T=1024", None, {**GPT2_SHAPE, "model.max_len": 1024, "data.seq_len": 1024}),
+               ("llama_1b T=2048", None, {**LLAMA_SHAPE, "model.max_len": 2048, "data.seq_len": 2048})]
+STATE_SEQ = 128  # the state (weights, AdamW, gradients) does not depend on the sequence: compiled short
+LLAMA_1B_LAYERS = 16
+
+
+def lora_cases() -> list[tuple[str, str, str | None, dict]]:
+    """(shape, "full" or "LoRA", config path, overrides) of every row of the LoRA table."""
+    rows = []
+    for shape, path, over in LORA_SHAPES:
+        family = "llama" if over.get("model.family") == "llama" else "gpt2"
+        lora = {"train.lora_rank": LORA_RANK, "train.lora_targets": LORA_TARGETS[family]}
+        rows += [(shape, "full", path, over), (shape, "LoRA", path, {**over, **lora})]
+    return rows
+
+
+def _state_config(path, over: dict, layers: int | None = None):
+    """The config with a short sequence (and `layers` blocks): for the step's state, which neither changes."""
+    short = {"model.max_len": STATE_SEQ, "data.seq_len": STATE_SEQ, **({"model.n_layer": layers} if layers else {})}
+    return load_config(config_path(path) if path else None, {**over, **short})
+
+
+def lora_measure(only: str = "") -> list[dict]:
+    """XLA's figures for every row of `lora_cases` (and Llama-3.2-1B's 1- and 2-layer programs): the micro-step's
+    temp at the row's sequence, the state (`xla_memory.state`) at STATE_SEQ tokens."""
+    from tpu_llm.tools import xla_memory
+
+    measured = []
+    for shape, training, path, over in lora_cases():
+        if only and only not in shape:
+            continue
+        cfg = load_config(config_path(path) if path else None, over)
+        layers = (1,) if shape.startswith("llama_1b") else ()  # and its own 2 (LLAMA_SHAPE): a block's bytes
+        measured.append({"shape": shape, "training": training, "path": path, "over": over,
+                         "temp": xla_memory.measure([cfg], cfg.model.vocab_size)[0]["temp"],
+                         # a block's temp at the row's sequence: the 1-layer program's to this one's
+                         **({"temp_1": xla_memory.measure([load_config(None, {**over, "model.n_layer": 1})],
+                                                          cfg.model.vocab_size)[0]["temp"]} if layers else {}),
+                         **{str(n or ""): xla_memory.measure([_state_config(path, over, n)], cfg.model.vocab_size,
+                                                             state=True)[0] for n in (None, *layers)}})
+        print(f"bench     {shape} {training}: {measured[-1]}", flush=True)
+    return measured
+
+
+def lora_table(only: str = "", measured: list[dict] | None = None) -> list[dict]:
+    """(d) LoRA against full fine-tuning in the compiled programs: the trainable weights and AdamW's state
+    (the whole step's parameters XLA updates in place), the gradients (the micro-step's outputs) and XLA's
+    temp, each against the planner; and Llama-3.2-1B's 16 layers from its 1- and 2-layer programs: a block's
+    bytes B = the difference, the rest (the table, the final norm, AdamW's step) E = the 1-layer program's
+    less B; 16 layers: E + 16 B (measured per block, extrapolated: XLA:CPU compiles all 16 slowly)."""
+    from tpu_llm.tools import plan
+
+    cpu = plan.Accelerator("cpu", "CPU", 1, 1e11, 0.0, "no RAM check")
+    rows, whole, blocks = [], [], []
+    for m in measured if measured is not None else lora_measure(only):
+        cfg = load_config(config_path(m["path"]) if m["path"] else None, m["over"])
+        mem = plan.plan(cfg, cpu).memory[0]
+        short = plan.plan(_state_config(m["path"], m["over"]), cpu).memory[0]  # as measured: gpt2's positions
+        held = m[""]
+        # the planner's AdamW state is 8 bytes per trainable parameter, the weights themselves 4 more
+        rows.append({"shape": m["shape"], "training": m["training"], "state": held["trained"] + held["optimizer"],
+                     "gradients": held["gradients"], "temp": m["temp"], "plan_state": short.optimizer * 3 / 2,
+                     "plan_gradients": short.gradients, "plan_temp": mem.activations + mem.workspace})
+        if "1" in m:
+            one_layer = plan.plan(load_config(None, {**m["over"], "model.n_layer": 1}), cpu).memory[0]
+            blocks.append(f"  {m['shape']}, {m['training']}: XLA {(m['temp'] - m['temp_1']) / 2**30:.3f} GiB, planner "
+                          f"{(mem.activations - one_layer.activations) / 2**30:.3f} GiB")
+            one, two = m["1"], m[""]  # 1 and 2 layers
+            at = {k: one[k] + (LLAMA_1B_LAYERS - 1) * (two[k] - one[k]) for k in ("trained", "optimizer", "gradients")}
+            mem = plan.plan(load_config(None, {**m["over"], "model.n_layer": LLAMA_1B_LAYERS}), cpu,
+                            check=False).memory[0]
+            whole.append({"shape": f"llama_1b, all {LLAMA_1B_LAYERS} layers: E + 16 B", "training": m["training"],
+                          "state": at["trained"] + at["optimizer"], "gradients": at["gradients"],
+                          "plan_state": mem.optimizer * 3 / 2, "plan_gradients": mem.gradients})
+    mib, gib = 2.0**20, plan.GIB
+    print(f"\n(d) LoRA (rank {LORA_RANK}; llama: all seven projections, gpt2: c_attn, c_proj, c_fc) against full "
+          "fine-tuning: XLA:CPU's compiled programs vs `tpu-llm plan`, float32, one device")
+    print("| shape | training | trainable + AdamW MiB | planner | ratio | gradients MiB | planner | ratio "
+          "| XLA temp GiB | planner | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows + whole:
+        temp = (f"{r['temp'] / gib:.3f} | {r['plan_temp'] / gib:.3f} | {r['plan_temp'] / r['temp']:.3f}"
+                if "temp" in r else "- | - | -")
+        print(f"| {r['shape']} | {r['training']} | {r['state'] / mib:.1f} | {r['plan_state'] / mib:.1f} "
+              f"| {r['plan_state'] / r['state']:.3f} | {r['gradients'] / mib:.1f} | {r['plan_gradients'] / mib:.1f} "
+              f"| {r['plan_gradients'] / r['gradients']:.3f} | {temp} |")
+    if blocks:
+        print("\na block's temp (the 2-layer program's less the 1-layer one's) against the planner's activations:")
+        print("\n".join(blocks))
+    print("\nLoRA / full fine-tuning, measured: trainable weights + AdamW state; gradients")
+    for shape in dict.fromkeys(r["shape"] for r in rows + whole):
+        pair = {r["training"]: r for r in rows + whole if r["shape"] == shape}
+        if len(pair) == 2:
+            print(f"  {shape}: {100 * pair['LoRA']['state'] / pair['full']['state']:.2f}%; "
+                  f"{100 * pair['LoRA']['gradients'] / pair['full']['gradients']:.2f}%")
+    return rows + whole
 
 
 def memory_speed(steps: int = 60, rounds: int = 5) -> list[dict]:
@@ -190,10 +292,13 @@ def longest_context(limit: int = 1 << 20) -> list[dict]:
 
 
 def memory(steps: int = 60, only: str = "") -> None:
-    """`tpu-llm bench memory`: (a) XLA vs the planner, (b) speed, (c) the longest context (docs/memory.md)."""
+    """`tpu-llm bench memory`: (a) XLA vs the planner, (b) speed, (c) the longest context, (d) LoRA against
+    full fine-tuning (docs/memory.md)."""
     if not only or only == "xla":
         memory_table()
     if not only or only == "speed":
         memory_speed(steps)
     if not only or only == "context":
         longest_context()
+    if not only or only == "lora":
+        lora_table()

@@ -37,6 +37,9 @@ the stage partitioner read too; this docstring derives its activation terms.
                read in XLA:CPU's buffer assignment) and that our softmax is float32.
                llama blocks (docs/model-families.md) keep q, the rotated k and v (n_kv_head heads
                wide) and the SwiGLU's gate, up and product (model.mlp_hidden wide) in their place.
+               LoRA (model_spec.lora_activation_bytes): XLA fuses an adapter's addition into the
+               elementwise op reading an adapted gate, up or fc and keeps the base's and the adapter's
+               outputs apart: 2 F a more per token for each (XLA:CPU's buffer assignment, docs/memory.md).
                remat (a recomputed block keeps only its input): n_s C a per token.
                First stage: the embedding output C a. Last stage: the final norm's input C a, the
                head's float32 input 4C, and the loss's logits 4V per token (float32; loss.py).
@@ -50,7 +53,8 @@ the stage partitioner read too; this docstring derives its activation terms.
                gradient (4 V C); bf16 casts of the stage's weights. The head's gradient of a tied
                table is the table's gradient itself (the embedding's is added in place at the end),
                and until the head's backward writes it XLA lends its (V, C) room to the forward's exp
-               when that fits (tokens <= C), which the planner counts.
+               when that fits (tokens <= C), which the planner counts; a frozen table (LoRA,
+               train.freeze=embeddings) has no gradient to lend.
   chunked loss (train.loss_chunk = k, tpu_llm/model/loss.py): no 4V per token is kept; the head keeps
                the float32 tokens (4C per token, and their padded chunks 4C) and the log-sum-exp;
                forward and backward hold (k, V) float32 tiles (about three at XLA:CPU's peak) and
@@ -64,11 +68,13 @@ the stage partitioner read too; this docstring derives its activation terms.
   buffers, fragmentation. Treat more than ~90% of HBM as not fitting.
 
 Time. Model FLOPs per token are 6N + 12 L C T (model_spec.flops_per_token: N without positions and an
-untied head's input table, lookups rather than matmuls); a step
+untied head's input table, lookups rather than matmuls); a frozen weight (train.freeze; with LoRA every
+weight but the adapters) has no weight gradient: 4N for those, 2N below the lowest trained layer, and
+6 x the adapters' (model_spec.layer_flops_per_token); the trainer's MFU counts the same. A step
 is B T tokens. remat executes one more forward of the blocks (x4/3 of their FLOPs). A stage's forward
-on one micro-batch takes its FLOPs (pipeline.partition, / 3 for the forward) over t x peak x `mfu`,
-the fraction of peak a chip sustains while busy (an assumption: 0.4 by default); the backward takes 2x
-that (3x for remat blocks). `simulate` plays GPipe's schedule on those times; a step is grad_accum
+on one micro-batch takes its FLOPs (pipeline.partition, / 3 for the forward, plus the adapters') over
+t x peak x `mfu`, the fraction of peak a chip sustains while busy (an assumption: 0.4 by default); the
+backward takes 2x that when every weight trains (about 1x for LoRA's frozen base; remat adds a forward). `simulate` plays GPipe's schedule on those times; a step is grad_accum
 such pipelines. Not modelled: the gradient all-reduce, the optimizer update (~16 bytes of HBM traffic
 per parameter), stage-to-stage transfers and input stalls: the time is optimistic for a given mfu.
 """
@@ -82,9 +88,10 @@ import re
 from collections.abc import Sequence
 
 from tpu_llm import model_spec
-from tpu_llm.config import LORA_TARGETS, Config, freeze_spec, lora_targets
+from tpu_llm.config import Config, freeze_spec
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
+from tpu_llm.training import progress
 
 GIB = 2.0**30
 # HBM per chip, GiB (Cloud TPU documentation; ARCHITECTURE.md), keyed by device kind as tpu._TYPES spells it
@@ -237,12 +244,7 @@ def frozen_params(cfg: Config, stage: pipeline.Stage, vocab: int) -> int:
 def adapter_params(cfg: Config, stage: pipeline.Stage) -> int:
     """LoRA's A and B in `stage`'s blocks: r (in + out) for each projection train.lora_targets adapts
     (model/lora.py), every block alike; 0 without LoRA."""
-    t, m = cfg.train, cfg.model
-    if not t.lora_rank:
-        return 0
-    table, shapes = LORA_TARGETS["gpt2" if m.family == "gpt2" else "rotary"], model_spec.block_shapes(m)
-    layers = {path for name in lora_targets(t.lora_targets, m.family) for path in table[name]}
-    return len(stage.blocks) * sum(t.lora_rank * sum(shapes[f"{path}/kernel"]) for path in layers)
+    return len(stage.blocks) * progress.adapters_per_block(cfg)
 
 
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
@@ -254,6 +256,9 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     n_blocks = len(stage.blocks)
     params = stage.params  # whole, also with tensor groups: they split compute and activations only
     full, kept = block_activation_bytes(cfg, act_bytes)
+    # LoRA: XLA keeps an adapted MLP projection's base and adapter outputs apart (model_spec)
+    adapted = model_spec.lora_activation_bytes(m, progress.lora_layers(cfg), cfg.parallel.tensor, act_bytes)
+    full += adapted
     per_token = n_blocks * (kept if remat else full)
     work = 2 * params if act_bytes == 2 else 0.0  # compute-dtype casts of the weights
     # Phases of the step, each with what is alive beyond the activations: the loss's forward, its
@@ -265,7 +270,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     # one block's backward: its attention's transients (and with remat the block recomputed), once the
     # loss's logits and the block's own MLP tensors are freed
     _, attention_work = attention_bytes(cfg, act_bytes)
-    mlp = model_spec.mlp_activation_bytes(m, cfg.parallel.tensor, act_bytes)  # of block_activation_bytes
+    mlp = model_spec.mlp_activation_bytes(m, cfg.parallel.tensor, act_bytes) + adapted  # of `full`
     block_phase = (attention_work + (full if remat else 0) - mlp) * tokens_micro
     if stage.embed:
         per_token += c * act_bytes + (c if m.dropout > 0 else 0)
@@ -273,7 +278,9 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
         loss_kept, forward, backward = loss_bytes(cfg, vocab, tokens_micro)
         per_token += c * act_bytes + 4 * c + loss_kept
         block_phase -= loss_kept * tokens_micro
-        if not cfg.train.loss_chunk and stage.embed and m.tie_embeddings and forward <= 4 * vocab * c:
+        # only a table that trains has a gradient to lend: frozen (LoRA, train.freeze) the exp is temp
+        table_trains = not cfg.train.lora_rank and "embeddings" not in freeze_spec(cfg.train.freeze, m.n_layer)[0]
+        if not cfg.train.loss_chunk and stage.embed and m.tie_embeddings and forward <= 4 * vocab * c and table_trains:
             forward = 0.0
         phases += [forward, backward]
     work += max(phases + [block_phase])
@@ -440,6 +447,15 @@ class Plan:
             said.append(f"attention's scores take {_size(kept * tokens * len(stage.blocks) + work * tokens_micro)}")
         return ", ".join(said) + (": " if said else "")
 
+    def _flops_formula(self) -> str:
+        """How the model FLOPs per token are counted (model_spec.layer_flops_per_token)."""
+        if self.cfg.train.lora_rank:
+            return "4N + 6 x the adapters' + 12 L C T per token: no weight gradient for the frozen base"
+        if self.cfg.train.freeze:
+            return ("6N trained + 4N frozen + 12 L C T per token, only the forward below the lowest trained "
+                    "layer")
+        return "6N + 12 L C T per token"
+
     def lines(self) -> list[str]:
         """The plan as `tpu-llm plan` prints it."""
         cfg, acc, p, t = self.cfg, self.acc, self.cfg.parallel, self.cfg.train
@@ -481,7 +497,7 @@ class Plan:
             if self.fits() else ": DOES NOT FIT"
         out.append(f"  this config (remat {'on' if p.remat else 'off'}): {whole}{_size(need)} = {share} "
                    f"{'RAM' if acc.shared_memory else 'HBM'}{verdict}")
-        out.append(f"flops     {self.model_flops_per_step:.3g} per step (model: 6N + 12 L C T per token), "
+        out.append(f"flops     {self.model_flops_per_step:.3g} per step (model: {self._flops_formula()}), "
                    f"{self.executed_flops_per_step:.3g} executed{' (remat: blocks forward twice)' if p.remat else ''}")
         busy = " / ".join(f"{100 * b:.0f}%" for b in self.busy)
         formula = (p.pipeline_stages - 1) / (p.microbatches + p.pipeline_stages - 1)
@@ -540,13 +556,22 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
     memory, memory_remat = ([stage_memory(cfg, s, vocab, act_bytes, tokens_micro * p.microbatches, tokens_micro,
                                           remat) for s in stages] for remat in (p.remat, not p.remat))
 
-    block_flops = model_spec.block_flops_per_token(cfg.model, seq)
-    model_flops = model_spec.flops_per_token(cfg.model, vocab, seq) * t.batch_size * seq
-    executed = model_flops + (cfg.model.n_layer * block_flops / 3 * t.batch_size * seq if p.remat else 0.0)
+    # a frozen weight (train.freeze, or all but LoRA's adapters) has no weight gradient: 4N, not 6N
+    frozen = freeze_spec(t.freeze, cfg.model.n_layer) if t.freeze else ((), ())
+    adapters = progress.adapters_per_block(cfg)
+    layers, head = model_spec.layer_flops_per_token(cfg.model, vocab, seq, frozen, adapters)
+    block_forward = model_spec.block_flops_per_token(cfg.model, seq) / 3 + 2 * adapters  # what remat repeats
+    model_flops = progress.flops_per_token(cfg, vocab) * t.batch_size * seq
+    executed = model_flops + (cfg.model.n_layer * block_forward * t.batch_size * seq if p.remat else 0.0)
     rate = acc.peak_flops * mfu * (p.tensor if not acc.shared_memory else 1)
-    forward = [s.flops_per_token / 3 * tokens_micro / rate for s in stages]
-    # backward = 2x forward; remat adds the blocks' forward again (the head is not recomputed)
-    ratios = [2.0 + (len(s.blocks) * block_flops / s.flops_per_token if p.remat else 0.0) for s in stages]
+    forward = [(s.flops_per_token / 3 + 2 * adapters * len(s.blocks)) * tokens_micro / rate for s in stages]
+    # the backward over the forward: 2 when every weight trains, about 1 for a frozen base; remat adds the
+    # blocks' forward again (the head is not recomputed)
+    ratios = []
+    for s, seconds in zip(stages, forward):
+        parts = [layers[i] for i in s.blocks] + ([head] if s.head else [])
+        ratio = sum(b for _, b in parts) / sum(f for f, _ in parts)
+        ratios.append(ratio + (len(s.blocks) * block_forward * tokens_micro / rate / seconds if p.remat else 0.0))
     pipe_seconds, bubble, busy = simulate(forward, p.microbatches, ratios)
     step = t.grad_accum * pipe_seconds
     if acc.shared_memory:  # logical devices share the cores: idle stages leave them to the others

@@ -111,7 +111,7 @@ def _start(run: Run, say, step: int) -> tuple[Throughput, MetricsLog, perf.Progr
     profiler = StepProfiler(t.profile_steps, cfg.run_dir, t.steps, trace=run.dist.is_chief)  # cuts calls on every worker
     if profiler.missed(step):
         say(f"profile   train.profile_steps={t.profile_steps} was done before step {step}: no trace this time")
-    rates = Throughput(t.batch_size * d.seq_len, run.model.flops_per_token(d.seq_len), peak)
+    rates = Throughput(t.batch_size * d.seq_len, phases.flops_per_token(cfg, run.model.vocab_size), peak)
     return rates, log, progress, profiler
 
 

@@ -58,7 +58,7 @@ def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
                   f"{', '.join(lora_targets(t.lora_targets, m.family))}, the rest frozen"
                   + (f", the base stored in {t.lora_base_dtype}" if t.lora_base_dtype != "float32" else ""))
     lines += [f"model     {phases.parameters_text(run.model)} ({m.family}: {m.n_layer} layers, {m.n_head} heads, width "
-              f"{m.n_embd}{frozen}); {perf.format_count(run.model.flops_per_token(d.seq_len))}FLOP/token",
+              f"{m.n_embd}{frozen}); {perf.format_count(phases.flops_per_token(cfg, run.model.vocab_size))}FLOP/token",
               f"batch     {t.batch_size} x {d.seq_len} tokens = {t.batch_size * d.seq_len:,} per step; "
               f"{t.steps_per_loop} steps per host call; MFU peak: {perf.format_count(peak)}FLOP/s ({peak_how})"]
     # e.g. an unreadable newest checkpoint skipped for the previous one

@@ -1,11 +1,13 @@
 """What a training run tells while it runs, honestly: the time left (compilation left out), one line per
-slow phase (compiling, the first evaluation, sampling), and the model's trainable and total parameters."""
+slow phase (compiling, the first evaluation, sampling), the model's trainable and total parameters, and
+the FLOPs per token its MFU counts."""
 
 from __future__ import annotations
 
 import math
 
-from tpu_llm.config import freeze_spec
+from tpu_llm import model_spec
+from tpu_llm.config import LORA_TARGETS, Config, freeze_spec, lora_targets
 
 SLOW_EVAL_SECONDS = 5.0  # an evaluation that took this long gets its phase line again the next time
 STARTING = ("starting  choosing the strategy, checking data and tokenizer, building the model, restoring the newest "
@@ -86,3 +88,25 @@ def frozen_layers(freeze: str, n_layer: int) -> str:
         parts.append(("block " if len(blocks) == 1 else "blocks ") + (", ".join(spans[:-1]) + " and " + spans[-1]
                                                                        if len(spans) > 1 else spans[0]))
     return ", ".join(parts)
+
+
+def lora_layers(cfg: Config) -> set:
+    """The layers (paths below a block, e.g. attn/q) LoRA adapts in every block; empty without LoRA."""
+    t, m = cfg.train, cfg.model
+    if not t.lora_rank:
+        return set()
+    table = LORA_TARGETS["gpt2" if m.family == "gpt2" else "rotary"]
+    return {path for name in lora_targets(t.lora_targets, m.family) for path in table[name]}
+
+
+def adapters_per_block(cfg: Config) -> int:
+    """LoRA's A and B parameters in one block (every block alike; model/lora.py); 0 without LoRA."""
+    return model_spec.adapter_params(cfg.model, cfg.train.lora_rank, lora_layers(cfg))
+
+
+def flops_per_token(cfg: Config, vocab: int) -> int:
+    """Training FLOPs per token of the run, the MFU numerator: 6N + 12 L C T when every weight trains; no
+    weight gradient for the layers train.freeze keeps or, with LoRA, for every weight but the adapters
+    (model_spec.layer_flops_per_token). `tpu-llm plan` counts the same."""
+    frozen = freeze_spec(cfg.train.freeze, cfg.model.n_layer) if cfg.train.freeze else ((), ())
+    return model_spec.training_flops_per_token(cfg.model, vocab, cfg.data.seq_len, frozen, adapters_per_block(cfg))
