@@ -52,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND_WORDS = ("tpu-llm", "make", "python", "python3", ".venv/bin/tpu-llm", "pip", "cd", "ls", "cat",
-                 "huggingface-cli", "gcloud", "terraform", "tensorboard", "time", "export", "DRY_RUN=1", "rm", "mkdir")
+                 "huggingface-cli", "hf", "gcloud", "terraform", "tensorboard", "time", "export", "DRY_RUN=1", "rm", "mkdir")
 MARKER = re.compile(r"<!--\s*docs-check:\s*(.*?)\s*-->")
 # numbers that measure this machine, never compared: throughput, MFU, time left, step time, peak FLOP/s
 MACHINE = re.compile(r"[\d.]+[kMG]? tok/s|MFU [\d.]+%|eta \S+|[\d.]+ ms/step|[\d.]+[kMGT]?FLOP/s|[\d.]+ s\b"

@@ -1,8 +1,10 @@
 """LoRA (train.lora_*) against Hugging Face PEFT, the reference implementation (PyTorch, CPU).
 
-A tiny random GPT2LMHeadModel and LlamaForCausalLM (grouped-query attention, untied head), saved with
-save_pretrained and imported through `tpu-llm import`; PEFT's get_peft_model puts adapters on every
-projection of each (gpt2: c_attn, c_proj (the attention's and the MLP's), c_fc; llama: all seven) and
+A tiny random GPT2LMHeadModel, LlamaForCausalLM (grouped-query attention, untied head), Qwen2ForCausalLM
+(q/k/v biases under the adapters, tied head, as Qwen2.5 0.5B and 1.5B) and MistralForCausalLM (a sliding
+window covering the context), saved with save_pretrained and imported through `tpu-llm import`; PEFT's
+get_peft_model puts adapters on every projection of each (gpt2: c_attn, c_proj (the attention's and the
+MLP's), c_fc; the rotary families: all seven) and
 ours get the same random values (B non-zero, or the adapters would add nothing to compare). Then: the
 logits within 1e-5, and the gradients of one batch's next-token loss with respect to every adapter
 within 1e-5 (PEFT's lora_A.weight (r, in) and lora_B.weight (out, r) are our A (in, r) and B (r, out)
@@ -37,14 +39,23 @@ from tpu_llm.training.checkpoint import Checkpointer, load_for_generation  # noq
 VOCAB, RANK, ALPHA = 300, 4, 8.0  # VOCAB: write_bpe_tokenizer's
 
 
+# the rotary families' tiny layout: 4 query heads over 2 kv heads of size 8
+LAYOUT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+
+
 def reference_model(family: str):
     if family == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, rope_theta=50000.0, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=0))
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **LAYOUT, rope_theta=50000.0, tie_word_embeddings=False))
+    if family == "qwen2":  # Qwen2.5 0.5B/1.5B's shape: q/k/v biases (the adapted layers keep them), tied head
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **LAYOUT, rope_theta=20000.0, tie_word_embeddings=True))
+    return transformers.MistralForCausalLM(transformers.MistralConfig(  # a window that covers the whole context
+        **LAYOUT, sliding_window=32, rope_theta=30000.0, tie_word_embeddings=False))
 
 
 def lora_overrides(family: str) -> dict:
@@ -65,6 +76,7 @@ def build(family: str, root) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli.main(["import", "--from", hf_dir, "--run_dir", run_dir]) == 0
     imported, _, cfg = load_for_generation(run_dir)
+    assert cfg.model.family == family  # (qwen2 and mistral are their own families, not llama's)
     cfg = load_config(None, lora_overrides(family), base=cfg)
     ours = GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)).build_weights()
     lora.copy_base(imported, ours)
@@ -101,7 +113,7 @@ def build(family: str, root) -> dict:
             "lora_run": lora_run, "family": family}
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2", "mistral"])
 def models(request, tmp_path_factory):
     return build(request.param, tmp_path_factory.mktemp(request.param))
 
