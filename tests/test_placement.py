@@ -264,13 +264,19 @@ def test_the_evaluation_step_runs_each_stage_on_its_own_core():
     assert not problems, text
 
 
-SETTINGS = [{}, {"precision": "float32", "grad_accum": 1}, {"family": "llama"}]
+SETTINGS = {"bf16-accum2": {}, "fp32-accum1": {"precision": "float32", "grad_accum": 1}, "llama": {"family": "llama"}}
+# Pairwise, not the whole cross product (which passed when issue 38 closed): every layout with float32 and
+# no accumulation, and mixed_bfloat16 with accumulation and llama on stages alone, groups alone and both.
+# What a setting changes (dtype casts, the accumulation loop, llama's projections) is placed per stage and
+# group the same way at every size; the 4x1 and 2x4 compiles of the other settings cost ~4 CI-minutes.
+COMPILED_CASES = [(p, t, "fp32-accum1") for p, t in placement_audit.LAYOUTS if (p, t) != (1, 1)] + \
+    [(p, t, name) for name in ("bf16-accum2", "llama") for p, t in [(2, 1), (1, 2), (2, 2)]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("settings", SETTINGS, ids=["bf16-accum2", "fp32-accum1", "llama"])
-@pytest.mark.parametrize("stages,tensor", [layout for layout in placement_audit.LAYOUTS if layout != (1, 1)])
-def test_the_compiled_step_places_every_layout(stages, tensor, settings):
+@pytest.mark.parametrize("stages,tensor,name", COMPILED_CASES)
+def test_the_compiled_step_places_every_layout(stages, tensor, name):
+    settings = SETTINGS[name]
     problems, text = report(compiled(stages, tensor, **settings))
     assert not problems, text
 
