@@ -132,6 +132,26 @@ def test_pipeline_stages_and_tensor_groups_give_the_plain_loss_and_adapter_gradi
         np.testing.assert_allclose(other.numpy(), g.numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_under_mixed_bfloat16_a_tensor_groups_adapter_computes_in_float32_as_the_layer_does(family):
+    """LoraDense (and PEFT) compute x A B in float32 whatever the compute dtype; a group's share must too,
+    not in bfloat16 (2^-8 relative per matmul). Every matmul of a group's part that reads an adapter is a
+    float32 one."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        net = lora_model(family, n_layer=1, **({"n_kv_head": 2} if family == "llama" else {}))
+        x = tf.cast(tf.random.stateless_normal([2, 16, 32], [5, 6]), tf.bfloat16)
+        for part in (net.blocks[0].attn, net.blocks[0].mlp):
+            weights = [part.group_weights(g, 2, tf.bfloat16) for g in range(2)]
+            fn = tf.function(lambda x, w: part.group_part(x, w))
+            graph = fn.get_concrete_function(x, weights[0]).graph
+            matmuls = [op for op in graph.get_operations() if op.type in ("MatMul", "BatchMatMulV2")]
+            adapted = sum(isinstance(layer, lora.LoraDense) for layer in part._layers)
+            assert [op.get_attr("T") for op in matmuls].count(tf.float32) == 2 * adapted > 0
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 # ---- training, checkpoints, resume -----------------------------------------------------------------
 
 def lora_cfg(tmp_path, run, steps=8, **overrides):

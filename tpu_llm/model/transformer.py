@@ -175,7 +175,7 @@ class CausalSelfAttention(keras.layers.Layer):
             if self.qkv.bias is not None:  # (C, 3, h, hd) and (3, h, hd)
                 w["qkv/bias"] = tf.reshape(tf.cast(self.qkv.bias, dtype), [3, self.n_head, hd])[:, heads]
             if isinstance(self.qkv, LoraDense):  # A whole (C, r), B's columns of these heads (r, 3, h, hd)
-                w.update(_adapter_slices(self.qkv, "qkv", dtype))
+                w.update(_adapter_slices(self.qkv, "qkv"))
                 w["qkv/lora_b"] = tf.reshape(w["qkv/lora_b"], [-1, 3, self.n_head, hd])[:, :, heads]
         else:
             kv = self.n_kv_head // ways
@@ -194,7 +194,8 @@ class CausalSelfAttention(keras.layers.Layer):
             if "qkv/bias" in w:
                 qkv += tf.reshape(w["qkv/bias"], [-1])
             if "qkv/lora_a" in w:
-                qkv += adapter(x, w["qkv/lora_a"], tf.reshape(w["qkv/lora_b"], [w["qkv/lora_b"].shape[0], -1]), 1.0)
+                b = tf.reshape(w["qkv/lora_b"], [w["qkv/lora_b"].shape[0], -1])
+                qkv += tf.cast(adapter(x, w["qkv/lora_a"], b, 1.0), qkv.dtype)
             qkv = tf.reshape(qkv, [tf.shape(x)[0], tf.shape(x)[1], *kernel.shape[1:]])  # (B, T, 3, h, hd)
             q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each (B, h, T, hd)
         else:  # llama layout: kv heads of this group and their query heads (with their q/k/v bias slices), rotary
@@ -227,7 +228,7 @@ def _columns(dense: keras.layers.Dense, name: str, start: int, width: int, dtype
     if dense.bias is not None:
         w[f"{name}/bias"] = tf.cast(dense.bias, dtype)[start:start + width]
     if isinstance(dense, LoraDense):
-        w.update(_adapter_slices(dense, name, dtype))
+        w.update(_adapter_slices(dense, name))
         w[f"{name}/lora_b"] = w[f"{name}/lora_b"][:, start:start + width]
     return w
 
@@ -237,7 +238,7 @@ def _rows(dense: keras.layers.Dense, name: str, start: int, width: int, dtype) -
     adapter, those rows of A (width, r) and the whole B (r, C): the groups' x_g A_g B sum to x A B."""
     w = {f"{name}/kernel": _kernel_slice(dense, dtype, rows=slice(start, start + width))}
     if isinstance(dense, LoraDense):
-        w.update(_adapter_slices(dense, name, dtype))
+        w.update(_adapter_slices(dense, name))
         w[f"{name}/lora_a"] = w[f"{name}/lora_a"][start:start + width]
     return w
 
@@ -252,12 +253,13 @@ def _kernel_slice(dense: keras.layers.Dense, dtype, columns=lambda t: t, rows=sl
     return tf.cast(kernel, dtype)
 
 
-def _adapter_slices(dense: LoraDense, name: str, dtype) -> dict:
+def _adapter_slices(dense: LoraDense, name: str) -> dict:
     """`dense`'s adapter A and B * scale (the scale applied here, once, so that a group's slices are all it
-    needs), cast to `dtype`. Groups draw no adapter dropout (config refuses train.lora_dropout with tensor
-    groups)."""
-    return {f"{name}/lora_a": tf.cast(dense.lora_a, dtype),
-            f"{name}/lora_b": tf.cast(dense.lora_b * dense.scale, dtype)}
+    needs), in float32 under any precision: a group computes its adapter share in float32, as LoraDense and
+    PEFT do, and adds it in the compute dtype (`adapter`'s callers cast). Groups draw no adapter dropout
+    (config refuses train.lora_dropout with tensor groups)."""
+    return {f"{name}/lora_a": tf.convert_to_tensor(dense.lora_a),
+            f"{name}/lora_b": tf.convert_to_tensor(dense.lora_b) * dense.scale}
 
 
 def matmul(x, kernel, transpose: bool = False):
@@ -275,7 +277,7 @@ def _project(x, w: dict, name: str):
     if f"{name}/bias" in w:
         y += w[f"{name}/bias"]
     if f"{name}/lora_a" in w:
-        y += adapter(x, w[f"{name}/lora_a"], w[f"{name}/lora_b"], 1.0)
+        y += tf.cast(adapter(x, w[f"{name}/lora_a"], w[f"{name}/lora_b"], 1.0), y.dtype)
     return y
 
 
