@@ -32,7 +32,8 @@ from tpu_llm.training.controller import train
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = {"train.steps": 8, "train.steps_per_loop": 2, "checkpoint.every_steps": 4, "execution": "graph"}
-TOLERANCE = 1.0  # seconds: the test's clock reads around the fork and the return, against the ledger's
+TOLERANCE = 2.0  # seconds: the test's clock reads around the fork and the return, against the ledger's (1.28 s
+# apart once in a full 2-worker suite on 2 cores, 6 December 2026; under 1 s when run alone)
 TICKS = 0.05  # a process's start read from /proc: clock ticks (10 ms) since boot, plus /proc/uptime's 10 ms
 
 @pytest.fixture(scope="module")
