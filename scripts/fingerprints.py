@@ -10,7 +10,8 @@ running this before and after, on the same machine, and comparing the two output
 
 Every run goes through the `tpu-llm` command (so the script works whatever the package's layout) into
 a temporary run directory. The weights' hash covers every variable of the final checkpoint (model,
-optimizer slots, compression and local-SGD state), by name, in name order. XLA's CPU code can differ
+optimizer slots, compression and local-SGD state), by name, in name order; the model section the
+checkpoint records is hashed apart (a new config key changes it, and no number). XLA's CPU code can differ
 between processor types, so fingerprints are compared on one machine, never against a stored value.
 """
 
@@ -47,6 +48,25 @@ RUNS = {
                                                           "--train.steps=8", "--cpu_devices=4",
                                                           "--parallel.pipeline_stages=2", "--parallel.tensor=2",
                                                           "--parallel.microbatches=2"],
+    "2 pipeline stages, 2 logical CPUs": [*TINY, "--train.steps=8", "--cpu_devices=2",
+                                          "--parallel.pipeline_stages=2", "--parallel.microbatches=2"],
+    "2 tensor groups, 2 logical CPUs": [*TINY, "--train.steps=8", "--cpu_devices=2", "--parallel.tensor=2"],
+    "llama lora (all seven projections)": ["train", "--config", "configs/llama_tiny.yaml", *QUIET, "--train.steps=8",
+                                           "--train.lora_rank=4", "--train.lora_targets=" + ",".join(
+                                               f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down"))],
+    "gpt2 lora, int8 base": [*TINY, "--train.steps=8", "--train.lora_rank=4", "--train.lora_targets=c_attn,c_proj,c_fc",
+                             "--train.lora_base_dtype=int8"],
+    "llama lora, bfloat16 base, 2 stages x 2 tensor groups": [
+        "train", "--config", "configs/llama_tiny.yaml", *QUIET, "--train.steps=8", "--cpu_devices=4",
+        "--parallel.pipeline_stages=2", "--parallel.tensor=2", "--train.lora_rank=4", "--train.lora_base_dtype=bfloat16"],
+    "qwen2 20 steps (xla)": ["train", "--config", "configs/qwen2_tiny.yaml", *QUIET, "--train.steps=20"],
+    "qwen2, 2 tensor groups": ["train", "--config", "configs/qwen2_tiny.yaml", *QUIET, "--train.steps=8",
+                               "--cpu_devices=2", "--parallel.tensor=2"],
+    "mistral 20 steps (xla)": ["train", "--config", "configs/llama_tiny.yaml", *QUIET, "--train.steps=20",
+                               "--model.family=mistral"],
+    "llama3 rope scaling, untied head": ["train", "--config", "configs/llama_tiny.yaml", *QUIET, "--train.steps=8",
+                                         "--model.rope_scaling=llama3", "--model.rope_original_max_len=32",
+                                         "--model.tie_embeddings=false"],
     # asynchronous workers draw a new data order every run (tpu_llm/training/build.py): it must run,
     # and its figures are printed, but they differ from run to run
     "parameter server, 1 worker (not deterministic)": ["launch", "--workers", "1", "--ps", "1", "--", *TINY,
@@ -67,10 +87,26 @@ def weights_hash(run_dir: str) -> str:
         # the tokenizer's content hash (issue 40) is no weight: left out, so fingerprints of earlier runs still compare
         if "save_counter" in name or name.startswith(("_CHECKPOINTABLE_OBJECT_GRAPH", "tokenizer/")):
             continue
+        # the model section the checkpoint records is configuration, not a weight: a new key (with its
+        # default) changes it and no number; `config_hash` prints it apart
+        if name.startswith("model_config/"):
+            continue
         value = reader.get_tensor(name)
         digest.update(name.encode())
         digest.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
     return digest.hexdigest()[:16]
+
+
+def config_hash(run_dir: str) -> str:
+    """A hash of the model section the newest checkpoint records (its `model_config`)."""
+    import tensorflow as tf
+
+    prefix = tf.train.latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+    reader = tf.train.load_checkpoint(prefix) if prefix else None
+    key = "model_config/.ATTRIBUTES/VARIABLE_VALUE"
+    if reader is None or not reader.has_tensor(key):
+        return "none"
+    return hashlib.sha256(reader.get_tensor(key)).hexdigest()[:16]
 
 
 def losses(run_dir: str) -> list[str]:
@@ -98,7 +134,8 @@ def main() -> int:
             print(f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}", file=sys.stderr)
             print(f"{name}: FAILED exit {done.returncode}", flush=True)
         else:
-            print(f"{name}: losses {' '.join(losses(run_dir))}; weights {weights_hash(run_dir)}", flush=True)
+            print(f"{name}: losses {' '.join(losses(run_dir))}; weights {weights_hash(run_dir)}; "
+                  f"model section {config_hash(run_dir)}", flush=True)
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
