@@ -391,7 +391,7 @@ def hf_checkpoint(bench: Bench, folder: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from tpu_llm.config import ModelConfig
-    from tpu_llm.interop import hf, safetensors_io
+    from tpu_llm.interop import hf, hf_config, safetensors_io
 
     folder.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 320, "n_positions": 32,
@@ -399,7 +399,7 @@ def hf_checkpoint(bench: Bench, folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(0)
     tensors = {name: rng.normal(0, 0.02, shape).astype(np.float32)
-               for name, shape in hf.tensor_shapes(ModelConfig(**hf.model_config(config))).items()}
+               for name, shape in hf.tensor_shapes(ModelConfig(**hf_config.model_config(config))).items()}
     safetensors_io.write(str(folder / "model.safetensors"), [(k, v.shape, v.dtype) for k, v in tensors.items()],
                          tensors.__getitem__)
     tok = Tokenizer(models.BPE())

@@ -415,7 +415,8 @@ def write_gpt2(folder, config: dict | None = None, drop: str = "", hub: bool = F
     """A random GPT-2 checkpoint as save_pretrained lays it out (Conv1D weights (in, out), tied head);
     `hub`: as the hub's gpt2 file, names without `transformer.` and the causal-mask buffers in it."""
     from tpu_llm.config import ModelConfig
-    from tpu_llm.interop.hf import model_config, weights
+    from tpu_llm.interop.hf import weights
+    from tpu_llm.interop.hf_config import model_config
 
     os.makedirs(folder, exist_ok=True)
     config = config or GPT2_CONFIG

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 from helpers import tiny_config
 
-from tpu_llm import model_spec
+from tpu_llm.model import spec
 from tpu_llm.config import ModelConfig, load_config
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, loss_fn
@@ -104,8 +104,8 @@ def test_llama_size_and_cost_agree_with_the_planner_and_the_partition():
     assert model.flops_per_token(16) == 6 * (expected - VOCAB * C) + 12 * L * C * 16  # the lookup is free
     cfg = load_config(None, {**{f"model.{k}": v for k, v in LLAMA.items()}, "data.seq_len": 16,
                              "model.vocab_size": VOCAB})
-    assert model_spec.params(cfg.model, VOCAB) == expected
-    assert model_spec.flops_per_token(cfg.model, VOCAB, 16) == model.flops_per_token(16)
+    assert spec.params(cfg.model, VOCAB) == expected
+    assert spec.flops_per_token(cfg.model, VOCAB, 16) == model.flops_per_token(16)
     stages = pipeline.partition(cfg.model, VOCAB, 16, 2)
     assert sum(s.params for s in stages) == expected
     assert ModelConfig(family="llama", n_embd=4096).hidden() == 11008  # Meta's rule, Llama 2 7B's size
@@ -129,7 +129,7 @@ def test_llama_under_mixed_precision_has_float32_weights_and_logits_near_float32
 
 def test_llama_1b_plans_on_v5p_16_and_v6e_8():
     cfg = load_config("configs/llama_1b.yaml")
-    assert model_spec.params(cfg.model, cfg.model.vocab_size) == 1_235_814_400  # Llama 3.2 1B's published count
+    assert spec.params(cfg.model, cfg.model.vocab_size) == 1_235_814_400  # Llama 3.2 1B's published count
     for name in ("v5p-16", "v6e-8"):
         result = plan.plan(cfg, name)
         assert result.fits(plan.TIGHT), name
@@ -138,7 +138,7 @@ def test_llama_1b_plans_on_v5p_16_and_v6e_8():
 @pytest.mark.parametrize("preset, published", [("qwen2_5_0_5b", 494_032_768), ("qwen2_5_1_5b", 1_543_714_304)])
 def test_qwen2_5_presets_have_the_published_parameter_counts_and_plan(preset, published):
     cfg = load_config(f"configs/{preset}.yaml")
-    assert model_spec.params(cfg.model, cfg.model.vocab_size) == published  # the q/k/v biases counted
+    assert spec.params(cfg.model, cfg.model.vocab_size) == published  # the q/k/v biases counted
     fits = {"qwen2_5_0_5b": [("v5litepod-1", {}), ("v5litepod-8", {})],
             "qwen2_5_1_5b": [("v6e-8", {"parallel.pipeline_stages": 2})]}[preset]
     for name, overrides in fits:  # the presets' comments

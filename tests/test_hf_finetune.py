@@ -48,9 +48,7 @@ def shards(imported):
 
 
 def variables(model) -> dict:
-    from tpu_llm.interop.hf import _variables
-
-    return {path: v.numpy() for path, v in _variables(model).items()}
+    return {path: v.numpy() for path, v in model.by_path().items()}
 
 
 def test_fine_tuning_an_imported_checkpoint_lowers_the_loss_and_keeps_frozen_layers(imported, shards, tmp_path):

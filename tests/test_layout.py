@@ -17,9 +17,10 @@ PACKAGE = ROOT / "tpu_llm"
 
 # Sub-packages and top-level modules by layer: a module may import its own sub-package and lower layers.
 LAYERS = [
-    # leaves anyone may import
+    # leaves anyone may import; the model's TensorFlow-free declarations (its spec and families) among them:
+    # config.py validates a model section with them
     {"__init__", "config", "config_reading", "config_lora", "errors", "tf_compat", "perf", "tether", "native_log",
-     "peak", "run_layout", "files", "model_spec", "tpu_chips", "xla_flags"},
+     "peak", "run_layout", "files", "tpu_chips", "xla_flags", "model.spec", "model.families"},
     {"cloud", "tokenizers", "model"},
     {"data"},
     {"parallel"},
@@ -35,9 +36,14 @@ def modules() -> dict[str, Path]:
     return {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+LOW = {"model.spec", "model.families"}  # parts of a sub-package that sit lower than the rest of it
+
+
 def unit(module: str) -> str:
     """The sub-package (or top-level module) a dotted module name belongs to."""
     parts = module.split(".")
+    if ".".join(parts[1:3]) in LOW:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "__init__"
 
 

@@ -162,7 +162,7 @@ def lora_cfg(tmp_path, run, steps=8, **overrides):
 
 
 def by_path(model) -> dict:
-    return {path: v.numpy() for path, v in lora._by_path(model).items()}
+    return {path: v.numpy() for path, v in model.by_path().items()}
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,7 @@ def test_a_run_with_other_lora_settings_is_refused(base_run):
 def test_the_plan_charges_optimizer_state_and_gradients_for_the_adapters_alone(tmp_path, family, stages):
     """As many AdamW slots and gradients as the built LoRA model has trainable variables, stage by stage
     summed; every weight still held, the adapters beside them."""
-    from tpu_llm import model_spec
+    from tpu_llm.model import spec
     from tpu_llm.tools import plan
 
     cfg = tiny_config(tmp_path, **{"train.lora_rank": 4, "train.lora_targets": ALL[family], "model.n_layer": 4,
@@ -233,9 +233,9 @@ def test_the_plan_charges_optimizer_state_and_gradients_for_the_adapters_alone(t
                                    **({"model.family": "llama", "model.bias": False} if family == "llama" else {})})
     model = GPT(cfg.model, 257, lora.spec(cfg)).build_weights()
     trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
-    assert 0 < trainable < model_spec.params(cfg.model, 257) / 3
+    assert 0 < trainable < spec.params(cfg.model, 257) / 3
     memory = plan.plan(cfg, plan.Accelerator("cpu", "CPU", 1, 100e9, 16 * plan.GIB, "fixed")).memory
-    assert sum(mem.parameters for mem in memory) == 4 * (model_spec.params(cfg.model, 257) + trainable)
+    assert sum(mem.parameters for mem in memory) == 4 * (spec.params(cfg.model, 257) + trainable)
     assert sum(mem.gradients for mem in memory) == 4 * trainable
     assert sum(mem.optimizer for mem in memory) == 8 * trainable
 

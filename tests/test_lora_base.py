@@ -116,7 +116,7 @@ def lora_cfg(tmp_path, run, base_dtype, steps=4, **overrides):
 
 
 def by_path(model) -> dict:
-    return {path: v.numpy() for path, v in lora._by_path(model).items()}
+    return {path: v.numpy() for path, v in model.by_path().items()}
 
 
 def losses(run_dir) -> list:
@@ -147,7 +147,7 @@ def test_training_moves_only_the_adapters_resume_is_exact_and_export_is_float32(
             np.testing.assert_array_equal(value, stored[path], err_msg=path)
     # what --format hf and the SavedModel write: float32, W + A B scale, and a config valid without adapters
     merged, _, cfg, _, _ = load_float32(str(tmp / f"straight-{base_dtype}"))
-    assert {v.dtype for v in merged.weights} == {"float32"} and merged.lora is None
+    assert {v.dtype for v in merged.weights} == {"float32"} and merged.adapters is None
     validate(cfg)
     ids = tf.constant([[1, 5, 9, 2, 40]])
     np.testing.assert_allclose(merged(ids).numpy(), straight(ids).numpy(), atol=2e-6)

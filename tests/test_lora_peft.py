@@ -31,7 +31,8 @@ peft = pytest.importorskip("peft", reason="the LoRA reference tests need peft: p
 from helpers import write_bpe_tokenizer  # noqa: E402
 
 from tpu_llm import cli  # noqa: E402
-from tpu_llm.config import LORA_TARGETS, load_config  # noqa: E402
+from tpu_llm.config import load_config  # noqa: E402
+from tpu_llm.model import families  # noqa: E402
 from tpu_llm.interop import peft as peft_format  # noqa: E402
 from tpu_llm.model import GPT, lora, loss_fn  # noqa: E402
 from tpu_llm.training.checkpoint import Checkpointer, load_for_generation  # noqa: E402
@@ -59,7 +60,7 @@ def reference_model(family: str):
 
 
 def lora_overrides(family: str) -> dict:
-    targets = LORA_TARGETS["gpt2" if family == "gpt2" else "rotary"]
+    targets = families.get(family).peft_targets
     return {"train.lora_rank": RANK, "train.lora_alpha": ALPHA, "train.lora_targets": ",".join(targets)}
 
 
@@ -81,7 +82,7 @@ def build(family: str, root) -> dict:
     ours = GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)).build_weights()
     lora.copy_base(imported, ours)
 
-    names = sorted(LORA_TARGETS["gpt2" if family == "gpt2" else "rotary"])
+    names = sorted(families.get(family).peft_targets)
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=names,
                              fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores (in, out)
     reference = peft.get_peft_model(base, config)

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 from helpers import CPUS, LLAMA, loss_and_grads, quiet, tiny_config, tiny_model, tpu_cores, train_losses
 
-from tpu_llm import model_spec
+from tpu_llm.model import spec
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
@@ -22,7 +22,7 @@ def test_partition_covers_every_block_once_and_is_balanced(n_layer, stages):
     parts = pipeline.partition(cfg.model, 512, 128, stages)
     assert [b for s in parts for b in s.blocks] == list(range(n_layer))
     assert parts[0].embed and parts[-1].head and all(s.blocks for s in parts)
-    block_flops = model_spec.block_flops_per_token(cfg.model, 128)
+    block_flops = spec.block_flops_per_token(cfg.model, 128)
     head_flops = 6.0 * 512 * 256
     # no other cut of the blocks has a faster slowest stage (brute force over every cut)
     import itertools

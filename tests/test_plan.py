@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from helpers import tiny_config
 
-from tpu_llm import cli, model_spec
+from tpu_llm import cli
+from tpu_llm.model import spec
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
 from tpu_llm.tools import plan
@@ -106,7 +107,7 @@ def test_parameters_and_optimizer_bytes_are_exact(tmp_path):
     # Keras adds its step counter and learning rate (8 bytes) to AdamW's m and v
     assert 0 <= size(optimizer.variables) - mem.optimizer <= 16
     assert mem.gradients == mem.parameters
-    assert model_spec.flops_per_token(cfg.model, 257, cfg.data.seq_len) == model.flops_per_token(cfg.data.seq_len)
+    assert spec.flops_per_token(cfg.model, 257, cfg.data.seq_len) == model.flops_per_token(cfg.data.seq_len)
 
 
 @pytest.mark.parametrize("freeze, stages", [("embeddings,blocks:0-1", 1), ("blocks:1-2", 2), ("head,blocks:3", 2)])
@@ -128,9 +129,9 @@ def test_frozen_layers_get_no_optimizer_state_or_gradients_in_the_plan(tmp_path,
     optimizer = make_optimizer(cfg.train, model)
     optimizer.build(model.trainable_variables)
     trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
-    assert 0 < trainable < model_spec.params(cfg.model, 257)  # something frozen, something not
+    assert 0 < trainable < spec.params(cfg.model, 257)  # something frozen, something not
     memory = plan.plan(cfg, CPU).memory
-    assert sum(mem.parameters for mem in memory) == 4 * model_spec.params(cfg.model, 257)  # all still held
+    assert sum(mem.parameters for mem in memory) == 4 * spec.params(cfg.model, 257)  # all still held
     assert sum(mem.gradients for mem in memory) == 4 * trainable
     assert sum(mem.optimizer for mem in memory) == 8 * trainable
     slots = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
@@ -187,7 +188,7 @@ def test_lora_and_a_frozen_table_temp_within_15_percent_of_xla():
     """XLA's temp for a small Llama (width 128, no more tokens than that) trained in full, with LoRA on all
     seven projections and with its tied table frozen, against the planner's activations + workspace: a
     frozen table has no gradient whose room XLA lends to the loss's exp, and XLA keeps an adapted gate's
-    and up's base and adapter outputs apart (tpu_llm/model_spec.py's lora_activation_bytes)."""
+    and up's base and adapter outputs apart (tpu_llm/spec.py's lora_activation_bytes)."""
     from tpu_llm.tools import xla_memory
 
     small = {**TINY_LLAMA, "model.n_embd": 128, "model.mlp_hidden": 512, "model.vocab_size": 4096,
@@ -281,7 +282,7 @@ def test_remat_trades_activations_for_flops(tmp_path):
         # the loss's float32 softmax (4 x vocab bytes per token) stays: the head is not recomputed
         head = (4 * off.vocab + 4 * 768 + 2 * 768) * 128 * 1024 if stage.head else 0
         assert b.activations - head < (a.activations - head) / 5
-    blocks = cfg.model.n_layer * model_spec.block_flops_per_token(cfg.model, 1024) * 256 * 1024
+    blocks = cfg.model.n_layer * spec.block_flops_per_token(cfg.model, 1024) * 256 * 1024
     assert on.executed_flops_per_step - off.executed_flops_per_step == pytest.approx(blocks / 3)
     assert on.model_flops_per_step == off.model_flops_per_step
     assert on.step_seconds > off.step_seconds

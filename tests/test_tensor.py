@@ -76,8 +76,8 @@ def test_the_layers_group_parts_sum_to_the_layer_with_gradients_through_the_slic
                 np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5)
     shapes = {f"{name}/{key}": tuple(t.shape) for name in ("attn", "mlp")
               for key, t in getattr(block, name).group_weights(1, 2, tf.float32).items()}
-    if family == "gpt2":  # 2 of 4 heads of 8 dims, 64 of 128 MLP units
-        assert shapes == {"attn/qkv/kernel": (32, 3, 2, 8), "attn/qkv/bias": (3, 2, 8), "attn/proj/kernel": (16, 32),
+    if family == "gpt2":  # 2 of 4 heads of 8 dims of each of q, k and v, side by side; 64 of 128 MLP units
+        assert shapes == {"attn/qkv/kernel": (32, 48), "attn/qkv/bias": (48,), "attn/proj/kernel": (16, 32),
                           "mlp/fc/kernel": (32, 64), "mlp/fc/bias": (64,), "mlp/proj/kernel": (64, 32)}
     else:  # 1 of 2 kv heads and its 2 query heads, 32 of 64 units (qwen2: q, k and v bias slices)
         biases = {"attn/q/bias": (16,), "attn/k/bias": (8,), "attn/v/bias": (8,)} if family == "qwen2" else {}

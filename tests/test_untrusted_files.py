@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 from tpu_llm import cli
 from tpu_llm.config import CAPS, MAX_PARAMS, load_config
 from tpu_llm.errors import UserError
-from tpu_llm.interop import hf, safetensors_io
+from tpu_llm.interop import hf, hf_config, safetensors_io
+from tpu_llm.model import spec
 
 pytest.importorskip("tokenizers", reason="the checkpoints here carry an hf tokenizer: pip install -e '.[hf]'")
 WTE = "transformer.wte.weight"  # the first tensor of write_gpt2's file: (300, 32) float32
@@ -341,16 +342,17 @@ def test_an_integer_dtype_on_a_weight_is_refused_before_the_model_is_built(gpt2_
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_the_shapes_import_expects_are_the_built_models(family):
-    """hf.variable_shapes (what a checkpoint is compared with before building) against the variables."""
+    """The model's spec (what a checkpoint is compared with before building: hf.tensor_shapes) against the
+    variables."""
     from helpers import LLAMA, tiny_model
 
     families = {"llama": LLAMA, "qwen2": {**LLAMA, "family": "qwen2", "bias": True}}
     model = tiny_model(n_layer=2, **families.get(family, {}))
     model.cfg.vocab_size = model.vocab_size
-    shapes = hf.variable_shapes(model.cfg)
-    variables = hf._variables(model)
+    shapes = spec.shapes(model.cfg, model.vocab_size)
+    variables = model.by_path()
     for _, path, _ in hf.weights(model.cfg):
-        assert tuple(variables[path].shape) == shapes[path.split("/", 1)[1] if path.startswith("block_") else path], path
+        assert tuple(variables[path].shape) == shapes[path], path
 
 
 # ---- the YAML config and its flags -------------------------------------------------------------------------
@@ -682,7 +684,7 @@ def test_property_a_config_json_maps_to_a_valid_config_or_one_userror(scratch, g
     (scratch / "config.json").write_text(config_json(data))
 
     def check():
-        cfg = hf.run_config(hf.read_config(str(scratch)), str(scratch), str(scratch / "run"))
+        cfg = hf_config.run_config(hf_config.read_config(str(scratch)), str(scratch), str(scratch / "run"))
         hf.check_tensors(gpt2_reader, cfg.model)  # the names and shapes of any config it accepts: no crash
         return cfg
 

@@ -23,8 +23,9 @@ from typing import Any
 
 import yaml
 
-from tpu_llm import model_spec
-from tpu_llm.config_lora import LORA_TARGETS, lora_targets, validate_lora  # noqa: F401 (re-exported)
+from tpu_llm.model import families, spec
+from tpu_llm.model.families.base import divisors as _divisors
+from tpu_llm.config_lora import lora_targets, validate_lora  # noqa: F401 (re-exported)
 from tpu_llm.config_reading import REPR, apply_mapping, config_file, read_yaml, set_dotted
 from tpu_llm.config_reading import check as _check
 
@@ -38,8 +39,6 @@ EXECUTIONS = ("xla", "graph", "eager")
 SCHEDULES = ("gpipe",)
 COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
-FAMILIES = ("gpt2", "llama", "qwen2", "mistral")
-ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling: plain rotary, or Llama 3.1's long-context frequencies
 ATTENTIONS = ("dense", "blockwise")
 EARLY_STOPPING = ("false", "true", "never")  # sample.early_stopping: transformers' False, True, "never"
 # each beam is a row of the KV cache (num_beams contexts in memory); published beam searches use 1 to 10
@@ -122,21 +121,13 @@ class ModelConfig:
         """Key/value heads per block."""
         return self.n_kv_head or self.n_head
 
-    def rotary(self) -> bool:
-        """Llama's layout (llama, qwen2, mistral): RMSNorm, rotary positions, SwiGLU, separate q, k, v."""
-        return self.family != "gpt2"
-
-    def qkv_bias(self) -> bool:
-        """Biases on the q, k and v projections: gpt2's (with model.bias) and qwen2's (no other biases)."""
-        return self.bias and self.family in ("gpt2", "qwen2")
+    def head_size(self) -> int:
+        """Each attention head's width."""
+        return self.n_embd // self.n_head
 
     def hidden(self) -> int:
-        """The MLP's hidden size: model.mlp_hidden, or the family's default."""
-        if self.mlp_hidden:
-            return self.mlp_hidden
-        if self.rotary():  # Meta's rule (int(2/3 of 4C), up to a multiple of 256): 11008 for 4096
-            return -(-int(8 * self.n_embd / 3) // 256) * 256
-        return 4 * self.n_embd
+        """The MLP's hidden size: model.mlp_hidden, or the family's default (model/families/)."""
+        return self.mlp_hidden or families.get(self.family).hidden(self)
     attention: str = "dense"  # dense (T x T scores) | blockwise (online softmax over key blocks, T x block; docs/memory.md)
     attention_block: int = 128  # blockwise: queries and keys per block
 
@@ -300,7 +291,7 @@ def config_from_dict(data: dict, source: str) -> Config:
 def approx_params(m: ModelConfig) -> int:
     """The parameters of the model section `m`, from its sizes alone (norms and biases left out): what
     MAX_PARAMS bounds. vocab_size 0 (the tokenizer's) counts no table."""
-    return model_spec.matrix_params(m, m.vocab_size)
+    return spec.matrix_params(m, m.vocab_size)
 
 
 def _validate_caps(cfg: Config) -> None:
@@ -315,6 +306,7 @@ def validate(cfg: Config) -> None:
     """A UserError naming the first value that is out of range or inconsistent with another (the caps first)."""
     m, d, t, c, s = cfg.model, cfg.data, cfg.train, cfg.checkpoint, cfg.sample
     _validate_caps(cfg)  # first: every later check may loop over, or print, these sizes
+    _check(m.family in families.NAMES, f"model.family={m.family!r}; valid choices: {', '.join(families.NAMES)}")
     _validate_run(cfg)
     _validate_comm(cfg)
     _validate_model(m)
@@ -350,7 +342,7 @@ def validate(cfg: Config) -> None:
            f"({c.keep_every_hours}) must be >= 0 (0 = off)")
     _check(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     _check(t.max_bad_steps >= 0, f"train.max_bad_steps={t.max_bad_steps} must be >= 0 (0 = stop at the first)")
-    freeze_spec(t.freeze, m.n_layer)
+    spec.frozen_layers(t.freeze, m.n_layer)
     validate_lora(cfg)
     profile_range(t.profile_steps, t.steps)
     _check(t.on_bad_step in BAD_STEP_ACTIONS,
@@ -433,62 +425,11 @@ def _validate_model(m: ModelConfig) -> None:
 
 
 def _validate_family(m: ModelConfig) -> None:
-    _check(m.family in FAMILIES, f"model.family={m.family!r}; valid choices: {', '.join(FAMILIES)}")
     _check(m.n_kv_head >= 0 and m.mlp_hidden >= 0,
            f"model.n_kv_head ({m.n_kv_head}) and model.mlp_hidden ({m.mlp_hidden}) must be >= 0 (0 = the default)")
     _check(m.rope_theta > 0 and m.norm_eps > 0,
            f"model.rope_theta ({m.rope_theta}) and model.norm_eps ({m.norm_eps}) must be > 0")
-    if m.family == "gpt2":
-        _check(m.rope_scaling == "none", f"model.rope_scaling={m.rope_scaling!r}: gpt2 learns its positions (no rotary "
-                                         "embeddings); set model.rope_scaling=none")
-        _check(m.n_kv_head in (0, m.n_head), f"model.n_kv_head={m.n_kv_head}: grouped-query attention is for "
-                                              "model.family=llama; set model.n_kv_head=0 for gpt2")
-        _check(m.tie_embeddings, "model.tie_embeddings=false: gpt2's output head is the embedding table; "
-                                 "use model.family=llama for an untied head")
-        _check(m.rope_theta == ModelConfig.rope_theta, f"model.rope_theta={m.rope_theta}: gpt2 learns its positions "
-                                                       "(no rotary embeddings); remove it or use model.family=llama")
-        return
-    if m.family == "qwen2":
-        _check(m.bias, "model.bias=false: the qwen2 family has q/k/v biases (model.bias=true); without them use "
-                       "model.family=llama")
-    else:
-        _check(not m.bias, f"model.bias=true: the {m.family} family has no biases; set model.bias=false")
-    _validate_rope_scaling(m)
-    _check(m.n_head % m.kv_heads() == 0,
-           lambda: f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}; "
-                   f"valid values: {_divisors(m.n_head)}")
-    _check((m.n_embd // m.n_head) % 2 == 0,
-           f"model.n_embd / model.n_head = {m.n_embd // m.n_head} is odd: rotary embeddings rotate pairs of "
-           "dimensions; choose an even head size")
-
-
-def _validate_rope_scaling(m: ModelConfig) -> None:
-    """model.rope_scaling and its factors, as transformers' _validate_llama3_parameters checks them."""
-    _check(m.rope_scaling in ROPE_SCALINGS,
-           f"model.rope_scaling={m.rope_scaling!r}; valid choices: {', '.join(ROPE_SCALINGS)}")
-    if m.rope_scaling == "llama3":
-        _check(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
-        _check(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
-               f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
-               f"{m.rope_high_freq_factor}: need 0 < low < high")
-        _check(m.rope_original_max_len >= 1, f"model.rope_original_max_len={m.rope_original_max_len} must be >= 1")
-
-
-def freeze_spec(text: str, n_layer: int) -> tuple[set, set]:
-    """train.freeze as (names of whole layers: embeddings, head; block indices); a UserError if malformed."""
-    named, blocks = set(), set()
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        if item in ("embeddings", "head"):
-            named.add(item)
-            continue
-        first, _, last = item.removeprefix("blocks:").partition("-")
-        ok = item.startswith("blocks:") and first.isdigit() and (last.isdigit() or not last)
-        low, high = (int(first), int(last or first)) if ok else (0, -1)
-        _check(ok and low <= high < n_layer,
-               f"train.freeze item {item!r}; give embeddings, head, blocks:A-B or blocks:N, comma-separated, with "
-               f"block numbers from 0 to model.n_layer - 1 = {n_layer - 1}")
-        blocks.update(range(low, high + 1))
-    return named, blocks
+    families.get(m.family).validate(m, _check)  # the family's own checks (model/families/)
 
 
 def profile_range(text: str, steps: int) -> tuple[int, int] | None:
@@ -548,13 +489,3 @@ def comm_refusal(k: CommConfig, strategy: str) -> str | None:
 def _comm_settings(k: CommConfig) -> str:
     """The comm setting in force, for a message."""
     return f"comm.compression={k.compression}" if k.compression != "none" else f"comm.sync_every={k.sync_every}"
-
-
-def _divisors(n: int, at_most: int | None = None, shown: int = 24) -> str:
-    """The divisors of `n` (up to `at_most`) for a message, comma-separated: found in sqrt(n) steps, and
-    only the first `shown` of them listed."""
-    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
-    found = sorted(set(small + [n // k for k in small]))
-    found = [k for k in found if at_most is None or k <= at_most]
-    more = f" (and {len(found) - shown} more)" if len(found) > shown else ""
-    return ", ".join(map(str, found[:shown])) + more

@@ -4,16 +4,9 @@ dtypes, and their checks; tpu_llm/config.py holds the schema and calls `validate
 from __future__ import annotations
 
 from tpu_llm.config_reading import REPR
+from tpu_llm.model import families
 from tpu_llm.config_reading import check as _check
 
-# train.lora_targets: PEFT's module names per layout, and what each adapts here (model/lora.py). gpt2's c_proj
-# names the attention's and the MLP's output projections alike, as PEFT matches module names.
-LORA_TARGETS = {
-    "gpt2": {"c_attn": ("attn/qkv",), "c_proj": ("attn/proj", "mlp/proj"), "c_fc": ("mlp/fc",)},
-    "rotary": {"q_proj": ("attn/q",), "k_proj": ("attn/k",), "v_proj": ("attn/v",), "o_proj": ("attn/proj",),
-               "gate_proj": ("mlp/gate",), "up_proj": ("mlp/up",), "down_proj": ("mlp/down",)},
-}
-LORA_DEFAULT_TARGETS = {"gpt2": "c_attn", "rotary": "q_proj,v_proj"}  # PEFT's defaults for GPT-2 and Llama
 LORA_BASE_DTYPES = ("float32", "bfloat16", "int8")  # train.lora_base_dtype: how a LoRA run stores its frozen base
 
 
@@ -40,11 +33,10 @@ def validate_lora(cfg) -> None:
 def lora_targets(text: str, family: str) -> list[str]:
     """train.lora_targets as PEFT module names ("" = PEFT's default for the family); a UserError names an
     unknown one and the valid ones."""
-    layout = "gpt2" if family == "gpt2" else "rotary"
-    names = [n.strip() for n in (text or LORA_DEFAULT_TARGETS[layout]).split(",") if n.strip()]
-    valid = LORA_TARGETS[layout]
+    known = families.get(family)
+    names, valid = known.peft_modules(text), known.peft_targets
     unknown = [n for n in names if n not in valid]
     _check(not unknown and bool(names),
            lambda: f"train.lora_targets={REPR.repr(text)}: {REPR.repr(unknown[0]) if unknown else 'no module'} is not a "
                    f"module of model.family={family}; valid targets: {', '.join(valid)}")
-    return list(dict.fromkeys(names))
+    return names

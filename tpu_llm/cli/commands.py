@@ -167,7 +167,7 @@ and generate (tokens, max_new_tokens, temperature, top_k, top_p, seed -> ids); m
 config.yaml and the tokenizer are written beside it. See tpu_llm/interop/export.py.
 --format hf: config.json, model.safetensors, generation_config.json and the tokenizer files, which
 transformers' AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or LlamaForCausalLM). See
-tpu_llm/interop/hf.py and docs/hugging-face.md; a LoRA run's adapters come merged into the weights.
+tpu_llm/interop/hf_export.py and docs/hugging-face.md; a LoRA run's adapters come merged into the weights.
 --format peft: a LoRA run's adapters (adapter_config.json, adapter_model.safetensors), which
 peft.PeftModel.from_pretrained puts on the base transformers model. See docs/lora.md.""",
          run_dir="the run directory of a `tpu-llm train` run", output="where to write (default <run_dir>/export, "
@@ -195,9 +195,9 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, format: str 
         print(f"use       peft.PeftModel.from_pretrained(base_model, {meta['output']!r})")
         return
     if format == "hf":
-        from tpu_llm.interop import hf
+        from tpu_llm.interop import hf_export
 
-        meta = hf.export(run_dir, output, overwrite=overwrite, dtype=dtype)
+        meta = hf_export.export(run_dir, output, overwrite=overwrite, dtype=dtype)
         for note in meta.get("notes", []):
             print(f"warning   {note}", file=sys.stderr, flush=True)
         out = meta["output"]

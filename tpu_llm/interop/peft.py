@@ -20,12 +20,14 @@ import os
 
 import tensorflow as tf
 
-from tpu_llm.config import LORA_TARGETS, lora_targets, validate
+from tpu_llm.config import lora_targets, validate
 from tpu_llm.config_reading import set_dotted
 from tpu_llm.errors import UserError
 from tpu_llm.interop import hf, safetensors_io
+from tpu_llm.interop.hf_config import read_json, shown
+from tpu_llm.interop.hf_export import write_json
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, staged_directory
-from tpu_llm.model import GPT, lora
+from tpu_llm.model import GPT, families, lora, spec
 from tpu_llm.run_layout import PEFT_EXPORT_DIR, checkpoint_step
 from tpu_llm.training.checkpoint import load_for_generation
 
@@ -42,10 +44,10 @@ def adapter_modules(m) -> list[tuple[str, str]]:
 
 def adapter_config(cfg) -> dict:
     """PEFT's adapter_config.json for the run's train.lora_* settings."""
-    t, family = cfg.train, cfg.model.family
+    t, family = cfg.train, families.of(cfg.model)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": t.lora_rank, "lora_alpha": t.lora_alpha,
-            "lora_dropout": t.lora_dropout, "target_modules": lora_targets(t.lora_targets, family),
-            "fan_in_fan_out": family == "gpt2", "bias": "none", "use_rslora": False, "use_dora": False,
+            "lora_dropout": t.lora_dropout, "target_modules": lora_targets(t.lora_targets, family.name),
+            "fan_in_fan_out": family.peft_fan_in_fan_out, "bias": "none", "use_rslora": False, "use_dora": False,
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": None, "layers_to_transform": None,
             "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": None}
 
@@ -69,10 +71,10 @@ def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
         safetensors_io.write(os.path.join(tmp, WEIGHTS_FILE),
                              [(name, tuple(v.shape)[::-1], "float32") for name, v in tensors.items()],
                              lambda name: tensors[name].numpy().T)
-        hf.write_json(os.path.join(tmp, CONFIG_FILE), adapter_config(cfg))
+        write_json(os.path.join(tmp, CONFIG_FILE), adapter_config(cfg))
         meta = {"run_dir": run_dir, "checkpoint": checkpoint, "step": checkpoint_step(checkpoint), "format": "peft",
                 "family": cfg.model.family, "adapters": len(tensors) // 2, "rank": cfg.train.lora_rank}
-        hf.write_json(os.path.join(tmp, META_FILE), meta)
+        write_json(os.path.join(tmp, META_FILE), meta)
     return {**meta, "output": output, "notes": notes}
 
 
@@ -92,24 +94,23 @@ def read_adapter(directory: str, cfg) -> safetensors_io.Reader:
     path = os.path.join(directory, CONFIG_FILE)
     if not tf.io.gfile.exists(path):
         raise UserError(f"--adapter {directory!r} has no {CONFIG_FILE}; {ADAPTER_FIX}")
-    conf = hf.read_json(path, ADAPTER_FIX)
+    conf = read_json(path, ADAPTER_FIX)
 
     def refuse(what: str):
         return UserError(f"{path}: {what}; tpu-llm reads plain LoRA adapters (docs/lora.md)")
 
     if conf.get("peft_type") != "LORA":
-        raise refuse(f"peft_type {hf._shown(conf.get('peft_type'))} is not LORA")
+        raise refuse(f"peft_type {shown(conf.get('peft_type'))} is not LORA")
     for key, plain in PLAIN.items():
         if conf.get(key, plain) not in (plain, None, [], {}):
-            raise refuse(f"{key}={hf._shown(conf[key])} is not supported")
-    targets, layout = conf.get("target_modules"), "gpt2" if cfg.model.family == "gpt2" else "rotary"
-    valid = LORA_TARGETS[layout]
+            raise refuse(f"{key}={shown(conf[key])} is not supported")
+    targets, valid = conf.get("target_modules"), families.of(cfg.model).peft_targets
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t in valid for t in targets):
-        raise refuse(f"target_modules {hf._shown(targets)} is not a list of {cfg.model.family} modules "
+        raise refuse(f"target_modules {shown(targets)} is not a list of {cfg.model.family} modules "
                      f"({', '.join(valid)})")
     rank, alpha, dropout = conf.get("r"), conf.get("lora_alpha"), conf.get("lora_dropout", 0.0)
     if not (type(rank) is int and type(alpha) in (int, float) and type(dropout) in (int, float)):
-        raise refuse(f"r={hf._shown(rank)}, lora_alpha={hf._shown(alpha)}, lora_dropout={hf._shown(dropout)} are not "
+        raise refuse(f"r={shown(rank)}, lora_alpha={shown(alpha)}, lora_dropout={shown(dropout)} are not "
                      "numbers (r an integer)")
     settings = {"train.lora_rank": rank, "train.lora_alpha": float(alpha), "train.lora_dropout": float(dropout),
                 "train.lora_targets": ",".join(targets), "train.freeze": ""}
@@ -137,14 +138,14 @@ def read_adapter(directory: str, cfg) -> safetensors_io.Reader:
 def adapter_shapes(cfg) -> dict[str, tuple[int, int]]:
     """{PEFT tensor name: shape} of the adapters cfg.train.lora_* put on the model section: lora_A (r, in),
     lora_B (out, r), for every adapted module."""
-    spec, shapes = lora.spec(cfg), hf.variable_shapes(cfg.model)
+    adapters, shapes = lora.spec(cfg), spec.block_shapes(cfg.model)
     out = {}
     for module, path in adapter_modules(cfg.model):
         below = path.split("/", 1)[1]  # attn/q of block_0/attn/q
-        if below in spec.layers:
+        if below in adapters.layers:
             fan_in, fan_out = shapes[f"{below}/kernel"]
-            out[f"{PREFIX}{module}.lora_A.weight"] = (spec.rank, fan_in)
-            out[f"{PREFIX}{module}.lora_B.weight"] = (fan_out, spec.rank)
+            out[f"{PREFIX}{module}.lora_A.weight"] = (adapters.rank, fan_in)
+            out[f"{PREFIX}{module}.lora_B.weight"] = (fan_out, adapters.rank)
     return out
 
 

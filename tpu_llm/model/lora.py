@@ -34,7 +34,9 @@ import math
 import keras
 import tensorflow as tf
 
-from tpu_llm.config import LORA_TARGETS, Config, lora_targets
+from tpu_llm.config import Config, lora_targets
+from tpu_llm.model import families
+from tpu_llm.model.layers import ADAPTER_IN, ADAPTER_OUT, low_rank
 
 ADAPTERS = ("/lora_a", "/lora_b")  # how an adapter's variables' paths end
 SCALE = "/kernel_scale"  # an int8 kernel's per-output-channel scales (Keras' int8 Dense)
@@ -45,7 +47,8 @@ WEIGHT_ONLY_INT8 = keras.quantizers.Int8QuantizationConfig(activation_quantizer=
 @dataclasses.dataclass(frozen=True)
 class Lora:
     """The adapters of a model: rank, scale (alpha / rank), dropout and the layers (paths below a block,
-    e.g. attn/q) that get one."""
+    e.g. attn/q) that get one. The model (model/transformer.py's GPT, its `adapters`) asks it which Dense
+    layer each projection is, which weights to freeze and which are the base model's."""
 
     rank: int
     alpha: float
@@ -57,14 +60,34 @@ class Lora:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def dense(self, units: int, path: str, **options) -> keras.layers.Dense:
+        """The projection at `path` (attn/q): with an adapter where the run names it; else frozen, in the
+        base's dtype (a plain Dense for a float32 base)."""
+        if path in self.layers:
+            return LoraDense(units, self, **options)
+        if self.base_dtype != "float32":  # a frozen kernel in bfloat16 or int8 all the same
+            return FrozenDense(units, self.base_dtype, **options)
+        return keras.layers.Dense(units, **options)
+
+    def freeze_base(self, model) -> None:
+        """Every weight of the built `model` but the adapters made non-trainable (the embeddings, norms and
+        head: LoraDense froze its own kernel and bias)."""
+        for v in model.weights:
+            if not v.path.endswith(ADAPTERS):
+                v.trainable = False
+
+    def base_weights(self, model) -> list:
+        """The base model's weights: neither the adapters nor an int8 kernel's scales (no parameters)."""
+        return [v for v in model.weights if not v.path.endswith((*ADAPTERS, SCALE))]
+
 
 def spec(cfg: Config) -> Lora | None:
     """The adapters the run's train.lora_* ask for (None: lora_rank 0, no adapters)."""
-    train, family = cfg.train, cfg.model.family
+    train = cfg.train
     if not train.lora_rank:
         return None
-    table = LORA_TARGETS["gpt2" if family == "gpt2" else "rotary"]
-    layers = frozenset(path for name in lora_targets(train.lora_targets, family) for path in table[name])
+    table = families.of(cfg.model).peft_targets
+    layers = frozenset(path for name in lora_targets(train.lora_targets, cfg.model.family) for path in table[name])
     return Lora(train.lora_rank, train.lora_alpha, train.lora_dropout, layers, train.lora_base_dtype)
 
 
@@ -138,13 +161,20 @@ class LoraDense(FrozenDense):
             inputs = self.lora_drop(inputs, training=training)
         return y + tf.cast(adapter(inputs, self.lora_a, self.lora_b, self.scale), y.dtype)
 
+    def group_slices(self, name: str, columns=None, rows: slice = slice(None)) -> dict:
+        """A tensor group's share of the adapter (model/layers.py's `columns` and `rows`): A's rows `rows`
+        and B * scale's columns cut by `columns` (the scale applied here, once, so that a group's slices are
+        all it needs), in float32 under any precision: a group computes its adapter share in float32, as
+        this layer and PEFT do, and adds it in the compute dtype. Groups draw no adapter dropout (config
+        refuses train.lora_dropout with tensor groups)."""
+        b = tf.convert_to_tensor(self.lora_b) * self.scale
+        return {f"{name}/{ADAPTER_IN}": tf.convert_to_tensor(self.lora_a)[rows],
+                f"{name}/{ADAPTER_OUT}": columns(b) if columns is not None else b}
+
 
 def adapter(x, a, b, scale: float):
-    """(x A B) * scale for x (B, T, in), A (in, r), B (r, out): (B, T, out) in A's dtype, as two 2-D
-    matmuls of the (B T) rows (never the (in, out) product A B: r is small)."""
-    rows = tf.reshape(tf.cast(x, a.dtype), [-1, x.shape[-1]])
-    y = tf.matmul(tf.matmul(rows, a), b) * scale
-    return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [b.shape[-1]]], 0))
+    """(x A B) * scale for x (B, T, in), A (in, r), B (r, out): (B, T, out) in A's dtype."""
+    return low_rank(x, a, b, scale)
 
 
 def adapted(model) -> list:
@@ -166,18 +196,11 @@ def merged_kernel(layer: LoraDense):
     return float_kernel(layer) + tf.matmul(layer.lora_a, layer.lora_b) * layer.scale
 
 
-def _by_path(model) -> dict:
-    """{path below the model's own name (block_0/attn/q/kernel): variable} of `model`'s weights, dropout
-    seeds left out. (A model built stage by stage, pipeline.build_weights, has paths without its name.)"""
-    prefix = model.name + "/"
-    return {v.path.removeprefix(prefix): v for v in model.weights if "seed_generator" not in v.path}
-
-
 def copy_base(base, model) -> None:
     """Assign every weight of `base` but its adapters (the same model without adapters, restored from a base
     run: train.init_from; or the reverse, `merged`) to `model`'s variable of that path, in that variable's
     dtype: cast to a bfloat16 base, quantized into an int8 one, an int8 kernel dequantized (q / scale)."""
-    ours, theirs = _by_path(model), _by_path(base)
+    ours, theirs = model.by_path(), base.by_path()
     for path, variable in theirs.items():
         if path.endswith(ADAPTERS + (SCALE,)):
             continue
@@ -196,12 +219,12 @@ def merged(model):
     """A model without adapters whose kernels are `model`'s with each adapter folded in (W + A B scale),
     every other weight the same: what `export` writes (SavedModel, model.weights.h5, --format hf), a model
     that loads without tpu-llm's or PEFT's adapter code. `model` itself without adapters is returned as it is."""
-    if model.lora is None:
+    if model.adapters is None:
         return model
     plain = type(model)(model.cfg, model.vocab_size).build_weights()
     copy_base(model, plain)  # the base weights; the adapters have no place in it ...
     prefix = model.name + "/"
-    kernels = _by_path(plain)
+    kernels = plain.by_path()
     for layer in adapted(model):  # ... but in its kernels
         kernels[f"{layer.path.removeprefix(prefix)}/kernel"].assign(merged_kernel(layer))
     return plain

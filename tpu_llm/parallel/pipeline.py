@@ -1,7 +1,7 @@
 """Pipeline parallelism: group the model's blocks into stages, place them, run micro-batches through.
 
 Partition: the blocks are cut into P contiguous stages so that the slowest stage (training FLOPs per
-token, tpu_llm/model_spec.py) is as fast as possible; the embedding goes with the first stage, the final
+token, tpu_llm/model/spec.py) is as fast as possible; the embedding goes with the first stage, the final
 norm and the tied output head with the last. The head's matmul is worth several blocks on a small model, so the last
 stage usually gets fewer blocks.
 
@@ -43,11 +43,10 @@ import functools
 import keras
 import tensorflow as tf
 
-from tpu_llm import model_spec, tf_compat
+from tpu_llm import tf_compat
+from tpu_llm.model import spec
 from tpu_llm.config import ModelConfig
 from tpu_llm.errors import UserError
-from tpu_llm.model import loss_fn
-from tpu_llm.model.loss import chunked_loss
 from tpu_llm.parallel.tensor import SplitBlock
 
 
@@ -67,11 +66,11 @@ def partition(cfg: ModelConfig, vocab_size: int, seq_len: int, stages: int) -> l
     if not 1 <= stages <= n:
         raise UserError(f"parallel.pipeline_stages={stages} must be between 1 and model.n_layer={n} "
                         "(each stage holds at least one block)")
-    # training FLOPs per token and parameters (tpu_llm/model_spec.py): each block's; the embeddings (gpt2:
+    # training FLOPs per token and parameters (tpu_llm/model/spec.py): each block's; the embeddings (gpt2:
     # and positions); the final norm and an untied head's own table (tied: no new weights), and its matmul
-    flops, params = model_spec.block_flops_per_token(cfg, seq_len), model_spec.block_params(cfg)
-    embed_params = model_spec.embedding_params(cfg, vocab_size)
-    head_flops, head_params = model_spec.head_flops_per_token(cfg, vocab_size), model_spec.head_params(cfg, vocab_size)
+    flops, params = spec.block_flops_per_token(cfg, seq_len), spec.block_params(cfg)
+    embed_params = spec.embedding_params(cfg, vocab_size)
+    head_flops, head_params = spec.head_flops_per_token(cfg, vocab_size), spec.head_params(cfg, vocab_size)
 
     def cost(first: int, last: int, index: int) -> tuple[float, int]:
         k = last - first
@@ -139,8 +138,8 @@ def build_weights(model, stages: list[Stage], placement):
             # Keras' Dropout made its seed variable in __init__, wherever the model was constructed (on
             # TPU: logical core 0); the stage that draws the masks keeps it
             if placement.stages * placement.tensor > 1:
-                for layer in [model.blocks[b] for b in stage.blocks] + [model.drop] * stage.embed:
-                    _seeds_here(layer)
+                for layer in model.stage_layers(False, stage.blocks, False) + model.stage_layers(stage.embed, (), False):
+                    _seeds_here(layer)  # (the blocks' first, then the embedding's: the order they always had)
     return model.build_weights()  # marks the model built: every variable exists already
 
 
@@ -242,10 +241,8 @@ class Pipeline:
                 x = model.embed(x, training=training)  # (b, T) token ids -> (b, T, C)
             for block in blocks[training]:
                 x = block(x)
-            if stage.head and self.loss_chunk:  # no (b, T, V) logits: loss.py
-                return chunked_loss(model.ln_f(x), model.head_weights(), targets, self.loss_chunk)
-            if stage.head:
-                return loss_fn(model.head(x), targets)  # the micro-batch's mean loss, float32
+            if stage.head:  # the micro-batch's mean loss, float32 (train.loss_chunk: without the logits)
+                return model.head_loss(x, targets, self.loss_chunk)
             return x  # (b, T, C), handed to the next stage's device
         return run
 
@@ -256,12 +253,9 @@ class Pipeline:
 
     def stage_variables(self, i: int) -> list:
         """The trainable variables stage i reads (a tied table twice: first and last stage)."""
-        stage, m = self.stages[i], self.model
-        layers = [m.wte] * stage.embed + [m.wpe] * (stage.embed and m.wpe is not None)
-        layers += [m.blocks[b] for b in stage.blocks]
-        if stage.head:
-            layers += [m.ln_f] + ([m.lm_head] if m.lm_head is not None else [m.wte] * (not stage.embed))
-        return [v for layer in layers for v in layer.trainable_variables]
+        stage = self.stages[i]
+        return [v for layer in self.model.stage_layers(stage.embed, stage.blocks, stage.head)
+                for v in layer.trainable_variables]
 
     def variable_stages(self, variables) -> list[int]:
         """The stage each of `variables` lives on: the first stage that reads it, where build_weights

@@ -90,9 +90,8 @@ class SplitBlock:
         self.placement, self.stage = placement, stage
 
     def __call__(self, x):
-        b = self.block
-        x = x + self._split(b.attn, b.ln1(x))
-        return x + self._split(b.mlp, b.ln2(x))
+        b = self.block  # the block's own residual stream and norms, around its split attention and MLP
+        return b.residual(x, lambda h: (self._split(b.attn, h), None), lambda h: self._split(b.mlp, h))[0]
 
     def _split(self, layer, x):
         """layer(x) as the sum over groups g of layer.group_part on g's slices, each on its group's

@@ -10,6 +10,7 @@ import time
 
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
+from tpu_llm.model import families
 from tpu_llm.tools.bench import config_path
 
 # name, config overrides: GPT-2 small's shape with 2 of its 12 layers and one sequence per step (XLA:CPU
@@ -88,7 +89,6 @@ def memory_table(only: str = "") -> list[dict]:
 
 
 LORA_RANK = 16
-LORA_TARGETS = {"llama": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "gpt2": "c_attn,c_proj,c_fc"}
 LORA_SHAPES = [("tiny T=128", "configs/tiny.yaml", {"precision": "float32", "model.vocab_size": 257}),
                ("gpt2_125m T=1024", None, {**GPT2_SHAPE, "model.max_len": 1024, "data.seq_len": 1024}),
                ("llama_1b T=2048", None, {**LLAMA_SHAPE, "model.max_len": 2048, "data.seq_len": 2048})]
@@ -100,8 +100,8 @@ def lora_cases() -> list[tuple[str, str, str | None, dict]]:
     """(shape, "full" or "LoRA", config path, overrides) of every row of the LoRA table."""
     rows = []
     for shape, path, over in LORA_SHAPES:
-        family = "llama" if over.get("model.family") == "llama" else "gpt2"
-        lora = {"train.lora_rank": LORA_RANK, "train.lora_targets": LORA_TARGETS[family]}
+        every = families.get(over.get("model.family", families.DEFAULT)).peft_targets  # every projection adapted
+        lora = {"train.lora_rank": LORA_RANK, "train.lora_targets": ",".join(every)}
         rows += [(shape, "full", path, over), (shape, "LoRA", path, {**over, **lora})]
     return rows
 

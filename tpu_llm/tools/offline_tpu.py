@@ -24,7 +24,7 @@ import tensorflow as tf
 from tpu_llm import tf_compat
 from tpu_llm.config import load_config
 from tpu_llm.data.dataset import POSITION_FIELDS
-from tpu_llm.model import GPT
+from tpu_llm.model import GPT, families
 from tpu_llm.parallel import pipeline, tpu
 from tpu_llm.parallel.distribute import Distribution, Placement
 from tpu_llm.training.optimizer import make_optimizer
@@ -168,8 +168,7 @@ def build_step(stages: int, tensor: int, *, precision: str = "mixed_bfloat16", d
     n_layer = max(4, stages)
     model_keys = {"model.family": family, "model.n_layer": n_layer, "model.n_head": 4, "model.n_embd": 32,
                   "model.max_len": MAX_LEN, "model.dropout": dropout, "model.vocab_size": 64}
-    if family == "llama":
-        model_keys.update({"model.n_kv_head": 4, "model.bias": False})
+    model_keys.update({f"model.{key}": value for key, value in families.get(family).defaults.items()})
     cfg = load_config(None, {**model_keys, "data.seq_len": SEQ_LEN, "train.grad_accum": grad_accum,
                              "parallel.pipeline_stages": stages, "parallel.tensor": tensor})
     strategy = offline_tpu_strategy(stages * tensor, REPLICAS * stages * tensor)

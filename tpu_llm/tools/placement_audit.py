@@ -24,7 +24,7 @@ import dataclasses
 import re
 import time
 
-from tpu_llm import model_spec
+from tpu_llm.model import families, spec
 from tpu_llm.tools import compiled_step
 from tpu_llm.tools.offline_tpu import REPLICAS, Step, build_step
 
@@ -149,17 +149,17 @@ def matmul_spread(counts: dict, stages: int, tensor: int) -> list[Problem]:
     return out
 
 def _kernel_shapes(step: Step) -> set:
-    """The shapes (sorted, without 1s) of every block's weight matrices, and gpt2's qkv kernel as the
-    (C, 3, heads, head size) a group slices; less the shapes of a group's own slices (a slice of one
+    """The shapes (sorted, without 1s) of every block's weight matrices, and a fused q/k/v kernel as
+    the (C, 3, heads, head size) a group slices; less the shapes of a group's own slices (a slice of one
     kernel may have another whole kernel's shape: with 4 groups of the audit's model, the MLP's (C, F/4)
     slice is the attention projection's (C, C); such a shape cannot tell a slice from a kernel)."""
     cfg = step.model.cfg
     shapes = {tuple(sorted(d for d in v.shape if d != 1)) for b in step.model.blocks for v in b.trainable_variables
               if len(v.shape) >= 2}
-    if cfg.family == "gpt2":
+    if families.of(cfg).block.qkv == "fused":
         shapes.add(tuple(sorted((cfg.n_embd, 3, cfg.n_head, cfg.n_embd // cfg.n_head))))
     if step.tensor > 1:
-        shapes -= {tuple(sorted(d for d in s if d != 1)) for s in model_spec.group_shapes(cfg, step.tensor).values()}
+        shapes -= {tuple(sorted(d for d in s if d != 1)) for s in spec.group_shapes(cfg, step.tensor).values()}
     return shapes
 
 

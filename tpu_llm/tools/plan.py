@@ -13,7 +13,7 @@ share and the most loaded stage decides. "cpu" is this machine: its measured flo
 its RAM shared by all `cpu_devices` logical devices (R = cpu_devices / P, as distribute.py lays out).
 
 Memory per chip of stage s (blocks n_s; a = 2 bytes under mixed precision, 4 in float32). A block's
-parameters, FLOPs and activation bytes come from tpu_llm/model_spec.py, which the model, the config and
+parameters, FLOPs and activation bytes come from tpu_llm/spec.py, which the model, the config and
 the stage partitioner read too; this docstring derives its activation terms.
   parameters   4 bytes x the stage's parameters (pipeline.partition), whole on the stage's first chip:
                tensor groups (tpu_llm/parallel/tensor.py) split the matmuls and activations, not the weights.
@@ -37,7 +37,7 @@ the stage partitioner read too; this docstring derives its activation terms.
                read in XLA:CPU's buffer assignment) and that our softmax is float32.
                llama blocks (docs/model-families.md) keep q, the rotated k and v (n_kv_head heads
                wide) and the SwiGLU's gate, up and product (model.mlp_hidden wide) in their place.
-               LoRA (model_spec.lora_activation_bytes): XLA fuses an adapter's addition into the
+               LoRA (spec.lora_activation_bytes): XLA fuses an adapter's addition into the
                elementwise op reading an adapted gate, up or fc and keeps the base's and the adapter's
                outputs apart: 2 F a more per token for each (XLA:CPU's buffer assignment, docs/memory.md).
                remat (a recomputed block keeps only its input): n_s C a per token.
@@ -67,10 +67,10 @@ the stage partitioner read too; this docstring derives its activation terms.
   Not modelled: XLA's padding to TPU tiles, HBM the runtime reserves, collective and transfer
   buffers, fragmentation. Treat more than ~90% of HBM as not fitting.
 
-Time. Model FLOPs per token are 6N + 12 L C T (model_spec.flops_per_token: N without positions and an
+Time. Model FLOPs per token are 6N + 12 L C T (spec.flops_per_token: N without positions and an
 untied head's input table, lookups rather than matmuls); a frozen weight (train.freeze; with LoRA every
 weight but the adapters) has no weight gradient: 4N for those, 2N below the lowest trained layer, and
-6 x the adapters' (model_spec.layer_flops_per_token); the trainer's MFU counts the same. A step
+6 x the adapters' (spec.layer_flops_per_token); the trainer's MFU counts the same. A step
 is B T tokens. remat executes one more forward of the blocks (x4/3 of their FLOPs). A stage's forward
 on one micro-batch takes its FLOPs (pipeline.partition, / 3 for the forward, plus the adapters') over
 t x peak x `mfu`, the fraction of peak a chip sustains while busy (an assumption: 0.4 by default); the
@@ -87,8 +87,8 @@ import os
 import re
 from collections.abc import Sequence
 
-from tpu_llm import model_spec
-from tpu_llm.config import Config, freeze_spec
+from tpu_llm.model import spec
+from tpu_llm.config import Config
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
 from tpu_llm.training import progress
@@ -199,15 +199,15 @@ class Memory:
 
 
 def block_activation_bytes(cfg: Config, act_bytes: int) -> tuple[float, float]:
-    """(bytes per token a block saves for its backward, the same with remat): model_spec's, for the
+    """(bytes per token a block saves for its backward, the same with remat): spec's, for the
     config's sequence length and tensor ways (the module docstring derives it)."""
-    return model_spec.block_activation_bytes(cfg.model, cfg.data.seq_len, cfg.parallel.tensor, act_bytes)
+    return spec.block_activation_bytes(cfg.model, cfg.data.seq_len, cfg.parallel.tensor, act_bytes)
 
 
 def attention_bytes(cfg: Config, act_bytes: int) -> tuple[float, float]:
     """(bytes per token one block's attention keeps for its backward beyond q, k, v and its output,
-    bytes per token its backward holds while it runs): model_spec's, for the config."""
-    return model_spec.attention_bytes(cfg.model, cfg.data.seq_len, cfg.parallel.tensor, act_bytes)
+    bytes per token its backward holds while it runs): spec's, for the config."""
+    return spec.attention_bytes(cfg.model, cfg.data.seq_len, cfg.parallel.tensor, act_bytes)
 
 
 def loss_bytes(cfg: Config, vocab: int, tokens_micro: float) -> tuple[float, float, float]:
@@ -232,19 +232,19 @@ def frozen_params(cfg: Config, stage: pipeline.Stage, vocab: int) -> int:
     if not cfg.train.freeze:
         return 0
     m = cfg.model
-    named, blocks = freeze_spec(cfg.train.freeze, m.n_layer)
-    n = len(blocks & set(stage.blocks)) * model_spec.block_params(m)
+    named, blocks = spec.frozen_layers(cfg.train.freeze, m.n_layer)
+    n = len(blocks & set(stage.blocks)) * spec.block_params(m)
     if stage.embed and "embeddings" in named:
-        n += model_spec.embedding_params(m, vocab)
+        n += spec.embedding_params(m, vocab)
     if stage.head and "head" in named:  # tied: the config is refused when training starts (freeze embeddings)
-        n += model_spec.count({k: s for k, s in model_spec.head_shapes(m, vocab).items() if k.startswith("lm_head")})
+        n += spec.count({k: s for k, s in spec.head_shapes(m, vocab).items() if k.startswith("lm_head")})
     return n
 
 
 def adapter_params(cfg: Config, stage: pipeline.Stage) -> int:
     """LoRA's A and B in `stage`'s blocks: r (in + out) for each projection train.lora_targets adapts
     (model/lora.py), every block alike; 0 without LoRA."""
-    return len(stage.blocks) * progress.adapters_per_block(cfg)
+    return len(stage.blocks) * spec.adapters_per_block(cfg.model, cfg.train)
 
 
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
@@ -256,8 +256,8 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     n_blocks = len(stage.blocks)
     params = stage.params  # whole, also with tensor groups: they split compute and activations only
     full, kept = block_activation_bytes(cfg, act_bytes)
-    # LoRA: XLA keeps an adapted MLP projection's base and adapter outputs apart (model_spec)
-    adapted = model_spec.lora_activation_bytes(m, progress.lora_layers(cfg), cfg.parallel.tensor, act_bytes)
+    # LoRA: XLA keeps an adapted MLP projection's base and adapter outputs apart (model/spec.py)
+    adapted = spec.lora_activation_bytes(m, spec.adapted_layers(cfg.model, cfg.train), cfg.parallel.tensor, act_bytes)
     full += adapted
     per_token = n_blocks * (kept if remat else full)
     work = 2 * params if act_bytes == 2 else 0.0  # compute-dtype casts of the weights
@@ -270,7 +270,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     # one block's backward: its attention's transients (and with remat the block recomputed), once the
     # loss's logits and the block's own MLP tensors are freed
     _, attention_work = attention_bytes(cfg, act_bytes)
-    mlp = model_spec.mlp_activation_bytes(m, cfg.parallel.tensor, act_bytes) + adapted  # of `full`
+    mlp = spec.mlp_activation_bytes(m, cfg.parallel.tensor, act_bytes) + adapted  # of `full`
     block_phase = (attention_work + (full if remat else 0) - mlp) * tokens_micro
     if stage.embed:
         per_token += c * act_bytes + (c if m.dropout > 0 else 0)
@@ -279,7 +279,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
         per_token += c * act_bytes + 4 * c + loss_kept
         block_phase -= loss_kept * tokens_micro
         # only a table that trains has a gradient to lend: frozen (LoRA, train.freeze) the exp is temp
-        table_trains = not cfg.train.lora_rank and "embeddings" not in freeze_spec(cfg.train.freeze, m.n_layer)[0]
+        table_trains = not cfg.train.lora_rank and "embeddings" not in spec.frozen_layers(cfg.train.freeze, m.n_layer)[0]
         if not cfg.train.loss_chunk and stage.embed and m.tie_embeddings and forward <= 4 * vocab * c and table_trains:
             forward = 0.0
         phases += [forward, backward]
@@ -301,7 +301,7 @@ def parameter_bytes(cfg: Config, stage: pipeline.Stage, adapters: int) -> int:
     base = cfg.train.lora_base_dtype if cfg.train.lora_rank else "float32"
     if base == "float32":
         return full
-    kernels = [shape for path, shape in model_spec.block_shapes(cfg.model).items() if path.endswith("/kernel")]
+    kernels = [shape for path, shape in spec.block_shapes(cfg.model).items() if path.endswith("/kernel")]
     elements = len(stage.blocks) * sum(rows * cols for rows, cols in kernels)
     if base == "bfloat16":
         return full - 2 * elements
@@ -448,7 +448,7 @@ class Plan:
         return ", ".join(said) + (": " if said else "")
 
     def _flops_formula(self) -> str:
-        """How the model FLOPs per token are counted (model_spec.layer_flops_per_token)."""
+        """How the model FLOPs per token are counted (spec.layer_flops_per_token)."""
         if self.cfg.train.lora_rank:
             return "4N + 6 x the adapters' + 12 L C T per token: no weight gradient for the frozen base"
         if self.cfg.train.freeze:
@@ -473,7 +473,7 @@ class Plan:
                 f"batch     {t.batch_size} x {cfg.data.seq_len} = {self.tokens_per_step:,} tokens per step; per "
                 f"replica {t.batch_size // self.replicas} = {t.grad_accum} grad_accum x {p.microbatches} "
                 f"micro-batch(es) of {self.micro_batch}",
-                f"model     {model_spec.params(cfg.model, self.vocab):,} parameters; vocabulary {self.vocab:,} "
+                f"model     {spec.params(cfg.model, self.vocab):,} parameters; vocabulary {self.vocab:,} "
                 f"({self.vocab_source})"]
         out += ["partition " + line for line in pipeline.describe(self.stages)]
         full, kept = block_activation_bytes(cfg, 2 if self.precision != "float32" else 4)
@@ -557,10 +557,10 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
                                           remat) for s in stages] for remat in (p.remat, not p.remat))
 
     # a frozen weight (train.freeze, or all but LoRA's adapters) has no weight gradient: 4N, not 6N
-    frozen = freeze_spec(t.freeze, cfg.model.n_layer) if t.freeze else ((), ())
-    adapters = progress.adapters_per_block(cfg)
-    layers, head = model_spec.layer_flops_per_token(cfg.model, vocab, seq, frozen, adapters)
-    block_forward = model_spec.block_flops_per_token(cfg.model, seq) / 3 + 2 * adapters  # what remat repeats
+    frozen = spec.frozen_layers(t.freeze, cfg.model.n_layer) if t.freeze else ((), ())
+    adapters = spec.adapters_per_block(cfg.model, cfg.train)
+    layers, head = spec.layer_flops_per_token(cfg.model, vocab, seq, frozen, adapters)
+    block_forward = spec.block_flops_per_token(cfg.model, seq) / 3 + 2 * adapters  # what remat repeats
     model_flops = progress.flops_per_token(cfg, vocab) * t.batch_size * seq
     executed = model_flops + (cfg.model.n_layer * block_forward * t.batch_size * seq if p.remat else 0.0)
     rate = acc.peak_flops * mfu * (p.tensor if not acc.shared_memory else 1)
@@ -585,7 +585,7 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
 
 def _params(cfg: Config, vocab: int) -> int:
     """GPT.num_params() of the config's model, as tools/bench.py prints it."""
-    return model_spec.params(cfg.model, vocab)
+    return spec.params(cfg.model, vocab)
 
 
 def _size(x: float) -> str:

@@ -177,7 +177,7 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
                         f"start from a merged copy of it: `tpu-llm export --format hf {source} DIR`, then "
                         "`tpu-llm import DIR --run_dir BASE` and train.init_from=BASE")
     # with adapters: the base run holds none, so its weights go into a model without them, then across
-    base = GPT(current, model.vocab_size).build_weights() if getattr(model, "lora", None) else model
+    base = GPT(current, model.vocab_size).build_weights() if getattr(model, "adapters", None) else model
     checkpointer = Checkpointer(source, keep=1, io_device=io_device, model_config=current, tokenizer=tokenizer,
                                 model=base)
     path = checkpointer.restore_latest()  # the newest readable one; UserError if none can be read

@@ -10,7 +10,8 @@ import keras
 import tensorflow as tf
 
 from tpu_llm import tf_compat
-from tpu_llm.config import TrainConfig, freeze_spec
+from tpu_llm.config import TrainConfig
+from tpu_llm.model import spec
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, decay_mask
 from tpu_llm.training import fault
@@ -87,7 +88,7 @@ class ReducedGradientsAdamW(keras.optimizers.AdamW):
 def freeze(cfg: TrainConfig, model: GPT) -> list:
     """Mark the layers named by train.freeze not trainable (before the optimizer is made): they get no
     gradient, no optimizer slots, no weight decay, and keep their values bit for bit. Returns them."""
-    named, blocks = freeze_spec(cfg.freeze, len(model.blocks))
+    named, blocks = spec.frozen_layers(cfg.freeze, len(model.blocks))
     layers = [model.blocks[i] for i in sorted(blocks)]
     if "embeddings" in named:
         layers += [layer for layer in (model.wte, getattr(model, "wpe", None)) if layer is not None]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from tpu_llm import model_spec
-from tpu_llm.config import LORA_TARGETS, Config, freeze_spec, lora_targets
+from tpu_llm.config import Config
+from tpu_llm.model import spec
 
 SLOW_EVAL_SECONDS = 5.0  # an evaluation that took this long gets its phase line again the next time
 STARTING = ("starting  choosing the strategy, checking data and tokenizer, building the model, restoring the newest "
@@ -75,7 +75,7 @@ def parameters_text(model) -> str:
 
 def frozen_layers(freeze: str, n_layer: int) -> str:
     """train.freeze in words: 'embeddings, head, blocks 0-3 and 6'."""
-    named, blocks = freeze_spec(freeze, n_layer)
+    named, blocks = spec.frozen_layers(freeze, n_layer)
     ranges, blocks = [], sorted(blocks)
     for b in blocks:
         if ranges and ranges[-1][1] == b - 1:
@@ -90,23 +90,7 @@ def frozen_layers(freeze: str, n_layer: int) -> str:
     return ", ".join(parts)
 
 
-def lora_layers(cfg: Config) -> set:
-    """The layers (paths below a block, e.g. attn/q) LoRA adapts in every block; empty without LoRA."""
-    t, m = cfg.train, cfg.model
-    if not t.lora_rank:
-        return set()
-    table = LORA_TARGETS["gpt2" if m.family == "gpt2" else "rotary"]
-    return {path for name in lora_targets(t.lora_targets, m.family) for path in table[name]}
-
-
-def adapters_per_block(cfg: Config) -> int:
-    """LoRA's A and B parameters in one block (every block alike; model/lora.py); 0 without LoRA."""
-    return model_spec.adapter_params(cfg.model, cfg.train.lora_rank, lora_layers(cfg))
-
-
 def flops_per_token(cfg: Config, vocab: int) -> int:
-    """Training FLOPs per token of the run, the MFU numerator: 6N + 12 L C T when every weight trains; no
-    weight gradient for the layers train.freeze keeps or, with LoRA, for every weight but the adapters
-    (model_spec.layer_flops_per_token). `tpu-llm plan` counts the same."""
-    frozen = freeze_spec(cfg.train.freeze, cfg.model.n_layer) if cfg.train.freeze else ((), ())
-    return model_spec.training_flops_per_token(cfg.model, vocab, cfg.data.seq_len, frozen, adapters_per_block(cfg))
+    """Training FLOPs per token of the run, the MFU numerator (model/spec.py's run_flops_per_token: what
+    trains under train.freeze or with adapters)."""
+    return spec.run_flops_per_token(cfg.model, cfg.train, vocab, cfg.data.seq_len)

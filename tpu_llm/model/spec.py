@@ -1,18 +1,19 @@
 """What a model holds and costs, from its config alone: every variable's shape, parameters, training
-FLOPs per token and activation bytes per token of a block. Standard library only.
+FLOPs per token and activation bytes per token of a block. No TensorFlow.
 
 This is the one place that arithmetic lives. config.py bounds a config's size with it before anything
 is built (MAX_PARAMS), the stage partitioner balances stages by it (parallel/pipeline.py), the planner
-counts memory and time with it (tools/plan.py) and the model reports its FLOPs per token by it
-(model/transformer.py). tests/test_model_spec.py checks every shape against a built model's variables
-and each tensor group's slices against what the layers cut.
+counts memory and time with it (tools/plan.py), the model reports its FLOPs per token by it
+(model/transformer.py) and `tpu-llm import` checks a checkpoint's shapes by it before building anything
+(interop/hf.py). tests/test_model_spec.py checks every shape against a built model's variables and each
+tensor group's slices against what the layers cut.
 
-A leaf (config.py imports it; it imports nothing of tpu_llm), not a module of tpu_llm/model/: importing
-anything there loads TensorFlow (the package's __init__ imports the layers), which the CLI keeps out
-until a config has been checked.
+Importing it loads no TensorFlow (tpu_llm/model/__init__.py imports the layers lazily), so the CLI can
+check a config before TensorFlow starts. The block's layout is the family's (model/families/): which
+norm, MLP, projections, positions and biases it has.
 
-`m` below is a config.ModelConfig; C = n_embd, H = n_head, Hkv = kv_heads(), hd = C / H, F = hidden(),
-L = n_layer, V the vocabulary, T the sequence length. Shapes are keyed by Keras path (model/
+`m` below is a config.ModelConfig; C = n_embd, H = n_head, Hkv = kv_heads(), hd = head_size(), F =
+hidden(), L = n_layer, V the vocabulary, T the sequence length. Shapes are keyed by Keras path (model/
 transformer.py's docstring), below `block_i/` for a block.
 """
 
@@ -20,41 +21,48 @@ from __future__ import annotations
 
 import math
 
+from tpu_llm.errors import UserError
+from tpu_llm.model import families
+
 
 def head_dim(m) -> int:
     return m.n_embd // max(m.n_head, 1)
 
 
 def _norm(m, name: str) -> dict[str, tuple[int, ...]]:
-    """gpt2: LayerNormalization's gamma (and beta with biases); the rotary families: RMSNorm's scale."""
-    if m.rotary():
+    """LayerNormalization's gamma (and beta with the family's biases), or RMSNorm's scale."""
+    block = families.of(m).block
+    if block.norm == "rms":
         return {f"{name}/scale": (m.n_embd,)}
-    return {f"{name}/gamma": (m.n_embd,), **({f"{name}/beta": (m.n_embd,)} if m.bias else {})}
+    return {f"{name}/gamma": (m.n_embd,), **({f"{name}/beta": (m.n_embd,)} if m.bias and block.bias == "all" else {})}
 
 
 def _dense(m, name: str, inputs: int, units: int) -> dict[str, tuple[int, ...]]:
-    """A Dense layer's kernel and, where the family has one there, its bias: every gpt2 layer with
-    model.bias; of the rotary families only qwen2's q, k and v."""
-    bias = m.bias if not m.rotary() else name.endswith(("/q", "/k", "/v")) and m.qkv_bias()
+    """A Dense layer's kernel and, where the family has one there (Block.dense_bias), its bias."""
+    bias = families.of(m).block.dense_bias(name.rsplit("/", 1)[-1], m.bias)
     return {f"{name}/kernel": (inputs, units), **({f"{name}/bias": (units,)} if bias else {})}
 
 
 def block_shapes(m) -> dict[str, tuple[int, ...]]:
     """Every variable of one block."""
+    block = families.of(m).block
     c, f, hd = m.n_embd, m.hidden(), head_dim(m)
     q, kv = m.n_head * hd, m.kv_heads() * hd
-    if m.rotary():  # separate q, k, v (k and v Hkv heads wide); SwiGLU
+    if block.qkv == "separate":  # k and v Hkv heads wide
         attn = {**_dense(m, "attn/q", c, q), **_dense(m, "attn/k", c, kv), **_dense(m, "attn/v", c, kv)}
-        mlp = {**_dense(m, "mlp/gate", c, f), **_dense(m, "mlp/up", c, f), **_dense(m, "mlp/down", f, c)}
-    else:  # q, k, v side by side; GELU MLP
+    else:  # q, k, v side by side
         attn = _dense(m, "attn/qkv", c, 3 * c)
+    if block.mlp == "swiglu":
+        mlp = {**_dense(m, "mlp/gate", c, f), **_dense(m, "mlp/up", c, f), **_dense(m, "mlp/down", f, c)}
+    else:
         mlp = {**_dense(m, "mlp/fc", c, f), **_dense(m, "mlp/proj", f, c)}
     return {**_norm(m, "ln1"), **attn, **_dense(m, "attn/proj", q, c), **_norm(m, "ln2"), **mlp}
 
 
 def embedding_shapes(m, vocab: int) -> dict[str, tuple[int, ...]]:
-    """The token table, and gpt2's learned positions."""
-    positions = {"wpe/embeddings": (m.max_len, m.n_embd)} if m.family == "gpt2" else {}
+    """The token table, and learned positions (gpt2's)."""
+    learned = families.of(m).block.positions == "learned"
+    positions = {"wpe/embeddings": (m.max_len, m.n_embd)} if learned else {}
     return {"wte/embeddings": (vocab, m.n_embd), **positions}
 
 
@@ -64,16 +72,25 @@ def head_shapes(m, vocab: int) -> dict[str, tuple[int, ...]]:
     return {**_norm(m, "ln_f"), **table}
 
 
+def shapes(m, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every variable of the model, by its path below the model (block_i/attn/q/kernel, wte/embeddings)."""
+    blocks = {f"block_{i}/{path}": shape for i in range(m.n_layer) for path, shape in block_shapes(m).items()}
+    return {**embedding_shapes(m, vocab), **blocks, **head_shapes(m, vocab)}
+
+
 def group_shapes(m, ways: int) -> dict[str, tuple[int, ...]]:
     """The weight slices one of `ways` tensor groups reads (every group alike; config validation makes
     `ways` divide H, Hkv and F): what CausalSelfAttention.group_weights and MLP.group_weights cut."""
+    block = families.of(m).block
     c, hd = m.n_embd, head_dim(m)
     h, kv, units = m.n_head // ways, m.kv_heads() // ways, m.hidden() // ways
-    if m.rotary():
+    if block.qkv == "separate":
         attn = {**_dense(m, "attn/q", c, h * hd), **_dense(m, "attn/k", c, kv * hd), **_dense(m, "attn/v", c, kv * hd)}
+    else:  # the group's heads of each of q, k and v, side by side: (C, 3 h hd)
+        attn = _dense(m, "attn/qkv", c, 3 * h * hd)
+    if block.mlp == "swiglu":
         mlp = {**_dense(m, "mlp/gate", c, units), **_dense(m, "mlp/up", c, units), "mlp/down/kernel": (units, c)}
-    else:  # the qkv kernel seen as (C, 3, H, hd), its bias as (3, H, hd): the group's heads of each
-        attn = {"attn/qkv/kernel": (c, 3, h, hd), **({"attn/qkv/bias": (3, h, hd)} if m.bias else {})}
+    else:
         mlp = {**_dense(m, "mlp/fc", c, units), "mlp/proj/kernel": (units, c)}
     return {**attn, "attn/proj/kernel": (h * hd, c), **mlp}  # output projections: rows, no bias (added once)
 
@@ -120,6 +137,47 @@ def lookup_params(m, vocab: int) -> int:
     return count(tables)
 
 
+# ---- what trains: train.freeze's layers, or LoRA's adapters and nothing else ------------------------
+
+def frozen_layers(text: str, n_layer: int) -> tuple[set, set]:
+    """train.freeze as (names of whole layers: embeddings, head; block indices); a UserError if malformed."""
+    named, blocks = set(), set()
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        if item in ("embeddings", "head"):
+            named.add(item)
+            continue
+        first, _, last = item.removeprefix("blocks:").partition("-")
+        ok = item.startswith("blocks:") and first.isdigit() and (last.isdigit() or not last)
+        low, high = (int(first), int(last or first)) if ok else (0, -1)
+        if not (ok and low <= high < n_layer):
+            raise UserError(f"config: train.freeze item {item!r}; give embeddings, head, blocks:A-B or blocks:N, "
+                            f"comma-separated, with block numbers from 0 to model.n_layer - 1 = {n_layer - 1}")
+        blocks.update(range(low, high + 1))
+    return named, blocks
+
+
+def adapted_layers(m, train) -> set:
+    """The layers (paths below a block, e.g. attn/q) LoRA adapts in every block for the train section
+    `train` (train.lora_rank, train.lora_targets, validated); empty without adapters."""
+    if not train.lora_rank:
+        return set()
+    family = families.of(m)
+    return {path for name in family.peft_modules(train.lora_targets) for path in family.peft_targets[name]}
+
+
+def adapters_per_block(m, train) -> int:
+    """LoRA's A and B parameters in one block (every block alike; model/lora.py); 0 without adapters."""
+    return adapter_params(m, train.lora_rank, adapted_layers(m, train))
+
+
+def run_flops_per_token(m, train, vocab: int, seq_len: int) -> int:
+    """Training FLOPs per token of a run (its train section `train`), the MFU numerator: 6N + 12 L C T when
+    every weight trains; no weight gradient for the layers train.freeze keeps or, with LoRA, for every
+    weight but the adapters (layer_flops_per_token). `tpu-llm plan` counts the same."""
+    frozen = frozen_layers(train.freeze, m.n_layer) if train.freeze else ((), ())
+    return training_flops_per_token(m, vocab, seq_len, frozen, adapters_per_block(m, train))
+
+
 # ---- training FLOPs per token (forward + backward) -------------------------------------------------
 
 def attention_flops_per_token(m, seq_len: int) -> int:
@@ -144,7 +202,7 @@ def adapter_params(m, rank: int, layers) -> int:
 def layer_flops_per_token(m, vocab: int, seq_len: int, frozen: tuple = ((), ()), adapters: int = 0,
                           ) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """(forward, backward) training FLOPs per token of each block and of the head when some weights stay
-    as they are: `frozen` is config.freeze_spec's (layer names, block indices) of train.freeze, and
+    as they are: `frozen` is frozen_layers' (layer names, block indices) of train.freeze, and
     `adapters` > 0 (LoRA's parameters per block, `adapter_params`) freezes every weight but them.
 
     Per weight 2 FLOPs forward, 2 for the gradient of the layer's input, 2 for its own gradient: 6N when
