@@ -19,7 +19,7 @@ from test_trust_boundaries import Refusal, run_copy  # noqa: F401 (a fixture: a 
 
 from tpu_llm.data import reading, sources
 from tpu_llm.errors import UserError
-from tpu_llm.training import checkpoint
+from tpu_llm.training import run_directory
 
 CHARS = "abcdefghij"  # a char tokenizer of 12 ids: the 10 characters, end-of-text and unknown
 
@@ -159,7 +159,7 @@ def test_property_a_run_config_and_a_shards_meta_json_are_read_or_one_line(tmp_p
     for name in ("config.yaml", "meta.json"):
         (folder / name).write_bytes(raw)
     try:
-        saved = checkpoint.read_saved_config(str(folder))
+        saved = run_directory.read_saved_config(str(folder))
         assert isinstance(saved, dict) and isinstance(saved.get("model", {}), dict)
     except UserError as e:
         assert "\n" not in str(e) and "config.yaml" in str(e)
