@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 from helpers import free_port
 
+from tpu_llm.cloud import gcs, preflight
 from tpu_llm.cloud import storage as cloud
 from tpu_llm.errors import UserError
 
@@ -105,7 +106,7 @@ def emulator():
 def bucket(emulator):
     """A new, empty bucket name."""
     name = f"b-{uuid.uuid4().hex[:12]}"
-    cloud.storage_client().create_bucket(name)
+    gcs.storage_client().create_bucket(name)
     return name
 
 
@@ -118,18 +119,18 @@ def write_files(directory: Path, files: dict[str, bytes]) -> Path:
 
 
 def test_parse_gs_url():
-    assert cloud.parse_gs_url("gs://bkt/runs/tiny/") == ("bkt", "runs/tiny")
-    assert cloud.parse_gs_url("gs://bkt") == ("bkt", "")
+    assert gcs.parse_gs_url("gs://bkt/runs/tiny/") == ("bkt", "runs/tiny")
+    assert gcs.parse_gs_url("gs://bkt") == ("bkt", "")
     with pytest.raises(UserError, match="not a gs://BUCKET/PATH URL"):
-        cloud.parse_gs_url("/local/path")
+        gcs.parse_gs_url("/local/path")
 
 
 @pytest.mark.slow
 def test_bucket_check_and_missing_bucket_error(bucket):
-    assert cloud.check_bucket_writable(f"gs://{bucket}/runs/tiny") == bucket
-    assert not list(cloud.storage_client().list_blobs(bucket))  # the probe object is gone
+    assert gcs.check_bucket_writable(f"gs://{bucket}/runs/tiny") == bucket
+    assert not list(gcs.storage_client().list_blobs(bucket))  # the probe object is gone
     with pytest.raises(UserError) as e:
-        cloud.check_bucket_writable("gs://no-such-bucket-here/runs/tiny")
+        gcs.check_bucket_writable("gs://no-such-bucket-here/runs/tiny")
     message = str(e.value)
     assert "gs://no-such-bucket-here does not exist" in message and "make tpu-up" in message
     assert "\n" not in message
@@ -153,7 +154,7 @@ def test_upload_is_resumable_and_resumes_after_an_interruption(bucket, tmp_path,
     monkeypatch.setattr(cloud, "upload_file", interrupted)
     with pytest.raises(UserError, match="cannot reach Cloud Storage"):
         cloud.upload_dir(str(local), url, chunk_size=2 * 1024 * 1024)
-    first = cloud.storage_client().bucket(bucket).get_blob("shards/data-00000-of-00003.tfrecord")
+    first = gcs.storage_client().bucket(bucket).get_blob("shards/data-00000-of-00003.tfrecord")
     monkeypatch.setattr(cloud, "upload_file", real_upload)
 
     from google.cloud.storage.blob import Blob
@@ -166,7 +167,7 @@ def test_upload_is_resumable_and_resumes_after_an_interruption(bucket, tmp_path,
     assert resumable == ["shards/data-00001-of-00003.tfrecord"]
     assert report.skipped == ["data-00000-of-00003.tfrecord"]
     assert sorted(report.transferred) == sorted(set(files) - {"data-00000-of-00003.tfrecord"})
-    again = cloud.storage_client().bucket(bucket).get_blob("shards/data-00000-of-00003.tfrecord")
+    again = gcs.storage_client().bucket(bucket).get_blob("shards/data-00000-of-00003.tfrecord")
     assert again.generation == first.generation  # not uploaded twice
     assert cloud.upload_dir(str(local), url).skipped == sorted(files)  # nothing left to do
 
@@ -190,13 +191,13 @@ def test_upload_conflicts_need_overwrite(bucket, tmp_path):
         cloud.upload_dir(str(local), url)
     report = cloud.upload_dir(str(local), url, overwrite=True)
     assert report.transferred == ["a.tfrecord"] and report.deleted == ["b.tfrecord"]
-    blobs = {b.name: b.download_as_bytes() for b in cloud.storage_client().list_blobs(bucket)}
+    blobs = {b.name: b.download_as_bytes() for b in gcs.storage_client().list_blobs(bucket)}
     assert blobs == {"shards/a.tfrecord": b"changed"}
 
 
 @pytest.mark.slow
 def test_overwrite_deletes_only_stale_objects_of_the_kind_uploaded(bucket, tmp_path):
-    client = cloud.storage_client().bucket(bucket)
+    client = gcs.storage_client().bucket(bucket)
     kept = {"runs/tiny/checkpoints/ckpt-2.index": b"i", "runs/tiny/checkpoints/checkpoint": b"c",
             "data/notes.txt": b"n", "data/old/data-00000-of-00001.tfrecord": b"o"}
     stale = {"data/data-00002-of-00003.tfrecord": b"s", "data/tokenizer.model": b"m"}  # an earlier prepare's
@@ -219,7 +220,7 @@ def test_overwrite_deletes_only_stale_objects_of_the_kind_uploaded(bucket, tmp_p
     assert report.deleted == ["data-00002-of-00003.tfrecord", "tokenizer.model"]
     assert said[0] == (f"deleting 2 stale object(s) under gs://{bucket}/data (--overwrite): "
                        "data-00002-of-00003.tfrecord, tokenizer.model")
-    names = {b.name for b in cloud.storage_client().list_blobs(bucket)}
+    names = {b.name for b in gcs.storage_client().list_blobs(bucket)}
     assert set(kept) <= names and not set(stale) & names  # the checkpoints and other folders are untouched
 
 
@@ -234,8 +235,8 @@ def test_list_runs_and_checkpoints(bucket, tmp_path):
         ("a", f"gs://{bucket}/runs/a", [100, 200], 200), ("b", f"gs://{bucket}/runs/b", [], None)]
     assert cloud.list_checkpoints(f"gs://{bucket}/runs/a") == [100, 200]
     assert cloud.list_checkpoints(f"gs://{bucket}/runs/b") == []
-    assert cloud.glob_objects(f"gs://{bucket}/runs/*/config.yaml") == [f"gs://{bucket}/runs/a/config.yaml",
-                                                                       f"gs://{bucket}/runs/b/config.yaml"]
+    assert preflight.glob_objects(f"gs://{bucket}/runs/*/config.yaml") == [f"gs://{bucket}/runs/a/config.yaml",
+                                                                           f"gs://{bucket}/runs/b/config.yaml"]
 
 
 @pytest.mark.slow
@@ -244,24 +245,24 @@ def test_preflight_tells_tfrecord_shards_from_text(bucket, tmp_path):
     shards.mkdir()
     with tf.io.TFRecordWriter(str(shards / "data-00000-of-00001.tfrecord")) as w:
         w.write(b"a record")
-    assert cloud.looks_like_tfrecord((shards / "data-00000-of-00001.tfrecord").read_bytes())
-    assert not cloud.looks_like_tfrecord(b"def f():\n    return 1\n")
+    assert preflight.looks_like_tfrecord((shards / "data-00000-of-00001.tfrecord").read_bytes())
+    assert not preflight.looks_like_tfrecord(b"def f():\n    return 1\n")
     cloud.upload_dir(str(shards), f"gs://{bucket}/shards")
-    write = cloud.storage_client().bucket(bucket).blob
+    write = gcs.storage_client().bucket(bucket).blob
     write("text/doc.txt").upload_from_string("plain text, not shards\n" * 10)
     write("fake/data.tfrecord").upload_from_string("text in a file named like a shard\n" * 10)
 
     run_dir = f"gs://{bucket}/runs/tiny"
-    assert "1 TFRecord shard" in cloud.preflight(run_dir, f"gs://{bucket}/shards/*.tfrecord", require_tfrecord=True)
+    assert "1 TFRecord shard" in preflight.preflight(run_dir, f"gs://{bucket}/shards/*.tfrecord", require_tfrecord=True)
     with pytest.raises(UserError, match="is text; TPU pod slices read pre-tokenized TFRecord shards"):
-        cloud.preflight(run_dir, f"gs://{bucket}/fake/*.tfrecord", require_tfrecord=True)
+        preflight.preflight(run_dir, f"gs://{bucket}/fake/*.tfrecord", require_tfrecord=True)
     with pytest.raises(UserError, match="is text"):
-        cloud.preflight(run_dir, f"gs://{bucket}/text/*.txt", require_tfrecord=True)
+        preflight.preflight(run_dir, f"gs://{bucket}/text/*.txt", require_tfrecord=True)
     with pytest.raises(UserError, match="no objects match .*make data-upload"):
-        cloud.preflight(run_dir, f"gs://{bucket}/nothing/*.tfrecord", require_tfrecord=True)
-    assert "writable" in cloud.preflight(run_dir, f"gs://{bucket}/text/*.txt")  # single host: text is fine
+        preflight.preflight(run_dir, f"gs://{bucket}/nothing/*.tfrecord", require_tfrecord=True)
+    assert "writable" in preflight.preflight(run_dir, f"gs://{bucket}/text/*.txt")  # single host: text is fine
     with pytest.raises(UserError, match="does not exist"):
-        cloud.preflight("gs://no-such-bucket-here/runs/x")
+        preflight.preflight("gs://no-such-bucket-here/runs/x")
 
 
 @pytest.mark.slow
@@ -278,7 +279,7 @@ def test_missing_credentials_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
     with pytest.raises(UserError, match="application-default login"):
-        cloud.check_bucket_writable("gs://some-bucket/runs/x")
+        gcs.check_bucket_writable("gs://some-bucket/runs/x")
 
 
 # ---- the run directory's lock on gs:// (tpu_llm/training/run_lock.py) -------------------------------------
@@ -288,13 +289,13 @@ def test_missing_credentials_is_a_user_error(monkeypatch, tmp_path):
 def test_emulator_honours_generation_preconditions(bucket):
     from google.api_core.exceptions import PreconditionFailed
 
-    blob = cloud.storage_client().bucket(bucket).blob("x")
+    blob = gcs.storage_client().bucket(bucket).blob("x")
     blob.upload_from_string(b"one", if_generation_match=0)
     with pytest.raises(PreconditionFailed):
-        cloud.storage_client().bucket(bucket).blob("x").upload_from_string(b"two", if_generation_match=0)
+        gcs.storage_client().bucket(bucket).blob("x").upload_from_string(b"two", if_generation_match=0)
     with pytest.raises(PreconditionFailed):
         blob.delete(if_generation_match=blob.generation + 1)
-    assert cloud.storage_client().bucket(bucket).blob("x").download_as_bytes() == b"one"
+    assert gcs.storage_client().bucket(bucket).blob("x").download_as_bytes() == b"one"
 
 
 @pytest.mark.slow
@@ -307,7 +308,7 @@ def test_gs_lock_one_writer_a_lease_kept_alive_and_a_stale_lock_taken_over(bucke
     url = f"gs://{bucket}/runs/tiny"
     first = run_lock.GcsLock(url, lease_seconds=1.5)
     first.acquire()
-    holder = json.loads(cloud.storage_client().bucket(bucket).blob("runs/tiny/.tpu-llm-lock").download_as_bytes())
+    holder = json.loads(gcs.storage_client().bucket(bucket).blob("runs/tiny/.tpu-llm-lock").download_as_bytes())
     assert holder["pid"] == os.getpid() and holder["host"] == run_lock.HOST and holder["lease_seconds"] == 1.5
     time.sleep(2.5)  # longer than the lease: the heartbeat renewed it
     with pytest.raises(UserError) as refused:
@@ -330,7 +331,7 @@ def test_gs_lock_one_writer_a_lease_kept_alive_and_a_stale_lock_taken_over(bucke
     with pytest.raises(UserError, match=f"lost the lock on run_dir {url!r}"):
         first.check()  # the old holder, were it alive, stops writing
     first.release()  # deletes nothing of the new holder's
-    assert cloud.storage_client().bucket(bucket).get_blob("runs/tiny/.tpu-llm-lock") is not None
+    assert gcs.storage_client().bucket(bucket).get_blob("runs/tiny/.tpu-llm-lock") is not None
     second.release()
-    assert cloud.storage_client().bucket(bucket).get_blob("runs/tiny/.tpu-llm-lock") is None
+    assert gcs.storage_client().bucket(bucket).get_blob("runs/tiny/.tpu-llm-lock") is None
     run_lock.check_unlocked(url)

@@ -214,23 +214,23 @@ def test_generate_and_the_config_bound_sampling_alike():
     """One definition of the sampling bounds (config.CAPS): what `tpu-llm generate` accepts before TensorFlow
     loads, the config of its samples accepts too, and one past a bound is refused by both, the flag's
     message naming the flag."""
-    from tpu_llm.cli.commands import _check_sampling
+    from tpu_llm.cli.generate_flags import check_sampling
     from tpu_llm.config import CAPS
 
     most = {key: CAPS[f"sample.{key}"][0] for key in ("max_new_tokens", "num_samples", "top_k", "seed")}
-    _check_sampling(most["max_new_tokens"], 0.8, most["top_k"], 1.0, most["seed"], most["num_samples"])
+    check_sampling(most["max_new_tokens"], 0.8, most["top_k"], 1.0, most["seed"], most["num_samples"])
     load_config(None, {f"sample.{key}": value for key, value in most.items()})
     for key in most:
         past = {**most, key: most[key] + 1}
         with pytest.raises(UserError, match=rf"^--{key}={past[key]} must "):
-            _check_sampling(past["max_new_tokens"], 0.8, past["top_k"], 1.0, past["seed"], past["num_samples"])
+            check_sampling(past["max_new_tokens"], 0.8, past["top_k"], 1.0, past["seed"], past["num_samples"])
         with pytest.raises(UserError, match=rf"^config: sample.{key}={past[key]} is more than its cap"):
             load_config(None, {f"sample.{key}": past[key]})
     lowest = -2**63
-    _check_sampling(1, 0.8, 0, 1.0, lowest, 1)
+    check_sampling(1, 0.8, 0, 1.0, lowest, 1)
     load_config(None, {"sample.seed": lowest})
     with pytest.raises(UserError, match=rf"^--seed={lowest - 1} must fit in 64 bits"):
-        _check_sampling(1, 0.8, 0, 1.0, lowest - 1, 1)
+        check_sampling(1, 0.8, 0, 1.0, lowest - 1, 1)
     with pytest.raises(UserError, match=rf"^config: sample.seed={lowest - 1} must be >= -2\*\*63"):
         load_config(None, {"sample.seed": lowest - 1})
 

@@ -11,7 +11,7 @@ from helpers import write_corpus
 
 from tpu_llm.config import DataConfig
 from tpu_llm.data import dataset as data
-from tpu_llm.data import prepare, sources
+from tpu_llm.data import lanes, prepare, reading, sources
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizers import ByteTokenizer, load_tokenizer
 
@@ -161,8 +161,8 @@ def test_few_files_split_by_byte_range(tmp_path):
     assert (train.byte_range, val.byte_range) == ((0.0, 0.8), (0.8, 1.0))
 
     def read(source):
-        [(lo, hi)] = data.file_bounds(source)
-        parts = data.read_documents(source)(tf.constant(str(path)), tf.constant(lo, tf.int64), hi, False)
+        [(lo, hi)] = reading.file_bounds(source)
+        parts = reading.read_documents(source)(tf.constant(str(path)), tf.constant(lo, tf.int64), hi, False)
         return b"".join(part for part, _ in parts.as_numpy_iterator())
 
     raw = text.encode("utf-8")
@@ -370,7 +370,7 @@ def test_the_training_stream_resumes_exactly_from_a_saved_position(tmp_path, fil
     batches = [[next(it) for _ in range(2 * 30)] for it in straight]  # 30 global steps
     stop = 2 * 17  # after 17 steps: the first replica's element of step 17 carries each pipeline's rows
     table = sum(b[stop - 2][2].numpy() for b in batches)  # what the SUM-on-read variable would hold
-    assert table.shape == (fn.rows, len(data.POSITION_FIELDS)) and fn.rows == data.lanes_for(8, files)
+    assert table.shape == (fn.rows, len(lanes.POSITION_FIELDS)) and fn.rows == lanes.lanes_for(8, files)
     assert all(b[stop - 1][2].numpy().sum() == 0 for b in batches)  # the other replica carries zeros
     fn, resumed = pipeline_fns(start=table)
     assert fn.resumed == "position"
@@ -413,7 +413,7 @@ def test_a_position_made_over_other_training_files_starts_the_new_list_over(tmp_
     fn, _ = stream(old, start=table, skip_steps=5)
     assert fn.resumed == "position"  # the same files: resumed exactly (test above)
     moved = sources.Source([str(tmp_path / "elsewhere" / os.path.basename(f)) for f in files[:3]], "text")
-    assert data.files_fingerprint(moved.files) == data.files_fingerprint(old.files)  # the folder moved
+    assert lanes.files_fingerprint(moved.files) == lanes.files_fingerprint(old.files)  # the folder moved
     new = sources.Source(files, "text")
     fn, resumed = stream(new, start=table, skip_steps=5)
     assert fn.resumed == "files"

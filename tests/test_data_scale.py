@@ -13,7 +13,7 @@ import tensorflow as tf
 from helpers import write_corpus
 
 from tpu_llm.data import dataset as data
-from tpu_llm.data import prepare, sources
+from tpu_llm.data import input_checks, prepare, reading, sources
 from tpu_llm.errors import UserError
 from tpu_llm.tokenizers import ByteTokenizer
 
@@ -99,7 +99,7 @@ def test_empty_inputs_give_a_one_line_error_not_a_hang(tmp_path):
     error = iterate_with_timeout(fn).get("error")
     assert isinstance(error, tf.errors.InvalidArgumentError)
     assert "a training input lane read all 2 parts of the data without a token" in error.message
-    line = str(data.input_error(error, "training", sources.Source(hollow, "tfrecord", description="shards"), 257))
+    line = str(input_checks.input_error(error, "training", sources.Source(hollow, "tfrecord", description="shards"), 257))
     assert line == "the training data (shards): a training input lane read all 2 parts of the data without a " \
         "token; the data is empty"  # train's one line (actions.user_errors), not a traceback
 
@@ -109,17 +109,17 @@ def test_empty_inputs_give_a_one_line_error_not_a_hang(tmp_path):
 
 def test_offsets_past_2_gib_are_exact(monkeypatch):
     size = 3 * 2**31 + 12345  # a 6 GB file, by its size only
-    lo, hi = data.byte_bounds(size, (0.9, 1.0))
+    lo, hi = reading.byte_bounds(size, (0.9, 1.0))
     assert (lo, hi) == (int(size * 0.9), size) and lo > 2**32
     # its parts (lanes read them side by side) tile [0, 0.9 * size) exactly, past int32 and int32 * 2
-    monkeypatch.setattr(data, "file_sizes", lambda files: [size])
-    units = data.training_units(sources.Source(["big.txt"], "text", (0.0, 0.9)))
+    monkeypatch.setattr(reading, "file_sizes", lambda files: [size])
+    units = reading.training_units(sources.Source(["big.txt"], "text", (0.0, 0.9)))
     assert units[0][1] == 0 and units[-1][2] == int(size * 0.9) and units[-1][3] == 1
-    assert all(a[2] == b[1] for a, b in zip(units, units[1:])) and len(units) == int(size * 0.9) // data.UNIT_BYTES
+    assert all(a[2] == b[1] for a, b in zip(units, units[1:])) and len(units) == int(size * 0.9) // reading.UNIT_BYTES
     # the line offsets the reader computes in the graph: lines starting in [lo, hi), at offsets > 2^31
     base = 2**31 + 2**32 - 7
     lines = tf.data.Dataset.from_tensor_slices(["aaaa", "bb", "", "cccccc", "d"])  # starts: +0 +5 +8 +9 +16
-    picked = data.lines_in_range(lines, tf.constant(base + 5, tf.int64), tf.constant(base + 16, tf.int64), base)
+    picked = reading.lines_in_range(lines, tf.constant(base + 5, tf.int64), tf.constant(base + 16, tf.int64), base)
     assert [x.decode() for x in picked.as_numpy_iterator()] == ["bb", "", "cccccc"]
 
 
@@ -132,7 +132,7 @@ def doc_shards(tmp_path, shards, docs, length):
 
 
 def test_batches_of_512_over_64_shards_hold_mostly_distinct_documents(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "UNIT_TOKENS", 512, raising=False)  # parts of 8 documents (scaled down with the data)
+    monkeypatch.setattr(reading, "UNIT_TOKENS", 512, raising=False)  # parts of 8 documents (scaled down with the data)
     files = doc_shards(tmp_path, shards=64, docs=64, length=64)  # 262,144 tokens: documents of 16 windows
     fn = data.make_dataset_fn(sources.Source(files, "tfrecord"), ByteTokenizer(), 3, 512, training=True, seed=0,
                               shuffle_buffer=1024)
@@ -158,7 +158,7 @@ def global_batches(fn, pipelines, steps, replicas_per_pipeline=1):
 
 
 def test_resume_on_another_number_of_pipelines_neither_repeats_nor_skips(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "UNIT_TOKENS", 64, raising=False)
+    monkeypatch.setattr(reading, "UNIT_TOKENS", 64, raising=False)
     # 16 shards: enough that the old code split the files by pipeline (and could not resume on 4)
     files = write_token_shards(tmp_path, [[list(range(s * 250, s * 250 + 250))] for s in range(16)])  # unique
     source = sources.Source(files, "tfrecord")

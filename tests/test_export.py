@@ -30,7 +30,8 @@ def exported(tmp_path_factory):
     from tpu_llm import cli
     from tpu_llm.model import GPT
     from tpu_llm.tokenizers import ByteTokenizer
-    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation, open_run_dir
+    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation
+    from tpu_llm.training.run_directory import open_run_dir
     from tpu_llm.training.controller import weights_fingerprint
     from tpu_llm.training.optimizer import make_optimizer
 
@@ -172,7 +173,7 @@ def test_overwrite_never_deletes_what_is_not_an_export(exported, tmp_path, capsy
 def test_run_without_checkpoints_is_one_line(tmp_path, capsys):
     from tpu_llm import cli
     from tpu_llm.tokenizers import ByteTokenizer
-    from tpu_llm.training.checkpoint import open_run_dir
+    from tpu_llm.training.run_directory import open_run_dir
 
     cfg = tiny_config(tmp_path)
     cfg.model.vocab_size = 257

@@ -180,7 +180,8 @@ def test_llama_run_exports_a_savedmodel_whose_logits_and_greedy_ids_match(tmp_pa
     from tpu_llm.interop.export import export
     from tpu_llm.model.sampling import Sampler
     from tpu_llm.tokenizers import ByteTokenizer
-    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation, open_run_dir
+    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation
+    from tpu_llm.training.run_directory import open_run_dir
 
     cfg = tiny_config(tmp_path, **{f"model.{k}": v for k, v in LLAMA.items()}, **{"data.seq_len": 8})
     cfg.model.vocab_size = ByteTokenizer().vocab_size

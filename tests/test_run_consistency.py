@@ -17,10 +17,9 @@ from hypothesis import strategies as st
 from helpers import TINY_FLAGS, trained_run, write_corpus
 from test_trust_boundaries import Refusal, run_copy  # noqa: F401 (a fixture: a copy of this module's `trained`)
 
-from tpu_llm.data import dataset as data
-from tpu_llm.data import sources
+from tpu_llm.data import reading, sources
 from tpu_llm.errors import UserError
-from tpu_llm.training import checkpoint
+from tpu_llm.training import run_directory
 
 CHARS = "abcdefghij"  # a char tokenizer of 12 ids: the 10 characters, end-of-text and unknown
 
@@ -160,15 +159,15 @@ def test_property_a_run_config_and_a_shards_meta_json_are_read_or_one_line(tmp_p
     for name in ("config.yaml", "meta.json"):
         (folder / name).write_bytes(raw)
     try:
-        saved = checkpoint.read_saved_config(str(folder))
+        saved = run_directory.read_saved_config(str(folder))
         assert isinstance(saved, dict) and isinstance(saved.get("model", {}), dict)
     except UserError as e:
         assert "\n" not in str(e) and "config.yaml" in str(e)
     shard = str(folder / "a.tfrecord")
-    assert isinstance(data.read_meta(str(folder)), dict)
-    recorded = data._shard_meta([shard])
+    assert isinstance(reading.read_meta(str(folder)), dict)
+    recorded = reading._shard_meta([shard])
     assert all(isinstance(n, int) and n >= 0 for counts in recorded.values() for n in counts), recorded
     try:
-        data.check_shard_ids([shard], 300)
+        reading.check_shard_ids([shard], 300)
     except UserError as e:
         assert "\n" not in str(e) and "past the model's 300 ids" in str(e)

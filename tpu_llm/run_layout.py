@@ -25,8 +25,8 @@ Standard library only, and a leaf of the package (tests/test_layout.py, layer 0)
 (cloud/storage.py lists a bucket's checkpoints without TensorFlow), `tpu-llm report` and the CLI's checks
 (both before TensorFlow loads), the run lock, the line logs and the Checkpointer all take the names
 from here, so the layout is written down once. Reading and writing the files (tf.io.gfile, for gs://)
-stays with their owners: training/checkpoint.py (the Checkpointer, the run directory's checks),
-training/line_log.py, training/run_lock.py.
+stays with their owners: training/checkpoint.py (the Checkpointer), training/run_directory.py (the run
+directory's checks), training/line_log.py, training/run_lock.py.
 
 A local run directory is a guarded space: `check_no_links` refuses a symbolic link anywhere in it, at
 any depth and whatever its name (not only the names of NAMES: an export's files, a tokenizer file of a

@@ -1,7 +1,8 @@
 """Command line: `tpu-llm <command>` or `python -m tpu_llm <command>`; `tpu-llm --help` lists the commands.
 
-Three parts: the commands (commands.py, one function each), the parser and help (parser.py) and the
-filter that keeps TensorFlow's own log lines off the terminal (quiet.py).
+Three parts: the commands (commands.py, one function each; generate's flag checks in generate_flags.py),
+the parser and help (parser.py) and the filter that keeps TensorFlow's own log lines off the terminal
+(quiet.py).
 
 Arguments are parsed and checked here, in full, before a command runs and before TensorFlow is
 imported: an unknown flag or command is one `error:` line naming the nearest valid one (exit 2).

@@ -7,17 +7,15 @@ have been checked.
 
 from __future__ import annotations
 
-import math
-import os
 import sys
 
-from tpu_llm import __version__, files
-from tpu_llm.cli import pjrt
+from tpu_llm import __version__
+from tpu_llm.cli import generate_flags, pjrt
 from tpu_llm.cli.parser import command, nearest
-# generate's bounds are the config's
-from tpu_llm.config import CAPS, EARLY_STOPPING, INT64, MAX_BEAMS, MAX_NEW_TOKENS, MAX_SAMPLES, SampleConfig
+# generate's bounds are the config's (checked in generate_flags.py)
+from tpu_llm.config import MAX_BEAMS, MAX_NEW_TOKENS, MAX_SAMPLES, SampleConfig
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import CONFIG_FILE, SP_MODEL_FILE
+from tpu_llm.run_layout import SP_MODEL_FILE
 
 
 @command("train", "train a GPT, or resume the run in --run_dir",
@@ -51,9 +49,6 @@ def train(config: str = "", overrides: dict | None = None, dry_run: bool = False
     api.train(cfg, started=command_started(), unstated=unstated)
 
 
-MAX_PROMPT_BYTES = 16 << 20  # far beyond any model's context (128k tokens are ~0.5 MB of text)
-
-
 @command("generate", "sample text from the newest checkpoint of a run",
          "tpu-llm generate --run_dir runs/tiny --prompt 'def ' --max_new_tokens 100 --temperature 0.7",
          details=f"""
@@ -81,13 +76,12 @@ def generate(run_dir: str, prompt: str = "", prompt_file: str = "", max_new_toke
              num_beams: int = SampleConfig.num_beams, length_penalty: float = SampleConfig.length_penalty,
              early_stopping: str = SampleConfig.early_stopping,
              num_return_sequences: int = SampleConfig.num_return_sequences):
-    prompt = _prompt(prompt, prompt_file)  # everything is checked before TensorFlow loads (seconds)
-    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed, num_samples)
+    prompt = generate_flags.read_prompt(prompt, prompt_file)  # all checked before TensorFlow loads (seconds)
+    generate_flags.check_sampling(max_new_tokens, temperature, top_k, top_p, seed, num_samples)
     early_stopping = early_stopping.lower()
-    _check_beams(num_beams, length_penalty, early_stopping, num_return_sequences, temperature, num_samples)
-    if "://" not in run_dir and not os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
-        raise UserError(f"{run_dir!r} is not a run directory (no config.yaml/tokenizer.json); "
-                        "pass the --run_dir of a `tpu-llm train` run")
+    generate_flags.check_beams(num_beams, length_penalty, early_stopping, num_return_sequences, temperature,
+                               num_samples)
+    generate_flags.check_run_dir(run_dir)
     from tpu_llm import api
     from tpu_llm.training.controller import say_now
 
@@ -98,65 +92,6 @@ def generate(run_dir: str, prompt: str = "", prompt_file: str = "", max_new_toke
                 prompt_source="--prompt_file" if prompt_file else "--prompt", num_beams=num_beams,
                 length_penalty=length_penalty, early_stopping=early_stopping,
                 num_return_sequences=num_return_sequences)
-
-
-def _prompt(prompt: str, prompt_file: str) -> str:
-    """The prompt: --prompt, or the text of --prompt_file (UTF-8, a byte-order mark dropped)."""
-    if not prompt_file:
-        return prompt  # (the parser refused one that is not UTF-8)
-    if prompt:
-        raise UserError("give --prompt or --prompt_file, not both")
-    try:  # a regular file only, at most MAX_PROMPT_BYTES read (/dev/zero or a FIFO is refused, not read)
-        data = files.read_regular(prompt_file, MAX_PROMPT_BYTES, "--prompt_file",
-                                  "far longer than any model's context; give the end of the text",
-                                  follow_links=True)
-    except FileNotFoundError as e:
-        raise UserError(f"--prompt_file {prompt_file} cannot be read ({e.strerror or e}); give a UTF-8 text file "
-                        "on this machine") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"--prompt_file {prompt_file} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
-                        f"{e.start}); convert it to UTF-8 first (e.g. iconv -f latin1 -t utf-8)") from None
-    return text.removeprefix("\ufeff")
-
-
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-                    num_samples: int) -> None:
-    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-        raise UserError(f"--max_new_tokens={max_new_tokens} must be between 1 and {MAX_NEW_TOKENS:,}: each token is "
-                        "one step of the model (a million already take hours)")
-    if not 1 <= num_samples <= MAX_SAMPLES:
-        raise UserError(f"--num_samples={num_samples} must be between 1 and {MAX_SAMPLES:,}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise UserError(f"--temperature={temperature} must be a finite number >= 0 (0 = greedy; 0.7-1.0 is usual)")
-    if not 0 < top_p <= 1:  # (nan fails too)
-        raise UserError(f"--top_p={top_p} must be in (0, 1] (1.0 = off)")
-    if not 0 <= top_k <= CAPS["sample.top_k"][0]:
-        raise UserError(f"--top_k={top_k} must be >= 0 (0 = off) and at most {CAPS['sample.top_k'][0]:,}")
-    if not -INT64 <= seed <= CAPS["sample.seed"][0]:  # sample i draws with seed + i, a 64-bit integer
-        raise UserError(f"--seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1 - {MAX_SAMPLES:,}): sample i draws "
-                        "with seed + i")
-
-
-def _check_beams(num_beams: int, length_penalty: float, early_stopping: str, num_return_sequences: int,
-                 temperature: float, num_samples: int) -> None:
-    if not 1 <= num_beams <= MAX_BEAMS:
-        raise UserError(f"--num_beams={num_beams} must be between 1 (off: sample) and {MAX_BEAMS}: each beam is a row "
-                        "of the KV cache")
-    if not math.isfinite(length_penalty):
-        raise UserError(f"--length_penalty={length_penalty} must be a finite number (1.0 = the mean log-probability)")
-    if early_stopping not in EARLY_STOPPING:
-        raise UserError(f"--early_stopping={early_stopping!r}; valid choices: {', '.join(EARLY_STOPPING)}")
-    if not 1 <= num_return_sequences <= num_beams:
-        raise UserError(f"--num_return_sequences={num_return_sequences} must be between 1 and --num_beams="
-                        f"{num_beams}: the best of the beams are printed")
-    if num_beams > 1 and temperature != 0:
-        raise UserError(f"--num_beams={num_beams} searches greedily: add --temperature 0 (not {temperature}; beam "
-                        "sampling is not supported)")
-    if num_beams > 1 and num_samples > 1:
-        raise UserError(f"--num_samples={num_samples} with --num_beams={num_beams}: beam search is deterministic, "
-                        "every sample would be the same; use --num_return_sequences for several beams")
 
 
 @command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights, or in the HF layout",

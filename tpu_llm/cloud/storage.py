@@ -1,10 +1,12 @@
 """Google Cloud Storage helpers for runs on Cloud TPU (google-cloud-storage; no TensorFlow import).
 
-The trainer itself reads and writes `gs://` through `tf.io.gfile`. This module covers what happens
-around a run, where a clear answer matters more than raw speed:
+The trainer itself reads and writes `gs://` through `tf.io.gfile`. These helpers cover what happens
+around a run, where a clear answer matters more than raw speed; this module holds the transfers, the
+listings and the command line, gcs.py the client, its errors and the bucket check, preflight.py the
+data checks before a TPU run:
 
-  check_bucket_writable(url)   the bucket exists and this identity can write to it (a probe object
-                               is written and deleted), before a long run starts
+  check_bucket_writable(url)   (gcs.py) the bucket exists and this identity can write to it (a probe
+                               object is written and deleted), before a long run starts
   upload_dir(local, url)       upload shards: files over 8 MiB as resumable uploads in CHUNK_SIZE
                                chunks (smaller ones in one request), retried with backoff;
                                files already uploaded with the same MD5 are skipped, so an
@@ -12,7 +14,7 @@ around a run, where a clear answer matters more than raw speed:
   download_dir(url, local)     the reverse (e.g. a checkpoint directory), same skipping and retries
   list_runs(runs_url)          run directories under gs://BUCKET/runs with their newest checkpoint
   list_checkpoints(run_url)    checkpoint steps of one run
-  preflight(run_dir, data)     what `make train` runs on TPU worker 0 before training
+  preflight(run_dir, data)     (preflight.py) what `make train` runs on TPU worker 0 before training
 
 Every failure a user can fix is a `tpu_llm.errors.UserError` whose one-line message names the
 culprit and the fix. `python -m tpu_llm.cloud --help` exposes the same functions on the command
@@ -27,115 +29,15 @@ import base64
 import dataclasses
 import hashlib
 import os
-import re
-import struct
 import sys
-import uuid
 from typing import Callable, Iterator
 
+from tpu_llm.cloud.gcs import CloudErrors, check_bucket_writable, parse_gs_url, retry, storage_client
+from tpu_llm.cloud.preflight import preflight
 from tpu_llm.errors import EXIT_USER_ERROR, UserError
 from tpu_llm.run_layout import CHECKPOINT_DIR, checkpoint_step
 
 CHUNK_SIZE = 16 * 1024 * 1024  # resumable-upload chunk (a multiple of 256 KiB); larger files go in chunks
-TFRECORD_HEADER = 12  # uint64 length + uint32 masked CRC32C of the length
-
-
-def parse_gs_url(url: str) -> tuple[str, str]:
-    """'gs://bucket/a/b' -> ('bucket', 'a/b'); UserError for anything else."""
-    match = re.fullmatch(r"gs://([a-z0-9][a-z0-9._-]{1,220}[a-z0-9])(?:/(.*))?", url or "")
-    if not match:
-        raise UserError(f"{url!r} is not a gs://BUCKET/PATH URL; give a Cloud Storage location such as "
-                        "gs://my-bucket/runs/tiny")
-    return match.group(1), (match.group(2) or "").strip("/")
-
-
-def storage_client(project: str | None = None):
-    """A google-cloud-storage client: the emulator's (anonymous) if STORAGE_EMULATOR_HOST is set, else ADC."""
-    from google.cloud import storage
-
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        from google.auth.credentials import AnonymousCredentials
-
-        return storage.Client(project=project or "emulator", credentials=AnonymousCredentials())
-    try:
-        return storage.Client(project=project)
-    except Exception as e:  # google.auth.exceptions.DefaultCredentialsError and friends
-        raise _user_error("connecting to Cloud Storage", e) from None
-
-
-def _retry():
-    from google.cloud.storage.retry import DEFAULT_RETRY
-
-    return DEFAULT_RETRY  # exponential backoff on 408/429/5xx and connection errors, 120 s deadline
-
-
-def _user_error(what: str, e: Exception, url: str = "") -> UserError:
-    """Translate a google-cloud / google-auth / network exception into a one-line UserError."""
-    from google.api_core import exceptions as gexc
-
-    name = type(e).__name__
-    bucket = f"gs://{parse_gs_url(url)[0]}" if url.startswith("gs://") else "the bucket"
-    if name in ("DefaultCredentialsError", "RefreshError"):
-        return UserError(f"{what}: no usable Google Cloud credentials ({name}); run `gcloud auth "
-                         "application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS")
-    if isinstance(e, gexc.NotFound):
-        return UserError(f"{what}: bucket {bucket} does not exist; run `make tpu-up` (it creates the "
-                         "bucket) or fix the URL")
-    if isinstance(e, (gexc.Forbidden, gexc.Unauthorized)):
-        return UserError(f"{what}: permission denied on {bucket} ({_first_line(e)}); grant this identity "
-                         "roles/storage.objectUser on the bucket (infra/iam.tf does it for the TPU workers)")
-    if isinstance(e, gexc.GoogleAPIError):
-        return UserError(f"{what}: Cloud Storage said {_first_line(e)}; retry, or check the bucket in the console")
-    if isinstance(e, (ConnectionError, OSError)) or "Connection" in name:
-        return UserError(f"{what}: cannot reach Cloud Storage ({name}: {_first_line(e)}); check the network "
-                         "and retry")
-    return UserError(f"{what}: {name}: {_first_line(e)}")
-
-
-def _first_line(e: Exception) -> str:
-    text = getattr(e, "message", None) or str(e) or type(e).__name__
-    return text.strip().splitlines()[0][:200]
-
-
-class _Errors:
-    """`with _Errors("uploading x", url):` turns library exceptions into UserError."""
-
-    def __init__(self, what: str, url: str = ""):
-        self.what, self.url = what, url
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if e is None or isinstance(e, (UserError, KeyboardInterrupt)):
-            return False
-        if isinstance(e, Exception) and _is_cloud_error(e):
-            raise _user_error(self.what, e, self.url) from None
-        return False
-
-
-def _is_cloud_error(e: Exception) -> bool:
-    module = type(e).__module__
-    return (module.startswith(("google.", "requests", "urllib3")) or isinstance(e, (ConnectionError, TimeoutError)))
-
-
-# --------------------------------------------------------------------------------------------------
-# Buckets
-
-
-def check_bucket_writable(url: str, client=None) -> str:
-    """Fail with a UserError unless `url`'s bucket exists and a probe object can be written under it."""
-    bucket_name, prefix = parse_gs_url(url)
-    client = client or storage_client()
-    with _Errors(f"checking {url}", url):
-        bucket = client.lookup_bucket(bucket_name, retry=_retry())
-        if bucket is None:
-            raise UserError(f"bucket gs://{bucket_name} does not exist (checking {url}); run `make tpu-up` "
-                            "(it creates the bucket) or fix the URL")
-        probe = bucket.blob(f"{prefix}/.write-test-{uuid.uuid4().hex[:8]}".lstrip("/"))
-        probe.upload_from_string(b"ok", retry=_retry())
-        probe.delete(retry=_retry())
-    return bucket_name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,7 +65,7 @@ def _local_files(local_dir: str) -> dict[str, str]:
 def _remote_blobs(client, bucket_name: str, prefix: str) -> dict[str, object]:
     """Relative name -> blob of every object under gs://bucket/prefix/."""
     start = f"{prefix}/" if prefix else ""
-    return {b.name[len(start):]: b for b in client.list_blobs(bucket_name, prefix=start, retry=_retry())
+    return {b.name[len(start):]: b for b in client.list_blobs(bucket_name, prefix=start, retry=retry())
             if not b.name.endswith("/")}
 
 
@@ -203,7 +105,7 @@ def upload_file(client, bucket_name: str, name: str, path: str, generation: int 
     generation N), which also makes retrying it safe.
     """
     blob = client.bucket(bucket_name).blob(name, chunk_size=chunk_size)
-    blob.upload_from_filename(path, if_generation_match=generation, retry=_retry())
+    blob.upload_from_filename(path, if_generation_match=generation, retry=retry())
 
 
 def upload_dir(local_dir: str, url: str, overwrite: bool = False, client=None,
@@ -230,7 +132,7 @@ def upload_dir(local_dir: str, url: str, overwrite: bool = False, client=None,
     if not files:
         raise UserError(f"upload: {local_dir} holds no files; nothing to upload")
     report = TransferReport()
-    with _Errors(f"uploading {local_dir} to {url}", url):
+    with CloudErrors(f"uploading {local_dir} to {url}", url):
         remote = _remote_blobs(client, bucket_name, prefix)
         changed = [rel for rel, path in files.items() if rel in remote and remote[rel].md5_hash != _md5_b64(path)]
         extra = sorted(rel for rel in set(remote) - set(files) if _same_kind(rel, files))
@@ -258,7 +160,7 @@ def upload_dir(local_dir: str, url: str, overwrite: bool = False, client=None,
             if progress:
                 progress(f"uploaded {rel} ({os.path.getsize(path):,} bytes)")
         for rel in extra:
-            remote[rel].delete(retry=_retry())
+            remote[rel].delete(retry=retry())
             report.deleted.append(rel)
     return report
 
@@ -273,8 +175,8 @@ def download_dir(url: str, local_dir: str, client=None,
     bucket_name, prefix = parse_gs_url(url)
     client = client or storage_client()
     report = TransferReport()
-    with _Errors(f"downloading {url}", url):
-        if client.lookup_bucket(bucket_name, retry=_retry()) is None:
+    with CloudErrors(f"downloading {url}", url):
+        if client.lookup_bucket(bucket_name, retry=retry()) is None:
             raise UserError(f"bucket gs://{bucket_name} does not exist (downloading {url}); fix the URL")
         remote = _remote_blobs(client, bucket_name, prefix)
         if not remote:
@@ -287,7 +189,7 @@ def download_dir(url: str, local_dir: str, client=None,
                 continue
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.part"
-            blob.download_to_filename(tmp, retry=_retry())
+            blob.download_to_filename(tmp, retry=retry())
             os.replace(tmp, path)
             report.transferred.append(rel)
             report.bytes += os.path.getsize(path)
@@ -316,8 +218,8 @@ def list_runs(runs_url: str, client=None) -> list[RunInfo]:
     bucket_name, prefix = parse_gs_url(runs_url)
     client = client or storage_client()
     runs: dict[str, list[int]] = {}
-    with _Errors(f"listing runs in {runs_url}", runs_url):
-        if client.lookup_bucket(bucket_name, retry=_retry()) is None:
+    with CloudErrors(f"listing runs in {runs_url}", runs_url):
+        if client.lookup_bucket(bucket_name, retry=retry()) is None:
             raise UserError(f"bucket gs://{bucket_name} does not exist (listing {runs_url}); run `make tpu-up` "
                             "or fix the URL")
         for rel, _ in _remote_blobs(client, bucket_name, prefix).items():
@@ -336,7 +238,7 @@ def list_checkpoints(run_url: str, client=None) -> list[int]:
     """Steps of the checkpoints in `run_url`/checkpoints, oldest first ([] when there are none)."""
     bucket_name, prefix = parse_gs_url(run_url)
     client = client or storage_client()
-    with _Errors(f"listing checkpoints in {run_url}", run_url):
+    with CloudErrors(f"listing checkpoints in {run_url}", run_url):
         names = _remote_blobs(client, bucket_name, f"{prefix}/{CHECKPOINT_DIR}".lstrip("/"))
     return sorted(step for rel in names if (step := _index_step(f"{CHECKPOINT_DIR}/{rel}")) is not None)
 
@@ -345,121 +247,6 @@ def _index_step(rel: str) -> int | None:
     """N of a checkpoint's index file `.../checkpoints/ckpt-N.index` (`rel`: an object's name below a run)."""
     folder, _, name = rel.rpartition("/")
     return checkpoint_step(name, ".index") if folder.rpartition("/")[2] == CHECKPOINT_DIR else None
-
-
-# --------------------------------------------------------------------------------------------------
-# Data checks for TPU runs
-
-
-def _masked_crc32c(data: bytes) -> int:
-    import google_crc32c  # ships with google-cloud-storage (google-resumable-media)
-
-    crc = google_crc32c.value(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def looks_like_tfrecord(head: bytes) -> bool:
-    """True if `head` starts like a TFRecord file: a length whose masked CRC32C follows it."""
-    if len(head) < TFRECORD_HEADER:
-        return False
-    (length,), (crc,) = struct.unpack("<Q", head[:8]), struct.unpack("<I", head[8:12])
-    return _masked_crc32c(head[:8]) == crc and 0 < length < (1 << 40)
-
-
-def _glob_regex(path: str) -> re.Pattern:
-    """A glob as Cloud Storage tools read it: `*` and `?` stay within one path segment, `**` crosses them."""
-    out, i = [], 0
-    while i < len(path):
-        if path.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        c = path[i]
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[" and "]" in path[i + 2:]:
-            end = path.index("]", i + 2)
-            out.append("[" + path[i + 1:end].replace("!", "^", 1) + "]")
-            i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile("".join(out))
-
-
-def glob_objects(pattern: str, client=None) -> list[str]:
-    """gs:// URLs of the objects matching a glob such as gs://bucket/shards/*.tfrecord (sorted)."""
-    bucket_name, path = parse_gs_url(pattern)
-    client = client or storage_client()
-    literal = re.split(r"[*?\[]", path, maxsplit=1)[0]
-    regex = _glob_regex(path)
-    with _Errors(f"listing {pattern}", pattern):
-        if client.lookup_bucket(bucket_name, retry=_retry()) is None:
-            raise UserError(f"bucket gs://{bucket_name} does not exist (listing {pattern}); run `make tpu-up` "
-                            "or fix the URL")
-        names = [b.name for b in client.list_blobs(bucket_name, prefix=literal, retry=_retry())]
-    return sorted(f"gs://{bucket_name}/{n}" for n in names if regex.fullmatch(n))
-
-
-def _read_head(url: str, client, size: int = TFRECORD_HEADER) -> bytes:
-    bucket_name, name = parse_gs_url(url)
-    with _Errors(f"reading {url}", url):
-        return client.bucket(bucket_name).blob(name).download_as_bytes(start=0, end=size - 1, retry=_retry())
-
-
-def check_tfrecord_data(data: str, client=None, hint: str = "") -> list[str]:
-    """Every comma-separated gs:// glob in `data` matches objects that are TFRecord files; their URLs.
-
-    Pod slices need this: their input pipeline runs in the TF servers of every host, which lack
-    tensorflow-text's ops, so they read pre-tokenized shards and never raw text.
-    """
-    client = client or storage_client()
-    files: list[str] = []
-    for pattern in (p.strip() for p in data.split(",") if p.strip()):
-        if not pattern.startswith("gs://"):
-            raise UserError(f"data {pattern!r} is not on Cloud Storage; TPU pod slices read gs:// shards "
-                            f"(make data-upload){hint}")
-        matched = glob_objects(pattern, client)
-        if not matched:
-            raise UserError(f"data: no objects match {pattern}; upload shards with `make data-upload` or fix "
-                            f"DATA{hint}")
-        files += matched
-    for url in files[:3]:  # the names and the first records of a few files
-        head = _read_head(url, client)
-        if ".tfrecord" not in url.rsplit("/", 1)[-1] or not looks_like_tfrecord(head):
-            kind = "text" if _is_text(head) else "not a TFRecord file"
-            raise UserError(f"data: {url} is {kind}; TPU pod slices read pre-tokenized TFRecord shards "
-                            f"(tensorflow-text's ops are not in the pod's TF servers): run `make data-upload "
-                            f"INPUT=...` and train on the *.tfrecord shards it writes{hint}")
-    return files
-
-
-def _is_text(head: bytes) -> bool:
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return b"\0" not in head
-
-
-def preflight(run_dir: str, data: str = "", require_tfrecord: bool = False, client=None) -> str:
-    """Before a TPU run: the run directory's bucket is writable and gs:// data exists (and is TFRecord)."""
-    client = client or storage_client()
-    bucket = check_bucket_writable(run_dir, client)
-    summary = f"preflight: gs://{bucket} is writable"
-    if require_tfrecord:
-        files = check_tfrecord_data(data, client)
-        summary += f"; data: {len(files)} TFRecord shard(s)"
-    elif data:
-        gs = [p.strip() for p in data.split(",") if p.strip().startswith("gs://")]
-        for pattern in gs:
-            if not glob_objects(pattern, client):
-                raise UserError(f"data: no objects match {pattern}; upload with `make data-upload` or fix DATA")
-        if gs:
-            summary += f"; data: {len(gs)} gs:// pattern(s) found"
-    return summary
 
 
 # --------------------------------------------------------------------------------------------------

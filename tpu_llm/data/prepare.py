@@ -1,7 +1,7 @@
 """`tpu-llm data prepare`: text tokenized into TFRecord shards balanced by tokens, and their `meta.json`.
 
-Training reads the shards back with the input pipeline of tpu_llm/data/dataset.py (`read_documents`; the sizes,
-records and tokens that meta.json records are what `check_shard_sizes` and `training_units` use).
+Training reads the shards back with the input pipeline's reader, tpu_llm/data/reading.py (`read_documents`; the
+sizes, records and tokens that meta.json records are what `check_shard_sizes` and `training_units` use).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm.data.dataset import AUTOTUNE, file_bounds, read_documents
+from tpu_llm.data.reading import AUTOTUNE, file_bounds, read_documents
 from tpu_llm.data.sources import TFRECORD_FEATURE, Source
 from tpu_llm.errors import UserError
 from tpu_llm.files import write_atomically

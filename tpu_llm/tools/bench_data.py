@@ -30,7 +30,7 @@ def data_pipeline(accelerator: str = "v5p-16", config: str = "configs/gpt2_125m.
     with the same and with twice the pipelines; peak RSS streaming a `text_gb` GB text file through the
     reader and tokenizer in a fresh process; distinct documents per batch of 512."""
     from tpu_llm.data import dataset as data
-    from tpu_llm.data import sources
+    from tpu_llm.data import reading, sources
     from tpu_llm.tools import plan
 
     cfg = load_config(config_path(config))
@@ -44,49 +44,57 @@ def data_pipeline(accelerator: str = "v5p-16", config: str = "configs/gpt2_125m.
         # 32 shards of 512k tokens in documents of 1-8k tokens; parts of 64k tokens (scaled down with the
         # data, so that the lanes are those of a real corpus: 256 of them for batch 256)
         files = _synthetic_shards(os.path.join(work, "shards"), shards=32, tokens=1 << 19, vocab=50_000)
-        data.UNIT_TOKENS = 1 << 16
+        reading.UNIT_TOKENS = 1 << 16
         source = sources.Source(files, "tfrecord")
 
         def make(start=None):
             return data.make_dataset_fn(source, _NoTokenizer(), seq, batch, training=True, seed=0,
                                         shuffle_buffer=cfg.data.shuffle_buffer, with_position=True, start=start)
 
-        replicas = p.acc.chips  # one per chip, data parallel
-        context = tf_context(hosts, 0, replicas)
-        began = time.perf_counter()
-        fn = make()
-        it = iter(fn(context))
-        table = next(it)[2]
-        fresh = time.perf_counter() - began  # to the first batch: open the files, fill the lanes' chunks
-        for _ in range(replicas // hosts * 2 - 1):  # warm up
-            table = next(it)[2]
-        began = time.perf_counter()
-        elements = replicas // hosts * steps
-        for _ in range(elements):
-            next(it)
-        seconds = time.perf_counter() - began
-        windows_per_s = steps * batch / hosts / seconds
-        tokens_per_s = windows_per_s * seq
-        lanes = fn.rows
-        table = _table_at_step(table.numpy(), 100_000, batch // lanes)
-        resume = {}
-        for name, pipelines in (("same", hosts), ("changed", 2 * hosts)):
-            began = time.perf_counter()
-            resumed = make(start=table)
-            next(iter(resumed(tf_context(pipelines, 0, replicas))))
-            resume[name] = (time.perf_counter() - began, resumed.resumed)
+        speed = _throughput_and_resume(make, hosts, p.acc.chips, steps, batch, seq)
         distinct = _diversity(work)
         rss = _streaming_rss(work, text_gb) if text_gb > 0 else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    rows = _data_rows(hosts, demand, windows_per_s, tokens_per_s, fresh, resume, distinct, rss, text_gb)
-    print(f"\ndata pipeline: {cfg.train.batch_size} x {seq} tokens per step, {lanes} lanes; demand of one of "
-          f"{hosts} hosts on {p.acc.name} training {os.path.basename(config)} (tpu-llm plan, MFU "
+    rows = _data_rows(hosts, demand, speed["windows_per_s"], speed["tokens_per_s"], speed["fresh"], speed["resume"],
+                      distinct, rss, text_gb)
+    print(f"\ndata pipeline: {cfg.train.batch_size} x {seq} tokens per step, {speed['lanes']} lanes; demand of one "
+          f"of {hosts} hosts on {p.acc.name} training {os.path.basename(config)} (tpu-llm plan, MFU "
           f"{100 * p.mfu:.0f}%): {demand:,.0f} tokens/s")
     print_targets(rows, (46, 16, 22))
-    return {"windows_per_s": windows_per_s, "tokens_per_s": tokens_per_s, "demand": demand, "fresh": fresh,
-            "resume": resume, "distinct": distinct, "rss": rss}
+    return {"windows_per_s": speed["windows_per_s"], "tokens_per_s": speed["tokens_per_s"], "demand": demand,
+            "fresh": speed["fresh"], "resume": speed["resume"], "distinct": distinct, "rss": rss}
+
+
+def _throughput_and_resume(make, hosts: int, replicas: int, steps: int, batch: int, seq: int) -> dict:
+    """One host's pipeline (`make(start)` builds it) with `replicas` data-parallel replicas, one per chip:
+    the time to its first batch, windows/s and tokens/s over `steps` steps after a warm-up, its lanes, and
+    the time to the first batch resumed at step 100,000 on `hosts` and on twice the pipelines."""
+    context = tf_context(hosts, 0, replicas)
+    began = time.perf_counter()
+    fn = make()
+    it = iter(fn(context))
+    table = next(it)[2]
+    fresh = time.perf_counter() - began  # to the first batch: open the files, fill the lanes' chunks
+    for _ in range(replicas // hosts * 2 - 1):  # warm up
+        table = next(it)[2]
+    began = time.perf_counter()
+    elements = replicas // hosts * steps
+    for _ in range(elements):
+        next(it)
+    seconds = time.perf_counter() - began
+    windows_per_s = steps * batch / hosts / seconds
+    lanes = fn.rows
+    table = _table_at_step(table.numpy(), 100_000, batch // lanes)
+    resume = {}
+    for name, pipelines in (("same", hosts), ("changed", 2 * hosts)):
+        began = time.perf_counter()
+        resumed = make(start=table)
+        next(iter(resumed(tf_context(pipelines, 0, replicas))))
+        resume[name] = (time.perf_counter() - began, resumed.resumed)
+    return {"windows_per_s": windows_per_s, "tokens_per_s": windows_per_s * seq, "fresh": fresh, "lanes": lanes,
+            "resume": resume}
 
 
 def _data_rows(hosts: int, demand: float, windows_per_s: float, tokens_per_s: float, fresh: float, resume: dict,
@@ -154,13 +162,13 @@ def _synthetic_shards(directory: str, shards: int, tokens: int, vocab: int, doc_
 def _table_at_step(table, step: int, per_lane: int):
     """A position table as a run would save it after `step` steps: every lane `step * per_lane` windows
     in (its chunk number and windows taken of it), deep in a later epoch (slot), in the middle of a part."""
-    from tpu_llm.data import dataset as data
+    from tpu_llm.data import lanes as stream
 
     table = table.copy()
     lanes, size = int(table[0, 0]), int(table[0, 1])
     for lane in range(lanes):
         consumed = step * per_lane
-        table[lane, data.FIXED:] = (consumed // size, consumed % size, lane + lanes * 40, 3, 500)
+        table[lane, stream.FIXED:] = (consumed // size, consumed % size, lane + lanes * 40, 3, 500)
     return table
 
 
@@ -168,23 +176,23 @@ def _diversity(work: str) -> list[int]:
     """Distinct documents among each of 4 batches of 512 windows over 64 shards (every document of
     16 windows: contiguous text cannot fill a batch)."""
     from tpu_llm.data import dataset as data
-    from tpu_llm.data import sources
+    from tpu_llm.data import reading, sources
 
     length, window = 256, 16
     files = _synthetic_shards(os.path.join(work, "diversity"), shards=64, tokens=64 * length, vocab=1 << 30,
                               doc_tokens=(length, length + 1))
-    saved, data.UNIT_TOKENS = data.UNIT_TOKENS, 8 * length
+    saved, reading.UNIT_TOKENS = reading.UNIT_TOKENS, 8 * length
     try:
         fn = data.make_dataset_fn(sources.Source(files, "tfrecord"), _NoTokenizer(), window - 1, 512, training=True,
                                   seed=0, shuffle_buffer=1024)
         return [len(set(x[:, 0].tolist())) for x, _ in fn().take(4).as_numpy_iterator()]
     finally:
-        data.UNIT_TOKENS = saved
+        reading.UNIT_TOKENS = saved
 
 
 def _streaming_rss(work: str, gigabytes: float) -> tuple[int, float]:
     """(peak RSS in bytes, tokens/s) of a fresh process reading a `gigabytes` GB single-line-per-100-bytes
-    text file through the training reader and the byte tokenizer (`data.text_pieces`, `encode_tf`)."""
+    text file through the training reader and the byte tokenizer (`reading.text_pieces`, `encode_tf`)."""
     path = os.path.join(work, "big.txt")
     line = (b"the quick brown fox jumps over the lazy dog " * 3)[:99] + b"\n"
     block = line * (1 << 14)
@@ -194,11 +202,11 @@ def _streaming_rss(work: str, gigabytes: float) -> tuple[int, float]:
     script = (
         "import resource, sys, time\n"
         "import tensorflow as tf\n"
-        "from tpu_llm.data import dataset as data\n"
+        "from tpu_llm.data import reading\n"
         "from tpu_llm.tokenizers import ByteTokenizer\n"
         "tok, n, t = ByteTokenizer(), 0, time.perf_counter()\n"
-        "pieces = data.text_pieces(sys.argv[1]).map(lambda p: tf.size(tok.encode_tf(p[None]).flat_values),\n"
-        "                                           num_parallel_calls=4)\n"
+        "pieces = reading.text_pieces(sys.argv[1]).map(lambda p: tf.size(tok.encode_tf(p[None]).flat_values),\n"
+        "                                              num_parallel_calls=4)\n"
         "for k in pieces.prefetch(4).as_numpy_iterator():\n"
         "    n += int(k)\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, n / (time.perf_counter() - t))\n")

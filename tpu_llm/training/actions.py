@@ -21,8 +21,7 @@ import time
 import tensorflow as tf
 
 from tpu_llm import perf
-from tpu_llm.data import dataset as data
-from tpu_llm.data import sources
+from tpu_llm.data import input_checks, sources
 from tpu_llm.errors import UserError
 from tpu_llm.training import goodput
 from tpu_llm.training import progress as phases
@@ -39,7 +38,7 @@ from tpu_llm.training.samples import local_copy, print_samples
 def user_errors(run: Run, step: int, split: str):
     """A host call of training steps (`split` "training") or of validation batches ("validation") whose
     data ran out, whose memory did not suffice, whose shard is damaged or whose batch failed one of the input
-    pipeline's own checks (a token id past the vocabulary: data.bounded_ids): one line, nothing saved."""
+    pipeline's own checks (a token id past the vocabulary: input_checks.bounded_ids): one line, nothing saved."""
     source = run.sources[0 if split == "training" else 1]
     try:
         yield
@@ -52,7 +51,7 @@ def user_errors(run: Run, step: int, split: str):
     except tf.errors.DataLossError as e:  # a damaged shard: one line naming it (nothing saved)
         raise sources.corrupt_record(e, source, split, True, run.checkpointer.latest) from None
     except tf.errors.InvalidArgumentError as e:
-        line = data.input_error(e, split, source, run.cfg.model.vocab_size)
+        line = input_checks.input_error(e, split, source, run.cfg.model.vocab_size)
         if line is None:
             raise
         raise line from None

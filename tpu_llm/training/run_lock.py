@@ -34,7 +34,7 @@ import threading
 import time
 
 from tpu_llm import files
-from tpu_llm.cloud import storage as cloud
+from tpu_llm.cloud import gcs
 from tpu_llm.errors import UserError
 from tpu_llm.run_layout import LOCK_FILE
 
@@ -151,7 +151,7 @@ class GcsLock:
 
     def __init__(self, url: str, lease_seconds: float = LEASE_SECONDS, client=None):
         self.url = url.rstrip("/")
-        self.bucket_name, prefix = cloud.parse_gs_url(self.url)
+        self.bucket_name, prefix = gcs.parse_gs_url(self.url)
         self.name = f"{prefix}/{LOCK_FILE}".lstrip("/")
         self.lease = float(lease_seconds)
         self.client = client
@@ -164,11 +164,11 @@ class GcsLock:
         self._thread: threading.Thread | None = None
 
     def _bucket(self):
-        self.client = self.client or cloud.storage_client()
+        self.client = self.client or gcs.storage_client()
         return self.client.bucket(self.bucket_name)
 
     def _errors(self, what: str):
-        return cloud._Errors(f"{what} the lock {self.url}/{LOCK_FILE}", self.url)
+        return gcs.CloudErrors(f"{what} the lock {self.url}/{LOCK_FILE}", self.url)
 
     def acquire(self) -> None:
         from google.api_core.exceptions import PreconditionFailed

@@ -140,18 +140,7 @@ def _run(run_dir: str, tpu: str, strategy: str, cpu_devices: int, stages: int, t
     started = time.perf_counter()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     work = os.path.join(run_dir, stamp)  # a fresh directory per doctor run: nothing is resumed or overwritten
-
-    probe = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, 1, 1, steps)
-    found = distribute.look_around(probe)
-    try:
-        remote = bool(found.tpu) and tpus.is_remote(tpu)
-    except UserError:  # tpu=local without chips: the devices line says so
-        remote = False
-    # a remote TPU (a pod from worker 0, tpu=<name>) reads its data from shared storage, never local files
-    train = stage_data(os.path.join(work, "data")) if remote and tpus.shared_storage(run_dir) else ""
-    # a TPU VM compiles here: XLA dumps what it compiles (the hlo lines), asked before the first TPU contact
-    if dump is None:
-        dump = xla_flags.ask_dump(tempfile.mkdtemp(prefix=xla_flags.PREFIX)) if found.tpu and not remote else ""
+    found, remote, train, dump = _look_around(work, run_dir, tpu, strategy, cpu_devices, steps, dump)
     # data parallel first: one replica per TPU core, GPU or logical CPU, no stages, no tensor groups
     cfg = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, 1, 1, steps, train=train)
     checks: list[Check] = []
@@ -169,50 +158,85 @@ def _run(run_dir: str, tpu: str, strategy: str, cpu_devices: int, stages: int, t
     checks.append(check_devices(found, name, reason, dist))
     devices = device_count(dist)
     stages, tensor = layout(devices, stages, tensor)
-    layers = max(2, stages)  # both runs train the same model: one block per stage of the model-parallel run
-    cfg.model.n_layer = layers
+    cfg.model.n_layer = max(2, stages)  # both runs train the same model: one block per stage of the model-parallel run
     # the same global batch in both runs, split evenly into either's replicas and micro-batches, so the
     # two runs see the same windows (one input pipeline per host, cut into per-replica batches)
-    batch = devices * cfg.parallel.microbatches * 4
-    cfg.train.batch_size = batch
+    cfg.train.batch_size = devices * cfg.parallel.microbatches * 4
+    make_cfg = _config_maker(work, tpu, strategy, cpu_devices, steps, train, cfg)
+    try:
+        f32, step_seconds, f32_loss = _timed_float32_run(cfg, dist, steps)
+    except Exception as e:  # noqa: BLE001 - what broke on this machine is the doctor's finding
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        checks.append(Check("run", "FAIL", f"the tiny data-parallel run stopped: {type(e).__name__}: {first_line}"))
+        return _finish(checks, run_dir, started, say)
+    checks += _data_parallel_checks(f32, make_cfg, cfg, dist, steps, step_seconds, f32_loss)
+    # the least proven path last, on its own line
+    checks.append(check_model_parallel(make_cfg, found, dist, stages, tensor, steps, f32_loss))
+    if dist.name == "tpu":  # XLA's TPU compiler is what they read
+        checks += _hlo_lines(make_cfg, found, stages, tensor, "" if remote else dump, devices)
+    return _finish(checks, run_dir, started, say)
+
+
+def _look_around(work: str, run_dir: str, tpu: str, strategy: str, cpu_devices: int, steps: int,
+                 dump: str | None) -> tuple:
+    """(what was found, whether the TPU is remote, data.train for the runs, where XLA dumps): a remote
+    TPU's runs read the corpus staged on shared storage; a TPU VM asks XLA for its dump here, before the
+    first TPU contact, unless the CLI did (`dump`)."""
+    probe = tiny_config(os.path.join(work, "float32"), tpu, strategy, cpu_devices, 1, 1, steps)
+    found = distribute.look_around(probe)
+    try:
+        remote = bool(found.tpu) and tpus.is_remote(tpu)
+    except UserError:  # tpu=local without chips: the devices line says so
+        remote = False
+    # a remote TPU (a pod from worker 0, tpu=<name>) reads its data from shared storage, never local files
+    train = stage_data(os.path.join(work, "data")) if remote and tpus.shared_storage(run_dir) else ""
+    # a TPU VM compiles here: XLA dumps what it compiles (the hlo lines), asked before the first TPU contact
+    if dump is None:
+        dump = xla_flags.ask_dump(tempfile.mkdtemp(prefix=xla_flags.PREFIX)) if found.tpu and not remote else ""
+    return found, remote, train, dump
+
+
+def _config_maker(work: str, tpu: str, strategy: str, cpu_devices: int, steps: int, train: str, cfg: Config):
+    """make_cfg(p, t, precision, where): the doctor's run in P stages x T tensor groups, with the model and
+    the global batch of the data-parallel run `cfg`, in <work>/<where>."""
+    layers, batch = cfg.model.n_layer, cfg.train.batch_size
 
     def make_cfg(p: int, t: int, precision: str = "float32", where: str = "model-parallel") -> Config:
         c = tiny_config(os.path.join(work, where), tpu, strategy, cpu_devices, p, t, steps, precision=precision,
                         train=train, layers=layers)
         c.train.batch_size = batch
         return c
+    return make_cfg
 
-    try:
-        f32 = build.build_run(cfg, dist)
-        half = steps // 2 or 1
-        first = f32.trainer.run(f32.train_iterator, half, half)  # compiles
-        start = time.perf_counter()
-        second = f32.trainer.run(f32.train_iterator, steps - half, steps - half)
-        step_seconds = (time.perf_counter() - start) / max(steps - half, 1)
-        f32_loss = (first["loss"] * half + second["loss"] * (steps - half)) / steps
-    except Exception as e:  # noqa: BLE001 - what broke on this machine is the doctor's finding
-        first_line = (str(e).strip().splitlines() or [""])[0][:300]
-        checks.append(Check("run", "FAIL", f"the tiny data-parallel run stopped: {type(e).__name__}: {first_line}"))
-        return _finish(checks, run_dir, started, say)
-    checks.append(_guarded("replicas", check_replicas, f32))
 
+def _timed_float32_run(cfg: Config, dist, steps: int) -> tuple:
+    """(the float32 run, seconds per step of its second call, its mean loss over both calls): the first
+    call compiles and is not timed."""
+    f32 = build.build_run(cfg, dist)
+    half = steps // 2 or 1
+    first = f32.trainer.run(f32.train_iterator, half, half)  # compiles
+    start = time.perf_counter()
+    second = f32.trainer.run(f32.train_iterator, steps - half, steps - half)
+    step_seconds = (time.perf_counter() - start) / max(steps - half, 1)
+    return f32, step_seconds, (first["loss"] * half + second["loss"] * (steps - half)) / steps
+
+
+def _data_parallel_checks(f32, make_cfg, cfg: Config, dist, steps: int, step_seconds: float,
+                          f32_loss: float) -> list[Check]:
+    """The lines measured on the data-parallel run: replicas, bfloat16, checkpoint, input, plan, profile,
+    memory; each check that crashes is its own FAIL."""
     def bfloat16() -> Check:
         try:
             bf16 = build.build_run(make_cfg(1, 1, "mixed_bfloat16", "bfloat16"), dist)
             return check_bfloat16(f32_loss, bf16.trainer.run(bf16.train_iterator, steps, steps)["loss"])
         finally:
             keras.mixed_precision.set_global_policy("float32")
-    checks.append(_guarded("bfloat16", bfloat16))
-    checks.append(_guarded("checkpoint", check_checkpoint, f32))
-    checks.append(_guarded("input", lambda: check_input(input_windows_per_second(f32), step_seconds, batch)))
-    checks.append(_guarded("plan", check_plan, cfg, dist, step_seconds))
-    checks.append(_guarded("profile", check_profile, f32))
-    checks.append(_guarded("memory", check_memory, first_device(dist.strategy)))
-    # the least proven path last, on its own line
-    checks.append(check_model_parallel(make_cfg, found, dist, stages, tensor, steps, f32_loss))
-    if dist.name == "tpu":  # XLA's TPU compiler is what they read
-        checks += _hlo_lines(make_cfg, found, stages, tensor, "" if remote else dump, devices)
-    return _finish(checks, run_dir, started, say)
+    batch = cfg.train.batch_size
+    return [_guarded("replicas", check_replicas, f32), _guarded("bfloat16", bfloat16),
+            _guarded("checkpoint", check_checkpoint, f32),
+            _guarded("input", lambda: check_input(input_windows_per_second(f32), step_seconds, batch)),
+            _guarded("plan", check_plan, cfg, dist, step_seconds), _guarded("profile", check_profile, f32),
+            _guarded("memory", check_memory, first_device(dist.strategy))]
 
 
 def found_lines(found, remote: bool, runtime: str) -> list[str]:
