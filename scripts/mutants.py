@@ -155,7 +155,7 @@ MUTATIONS = [
       "inner.placement_of = lambda var:", "inner.placement_of = None  # lambda var:",
       "tests/test_placement.py -k 'traced_train_step and 2-1'"),
     M("tpu-reduction-not-per-stage", "tpu_llm/training/trainer.py",
-      "            with self.pipeline.placement.stage(i):\n                for k, g in zip(",
+      "            with self.pipeline.placement.at(layers=i):\n                for k, g in zip(",
       "            with tf.name_scope('unplaced'):\n                for k, g in zip(",
       "tests/test_placement.py -k 'traced_train_step and 2-1'"),
     M("tensor-backward-on-group-0", "tpu_llm/parallel/tensor.py",
@@ -198,8 +198,8 @@ MUTATIONS = [
       "tests/test_pipeline.py::test_remat_with_dropout_recomputes_the_forwards_masks"),
     M("tensor-group-slices-on-the-group-core", "tpu_llm/parallel/tensor.py",
       "                weights = layer.group_weights(g, self.ways, x.dtype)\n"
-      "                with self.placement.shard(self.stage, g), seed_of_group(g):\n",
-      "                with self.placement.shard(self.stage, g), seed_of_group(g):\n"
+      "                with self.placement.at(layers=self.stage, heads=g), seed_of_group(g):\n",
+      "                with self.placement.at(layers=self.stage, heads=g), seed_of_group(g):\n"
       "                    weights = layer.group_weights(g, self.ways, x.dtype)\n",
       "tests/test_placement.py::test_tensor_groups_move_slices_not_whole_kernels"),
     M("freeze-empty-stage-in-the-norm", "tpu_llm/training/trainer.py",
@@ -210,7 +210,7 @@ MUTATIONS = [
       "tests/test_pipeline.py::test_a_variable_no_stage_reads_is_an_error_naming_it_not_stage_0 "
       "tests/test_placement.py::test_the_update_of_a_variable_no_stage_owns_is_an_error_naming_it_not_core_0"),
     M("unknown-variable-update-on-core-0", "tpu_llm/training/trainer.py",
-      "dist.placement.stage(owning_stage(where, var))", "dist.placement.stage(where.get(id(var), 0))",
+      "dist.placement.at(layers=owning_stage(where, var))", "dist.placement.at(layers=where.get(id(var), 0))",
       "tests/test_placement.py::test_the_update_of_a_variable_no_stage_owns_is_an_error_naming_it_not_core_0"),
     M("pjrt-on-every-generation", "tpu_llm/tpu_chips.py",
       "if kind in PJRT_KINDS or (kind is None and unknown_is_pjrt):", "if kind is not None or unknown_is_pjrt:",

@@ -40,7 +40,7 @@ import tensorflow as tf
 from tpu_llm.config import Config, load_config
 from tpu_llm.model import GPT
 from tpu_llm.parallel import pipeline
-from tpu_llm.parallel.distribute import Placement
+from tpu_llm.parallel.mesh import Mesh, Placement
 
 CPU_DEVICES = 4  # logical CPUs of every test process (conftest.py splits the CPU before TensorFlow starts)
 CPUS = [f"/device:CPU:{i}" for i in range(CPU_DEVICES)]
@@ -281,7 +281,7 @@ def loss_and_grads(model, stages=1, microbatches=1, devices=(), remat=False, jit
     """(loss, gradients, the tf.function) of one pipelined step; `ways` tensor groups per stage
     (tests/test_tensor.py)."""
     parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
-    placement = Placement(stages, (tuple(devices),) if devices else (), tensor=ways)
+    placement = Placement(Mesh(1, stages, ways), (tuple(devices),) if devices else ())
     pipe = pipeline.Pipeline(model, parts, placement, microbatches, remat)
     x = tf.random.stateless_uniform([8, 16], [1, 2], 0, 64, tf.int32)
     y = tf.random.stateless_uniform([8, 16], [3, 4], 0, 64, tf.int32)
@@ -311,7 +311,7 @@ def tpu_cores(model, stages, ways=1, microbatches=1) -> list[int]:
             return tensor
 
     parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
-    placement = Placement(stages, tpu_strategy=RecordingTPUStrategy(), tensor=ways)
+    placement = Placement(Mesh(1, stages, ways), tpu_strategy=RecordingTPUStrategy())
     pipeline.Pipeline(model, parts, placement, microbatches).loss(tf.zeros([4, 16], tf.int32),
                                                                   tf.zeros([4, 16], tf.int32))
     return cores
@@ -332,10 +332,10 @@ def make_topology(mesh, host, shuffle=False):
 
 
 def offline_resolver(topology=None):
-    """tools/offline_tpu.py's OfflineTPUResolver for a hand-built one-host `topology` (default: 4
+    """harness/offline_tpu.py's OfflineTPUResolver for a hand-built one-host `topology` (default: 4
     cores, a v4-8's 2x2 chips), so TF's own TPUStrategy is built offline (no TPU needed). Imported on
     use: nothing in this module may start TensorFlow at import."""
-    from tpu_llm.tools.offline_tpu import OfflineTPUResolver
+    from tpu_llm.harness.offline_tpu import OfflineTPUResolver
 
     return OfflineTPUResolver(topology if topology is not None else make_topology([2, 2, 1, 1], [2, 2, 1, 1]))
 

@@ -12,8 +12,10 @@ from helpers import make_topology, offline_tpu, tiny_model
 
 from tpu_llm import cli
 from tpu_llm.errors import UserError
+from tpu_llm.model import transformer
 from tpu_llm.parallel import pipeline, tpu
-from tpu_llm.parallel.distribute import Found, Placement, get_strategy
+from tpu_llm.parallel.distribute import Found, get_strategy
+from tpu_llm.parallel.mesh import Mesh, Placement
 from tpu_llm.tools import doctor
 from tpu_llm.tools.doctor import data_parallel, memory, model_parallel
 from tpu_llm.tools.doctor import devices as doctor_devices
@@ -122,8 +124,8 @@ def test_a_layout_that_does_not_fit_names_the_cores_and_what_fits():
 
 
 def test_the_memory_check_fails_when_the_chunked_loss_is_wrong(monkeypatch):
-    real = pipeline.chunked_loss
-    monkeypatch.setattr(pipeline, "chunked_loss", lambda x, w, y, chunk: 1.05 * real(x, w, y, chunk))
+    real = transformer.chunked_loss
+    monkeypatch.setattr(transformer, "chunked_loss", lambda x, w, y, chunk: 1.05 * real(x, w, y, chunk))
     check = memory.check_memory("/job:localhost/replica:0/task:0/device:CPU:0")
     assert check.status == "FAIL" and 0.04 < check.values["loss_diff"] < 0.06, check.line()
 
@@ -168,7 +170,7 @@ def test_each_check_fails_on_a_broken_input(tmp_path):
     # placement: a 2-stage pipeline whose variables were all built on one device (the old behaviour)
     model = tiny_model(n_layer=2)
     parts = pipeline.partition(model.cfg, model.vocab_size, 16, 2)
-    pipe = pipeline.Pipeline(model, parts, Placement(2, (("/device:CPU:0", "/device:CPU:1"),)))
+    pipe = pipeline.Pipeline(model, parts, Placement(Mesh(1, 2), (("/device:CPU:0", "/device:CPU:1"),)))
     check = model_parallel.check_placement(_Run(pipe=pipe, replicas=1, optimizer_variables=[]))
     assert check.status == "FAIL" and "2 stages x 1 replicas on 1 devices" in check.values["problems"], check
     placed = pipeline.build_weights(tiny_model(n_layer=2), parts, pipe.placement)
@@ -248,7 +250,7 @@ def test_doctor_sizes_both_runs_to_the_tpu_it_finds(name, tmp_path, monkeypatch)
     if stages * tensor > 1:
         mp = get_strategy(doctor.tiny_config(str(tmp_path), "local", "auto", 1, stages, tensor, 4), found)
         assert mp.num_replicas == cores // (stages * tensor) and len(initialized) == 1
-        assert (mp.placement.stages, mp.placement.tensor) == (stages, tensor)
+        assert (mp.placement.mesh.stage, mp.placement.mesh.tensor) == (stages, tensor)
 
 
 def test_a_multi_host_slice_gets_two_by_two_blocks():

@@ -28,8 +28,8 @@ tf.matmul(tf.ones([2, 2]), tf.ones([2, 2]))
 from tpu_llm import xla_flags
 xla_flags.ask_dump(sys.argv[1])
 tf.function(lambda x: tf.matmul(x, x), jit_compile=True)(tf.ones([4, 4]))
-from tpu_llm.tools import compiled_step, placement_audit
-from tpu_llm.tools.offline_tpu import build_step
+from tpu_llm.harness import compiled_step, placement_audit
+from tpu_llm.harness.offline_tpu import build_step
 step = build_step(2, 1)
 function = step.function("train")
 cluster = compiled_step.cluster(function)

@@ -25,6 +25,7 @@ LAYERS = [
     {"data"},
     {"parallel"},
     {"training"},
+    {"harness"},  # the offline compile harness: the run's step traced and compiled (training/assemble.py's)
     {"interop", "tools"},
     {"api"},  # tpu_llm.load and tpu_llm.train, what the CLI calls too
     {"cli", "__main__"},

@@ -14,8 +14,9 @@ from tpu_llm.model import loss_fn
 from tpu_llm.model.attention import attend, blockwise_attend
 from tpu_llm.model.loss import chunked_loss
 from tpu_llm.parallel import pipeline
-from tpu_llm.parallel.distribute import Placement
-from tpu_llm.tools import plan, xla_memory
+from tpu_llm.parallel.mesh import Mesh, Placement
+from tpu_llm.harness import xla_memory
+from tpu_llm.tools import plan
 
 NO_DROPOUT = keras.layers.Dropout(0.0)
 
@@ -87,7 +88,7 @@ def test_the_loss_and_the_chunked_loss_equal_tfs_fused_op_with_their_gradients()
 def step(model, stages=1, microbatches=1, devices=(), remat=False, jit=False, ways=1, loss_chunk=0):
     """(loss, gradients) of one pipelined training step, as test_pipeline.loss_and_grads, with a chunk."""
     parts = pipeline.partition(model.cfg, model.vocab_size, 16, stages)
-    pipe = pipeline.Pipeline(model, parts, Placement(stages, (tuple(devices),) if devices else (), tensor=ways),
+    pipe = pipeline.Pipeline(model, parts, Placement(Mesh(1, stages, ways), (tuple(devices),) if devices else ()),
                              microbatches, remat, loss_chunk)
     x = tf.random.stateless_uniform([8, 16], [1, 2], 0, 64, tf.int32)
     y = tf.random.stateless_uniform([8, 16], [3, 4], 0, 64, tf.int32)

@@ -10,7 +10,7 @@ from tpu_llm.model import spec
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import pipeline
-from tpu_llm.parallel.distribute import Placement
+from tpu_llm.parallel.mesh import Placement
 from tpu_llm.training.controller import build_run, train
 
 # ---- partition ------------------------------------------------------------------------------------

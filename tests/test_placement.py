@@ -20,9 +20,10 @@ from tensorflow.python.eager import context
 
 from tpu_llm.model import GPT
 from tpu_llm.parallel import pipeline, tpu
-from tpu_llm.parallel.distribute import Placement
-from tpu_llm.tools import compiled_step, offline_tpu, placement_audit, plan
-from tpu_llm.tools.offline_tpu import build_step
+from tpu_llm.parallel.mesh import Mesh, Placement
+from tpu_llm.harness import compiled_step, offline_tpu, placement_audit
+from tpu_llm.tools import plan
+from tpu_llm.harness.offline_tpu import build_step
 from tpu_llm.training.build import build_run
 from tpu_llm.training.optimizer import make_optimizer
 
@@ -63,7 +64,7 @@ def test_tpu_stages_keep_variables_moments_and_ops_on_their_logical_cores(monkey
     cores = strategy.extended._tpu_devices  # noqa: SLF001 - [replica][logical core] -> TPU device
     cfg = tiny_cfg()
     parts = pipeline.partition(cfg.model, 64, 16, 2)
-    placement = Placement(2, tpu_strategy=strategy)
+    placement = Placement(Mesh(1, 2), tpu_strategy=strategy)
     creator, chosen = tpu_device_of_each_variable()
     with tf.variable_creator_scope(creator), strategy.scope():
         model = pipeline.build_weights(GPT(cfg.model, 64), parts, placement)
@@ -142,7 +143,7 @@ def test_each_stage_keeps_its_variables_and_moments_on_its_own_cpu_device(tmp_pa
     check_stage_devices(run, lambda r, s: f"CPU:{2 * s}")
 
 
-# ---- the whole train step compiled to HLO as a TPU would (tools/compiled_step.py) ---------------------
+# ---- the whole train step compiled to HLO as a TPU would (harness/compiled_step.py) ---------------------
 
 _steps: dict = {}
 
@@ -309,7 +310,7 @@ def test_the_update_of_a_variable_no_stage_owns_is_an_error_naming_it_not_core_0
 
     cfg = tiny_cfg(n_layer=2, **{"parallel.pipeline_stages": 2})
     strategy = offline_tpu.offline_tpu_strategy(2, 4)
-    placement = Placement(2, tpu_strategy=strategy)
+    placement = Placement(Mesh(1, 2), tpu_strategy=strategy)
     parts = pipeline.partition(cfg.model, 64, 16, 2)
     with offline_tpu.variables_on_the_cpu(strategy=strategy), strategy.scope():
         model = pipeline.build_weights(GPT(cfg.model, 64), parts, placement)

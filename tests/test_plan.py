@@ -173,7 +173,7 @@ def test_lora_trainable_and_adamw_bytes_in_the_compiled_step_match_the_plan():
     """The trainer's whole step compiled for a tiny Llama with rank-4 adapters on all seven projections: the
     parameters XLA updates in place (the adapters, AdamW's m, v and step) are the planner's trainable weights
     and optimizer within 15% (exactly, but for the step counter), and the base is only read."""
-    from tpu_llm.tools import xla_memory
+    from tpu_llm.harness import xla_memory
 
     cfg = load_config(None, {**TINY_LLAMA, **ALL_SEVEN})
     held = xla_memory.state(cfg, 256, gradients=False)
@@ -189,7 +189,7 @@ def test_lora_and_a_frozen_table_temp_within_15_percent_of_xla():
     seven projections and with its tied table frozen, against the planner's activations + workspace: a
     frozen table has no gradient whose room XLA lends to the loss's exp, and XLA keeps an adapted gate's
     and up's base and adapter outputs apart (tpu_llm/spec.py's lora_activation_bytes)."""
-    from tpu_llm.tools import xla_memory
+    from tpu_llm.harness import xla_memory
 
     small = {**TINY_LLAMA, "model.n_embd": 128, "model.mlp_hidden": 512, "model.vocab_size": 4096,
              "model.max_len": 128, "data.seq_len": 128, "train.batch_size": 1}

@@ -297,7 +297,7 @@ def test_keras_dropout_draws_each_mask_from_one_next_of_its_seed_generator_as_th
     - the state is the generator's `state` attribute, read at each draw: a variable put there in its
       place (_seeds_here, on a stage's device) is the one drawn from and advanced;
     - its variable's path ends in `seed_generator_state` (training/build.py, interop/hf.py and
-      tools/offline_tpu.py find the seeds by it)."""
+      harness/offline_tpu.py find the seeds by it)."""
     from tpu_llm.training.trainer import ReplicaSeedGenerator, per_replica_dropout
 
     dropout = keras.layers.Dropout(0.5, seed=7)
@@ -345,7 +345,7 @@ def test_keras_dropout_draws_each_mask_from_one_next_of_its_seed_generator_as_th
     assert len(calls) == 1 and calls[0].numpy().tolist() == [5, 6], (calls, DROPOUT_UPGRADE)
 
 
-# ---- TensorFlow's TPU compile path, offline (tools/compiled_step.py) -----------------------------------
+# ---- TensorFlow's TPU compile path, offline (harness/compiled_step.py) -----------------------------------
 
 def test_a_function_body_round_trips_to_a_function_compiled_with_argument_and_op_cores():
     @tf.function

@@ -16,13 +16,13 @@ Every other module that depends on private TF/Keras behaviour stays where it is,
   training/trainer.py (`ReplicaSeedGenerator`, swapped in by `__class__`): Keras' Dropout draws each
   mask by one `self.seed_generator.next()` (state, then state + [0, 1]) from the generator's `state`
   variable; they replace `next` on the instance, the class, or the `state` variable. training/build.py,
-  interop/hf.py and tools/offline_tpu.py find those variables by their Keras path
+  interop/hf.py and harness/offline_tpu.py find those variables by their Keras path
   (`.../seed_generator_state`). The Keras dropout-seed canary checks all of it.
 - model/transformer.py: `GPT` tracks its blocks with Keras' private `_track_trackable`, without which
   a TF checkpoint would hold no block; the checkpoint canary checks that it still puts them there.
 - native_log.py: absl's `SetMinLogLevel` in TensorFlow's framework library, called by its mangled C++
   name (TF exports no Python setter for absl's level); tests/test_progress.py checks that the lines go.
-- tools/offline_tpu.py: `OfflineTPUResolver` answers what TPUStrategy asks a TPU cluster resolver
+- harness/offline_tpu.py: `OfflineTPUResolver` answers what TPUStrategy asks a TPU cluster resolver
   (`num_accelerators`, `get_tpu_system_metadata`), so that TF's own TPUStrategy is built on a hand-built
   topology without a TPU; tests/test_placement.py and tests/test_doctor.py build it on several.
 """
@@ -95,7 +95,7 @@ def all_layers(model) -> list:
     return list(model._flatten_layers())  # noqa: SLF001
 
 
-# ---- TensorFlow's TPU compile path, offline (the placement audit: tools/compiled_step.py) --------------
+# ---- TensorFlow's TPU compile path, offline (the placement audit: harness/compiled_step.py) --------------
 # TF exports no API to turn a function's body into a graph and back, to mark an XLA argument's core, or
 # to compile a function by name for its HLO; `experimental_get_compiler_ir` does the last for a
 # tf.function only, through the same private context call used here.

@@ -340,7 +340,7 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
     elif suite == "data":  # the input pipeline alone, against a slice's demand
         bench_data.data_pipeline(steps=steps or 20, config=config or "configs/gpt2_125m.yaml")
     elif suite == "placement":  # the train step's work per TPU core, compiled offline as a TPU would
-        from tpu_llm.tools import placement_audit
+        from tpu_llm.harness import placement_audit
 
         problems = [p for audit in placement_audit.run() for p in audit.problems()]
         if problems:

@@ -23,9 +23,6 @@ from tpu_llm.data.input_checks import bounded_ids
 from tpu_llm.data.lanes import training_fn
 from tpu_llm.data.reading import AUTOTUNE, NO_AUTOGRAPH, file_bounds, read_documents
 from tpu_llm.data.sources import Source
-# imported from here by training/build.py (both) and tools/offline_tpu.py (POSITION_FIELDS)
-from tpu_llm.data.lanes import POSITION_FIELDS  # noqa: F401
-from tpu_llm.data.reading import check_shard_ids  # noqa: F401
 
 FILES_PER_PIPELINE = 4  # validation: fewer files per input pipeline: split by window, not by file
 

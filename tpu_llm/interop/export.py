@@ -42,7 +42,8 @@ from tpu_llm.model import lora
 from tpu_llm.model.sampling import sample_logits
 from tpu_llm.run_layout import EXPORT_DIR, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
-from tpu_llm.training.checkpoint import check_run_dir_reachable, load_for_generation
+from tpu_llm.training.checkpoint import load_for_generation
+from tpu_llm.training.run_directory import check_run_dir_reachable
 
 WEIGHTS_FILE = "model.weights.h5"
 META_FILE = "export.json"

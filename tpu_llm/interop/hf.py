@@ -42,8 +42,8 @@ from tpu_llm.model import GPT, families, spec
 from tpu_llm.run_layout import CONFIG_FILE, IMPORT_FILE, MARKER_FILE
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.tokenizers.hf import load_hf_tokenizer
-from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable,
-                                         is_run_dir)
+from tpu_llm.training.checkpoint import Checkpointer
+from tpu_llm.training.run_directory import check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable, is_run_dir
 
 CODE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors' dtypes of the weights
 

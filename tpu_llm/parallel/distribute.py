@@ -23,7 +23,6 @@ overlap it (`make bench`: 13.4k-15.4k vs 10.0k tokens/s for the same global batc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -35,10 +34,11 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tpu_llm import peak, perf, tf_compat
+from tpu_llm import peak, perf
 from tpu_llm.config import Config
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import tpu
+from tpu_llm.parallel.mesh import Mesh, Placement
 
 RUN_HERE = "strategy=auto, mirrored (cpu_devices=N) or default"
 # parameter_server: how long the chief waits for a worker to answer again once none does
@@ -134,93 +134,6 @@ def choose(cfg: Config, found: Found) -> tuple[str, str]:
 
 
 @dataclasses.dataclass
-class Placement:
-    """Where pipeline stage i of a replica, and tensor-parallel group g of that stage, live and run:
-    the one thing pipeline.py and tensor.py ask about devices.
-
-    A replica spans P x T devices or cores, stage-major: stage i's group g is number i*T + g (T = 1
-    without tensor parallelism). Off-TPU: `devices[r]` lists replica r's devices in that order,
-    entered with tf.device; a stage's own work (embedding, norms, residuals, head) runs on its group
-    0 device. On TPU: logical core i*T + g of the replica (the DeviceAssignment gives each replica
-    P x T neighbouring cores), entered with `strategy.extended.experimental_logical_device`, which
-    both places variables created inside it (TPUStrategy creates variables on the top of its
-    logical-device stack, which is core 0 unless this scope is entered) and, inside the TPU
-    computation, puts ops on `tpu.core(k)`; tensors crossing stages are also annotated.
-
-    `variables(i)` is where stage i's variables are created (pipeline.build_weights), `stage(i)` and
-    `shard(i, g)` where its forward and backward ops run. Keras creates AdamW's moments with
-    `colocate_vars_with(variable)`, so they land beside their variable, on the stage's device.
-    """
-
-    stages: int = 1
-    devices: tuple = ()  # per replica: P x T device names (off-TPU); () = wherever TF puts it
-    tpu_strategy: object = None  # TPUStrategy when stages/groups are logical TPU cores
-    tensor: int = 1  # T: tensor-parallel groups per stage
-
-    def stage(self, i: int):
-        return self._device(i * self.tensor)
-
-    def shard(self, i: int, g: int):
-        return self._device(i * self.tensor + g)
-
-    def _device(self, k: int):
-        if self.tpu_strategy is not None:
-            return self._logical_core(k)
-        if not self.devices:
-            return contextlib.nullcontext()
-        replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
-        return tf.device(self.devices[int(replica or 0)][k])
-
-    def _logical_core(self, k: int):
-        if self.stages * self.tensor == 1:  # one core per replica: TPUStrategy's default placement
-            return contextlib.nullcontext()
-        return self.tpu_strategy.extended.experimental_logical_device(k)
-
-    def variables(self, i: int):
-        """The scope in which stage i's variables are created (inside the strategy's scope): its logical
-        core on TPU; off-TPU its device in every replica (MirroredStrategy would otherwise put all of a
-        replica's variables on the replica's first device)."""
-        k = i * self.tensor
-        if self.tpu_strategy is not None:
-            return self._logical_core(k)
-        if not self.devices:
-            return contextlib.nullcontext()
-        if not tf.distribute.has_strategy():  # one replica under the default strategy
-            return tf.device(self.devices[0][k])
-        return tf.variable_creator_scope(_create_on(tuple(replica[k] for replica in self.devices)))
-
-    def place(self, tensor, i: int):
-        """Annotate stage i's output for its logical TPU core (a no-op off-TPU: tf.device placed it)."""
-        return self._assign(tensor, i * self.tensor)
-
-    def place_shard(self, tensor, i: int, g: int):
-        return self._assign(tensor, i * self.tensor + g)
-
-    def _assign(self, tensor, core: int):
-        if self.tpu_strategy is not None and self.stages * self.tensor > 1:
-            return self.tpu_strategy.experimental_assign_to_logical_device(tensor, core)
-        return tensor
-
-    def describe(self) -> str:
-        if self.stages * self.tensor == 1:
-            return "no pipeline"
-        what = " x ".join([f"{self.stages} stages"] * (self.stages > 1) + [f"{self.tensor} tensor groups"] * (self.tensor > 1))
-        if self.tpu_strategy is not None:
-            return f"{what} on logical TPU cores 0-{self.stages * self.tensor - 1} of each replica"
-        return f"{what} per replica on " + "; ".join(", ".join(d.split("device:")[-1] for d in r)
-                                                     for r in self.devices)
-
-
-def _create_on(devices: tuple):
-    """A variable creator putting replica r's copy of each new variable on devices[r]."""
-    def creator(next_creator, **kwargs):
-        if kwargs.get("colocate_with") is None:
-            kwargs["colocate_with"] = tf_compat.ReplicaDevices(devices)
-        return next_creator(**kwargs)
-    return creator
-
-
-@dataclasses.dataclass
 class Distribution:
     strategy: tf.distribute.Strategy
     name: str  # what was chosen
@@ -232,7 +145,7 @@ class Distribution:
     is_chief: bool = True  # writes the run directory (config, checkpoints, logs); prints progress
     task: str = ""  # this process's place in a cluster, e.g. "worker 1 of 2"
     chips: int = 0  # TPU chips in the slice (the published peak is per chip)
-    placement: Placement = dataclasses.field(default_factory=Placement)  # pipeline stages -> devices
+    placement: Placement = dataclasses.field(default_factory=Placement)  # the mesh's coordinates -> devices
     workers: tuple = ()  # parameter_server: the workers' host:port, watched while steps run
     worker_timeout: float = NO_WORKER_SECONDS  # parameter_server: no worker answers this long -> stop
     # a TPU reached over the network: ops run in its hosts' TF servers by default; checkpoints and
@@ -383,7 +296,8 @@ def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
         # TPUStrategy compiles the whole replica function for the TPU: no nested jit_compile needed
         return Distribution(strategy, "tpu", f"{reason}; {described}", kind, jit_compile=False,
                             xla="whole replica step compiled for the TPU", chips=chips,
-                            placement=Placement(stages, tpu_strategy=strategy, tensor=ways), **io)
+                            placement=Placement(Mesh(strategy.num_replicas_in_sync, stages, ways), tpu_strategy=strategy),
+                            **io)
     if per_replica > 1 and name in ("multi_worker", "parameter_server"):
         raise UserError(f"{_layout(cfg)} run under strategy tpu, mirrored or default, not {name}; set "
                         "parallel.pipeline_stages=1 and parallel.tensor=1")
@@ -402,7 +316,7 @@ def get_strategy(cfg: Config, found: Found | None = None) -> Distribution:
         return Distribution(tf.distribute.get_strategy(), "default", reason, kind)
     devices = devices[:len(devices) // per_replica * per_replica]
     groups = [tuple(devices[r * per_replica:(r + 1) * per_replica]) for r in range(len(devices) // per_replica)]
-    placement = Placement(stages, groups if per_replica > 1 else (), tensor=ways)
+    placement = Placement(Mesh(len(groups), stages, ways), groups if per_replica > 1 else ())
     # stages or groups on several devices cannot be one XLA program: the step runs as a graph (pipeline.py)
     xla = {"jit_compile": False, "xla": f"off ({_layout(cfg)} on several devices run as a TF graph)"} \
         if per_replica > 1 else {}

@@ -20,7 +20,7 @@ any earlier than the executor already does. Rematerialisation (`parallel.remat`,
 per block) is the memory lever here instead.
 
 Where: each stage's variables are created on its own device or logical TPU core (`build_weights`
-under `Placement.variables`), AdamW's moments follow them (Keras colocates each moment with its
+under `Placement.variables_at`), AdamW's moments follow them (Keras colocates each moment with its
 variable), and with P x T > 1 `loss_and_grads` runs each stage's forward AND backward inside its
 scope: one GradientTape per (stage, micro-batch), the backward handing each stage the gradient of
 its output. (One tape over the whole forward would put every backward op wherever the
@@ -125,11 +125,11 @@ def describe(stages: list[Stage]) -> list[str]:
 
 
 def build_weights(model, stages: list[Stage], placement):
-    """Create `model`'s variables stage by stage, each inside `placement.variables(i)` (call inside the
+    """Create `model`'s variables stage by stage, each inside `placement.variables_at(layers=i)` (call inside the
     strategy scope); returns the model, built."""
     ids = tf.zeros([1, 1], tf.int32)
     for stage in stages:
-        with placement.variables(stage.index):
+        with placement.variables_at(layers=stage.index):
             x = model.embed(ids) if stage.embed else tf.zeros([1, 1, model.cfg.n_embd])
             for b in stage.blocks:
                 x = model.blocks[b](x)[0]
@@ -137,7 +137,7 @@ def build_weights(model, stages: list[Stage], placement):
                 model.head(x)
             # Keras' Dropout made its seed variable in __init__, wherever the model was constructed (on
             # TPU: logical core 0); the stage that draws the masks keeps it
-            if placement.stages * placement.tensor > 1:
+            if placement.spread:
                 for layer in model.stage_layers(False, stage.blocks, False) + model.stage_layers(stage.embed, (), False):
                     _seeds_here(layer)  # (the blocks' first, then the embedding's: the order they always had)
     return model.build_weights()  # marks the model built: every variable exists already
@@ -145,7 +145,7 @@ def build_weights(model, stages: list[Stage], placement):
 
 def _seeds_here(layer) -> None:
     """Re-create the state variable of every dropout seed generator in `layer` in the current variable
-    scope, with its value (a stage's placement.variables scope: the stage's device or logical core)."""
+    scope, with its value (a stage's placement.variables_at scope: the stage's device or logical core)."""
     for dropout in tf_compat.all_layers(layer):
         generator = getattr(dropout, "seed_generator", None)
         if not isinstance(dropout, keras.layers.Dropout) or generator is None:
@@ -225,8 +225,8 @@ class Pipeline:
 
     def _block_fn(self, b: int, stage: int, training: bool, remat: bool):
         block = self.model.blocks[b]
-        if self.placement.tensor > 1:
-            run = SplitBlock(block, self.placement.tensor, self.placement, stage, training)
+        if self.placement.mesh.size_of("heads") > 1:
+            run = SplitBlock(block, self.placement, stage, training)
         else:
             def run(x):
                 return block(x, training=training)[0]
@@ -249,7 +249,7 @@ class Pipeline:
     @property
     def staged(self) -> bool:
         """More than one device or core per replica: gradients come from `loss_and_grads`."""
-        return self.placement.stages * self.placement.tensor > 1
+        return self.placement.spread
 
     def stage_variables(self, i: int) -> list:
         """The trainable variables stage i reads (a tied table twice: first and last stage)."""
@@ -279,12 +279,12 @@ class Pipeline:
         for x, y in zip(tf.split(inputs, m), tf.split(targets, m)):  # M x (B/M, T)
             chain = []
             for i, stage_fn in enumerate(self.stage_fns):
-                with self.placement.stage(i), tf.GradientTape() as tape:
+                with self.placement.at(layers=i), tf.GradientTape() as tape:
                     if watch:
                         tape.watch([v.value for v in own[i]])
                     if i:
                         tape.watch(x)
-                    out = self.placement.place(stage_fn(x, y, True), i)
+                    out = self.placement.place(stage_fn(x, y, True), layers=i)
                     target = seed(out / m) if i == last else out
                 chain.append((tape, x, target))
                 x = out
@@ -297,7 +297,7 @@ class Pipeline:
             for i in reversed(range(last + 1)):
                 tape, x, target = chain[i]
                 sources = own[i] + [x] * (i > 0)
-                with self.placement.stage(i):
+                with self.placement.at(layers=i):
                     out = tape.gradient(target, sources, output_gradients=upstream)
                     for v, g in zip(own[i], out):
                         if g is None:  # not read by this stage (none today); zeros at the end if by none
@@ -314,7 +314,7 @@ class Pipeline:
         total = tf.constant(0.0)
         for x, y in zip(xs, ys):
             for i, stage_fn in enumerate(self.stage_fns):
-                with self.placement.stage(i):
-                    x = self.placement.place(stage_fn(x, y, training), i)
+                with self.placement.at(layers=i):
+                    x = self.placement.place(stage_fn(x, y, training), layers=i)
             total += x
         return total / m

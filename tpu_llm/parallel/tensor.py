@@ -17,7 +17,7 @@ those slices alone (`group_part(x, weights, training)`) and the layer's output f
 shares (`combine`: the output bias, then dropout). `SplitBlock` here keeps where each group runs, the
 sum and the backward on each group's device; a new family or an adapter changes the model only.
 
-Where group g runs is the `Placement`'s business (distribute.py): off-TPU, a `tf.device` of its
+Where group g runs is the `Placement`'s business (mesh.py: the `tensor` axis): off-TPU, a `tf.device` of its
 own (logical CPUs or GPUs); on TPU, its tensors are annotated for logical core i*T + g of the
 replica (i = the pipeline stage), the same mechanism that places pipeline stages, which is why the
 two compose. `strategy.experimental_split_to_logical_devices` is not used: it requires the product
@@ -26,12 +26,12 @@ cannot split a block T ways inside one of P > 1 pipeline stages.
 
 What is split is the work and the activations of the attention and MLP, forward AND backward, not
 the weights: the variables, their gradients and AdamW's moments stay whole on the stage's first device
-or logical core (group 0: `Placement.variables`, pipeline.build_weights); each group's slices are cut
+or logical core (group 0: `Placement.variables_at`, pipeline.build_weights); each group's slices are cut
 there (in the stage's placement) and only the slices travel to the group, every step. TF2's GradientTape does not colocate gradient ops with their forward
 ops (they run where `tape.gradient` is called, the stage's scope), so each group's forward is recorded
 on a tape of its own and its backward replayed inside the group's placement (`SplitBlock._on_group`);
 only the input's gradient and the weight slices' gradients travel back. The placement audit
-(tools/placement_audit.py, `tpu-llm bench placement`) shows the T groups sharing forward and backward
+(harness/placement_audit.py, `tpu-llm bench placement`) shows the T groups sharing forward and backward
 matmuls evenly in the compiled program of an offline TPUStrategy, and no group core but the stage's
 first computing a tensor of a whole kernel's shape. Sharding the variables themselves would need XLA's SPMD
 partitioner to own the layout, which the per-core assignments used for stages do not give; so
@@ -81,12 +81,12 @@ def group_seeds(dropouts: list):
 
 class SplitBlock:
     """`block`'s forward pass (training or not) with its heads and MLP units in `ways` groups, group g
-    under `placement.shard(stage, g)`. Call with x (B, T, C); returns (B, T, C). What a group computes
+    under `placement.at(layers=stage, heads=g)`. Call with x (B, T, C); returns (B, T, C). What a group computes
     is the layer's (`group_weights`, `group_part`, `combine` in model/transformer.py); here is only
     where it runs, the sum over the groups and the backward on each group's device."""
 
-    def __init__(self, block: Block, ways: int, placement, stage: int, training: bool):
-        self.block, self.ways, self.training = block, ways, training
+    def __init__(self, block: Block, placement, stage: int, training: bool):
+        self.block, self.ways, self.training = block, placement.mesh.size_of("heads"), training
         self.placement, self.stage = placement, stage
 
     def __call__(self, x):
@@ -101,9 +101,9 @@ class SplitBlock:
             for g in range(self.ways):
                 # sliced where the variables live (the stage's placement): only the slices travel to the group
                 weights = layer.group_weights(g, self.ways, x.dtype)
-                with self.placement.shard(self.stage, g), seed_of_group(g):
-                    x_g = self.placement.place_shard(x, self.stage, g)
-                    partials.append(self.placement.place_shard(self._on_group(layer, x_g, weights, g), self.stage, g))
+                with self.placement.at(layers=self.stage, heads=g), seed_of_group(g):
+                    x_g = self.placement.place(x, layers=self.stage, heads=g)
+                    partials.append(self.placement.place(self._on_group(layer, x_g, weights, g), layers=self.stage, heads=g))
         return layer.combine(tf.add_n(partials), training=self.training)  # (B, T, C), on the stage's device
 
     def _on_group(self, layer, x, weights: dict, g: int):
@@ -124,9 +124,9 @@ class SplitBlock:
 
             def backward(dy, variables=None):  # variables: read inside group_part (a dropout seed's state)
                 variables = list(variables or [])
-                with self.placement.shard(self.stage, g):
+                with self.placement.at(layers=self.stage, heads=g):
                     dx, *rest = tape.gradient(y, [x, *slices, *variables], output_gradients=dy)
-                    dx = self.placement.place_shard(dx, self.stage, g)
+                    dx = self.placement.place(dx, layers=self.stage, heads=g)
                 return (dx, *rest[:len(slices)]), rest[len(slices):]
             return y, backward
         return run(x, *(weights[name] for name in names))

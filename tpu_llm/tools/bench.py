@@ -24,7 +24,7 @@ tokens/s and MFU on this machine; then `tpu-llm plan` of configs/llama_1b.yaml o
 
 The memory suite (chunked loss and blockwise attention) is tpu_llm/tools/bench_memory.py, the data
 suite (the input pipeline against a slice's demand) tpu_llm/tools/bench_data.py; the placement suite
-is tpu_llm/tools/placement_audit.py.
+is tpu_llm/harness/placement_audit.py.
 """
 
 from __future__ import annotations

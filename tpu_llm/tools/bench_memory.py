@@ -42,7 +42,8 @@ def memory_cases() -> list[tuple[str, str, str, dict, dict]]:
 
 def memory_table(only: str = "") -> list[dict]:
     """(a) XLA's buffer assignment against the planner for every row of `memory_cases` (float32, P = 1)."""
-    from tpu_llm.tools import plan, xla_memory
+    from tpu_llm.harness import xla_memory
+    from tpu_llm.tools import plan
 
     cpu = plan.Accelerator("cpu", "CPU", 1, 1e11, 0.0, "no RAM check")
     rows, bases = [], {}
@@ -115,7 +116,7 @@ def _state_config(path, over: dict, layers: int | None = None):
 def lora_measure(only: str = "") -> list[dict]:
     """XLA's figures for every row of `lora_cases` (and Llama-3.2-1B's 1- and 2-layer programs): the micro-step's
     temp at the row's sequence, the state (`xla_memory.state`) at STATE_SEQ tokens."""
-    from tpu_llm.tools import xla_memory
+    from tpu_llm.harness import xla_memory
 
     measured = []
     for shape, training, path, over in lora_cases():
@@ -198,7 +199,7 @@ def memory_speed(steps: int = 60, rounds: int = 5) -> list[dict]:
     import tensorflow as tf
 
     from tpu_llm.model import GPT
-    from tpu_llm.tools import xla_memory
+    from tpu_llm.harness import xla_memory
 
     cases = [("baseline", {}), (f"loss_chunk={LOSS_CHUNK}", {"train.loss_chunk": LOSS_CHUNK}),
              ("blockwise", {"model.attention": "blockwise"}),

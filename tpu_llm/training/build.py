@@ -1,6 +1,7 @@
-"""Building a run from its config: every check first (nothing is written until all passed), then the
-strategy's model, optimizer, gradient exchange, stage pipeline and Trainer, the newest readable
-checkpoint and the input stream's position. controller.py drives what this builds.
+"""Building a run from its config: every check first (nothing is written until all passed), then its
+compute (assemble.py: the model, optimizer, gradient exchange, stage pipeline and Trainer on the
+strategy's mesh), the newest readable checkpoint and the input stream's position. controller.py drives
+what this builds.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ import tensorflow as tf
 
 from tpu_llm.config import Config
 from tpu_llm.data import dataset as data
-from tpu_llm.data import sources
+from tpu_llm.data import lanes, reading, sources
 from tpu_llm.errors import UserError
-from tpu_llm.model import GPT, lora
-from tpu_llm.parallel import comm, pipeline, tpu
+from tpu_llm.model import GPT
+from tpu_llm.parallel import comm, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy
 from tpu_llm.run_layout import check_no_links
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
 from tpu_llm.training import line_log, run_lock
-from tpu_llm.training.checkpoint import (Checkpointer, check_run_dir, check_run_dir_owner, check_run_dir_reachable,
-                                         record_run, resolve_tokenizer, restore_init_from)
-from tpu_llm.training.optimizer import freeze, make_optimizer
+from tpu_llm.training.assemble import assemble
+from tpu_llm.training.checkpoint import Checkpointer, restore_init_from
+from tpu_llm.training.run_directory import (check_run_dir, check_run_dir_owner, check_run_dir_reachable, record_run,
+                                            resolve_tokenizer)
 from tpu_llm.training.trainer import Trainer
 
 
@@ -128,7 +130,7 @@ def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tupl
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                         f"{tokenizer.vocab_size} ids; set it to 0 (automatic) or >= {tokenizer.vocab_size}")
     if train_src.format == "tfrecord":  # the ids data prepare recorded, against the model's vocabulary
-        data.check_shard_ids([*train_src.files, *val_src.files], cfg.model.vocab_size)
+        reading.check_shard_ids([*train_src.files, *val_src.files], cfg.model.vocab_size)
     # Every check that can fail runs before anything in the run directory is written (record_run below)
     # and before the first step: the data holds a batch, the end-of-run prompt can be encoded.
     for source, split in zip((train_src, val_src), ("training", "validation")):
@@ -144,11 +146,10 @@ def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "")
     """`dist`: a distribution to reuse (tpu-llm doctor builds several runs on one TPU connection)."""
     dist = dist or get_strategy(cfg)  # first: it may split the CPU into logical devices or set up collectives
     (train_src, val_src), tokenizer = check_run(cfg, dist, unstated)
-    precision = set_precision(cfg, dist)
+    set_precision(cfg, dist)
     tf.config.run_functions_eagerly(cfg.execution == "eager")
-    local_sgd = comm.check(cfg.comm, dist)  # local SGD: per-replica copies of the weights and moments
-    stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
-    model, optimizer, communication = _build_model(cfg, dist, stages, precision, local_sgd)
+    compute = assemble(cfg, dist)
+    model, optimizer, communication = compute.model, compute.optimizer, compute.comm
     # Resume: the newest readable checkpoint gives the weights, the optimizer (its step drives the
     # schedule), the dropout RNG state and the input stream's position, from which the training
     # data continues without being replayed (data.make_dataset_fn). A checkpoint without a position
@@ -179,31 +180,13 @@ def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "")
             communication.restore(resumed_from)
         train_dataset, data_resume, position = _training_input(cfg, dist, tokenizer, train_src, checkpointer,
                                                                 resumed_from, int(optimizer.iterations.numpy()))
-        pipe = pipeline.Pipeline(model, stages, dist.placement, cfg.parallel.microbatches, cfg.parallel.remat,
-                                 cfg.train.loss_chunk)
-        trainer = Trainer(dist, model, optimizer, cfg.train, pipe, cfg.execution, communication, position)
-        return Run(cfg, dist, tokenizer, model, optimizer, trainer, iter(train_dataset),
+        return Run(cfg, dist, tokenizer, model, optimizer, compute.trainer(position), iter(train_dataset),
                    _dataset(cfg, dist, tokenizer, val_src, training=False)[0], checkpointer, (train_src, val_src),
                    resumed_from, data_resume, communication, initialised_from, lock)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-
-
-def _build_model(cfg: Config, dist: Distribution, stages, precision: str, local_sgd: bool):
-    """The model (each stage's variables on its own device or logical TPU core: pipeline.build_weights),
-    its optimizer and the gradient exchange (None: the plain all-reduce)."""
-    with dist.strategy.scope(), comm.variable_scope(local_sgd):
-        model = pipeline.build_weights(GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)), stages, dist.placement)
-        freeze(cfg.train, model)  # fine-tuning: layers that stay as they are (train.freeze)
-        optimizer = make_optimizer(cfg.train, model)
-        if precision == "mixed_float16":  # float16 gradients underflow without a scaled loss
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-            optimizer.build(model.trainable_variables)
-    with dist.strategy.scope():
-        communication = comm.build(cfg.comm, dist, model, optimizer)
-    return model, optimizer, communication
 
 
 def _dataset(cfg: Config, dist: Distribution, tokenizer, source, training: bool, **resume):
@@ -232,7 +215,7 @@ def _training_input(cfg: Config, dist: Distribution, tokenizer, train_src, check
     else:  # each replica writes its pipeline's row; reading (and saving) sums them
         with dist.strategy.scope():
             position = tf.Variable(
-                tf.zeros([fn.rows, len(data.POSITION_FIELDS)], tf.int64), trainable=False, name="data_position",
+                tf.zeros([fn.rows, len(lanes.POSITION_FIELDS)], tf.int64), trainable=False, name="data_position",
                 synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
         checkpointer.add(data_position=position)
     return train_dataset, data_resume, position

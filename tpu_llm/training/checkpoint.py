@@ -26,10 +26,6 @@ from tpu_llm.tokenizers import Tokenizer, content_hash, load_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
 from tpu_llm.training.run_directory import (check_tokenizer_fits, first_line, model_changes, model_differences,
                                             read_saved_config)
-# the run directory's checks, imported from here by training/build.py, interop/hf.py and interop/export.py
-from tpu_llm.training.run_directory import (check_run_dir, check_run_dir_owner,  # noqa: F401
-                                            check_run_dir_reachable, check_run_dir_usable, is_run_dir, record_run,
-                                            resolve_tokenizer)
 
 
 def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:

@@ -90,7 +90,7 @@ class Trainer:
         if dist.placement.tpu_strategy is not None and len(self.stage_groups) > 1:
             where = {id(v.value): s for v, s in zip(model.trainable_variables, stage_of)}
             inner = getattr(optimizer, "inner_optimizer", optimizer)  # under LossScaleOptimizer
-            inner.placement_of = lambda var: dist.placement.stage(owning_stage(where, var))
+            inner.placement_of = lambda var: dist.placement.at(layers=owning_stage(where, var))
         self.data_position = data_position  # SUM on read: each replica writes its input pipeline's row
         self.stop_flag = None if dist.asynchronous or dist.name == "multi_worker" else \
             tf.Variable(0, trainable=False, name="stop")
@@ -109,7 +109,7 @@ class Trainer:
         self.loss_and_grads = Staleness(self.strategy, self._loss_and_grads) if dist.asynchronous else \
             _not_stale(self._loss_and_grads)
         # one optimizer step on every replica; local SGD adds its outer step every sync_every steps
-        self.step = self.exchange.wrap(lambda element: self.strategy.run(self._replica_step, args=element),
+        self.step = self.exchange.wrap(lambda element: self.strategy.run(self.replica_step, args=element),
                                        optimizer.iterations)
         self._eval_loss = nested(self._eval_loss_fn)
         self.train_loop = tf.function(self._train_loop)
@@ -117,7 +117,7 @@ class Trainer:
 
     # ---- per replica -----------------------------------------------------------------------------
 
-    def _replica_step(self, inputs, targets, position=None):
+    def replica_step(self, inputs, targets, position=None):
         """One optimizer step on this replica; returns (loss, gradient norm, staleness, 1.0 if applied)."""
         ctx = tf.distribute.get_replica_context()
         loss, grads, staleness = self.loss_and_grads(inputs, targets)  # this replica's, scaled for a SUM
@@ -144,7 +144,7 @@ class Trainer:
         for i, indices in enumerate(self.stage_groups):
             if not indices:  # train.freeze left this stage nothing to train
                 continue
-            with self.pipeline.placement.stage(i):
+            with self.pipeline.placement.at(layers=i):
                 for k, g in zip(indices, fn([grads[k] for k in indices])):
                     out[k] = g
         return out
@@ -158,7 +158,7 @@ class Trainer:
         for i, indices in enumerate(self.stage_groups):
             if not indices:  # a stage train.freeze left nothing to train
                 continue
-            with self.pipeline.placement.stage(i):
+            with self.pipeline.placement.at(layers=i):
                 parts.append(tf.add_n([tf.reduce_sum(tf.square(grads[k])) for k in indices]))
         return tf.sqrt(tf.add_n(parts))
 
@@ -182,7 +182,7 @@ class Trainer:
         last = len(self.pipeline.stages) - 1  # the stage computing the loss
         for i in tf.range(1, k):
             loss_i, grads_i = micro(xs[i], ys[i])
-            with self.pipeline.placement.stage(last):
+            with self.pipeline.placement.at(layers=last):
                 loss_sum += loss_i
             # each stage's gradients summed where the stage lives (on TPU: its logical core), not on core 0
             grads = self.by_stage(lambda pairs: [g + gi for g, gi in pairs], list(zip(grads, grads_i)))

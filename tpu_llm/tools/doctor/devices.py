@@ -20,7 +20,7 @@ def check_devices(found: distribute.Found, name: str, reason: str, dist) -> Chec
     # what was seen must be what runs: a TPU or GPUs left unused are the classic first-contact failure
     ok = not (found.tpu and name != "tpu") and not (found.gpus and dist.device_kind != "GPU" and name != "tpu")
     return Check("devices", status(ok), f"{name} ({reason}); {dist.num_replicas} replica(s) x "
-                 f"{dist.placement.stages * dist.placement.tensor} device(s); TF lists {listed}",
+                 f"{dist.placement.mesh.per_replica} device(s); TF lists {listed}",
                  {"strategy": name, "reason": reason, "replicas": dist.num_replicas, "device_kind": dist.device_kind,
                   "logical_devices": [d.name for d in logical], "tpu_evidence": found.tpu, "gpus": found.gpus},
                  fix="" if ok else devices_fix(found, name))

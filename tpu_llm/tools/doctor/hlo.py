@@ -1,7 +1,7 @@
 """The `hlo default` and `hlo mlir` lines: where the TPU's own compiler put the model-parallel step's
 matmuls, read from the HLO it dumps (issue 38).
 
-The offline placement audit (tools/placement_audit.py) compiles the step with tf2xla on the CPU; only
+The offline placement audit (harness/placement_audit.py) compiles the step with tf2xla on the CPU; only
 a TPU runs XLA's TPU passes after that. So on a TPU VM the doctor asks XLA to dump every module it
 compiles (xla_flags.ask_dump: XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text, set before the first TPU
 contact, because XLA reads XLA_FLAGS once per process, on its first use), trains the model-parallel
@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from tpu_llm import tf_compat
 from tpu_llm.parallel import distribute
-from tpu_llm.tools import placement_audit
-from tpu_llm.tools.compiled_step import Module
+from tpu_llm.harness import placement_audit
+from tpu_llm.harness.compiled_step import Module
 from tpu_llm.tools.doctor.report import FIX, Check
 from tpu_llm.training import build
 

@@ -7,7 +7,8 @@ import tensorflow as tf
 
 from tpu_llm.config import load_config
 from tpu_llm.model import GPT
-from tpu_llm.tools import plan, xla_memory
+from tpu_llm.harness import xla_memory
+from tpu_llm.tools import plan
 from tpu_llm.tools.doctor.report import Check, status
 
 # the memory check's model: one llama block (grouped-query attention: 2 query heads share 1 key/value

@@ -1,5 +1,5 @@
 """TF's real TPUStrategy with no TPU, and the run's train step built on it: what the placement audits
-(tools/placement_audit.py) trace and compile.
+(harness/placement_audit.py) trace and compile.
 
 A resolver answers what TPUStrategy asks about N cores that do not exist (a hand-built one-host
 topology), and a variable creator makes each TPU variable on the CPU instead, recording the logical
@@ -23,11 +23,12 @@ import tensorflow as tf
 
 from tpu_llm import tf_compat
 from tpu_llm.config import load_config
-from tpu_llm.data.dataset import POSITION_FIELDS
+from tpu_llm.data.lanes import POSITION_FIELDS
 from tpu_llm.model import GPT, families
-from tpu_llm.parallel import pipeline, tpu
-from tpu_llm.parallel.distribute import Distribution, Placement
-from tpu_llm.training.optimizer import make_optimizer
+from tpu_llm.parallel import tpu
+from tpu_llm.parallel.distribute import Distribution
+from tpu_llm.parallel.mesh import Mesh, Placement
+from tpu_llm.training.assemble import assemble
 from tpu_llm.training.trainer import Trainer
 
 REPLICAS = 2
@@ -163,8 +164,8 @@ class Step:
 def build_step(stages: int, tensor: int, *, precision: str = "mixed_bfloat16", dropout: float = 0.1,
                grad_accum: int = 2, family: str = "gpt2") -> Step:
     """A tiny model laid out as `stages` x `tensor` per replica on 2 replicas' worth of offline TPU
-    cores, with its optimizer (LossScaleOptimizer under mixed_float16) and Trainer, as build_run makes
-    them. The global dtype policy is left as it was."""
+    cores, with its optimizer (LossScaleOptimizer under mixed_float16) and Trainer, as a run assembles
+    them (training/assemble.py). The global dtype policy is left as it was."""
     n_layer = max(4, stages)
     model_keys = {"model.family": family, "model.n_layer": n_layer, "model.n_head": 4, "model.n_embd": 32,
                   "model.max_len": MAX_LEN, "model.dropout": dropout, "model.vocab_size": 64}
@@ -172,26 +173,21 @@ def build_step(stages: int, tensor: int, *, precision: str = "mixed_bfloat16", d
     cfg = load_config(None, {**model_keys, "data.seq_len": SEQ_LEN, "train.grad_accum": grad_accum,
                              "parallel.pipeline_stages": stages, "parallel.tensor": tensor})
     strategy = offline_tpu_strategy(stages * tensor, REPLICAS * stages * tensor)
-    placement = Placement(stages, tpu_strategy=strategy, tensor=tensor)
+    placement = Placement(Mesh(REPLICAS, stages, tensor), tpu_strategy=strategy)
     dist = Distribution(strategy, "tpu", "offline audit", "TPU", jit_compile=False, placement=placement)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(precision)
     homes: dict = {}
     start = time.perf_counter()
     try:
-        parts = pipeline.partition(cfg.model, 64, SEQ_LEN, stages)
+        compute = assemble(cfg, dist, lambda: variables_on_the_cpu(homes, strategy))
+        model, optimizer, parts = compute.model, compute.optimizer, compute.stages
         with variables_on_the_cpu(homes, strategy), strategy.scope():
-            model = pipeline.build_weights(GPT(cfg.model, 64), parts, placement)
-            optimizer = make_optimizer(cfg.train, model)
-            if precision == "mixed_float16":
-                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-                optimizer.build(model.trainable_variables)
             # each replica's element carries a (grad_accum, fields) position update (Step.function)
             position = tf.Variable(tf.zeros([grad_accum, len(POSITION_FIELDS)], tf.int64), trainable=False,
                                    name="data_position", synchronization=tf.VariableSynchronization.ON_READ,
                                    aggregation=tf.VariableAggregation.SUM)
-        trainer = Trainer(dist, model, optimizer, cfg.train, pipeline.Pipeline(model, parts, placement),
-                          execution="graph", data_position=position)
+        trainer = compute.trainer(position, execution="graph")
         step = Step(stages, tensor, precision, grad_accum, family, dropout, strategy, model, optimizer, trainer,
                     parts, homes, position)
         step.function("train")  # traced under the policy the model was built with

@@ -38,7 +38,7 @@ def measure(cfgs: list[Config], vocab: int, timeout: float = 1800, state: bool =
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()}
         specs = json.dumps([{"cfg": cfg.to_dict(), "vocab": vocab, "state": state} for cfg in cfgs])
         # tethered: a compile of minutes ends with this process, however it ends
-        done = tether.run([sys.executable, "-m", "tpu_llm.tools.xla_memory", dump], input=specs, env=env, text=True,
+        done = tether.run([sys.executable, "-m", "tpu_llm.harness.xla_memory", dump], input=specs, env=env, text=True,
                            capture_output=True, timeout=timeout)
         if done.returncode:
             raise RuntimeError(f"XLA compile failed: {done.stderr[-2000:]}")
@@ -51,7 +51,7 @@ def micro_step(cfg: Config, built):
     import tensorflow as tf
 
     from tpu_llm.parallel import pipeline
-    from tpu_llm.parallel.distribute import Placement
+    from tpu_llm.parallel.mesh import Placement
 
     stages = pipeline.partition(cfg.model, built.vocab_size, cfg.data.seq_len, 1)
     pipe = pipeline.Pipeline(built, stages, Placement(), 1, cfg.parallel.remat, cfg.train.loss_chunk)
@@ -63,33 +63,40 @@ def micro_step(cfg: Config, built):
     return tf.function(micro, jit_compile=True)
 
 
-def model(cfg: Config, vocab: int):
-    """The model as a run builds it (training/build.py): LoRA's adapters (train.lora_rank) and
-    train.freeze's layers marked not trainable, so that the programs differentiate what a run does."""
-    from tpu_llm.model import GPT, lora
-    from tpu_llm.training.optimizer import freeze
+def _one_device(cfg: Config, vocab: int):
+    """(the config with `vocab` ids and one stage, one tensor group, one replica; the default distribution)."""
+    import dataclasses
 
-    built = GPT(cfg.model, vocab, lora.spec(cfg)).build_weights()
-    freeze(cfg.train, built)
-    return built
-
-
-def train_step(cfg: Config, built):
-    """The trainer's whole replica step for one device (training/trainer.py's `_replica_step`: loss and
-    gradients, their reduction and clipping, AdamW's guarded update), XLA-compiled, and its optimizer."""
     import tensorflow as tf
 
-    from tpu_llm.parallel import pipeline
     from tpu_llm.parallel.distribute import Distribution
-    from tpu_llm.training.optimizer import make_optimizer
-    from tpu_llm.training.trainer import Trainer
 
-    dist = Distribution(tf.distribute.get_strategy(), "default", "xla_memory", "CPU")
-    stages = pipeline.partition(cfg.model, built.vocab_size, cfg.data.seq_len, 1)
-    pipe = pipeline.Pipeline(built, stages, dist.placement, 1, cfg.parallel.remat, cfg.train.loss_chunk)
-    optimizer = make_optimizer(cfg.train, built)
-    trainer = Trainer(dist, built, optimizer, cfg.train, pipe, "xla")
-    return tf.function(lambda x, y: trainer._replica_step(x, y), jit_compile=True), optimizer
+    one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab),
+                              parallel=dataclasses.replace(cfg.parallel, pipeline_stages=1, tensor=1, microbatches=1))
+    return one, Distribution(tf.distribute.get_strategy(), "default", "xla_memory", "CPU")
+
+
+def model(cfg: Config, vocab: int):
+    """The model as a run builds it (training/assemble.py's build_model): adapters (train.lora_rank) and
+    train.freeze's layers marked not trainable, so that the programs differentiate what a run does."""
+    from tpu_llm.parallel import pipeline
+    from tpu_llm.training.assemble import build_model
+
+    one, dist = _one_device(cfg, vocab)
+    return build_model(one, dist, pipeline.partition(one.model, vocab, one.data.seq_len, 1))
+
+
+def train_step(cfg: Config, vocab: int):
+    """The trainer's whole replica step for one device (training/trainer.py's `replica_step`: loss and
+    gradients, their reduction and clipping, AdamW's guarded update), XLA-compiled, and the run's compute
+    (training/assemble.py's Assembly) it steps."""
+    import tensorflow as tf
+
+    from tpu_llm.training.assemble import assemble
+
+    compute = assemble(*_one_device(cfg, vocab))
+    trainer = compute.trainer(execution="xla")
+    return tf.function(lambda x, y: trainer.replica_step(x, y), jit_compile=True), compute
 
 
 def _compiled(fn, x, dump: str) -> str:
@@ -131,12 +138,12 @@ def state(cfg: Config, vocab: int, gradients: bool = True) -> dict:
     import tensorflow as tf
 
     x = tf.zeros([cfg.train.batch_size, cfg.data.seq_len], tf.int32)
-    built = model(cfg, vocab)
+    step, compute = train_step(cfg, vocab)
+    built, optimizer = compute.model, compute.optimizer
     out = {"trained": 0, "optimizer": 0, "frozen": 0, "batch": 0}
     if gradients:
         _, outputs, _ = _entry(micro_step(cfg, built).experimental_get_compiler_ir(x, x)(stage="optimized_hlo"))
         out["gradients"] = sum(outputs[1:])
-    step, optimizer = train_step(cfg, built)
     params, _, written = _entry(step.experimental_get_compiler_ir(x, x)(stage="optimized_hlo"))
     function = step.get_concrete_function(x, x)
     kind = {id(v.value.handle): "trained" for v in built.trainable_variables}

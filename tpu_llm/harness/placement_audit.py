@@ -4,9 +4,9 @@
 A device annotation is only a claim until the compiled program shows it: TF's TPU compiler inlines
 nested functions giving every inlined op the device of the call, and what is left without a core is
 placed by XLA (TPUStrategy's own rule says core 0). So the audit that counts is `compiled`: the run's
-Trainer is built on TF's real TPUStrategy with no TPU (tools/offline_tpu.py), its train loop traced
+Trainer is built on TF's real TPUStrategy with no TPU (harness/offline_tpu.py), its train loop traced
 through `TPUStrategy.run`, and its replica computation compiled to HLO as a TPU's TPUCompile would,
-by TensorFlow's own XlaCompiler (tools/compiled_step.py says what is reproduced and what is not).
+by TensorFlow's own XlaCompiler (harness/compiled_step.py says what is reproduced and what is not).
 It counts per logical core the `dot`/`convolution` instructions, forward and backward (an op whose
 TensorFlow name lies under a `gradient_tape`/`gradients` scope is backward), the collectives, and
 for each variable the core of its input and output and the core that computes the value written.
@@ -25,8 +25,8 @@ import re
 import time
 
 from tpu_llm.model import families, spec
-from tpu_llm.tools import compiled_step
-from tpu_llm.tools.offline_tpu import REPLICAS, Step, build_step
+from tpu_llm.harness import compiled_step
+from tpu_llm.harness.offline_tpu import REPLICAS, Step, build_step
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (2, 4)]  # (pipeline stages P, tensor groups T)
 TOLERANCE = 0.25  # each core's (stage's) share vs the mean of those that should share the work
