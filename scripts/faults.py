@@ -499,7 +499,7 @@ def tasks_of(cluster: str) -> list[int]:
 
 def launcher_kill_row(ps: int):
     """SIGKILL of `tpu-llm launch` itself mid-run: every task must be gone within 30 s (they get SIGTERM
-    from the kernel, tpu_llm/tether.py), the cluster having saved a checkpoint on its way out."""
+    from the kernel, tpu_llm/platform/tether.py), the cluster having saved a checkpoint on its way out."""
     def run(bench: Bench, name: str) -> Outcome:
         run_dir = bench.dir(name) / "run"
         args = ["launch", "--workers", "2", "--ps", str(ps), "--", *bench.train_args(run_dir, 4000), *CLUSTER,

@@ -15,17 +15,17 @@ import subprocess
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before anything imports TensorFlow
-# the MFU peak's machine-wide cache (tpu_llm/peak.py): one per test process, never the user's own
+# the MFU peak's machine-wide cache (tpu_llm/platform/peak.py): one per test process, never the user's own
 os.environ["XDG_CACHE_HOME"] = __import__("tempfile").mkdtemp(prefix="tpu-llm-test-cache-")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from helpers import CPU_DEVICES, terraform, write_corpus  # noqa: E402
+from helpers import CPU_DEVICES, copy_run, terraform, write_corpus  # noqa: E402
 
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                            [tf.config.LogicalDeviceConfiguration()] * CPU_DEVICES)
 
-from tpu_llm import perf  # noqa: E402
+from tpu_llm.platform import perf  # noqa: E402
 
 _measure_matmul_flops, _measured = perf.measured_matmul_flops, {}
 
@@ -102,3 +102,22 @@ output "choice" { value = module.runtime }
         return json.loads(out.stdout)
 
     return choose
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    """A copy of the requesting module's `trained` run (its fixture: the run and its flags), to damage."""
+    return copy_run(trained, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A trained base run (no adapters) for train.init_from, in the returned folder's base/."""
+    from helpers import quiet, tiny_config
+
+    from tpu_llm.training.controller import train
+
+    tmp = tmp_path_factory.mktemp("lora")
+    train(tiny_config(tmp, **{"run_dir": str(tmp / "base"), "train.steps": 2, "train.steps_per_loop": 2,
+                              "execution": "graph"}), say=quiet)
+    return tmp

@@ -28,6 +28,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -543,3 +544,43 @@ def remote(argv: list[str]) -> list[str]:
     """The lines of an ssh --command=... script."""
     assert argv[-1].startswith("--command=")
     return argv[-1][len("--command="):].splitlines()
+
+
+# ---- refusals that change nothing (tests/test_trust_boundaries.py, test_run_consistency.py) ----------
+
+
+def state(root: Path) -> dict[str, str]:
+    """Every entry under `root`: a regular file by content hash, anything else by its kind (a FIFO is not opened)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode):
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+            else:
+                out[os.path.relpath(path, root)] = stat.filemode(info.st_mode)[0]
+    return out
+
+
+class Refusal:
+    """`tpu-llm ARGS` in this process, within `seconds`; `watch`ed directories compared before and after."""
+
+    def __init__(self, capsys, args: list, *watch: Path, seconds: float = 120):
+        from tpu_llm.cli import main
+
+        before = [state(w) for w in watch]
+        capsys.readouterr()
+        with time_limit(seconds):
+            self.code = main([str(a) for a in args])
+        self.stdout, self.stderr = capsys.readouterr()
+        self.changed = [str(w) for w, b in zip(watch, before) if state(w) != b]
+
+    def assert_refused(self, *words: str) -> str:
+        lines = self.stderr.splitlines()
+        assert self.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (self.code, self.stderr[-3000:])
+        assert "Traceback" not in self.stderr + self.stdout
+        assert all(w in lines[0] for w in words), lines[0]
+        assert not self.changed, f"changed: {self.changed}"
+        return lines[0]

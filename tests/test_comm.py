@@ -10,12 +10,12 @@ import pytest
 import tensorflow as tf
 from helpers import ReducedSGD, metrics, tiny_config
 
-from tpu_llm import perf
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.parallel import comm
 from tpu_llm.parallel.distribute import get_strategy
+from tpu_llm.platform import perf
 from tpu_llm.training.controller import build_run, train
 from tpu_llm.training.optimizer import make_optimizer
 from tpu_llm.training.trainer import Trainer

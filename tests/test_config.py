@@ -8,7 +8,7 @@ import yaml
 from helpers import tiny_config
 
 from tpu_llm.config import Config, config_from_dict, load_config, validate
-from tpu_llm.config_reading import parse_set_args
+from tpu_llm.config.reading import parse_set_args
 from tpu_llm.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ def test_n_embd_not_divisible_by_n_head():
     with pytest.raises(UserError) as e:
         load_config(None, {"model.n_embd": 30, "model.n_head": 4})
     assert str(e.value) == ("config: model.n_embd=30 is not divisible by model.n_head=4; "
-                            "valid n_head values: 1, 2, 3, 5, 6, 10, 15, 30")
+                            "valid n_head values: 1, 2, 3, 5, 6, 10, 15, 30 (or give model.head_dim)")
 
 
 def test_seq_len_exceeds_max_len():

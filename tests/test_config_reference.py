@@ -24,7 +24,7 @@ def test_every_key_is_documented():
         keys = [f"{section}.{k}" for k in vars(value)] if hasattr(value, "__dataclass_fields__") else [section]
         for key in keys:
             row = next(line for line in reference.splitlines() if line.startswith(f"| `{key}` |"))
-            assert not row.endswith("|  |"), f"{key} has no comment in tpu_llm/config.py"
+            assert not row.endswith("|  |"), f"{key} has no comment in tpu_llm/config/schema.py"
 
 
 def test_write_replaces_only_the_block(tmp_path):

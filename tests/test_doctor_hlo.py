@@ -11,7 +11,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from tpu_llm import tf_compat, xla_flags
+from tpu_llm.platform import tf_compat, xla_flags
 from tpu_llm.tools.doctor import hlo
 from tpu_llm.tools.doctor.report import FIX
 
@@ -25,7 +25,7 @@ DUMP = """
 import json, sys
 import tensorflow as tf
 tf.matmul(tf.ones([2, 2]), tf.ones([2, 2]))
-from tpu_llm import xla_flags
+from tpu_llm.platform import xla_flags
 xla_flags.ask_dump(sys.argv[1])
 tf.function(lambda x: tf.matmul(x, x), jit_compile=True)(tf.ones([4, 4]))
 from tpu_llm.harness import compiled_step, placement_audit

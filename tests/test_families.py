@@ -14,10 +14,9 @@ import pytest
 import tensorflow as tf
 from helpers import tiny_config
 
-from tpu_llm.model import spec
 from tpu_llm.config import ModelConfig, load_config
 from tpu_llm.errors import UserError
-from tpu_llm.model import GPT, loss_fn
+from tpu_llm.model import GPT, families, loss_fn, spec
 from tpu_llm.parallel import pipeline
 from tpu_llm.tools import plan
 
@@ -147,8 +146,12 @@ def test_qwen2_5_presets_have_the_published_parameter_counts_and_plan(preset, pu
 
 @pytest.mark.parametrize("overrides, message", [
     ({"model.family": "gemma"}, "model.family='gemma'; valid choices: gpt2, llama, qwen2, mistral"),
-    ({"model.family": "llama"}, "model.bias=true: the llama family has no biases; set model.bias=false"),
-    ({"model.family": "mistral"}, "model.bias=true: the mistral family has no biases; set model.bias=false"),
+    ({"model.family": "llama", "model.bias": True}, "model.bias=true: the llama family has no biases; set "
+                                                    "model.bias=false"),
+    ({"model.family": "mistral", "model.bias": True}, "model.bias=true: the mistral family has no biases; set "
+                                                      "model.bias=false"),
+    ({"model.head_dim": 16}, "model.head_dim=16: gpt2's heads are n_embd / n_head wide"),
+    ({"model.family": "llama", "model.head_dim": 15}, r"model.n_embd / model.n_head\) = 15 is odd"),
     ({"model.family": "qwen2", "model.bias": False}, "the qwen2 family has q/k/v biases .*use model.family=llama"),
     ({"model.rope_scaling": "llama3"}, "model.rope_scaling='llama3': gpt2 learns its positions"),
     ({"model.family": "llama", "model.bias": False, "model.rope_scaling": "yarn"},
@@ -172,6 +175,18 @@ def test_qwen2_5_presets_have_the_published_parameter_counts_and_plan(preset, pu
 def test_family_settings_that_cannot_work_are_one_line_errors(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(None, overrides)
+
+
+def test_a_family_brings_its_defaults_where_the_config_gives_none(tmp_path):
+    """model.family alone is enough: llama and mistral have no biases, qwen2 and gpt2 have them (the
+    schema's default); a value the file or a flag gives is the user's, and the family checks it."""
+    assert {name: load_config(None, {"model.family": name}).model.bias for name in families.NAMES} == {
+        "gpt2": True, "llama": False, "qwen2": True, "mistral": False}
+    (tmp_path / "llama.yaml").write_text("model:\n  family: llama\n  bias: true\n")
+    with pytest.raises(UserError, match="model.bias=true: the llama family has no biases"):
+        load_config(str(tmp_path / "llama.yaml"))
+    (tmp_path / "plain.yaml").write_text("model:\n  family: mistral\n")
+    assert load_config(str(tmp_path / "plain.yaml")).model.bias is False
 
 
 def test_llama_run_exports_a_savedmodel_whose_logits_and_greedy_ids_match(tmp_path):

@@ -1,4 +1,4 @@
-"""tpu_llm/files.py: a file written whole or not at all, never through a link, nothing left beside it."""
+"""tpu_llm/platform/files.py: a file written whole or not at all, never through a link, nothing left beside it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import stat
 import pytest
 import tensorflow as tf
 
-from tpu_llm.files import write_atomically
+from tpu_llm.platform.files import write_atomically
 
 
 def test_the_file_is_replaced_whole_with_the_mode_open_gives(tmp_path):

@@ -17,7 +17,7 @@ from helpers import CORPUS_LINES, snapshot, tiny_config, write_corpus  # noqa: E
 from tpu_llm import cli  # noqa: E402
 from tpu_llm.errors import UserError  # noqa: E402
 from tpu_llm.model.sampling import continuation  # noqa: E402
-from tpu_llm.run_layout import HF_FILE  # noqa: E402
+from tpu_llm.platform.run_layout import HF_FILE  # noqa: E402
 from tpu_llm.tokenizers import SPEC_FILE, build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
 from tpu_llm.tokenizers.hf import HFTokenizer, load_hf_tokenizer, write_hf_tokenizer  # noqa: E402
 

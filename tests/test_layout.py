@@ -19,8 +19,7 @@ PACKAGE = ROOT / "tpu_llm"
 LAYERS = [
     # leaves anyone may import; the model's TensorFlow-free declarations (its spec and families) among them:
     # config.py validates a model section with them
-    {"__init__", "config", "config_reading", "config_lora", "errors", "tf_compat", "perf", "tether", "native_log",
-     "peak", "run_layout", "files", "tpu_chips", "xla_flags", "model.spec", "model.families"},
+    {"__init__", "errors", "config", "platform", "model.spec", "model.families"},
     {"cloud", "tokenizers", "model"},
     {"data"},
     {"parallel"},
@@ -137,26 +136,22 @@ def test_tests_import_the_package_without_sys_path_edits():
     assert not edits, edits
 
 
-MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80
-# Longer ones, each with its reason: "path" for a module, "path::function" for a function (nested ones too).
-LONG = {
-    "tpu_llm/model/attention.py::_flash": ("one custom gradient: the forward pass and its backward share the "
-                                           "blocking, the mask and the saved log-sum-exp as closures; apart, "
-                                           "each loop body would take a dozen arguments"),
-}
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 60
+REASON = "Long because"  # how a longer function's docstring starts the line that says why (nested ones too)
 
 
-def test_no_module_over_600_lines_and_no_function_over_80_without_a_reason():
-    long = []
+def test_no_module_over_500_lines_and_no_function_over_60_without_its_reason():
+    long, unsaid = [], []
     for path in modules().values():
         name, text = path.relative_to(ROOT).as_posix(), path.read_text()
         if len(text.splitlines()) > MAX_MODULE_LINES:
-            long.append(name)
-        long += [f"{name}::{node.name}" for node in ast.walk(ast.parse(text))
-                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
-    assert not [x for x in long if x not in LONG], (
-        f"over {MAX_MODULE_LINES} lines (a module) or {MAX_FUNCTION_LINES} (a function): split it by concern, or add "
-        f"it to LONG with the reason: {[x for x in long if x not in LONG]}")
-    assert all(LONG.values()), "every entry of LONG says why"
-    assert not [x for x in LONG if x not in long], f"no longer long: remove from LONG {[x for x in LONG if x not in long]}"
+            long.append(f"{name} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                doc = ast.get_docstring(node) or ""
+                if not any(line.strip().startswith(REASON) for line in doc.splitlines()):
+                    unsaid.append(f"{name}::{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, f"over {MAX_MODULE_LINES} lines: split by concern: {long}"
+    assert not unsaid, (f"over {MAX_FUNCTION_LINES} lines without a docstring line starting {REASON!r}: split it, "
+                        f"or say why: {unsaid}")

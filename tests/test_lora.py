@@ -1,4 +1,4 @@
-"""LoRA (train.lora_*, model/lora.py) without the reference implementation: its settings, the adapters'
+"""LoRA (train.lora_*, model/adapters.py) without the reference implementation: its settings, the adapters'
 initial values, a frozen base through training, exact resume, a base run's weights (train.init_from),
 and pipeline stages and tensor groups giving the plain model's loss and adapter gradients. Against
 PEFT itself: tests/test_lora_peft.py."""
@@ -6,8 +6,8 @@ PEFT itself: tests/test_lora_peft.py."""
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 
 import keras
 import numpy as np
@@ -15,10 +15,11 @@ import pytest
 import tensorflow as tf
 from helpers import CPUS, LLAMA, loss_and_grads, quiet, tiny_config
 
-from tpu_llm import perf
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
-from tpu_llm.model import GPT, lora
+from tpu_llm.model import GPT
+from tpu_llm.model import adapters as lora
+from tpu_llm.platform import perf
 from tpu_llm.training import progress
 from tpu_llm.training.controller import build_run, train
 
@@ -32,7 +33,7 @@ def lora_model(family="gpt2", n_layer=2, targets=None, **model) -> GPT:
                              "train.lora_rank": 2, "train.lora_targets": targets or ALL[family],
                              **{f"model.{k}": v for k, v in model.items()}})
     keras.utils.set_random_seed(0)
-    net = GPT(cfg.model, 64, lora.spec(cfg)).build_weights()
+    net = GPT(cfg.model, 64, lora.adapters_for(cfg)).build_weights()
     for layer in lora.adapted(net):
         layer.lora_b.assign(tf.random.stateless_normal(layer.lora_b.shape, [1, 2], stddev=0.1))
     return net
@@ -60,16 +61,16 @@ def test_bad_lora_settings_are_one_line(overrides, words):
 def test_a_negative_rank_is_refused_and_0_is_off():
     with pytest.raises(UserError, match=r"train.lora_rank=-1 must be >= 0 \(0 = off\)"):
         load_config(None, {"train.lora_rank": -1})
-    assert lora.spec(load_config(None, {"train.lora_targets": "nonsense"})) is None  # off: the targets are not read
+    assert lora.adapters_for(load_config(None, {"train.lora_targets": "nonsense"})) is None  # off: the targets are not read
 
 
 def test_peft_default_targets_and_module_names_map_onto_the_layers():
-    gpt2 = lora.spec(load_config(None, {"train.lora_rank": 8}))
+    gpt2 = lora.adapters_for(load_config(None, {"train.lora_rank": 8}))
     assert gpt2.layers == {"attn/qkv"} and gpt2.scale == 1.0  # PEFT's defaults: c_attn, alpha 8
-    llama = lora.spec(load_config(None, {"train.lora_rank": 4, "train.lora_alpha": 16, "model.family": "llama",
+    llama = lora.adapters_for(load_config(None, {"train.lora_rank": 4, "train.lora_alpha": 16, "model.family": "llama",
                                          "model.bias": False}))
     assert llama.layers == {"attn/q", "attn/v"} and llama.scale == 4.0
-    both = lora.spec(load_config(None, {"train.lora_rank": 4, "train.lora_targets": "c_proj"}))
+    both = lora.adapters_for(load_config(None, {"train.lora_rank": 4, "train.lora_targets": "c_proj"}))
     assert both.layers == {"attn/proj", "mlp/proj"}  # PEFT matches c_proj in the attention and the MLP
 
 
@@ -80,7 +81,7 @@ def test_new_adapters_leave_the_model_as_it_was_and_a_is_kaiming_uniform_as_peft
                              "data.seq_len": 16, "train.lora_rank": 4, "train.lora_targets": ALL["gpt2"]})
     keras.utils.set_random_seed(0)
     plain = GPT(cfg.model, 64).build_weights()
-    adapted = GPT(cfg.model, 64, lora.spec(cfg)).build_weights()
+    adapted = GPT(cfg.model, 64, lora.adapters_for(cfg)).build_weights()
     lora.copy_base(plain, adapted)
     ids = tf.constant([[1, 5, 9, 2, 40]])
     np.testing.assert_array_equal(adapted(ids).numpy(), plain(ids).numpy())  # B = 0: nothing added
@@ -108,7 +109,7 @@ def test_adapter_dropout_drops_the_adapters_input_only_in_training():
     cfg = load_config(None, {"model.n_layer": 1, "model.n_embd": 32, "model.max_len": 16, "data.seq_len": 16,
                              "train.lora_rank": 2, "train.lora_dropout": 0.5})
     keras.utils.set_random_seed(0)
-    net = GPT(cfg.model, 64, lora.spec(cfg)).build_weights()
+    net = GPT(cfg.model, 64, lora.adapters_for(cfg)).build_weights()
     layer = net.blocks[0].attn.qkv
     layer.lora_b.assign(tf.ones(layer.lora_b.shape))
     x = tf.random.stateless_normal([2, 5, 32], [3, 4])
@@ -163,15 +164,6 @@ def lora_cfg(tmp_path, run, steps=8, **overrides):
 
 def by_path(model) -> dict:
     return {path: v.numpy() for path, v in model.by_path().items()}
-
-
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """A trained base run (no adapters) for train.init_from."""
-    tmp = tmp_path_factory.mktemp("lora")
-    train(tiny_config(tmp, **{"run_dir": str(tmp / "base"), "train.steps": 2, "train.steps_per_loop": 2,
-                              "execution": "graph"}), say=quiet)
-    return tmp
 
 
 def test_training_moves_only_the_adapters_and_resume_is_exact(base_run):
@@ -231,7 +223,7 @@ def test_the_plan_charges_optimizer_state_and_gradients_for_the_adapters_alone(t
     cfg = tiny_config(tmp_path, **{"train.lora_rank": 4, "train.lora_targets": ALL[family], "model.n_layer": 4,
                                    "parallel.pipeline_stages": stages, "cpu_devices": stages, "train.grad_accum": 1,
                                    **({"model.family": "llama", "model.bias": False} if family == "llama" else {})})
-    model = GPT(cfg.model, 257, lora.spec(cfg)).build_weights()
+    model = GPT(cfg.model, 257, lora.adapters_for(cfg)).build_weights()
     trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
     assert 0 < trainable < spec.params(cfg.model, 257) / 3
     memory = plan.plan(cfg, plan.Accelerator("cpu", "CPU", 1, 100e9, 16 * plan.GIB, "fixed")).memory

@@ -1,4 +1,4 @@
-"""A LoRA run's frozen base stored in bfloat16 or int8 (train.lora_base_dtype, model/lora.py's FrozenDense):
+"""A LoRA run's frozen base stored in bfloat16 or int8 (train.lora_base_dtype, model/adapters.py's FrozenDense):
 the variables' dtypes, the quantized model's logits against the float32 one, training that moves only the
 float32 adapters (the stored base bit for bit the same), exact resume, pipeline stages x tensor groups and
 mirrored replicas following the single-device run, the float32 merged export, and the planner's bytes."""
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import CPUS, LLAMA, loss_and_grads, quiet, tiny_config
-from test_lora import base_run  # noqa: F401 (the fixture: a trained float32 base run for train.init_from)
 
 from tpu_llm.config import load_config, validate
 from tpu_llm.errors import UserError
 from tpu_llm.interop.export import load_float32
-from tpu_llm.model import GPT, lora
+from tpu_llm.model import GPT
+from tpu_llm.model import adapters as lora
 from tpu_llm.training.checkpoint import load_for_generation
 from tpu_llm.training.controller import build_run, train
 
@@ -34,8 +34,8 @@ def pair(family: str, base_dtype: str, targets: str):
     values = {"model.n_layer": 2, "model.n_embd": 32, "model.max_len": 16, "data.seq_len": 16, "train.lora_rank": 2,
               "train.lora_targets": targets, **{f"model.{k}": v for k, v in model.items()}}
     keras.utils.set_random_seed(0)
-    full = GPT((cfg := load_config(None, values)).model, 64, lora.spec(cfg)).build_weights()
-    stored = GPT(cfg.model, 64, lora.spec(load_config(None, {**values, "train.lora_base_dtype": base_dtype})))
+    full = GPT((cfg := load_config(None, values)).model, 64, lora.adapters_for(cfg)).build_weights()
+    stored = GPT(cfg.model, 64, lora.adapters_for(load_config(None, {**values, "train.lora_base_dtype": base_dtype})))
     stored = stored.build_weights()
     lora.copy_base(full, stored)
     for ours, theirs in zip(lora.adapted(full), lora.adapted(stored)):
@@ -175,18 +175,18 @@ def test_an_int8_base_trains_under_stages_and_groups_or_replicas_as_on_one_devic
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_plan_holds_the_stored_base_at_its_bytes(family):
-    """The planned parameter bytes (one stage: plan.stage_memory's) are the built model's variables' bytes,
+    """The planned parameter bytes (one stage: plan_memory.stage_memory's) are the built model's variables' bytes,
     each at its dtype's size: the base's kernels at 2 or 1 (+ 4 per scale), everything else at 4."""
     from tpu_llm.parallel import pipeline
-    from tpu_llm.tools import plan
+    from tpu_llm.tools import plan_memory
 
     for base_dtype in ("float32", "bfloat16", "int8"):
         cfg = load_config(None, {"train.lora_rank": 4, "train.lora_targets": SOME[family], "model.n_layer": 2,
                                  "model.n_embd": 32, "model.n_head": 4, "model.max_len": 16, "data.seq_len": 16,
                                  "train.lora_base_dtype": base_dtype,
                                  **({"model.family": "llama", "model.bias": False} if family == "llama" else {})})
-        model = GPT(cfg.model, 64, lora.spec(cfg)).build_weights()
+        model = GPT(cfg.model, 64, lora.adapters_for(cfg)).build_weights()
         held = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in model.weights
                    if "seed_generator" not in v.path)
         [stage] = pipeline.partition(cfg.model, 64, 16, 1)
-        assert plan.parameter_bytes(cfg, stage, plan.adapter_params(cfg, stage)) == held, base_dtype
+        assert plan_memory.parameter_bytes(cfg, stage, plan_memory.adapter_params(cfg, stage)) == held, base_dtype

@@ -25,7 +25,7 @@ from helpers import TINY_FLAGS
 import tpu_llm
 from tpu_llm import cli
 from tpu_llm.config import load_config
-from tpu_llm.config_reading import PRESETS_DIR, presets
+from tpu_llm.config.reading import PRESETS_DIR, presets
 from tpu_llm.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent

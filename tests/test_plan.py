@@ -27,10 +27,10 @@ import pytest
 from helpers import tiny_config
 
 from tpu_llm import cli
-from tpu_llm.model import spec
 from tpu_llm.config import load_config
 from tpu_llm.errors import UserError
-from tpu_llm.tools import plan
+from tpu_llm.model import spec
+from tpu_llm.tools import plan, plan_time
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2 = str(REPO / "configs" / "gpt2_125m.yaml")
@@ -42,7 +42,7 @@ CPU = plan.Accelerator("cpu", "CPU", 1, 100e9, 16 * plan.GIB, "fixed for the tes
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 7, 16])
 def test_gpipe_bubble_equals_formula_for_equal_stages(stages, microbatches):
-    step, bubble, busy = plan.simulate([0.5] * stages, microbatches)
+    step, bubble, busy = plan_time.simulate([0.5] * stages, microbatches)
     assert bubble == pytest.approx((stages - 1) / (microbatches + stages - 1), abs=1e-12)
     assert step == pytest.approx((microbatches + stages - 1) * 0.5 * 3)  # forward + 2x backward per slot
     assert busy == pytest.approx([microbatches / (microbatches + stages - 1)] * stages)
@@ -50,22 +50,22 @@ def test_gpipe_bubble_equals_formula_for_equal_stages(stages, microbatches):
 
 def test_unequal_stages_the_slowest_bounds_the_step():
     fwd, m = [1.0, 3.0, 2.0, 0.5], 8
-    step, bubble, busy = plan.simulate(fwd, m)
+    step, bubble, busy = plan_time.simulate(fwd, m)
     # identical micro-batches flow like a flow shop: fill with every stage once, then the slowest paces
     assert step == pytest.approx(3 * (sum(fwd) + (m - 1) * max(fwd)))
     assert step >= 3 * m * max(fwd)
     assert busy.index(max(busy)) == fwd.index(max(fwd))
     assert bubble > (len(fwd) - 1) / (m + len(fwd) - 1)  # imbalance adds to the formula's bubble
-    long_step, _, long_busy = plan.simulate(fwd, 1000)
+    long_step, _, long_busy = plan_time.simulate(fwd, 1000)
     assert long_step / (1000 * 3 * max(fwd)) == pytest.approx(1.0, abs=0.01)
     assert max(long_busy) == pytest.approx(1.0, abs=0.01)
 
 
 def test_simulator_per_stage_backward_ratios_and_transfers():
-    step, _, _ = plan.simulate([1.0, 1.0], 1, backward_ratio=[2.0, 3.0], transfer_seconds=0.25)
+    step, _, _ = plan_time.simulate([1.0, 1.0], 1, backward_ratio=[2.0, 3.0], transfer_seconds=0.25)
     assert step == pytest.approx(1 + 0.25 + 1 + 3 + 0.25 + 2)  # one micro-batch: the critical path
     with pytest.raises(ValueError):
-        plan.simulate([], 4)
+        plan_time.simulate([], 4)
 
 
 # -- accelerators ----------------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def test_pipeline_plan_uses_the_partition_and_the_simulator():
     assert result.replicas == 2 and result.micro_batch == 256 // 2 // 8
     assert [s.blocks for s in result.stages] == [s.blocks for s in plan.pipeline.partition(
         cfg.model, 50304, 1024, 4)]
-    step, bubble, _ = plan.simulate([s.flops_per_token for s in result.stages], 8)
+    step, bubble, _ = plan_time.simulate([s.flops_per_token for s in result.stages], 8)
     assert result.bubble == pytest.approx(bubble)
     # each stage's chip holds its own blocks' activations for the replica's 128 sequences
     per_block, _ = plan.block_activation_bytes(cfg, 2)

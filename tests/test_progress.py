@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import tiny_config
 
-from tpu_llm import native_log, perf
+from tpu_llm.platform import native_log, perf
 from tpu_llm.training import progress
 from tpu_llm.training.controller import train
 
@@ -81,7 +81,7 @@ def test_dropping_native_lines_keeps_everything_else(capfd):
 
 QUIET_ABSL = """
 import socket, sys
-from tpu_llm.native_log import quiet_absl
+from tpu_llm.platform.native_log import quiet_absl
 if sys.argv[1] == "quiet":
     assert quiet_absl()
 import tensorflow as tf
@@ -108,7 +108,7 @@ def test_absl_info_lines_are_silenced_at_their_source():
 
 
 def test_machine_peak_is_measured_once_and_cached(tmp_path):
-    from tpu_llm import peak
+    from tpu_llm.platform import peak
 
     path, measured, said = str(tmp_path / "cache" / "peak.json"), [], []
     first = peak.machine_peak("/CPU:0", lambda: measured.append(1) or 5e10, lambda: said.append("measuring"), path)
@@ -122,7 +122,7 @@ def test_machine_peak_is_measured_once_and_cached(tmp_path):
 
 def test_a_peak_measured_low_is_raised_by_a_run_that_reaches_more(tmp_path):
     """A peak measured on a busy machine makes MFU exceed 100%; the run that shows it raises the cache."""
-    from tpu_llm import peak
+    from tpu_llm.platform import peak
 
     path = str(tmp_path / "peak.json")
     peak.machine_peak("/CPU:0", lambda: 4e10, None, path)  # measured while busy
@@ -143,7 +143,7 @@ def test_a_peak_measured_low_is_raised_by_a_run_that_reaches_more(tmp_path):
     ({"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}, ("worker", 0), (1, 2)),
 ])
 def test_processes_of_a_run_share_their_machine_peak(cluster, task, expected):
-    from tpu_llm import peak
+    from tpu_llm.platform import peak
 
     assert peak.sharing(cluster, task) == expected
 
@@ -153,8 +153,8 @@ def test_two_local_workers_get_one_machine_peak(monkeypatch, tmp_path):
     half-machine measurement of its own)."""
     import json
 
-    from tpu_llm import perf as perf_module
     from tpu_llm.parallel.distribute import Distribution
+    from tpu_llm.platform import perf as perf_module
 
     monkeypatch.setattr(perf_module, "measured_matmul_flops", lambda *_, **__: 8e10)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

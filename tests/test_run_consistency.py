@@ -2,7 +2,7 @@
 vocabulary whatever their meta.json says (checked as the ids leave the input pipeline), and a tokenizer
 that no longer matches the one the model was trained with, on train, resume, generate and export. Each
 is one `error:` line, exit 2, and nothing in the run directory changed (tests/test_trust_boundaries.py
-holds the first round; `Refusal` comes from there).
+holds the first round; `Refusal` is tests/helpers.py's).
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
+from helpers import TINY_FLAGS, Refusal, trained_run, write_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import TINY_FLAGS, trained_run, write_corpus
-from test_trust_boundaries import Refusal, run_copy  # noqa: F401 (a fixture: a copy of this module's `trained`)
 
 from tpu_llm.data import reading, sources
 from tpu_llm.errors import UserError

@@ -1,4 +1,4 @@
-"""tpu_llm/run_layout.py: a checkpoint's step read from its name (names come from a directory listing, a
+"""tpu_llm/platform/run_layout.py: a checkpoint's step read from its name (names come from a directory listing, a
 bucket listing or a path in a message: any text), Cloud Storage's checkpoint listing on top of it, and
 docs/run-directory.md's list of a run directory's files against the module's names."""
 
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tpu_llm import run_layout
 from tpu_llm.cloud import storage
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import UNFINISHED_SUFFIX, checkpoint_name, checkpoint_step
+from tpu_llm.platform import run_layout
+from tpu_llm.platform.run_layout import UNFINISHED_SUFFIX, checkpoint_name, checkpoint_step
 
 PROPERTY = settings(max_examples=300, derandomize=True, database=None, deadline=None)
 # pieces of names that sit near the edges: digits of other scripts, signs, the words of the layout

@@ -1,4 +1,4 @@
-"""Processes that end with the process that started them (tpu_llm/tether.py): the tasks of a killed
+"""Processes that end with the process that started them (tpu_llm/platform/tether.py): the tasks of a killed
 `tpu-llm launch` stop, saving a checkpoint, in both cluster modes and with either mechanism (the
 kernel's parent-death signal on Linux, the pipe elsewhere); the parent's death is one SIGTERM however
 often the kernel signals it; a child whose parent died before it was tied exits; output to a reader
@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 from helpers import TINY_FLAGS, write_corpus
 
-from tpu_llm import tether
+from tpu_llm.platform import tether
 
 REPO = Path(__file__).resolve().parent.parent
 GONE_WITHIN = 30  # seconds after the launcher's SIGKILL by which no task may be left
 
-# the launcher under another mechanism than this platform's (tpu_llm.tether.MODE), as on macOS
+# the launcher under another mechanism than this platform's (tpu_llm.platform.tether.MODE), as on macOS
 LAUNCH_WITH = """
 import sys
-from tpu_llm import tether
+from tpu_llm.platform import tether
 tether.MODE = sys.argv[1]
 from tpu_llm.cli import main
 sys.exit(main(sys.argv[2:]))
@@ -99,7 +99,7 @@ def test_the_tasks_of_a_killed_launcher_save_and_stop(tmp_path, ps, mode):
 # to (a killed parent's threads, then PID 1); here three arrive at once, and the run sees one SIGTERM.
 THREE_DEATH_SIGNALS = """
 import os, signal, sys, time
-from tpu_llm import tether
+from tpu_llm.platform import tether
 got = []
 signal.signal(signal.SIGTERM, lambda *_: got.append(1))
 assert tether.as_child()

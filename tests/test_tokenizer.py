@@ -11,7 +11,7 @@ import tensorflow as tf
 from helpers import CORPUS_LINES, write_corpus
 
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import MARKER_FILE
+from tpu_llm.platform.run_layout import MARKER_FILE
 from tpu_llm.tokenizers import (SP_MODEL_FILE, SPEC_FILE, ByteTokenizer, CharTokenizer, SentencePieceTokenizer,
                                 build_tokenizer, load_tokenizer, save_tokenizer, train_sentencepiece)
 

@@ -24,9 +24,9 @@ from helpers import make_topology, offline_tpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpu_llm import perf
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import tpu
+from tpu_llm.platform import perf
 
 SLICES = {  # name: (mesh, host box)
     "v4-8": ([2, 2, 1, 1], [2, 2, 1, 1]),
@@ -266,7 +266,7 @@ def test_pjrt_only_where_google_documents_tensorflows_pjrt_runtime(tmp_path, dev
 def test_one_table_of_the_runtime_per_generation():
     """tpu_chips.runtime_variables, which cli/pjrt.decide and cloud/worker_plan both use: PJRT on v5e, v5p
     and v6e, TensorFlow's own TPU runtime (only its library named) on v2, v3, v4 and an unknown TPU."""
-    from tpu_llm import tpu_chips
+    from tpu_llm.platform import tpu_chips
 
     for prefix, kind, _ in tpu_chips.TYPES:
         pjrt = prefix in ("v5litepod", "v5e", "v5p", "v6e")
@@ -369,8 +369,8 @@ def test_the_generation_from_the_metadata_server_of_a_tpu_vm():
 def test_any_accelerator_type_answer_gives_a_known_generation_or_none(tmp_path_factory, answer, exported):
     """What the metadata server or the environment says is outside input: any text gives a known kind
     or none, never an error (and a runtime decision all the same)."""
-    from tpu_llm import tpu_chips
     from tpu_llm.cli import pjrt
+    from tpu_llm.platform import tpu_chips
 
     kinds = {kind for _, kind, _ in tpu_chips.TYPES}
     assert tpu_chips.kind_of_type(answer) in kinds | {None}

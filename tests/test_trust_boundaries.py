@@ -12,73 +12,32 @@ into a failure.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
-import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import TINY_FLAGS, Refusal, time_limit, trained_run, write_gpt2, write_safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import TINY_FLAGS, copy_run, time_limit, trained_run, write_gpt2, write_safetensors
 
-from tpu_llm import cli, files
+from tpu_llm import cli
 from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
+from tpu_llm.platform import files
 from tpu_llm.tools import report
 from tpu_llm.training import line_log
 
 FLAGS = [*TINY_FLAGS, "--checkpoint.every_steps=2", "--data.tokenizer=char", "--execution=graph"]
 
 
-def state(root: Path) -> dict[str, str]:
-    """Every entry under `root`: a regular file by content hash, anything else by its kind (a FIFO is not opened)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            info = os.lstat(path)
-            if stat.S_ISREG(info.st_mode):
-                with open(path, "rb") as f:
-                    out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-            else:
-                out[os.path.relpath(path, root)] = stat.filemode(info.st_mode)[0]
-    return out
-
-
-class Refusal:
-    """`tpu-llm ARGS` in this process, within `seconds`; `watch`ed directories compared before and after."""
-
-    def __init__(self, capsys, args: list, *watch: Path, seconds: float = 120):
-        before = [state(w) for w in watch]
-        capsys.readouterr()
-        with time_limit(seconds):
-            self.code = cli.main([str(a) for a in args])
-        self.stdout, self.stderr = capsys.readouterr()
-        self.changed = [str(w) for w, b in zip(watch, before) if state(w) != b]
-
-    def assert_refused(self, *words: str) -> str:
-        lines = self.stderr.splitlines()
-        assert self.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (self.code, self.stderr[-3000:])
-        assert "Traceback" not in self.stderr + self.stdout
-        assert all(w in lines[0] for w in words), lines[0]
-        assert not self.changed, f"changed: {self.changed}"
-        return lines[0]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The module's run (4 steps, checkpoints at 2 and 4) and the flags that trained it."""
     return trained_run(tmp_path_factory.mktemp("trained"), FLAGS)
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path):
-    return copy_run(trained, tmp_path)
 
 
 def resume(run: Path, flags: list) -> list:

@@ -8,7 +8,7 @@ Arguments are parsed and checked here, in full, before a command runs and before
 imported: an unknown flag or command is one `error:` line naming the nearest valid one (exit 2).
 Commands registered with `config=True` also take `--config FILE.yaml`, any config key as
 `--section.key=value` (or `--section.key value`) and `--set section.key=value` (repeatable); their
-names are checked against the config schema (tpu_llm/config.py) here, their values by `load_config`.
+names are checked against the config schema (tpu_llm/config/schema.py) here, their values by `load_config`.
 
 TensorFlow's own start-up output (C++ log lines such as CUDA's `failed call to cuInit`, absl and
 Python warnings) is kept off the terminal unless `--verbose` (or TPU_LLM_VERBOSE=1) is given.
@@ -22,12 +22,12 @@ from __future__ import annotations
 import os
 import sys
 
-from tpu_llm import native_log, tether
 from tpu_llm.cli import commands  # noqa: F401  (registers every command)
 from tpu_llm.cli import pjrt
 from tpu_llm.cli.parser import COMMANDS, Command, Flag, help_text, overview, parse
 from tpu_llm.cli.quiet import NativeLogFilter, quiet_absl, quiet_tensorflow
 from tpu_llm.errors import EXIT_USER_ERROR, RunStopped, UserError
+from tpu_llm.platform import native_log, tether
 from tpu_llm.training import goodput
 
 __all__ = ["COMMANDS", "Command", "Flag", "help_text", "main", "overview", "parse"]

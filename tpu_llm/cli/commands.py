@@ -15,7 +15,7 @@ from tpu_llm.cli.parser import command, nearest
 # generate's bounds are the config's (checked in generate_flags.py)
 from tpu_llm.config import MAX_BEAMS, MAX_NEW_TOKENS, MAX_SAMPLES, SampleConfig
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import SP_MODEL_FILE
+from tpu_llm.platform.run_layout import SP_MODEL_FILE
 
 
 @command("train", "train a GPT, or resume the run in --run_dir",
@@ -175,7 +175,7 @@ def import_(from_: str, run_dir: str, max_len: int = 0, allow_non_finite: bool =
                "warn": lambda line: print(line, file=sys.stderr)}
     result = (peft.import_with_adapter(from_, run_dir, adapter, **options) if adapter
               else hf.import_checkpoint(from_, run_dir, **options))
-    lora = f" with the LoRA adapter {adapter} (rank {result['lora_rank']})" if adapter else ""
+    lora = f" with the LoRA adapter {adapter} (rank {result['adapter_rank']})" if adapter else ""
     print(f"imported  {from_} ({result['family']}, {result['params']:,} parameters, {result['dtype']}){lora} "
           f"into {result['run_dir']} at step 0")
     print(f"next      tpu-llm generate --run_dir {result['run_dir']} --prompt 'Hello'")
@@ -227,7 +227,7 @@ def doctor(run_dir: str = "runs/doctor", tpu: str = "", strategy: str = "auto", 
            stages: int = 0, tensor: int = 0, steps: int = 4):
     import tempfile
 
-    from tpu_llm import xla_flags
+    from tpu_llm.platform import xla_flags
 
     # XLA reads XLA_FLAGS once, on first use: the hlo lines' dump is asked for before TensorFlow is imported
     dump = "" if pjrt.not_here(tpu) else xla_flags.ask_dump(tempfile.mkdtemp(prefix=xla_flags.PREFIX))
@@ -262,7 +262,7 @@ def info(config: str = "", overrides: dict | None = None):
          list="list the presets shipped in the package (--config NAME) with what each is for")
 def config_(config: str = "", overrides: dict | None = None, reference: bool = False, list_: bool = False):
     from tpu_llm.config import load_config
-    from tpu_llm.config_reading import presets
+    from tpu_llm.config.reading import presets
 
     if list_:
         for name, path in presets().items():
@@ -368,8 +368,8 @@ def data_prepare(input: str = "", output: str = "", tokenizer: str = "byte", tok
         raise UserError(f"--shards={shards} must be a positive integer")
     if tokenizer not in TOKENIZERS:
         raise UserError(f"--tokenizer={tokenizer!r}; valid choices: {', '.join(TOKENIZERS)}")
-    from tpu_llm import perf
     from tpu_llm.data import prepare, sources
+    from tpu_llm.platform import perf
     from tpu_llm.tokenizers import build_tokenizer
 
     if input:

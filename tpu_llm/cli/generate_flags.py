@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 import os
 
-from tpu_llm import files
 from tpu_llm.config import CAPS, EARLY_STOPPING, INT64, MAX_BEAMS, MAX_NEW_TOKENS, MAX_SAMPLES
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import CONFIG_FILE
+from tpu_llm.platform import files
+from tpu_llm.platform.run_layout import CONFIG_FILE
 
 MAX_PROMPT_BYTES = 16 << 20  # far beyond any model's context (128k tokens are ~0.5 MB of text)
 

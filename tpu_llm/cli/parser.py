@@ -239,7 +239,7 @@ def _command(argv: list[str]) -> tuple[Command | None, int]:
 def _flags(cmd: Command, rest: list[str]) -> tuple[dict, dict, list[str]] | None:
     """The command's flags in `rest`: (its keyword arguments, config overrides, positional arguments); None
     when help was printed instead."""
-    from tpu_llm.config_reading import parse_set_args
+    from tpu_llm.config.reading import parse_set_args
 
     kwargs: dict[str, Any] = {}
     overrides: dict[str, Any] = {}

@@ -38,7 +38,8 @@ import os
 import urllib.request
 from collections.abc import Callable, Mapping, MutableMapping
 
-from tpu_llm.tpu_chips import C_API, LIBRARY, PLUGIN, accelerator_type, kind_of_type, pci_tpus, runtime_variables
+from tpu_llm.platform.tpu_chips import (C_API, LIBRARY, PLUGIN, accelerator_type, kind_of_type, pci_tpus,
+                                        runtime_variables)
 
 IMAGE_LIBTPU = "lib/libtpu.so"  # under root: what Cloud TPU VM images ship
 METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/accelerator-type"

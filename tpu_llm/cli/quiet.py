@@ -9,7 +9,7 @@ import re
 import sys
 import threading
 
-from tpu_llm.native_log import VERBOSE_ENV, quiet_absl  # noqa: F401  (quiet_absl: for main, after parsing)
+from tpu_llm.platform.native_log import VERBOSE_ENV, quiet_absl  # noqa: F401  (quiet_absl: for main, after parsing)
 
 
 def quiet_tensorflow(verbose: bool) -> None:

@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 from tpu_llm.cloud.gcs import CloudErrors, check_bucket_writable, parse_gs_url, retry, storage_client
 from tpu_llm.cloud.preflight import preflight
 from tpu_llm.errors import EXIT_USER_ERROR, UserError
-from tpu_llm.run_layout import CHECKPOINT_DIR, checkpoint_step
+from tpu_llm.platform.run_layout import CHECKPOINT_DIR, checkpoint_step
 
 CHUNK_SIZE = 16 * 1024 * 1024  # resumable-upload chunk (a multiple of 256 KiB); larger files go in chunks
 

@@ -29,7 +29,7 @@ import tarfile
 import uuid
 
 from tpu_llm.cloud.shell import LaunchError, Outputs
-from tpu_llm.tpu_chips import kind_of_type, runtime_variables
+from tpu_llm.platform.tpu_chips import kind_of_type, runtime_variables
 
 STATE_DIR = "/opt/tpu-llm"  # where infra/startup.sh.tftpl installs (state_dir and venv in infra/tpu.tf)
 VENV = f"{STATE_DIR}/venv"

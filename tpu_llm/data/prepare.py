@@ -18,8 +18,8 @@ import tensorflow as tf
 from tpu_llm.data.reading import AUTOTUNE, file_bounds, read_documents
 from tpu_llm.data.sources import TFRECORD_FEATURE, Source
 from tpu_llm.errors import UserError
-from tpu_llm.files import write_atomically
-from tpu_llm.run_layout import CHECKPOINT_DIR, CONFIG_FILE, HF_FILE, MARKER_FILE, SP_MODEL_FILE, SPEC_FILE
+from tpu_llm.platform.files import write_atomically
+from tpu_llm.platform.run_layout import CHECKPOINT_DIR, CONFIG_FILE, HF_FILE, MARKER_FILE, SP_MODEL_FILE, SPEC_FILE
 from tpu_llm.tokenizers import save_tokenizer
 
 RECORD_MAX_TOKENS = 1 << 16  # long documents are split across records of at most this many tokens

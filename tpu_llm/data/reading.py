@@ -14,9 +14,9 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tpu_llm import files
 from tpu_llm.data.sources import TFRECORD_FEATURE, Source
 from tpu_llm.errors import UserError
+from tpu_llm.platform import files
 
 AUTOTUNE = tf.data.AUTOTUNE
 NO_AUTOGRAPH = tf.autograph.experimental.do_not_convert  # plain graph code: converting it costs seconds per pipeline

@@ -32,7 +32,7 @@ import re
 
 import tensorflow as tf
 
-from tpu_llm import tf_compat
+from tpu_llm.platform import tf_compat
 
 CORE = "TPU_REPLICATED_CORE:"
 FEED = "feed/"  # prefix of the placeholder standing for each input of the replica computation

@@ -21,13 +21,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm import tf_compat
 from tpu_llm.config import load_config
 from tpu_llm.data.lanes import POSITION_FIELDS
 from tpu_llm.model import GPT, families
 from tpu_llm.parallel import tpu
 from tpu_llm.parallel.distribute import Distribution
 from tpu_llm.parallel.mesh import Mesh, Placement
+from tpu_llm.platform import tf_compat
 from tpu_llm.training.assemble import assemble
 from tpu_llm.training.trainer import Trainer
 

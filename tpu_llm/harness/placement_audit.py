@@ -24,9 +24,9 @@ import dataclasses
 import re
 import time
 
-from tpu_llm.model import families, spec
 from tpu_llm.harness import compiled_step
 from tpu_llm.harness.offline_tpu import REPLICAS, Step, build_step
+from tpu_llm.model import families, spec
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (2, 4)]  # (pipeline stages P, tensor groups T)
 TOLERANCE = 0.25  # each core's (stage's) share vs the mean of those that should share the work
@@ -157,7 +157,7 @@ def _kernel_shapes(step: Step) -> set:
     shapes = {tuple(sorted(d for d in v.shape if d != 1)) for b in step.model.blocks for v in b.trainable_variables
               if len(v.shape) >= 2}
     if families.of(cfg).block.qkv == "fused":
-        shapes.add(tuple(sorted((cfg.n_embd, 3, cfg.n_head, cfg.n_embd // cfg.n_head))))
+        shapes.add(tuple(sorted((cfg.n_embd, 3, cfg.n_head, spec.head_dim(cfg)))))
     if step.tensor > 1:
         shapes -= {tuple(sorted(d for d in s if d != 1)) for s in spec.group_shapes(cfg, step.tensor).values()}
     return shapes

@@ -10,8 +10,8 @@ written. XLA_FLAGS is read once per process, so each measurement runs in a fresh
 `state` compiles the trainer's whole replica step too (the micro-step, the gradients' reduction and
 clipping, AdamW's guarded update: what a TPU runs as one program) and reads its entry computation's
 parameters: every variable the step reads is one, and those it writes (the trained weights, AdamW's
-slots and step) XLA updates in place (the module's input_output_alias). What the state costs (docs/lora.md:
-LoRA's trainable state against full fine-tuning's) is read there, not counted; it needs no dump, so it
+slots and step) XLA updates in place (the module's input_output_alias). What the state costs (the adapters'
+trainable state against full fine-tuning's, docs/memory.md) is read there, not counted; it needs no dump, so it
 runs in the caller's process.
 """
 
@@ -25,8 +25,8 @@ import re
 import sys
 import tempfile
 
-from tpu_llm import tether
 from tpu_llm.config import Config, config_from_dict
+from tpu_llm.platform import tether
 
 
 def measure(cfgs: list[Config], vocab: int, timeout: float = 1800, state: bool = False) -> list[dict]:
@@ -77,7 +77,7 @@ def _one_device(cfg: Config, vocab: int):
 
 
 def model(cfg: Config, vocab: int):
-    """The model as a run builds it (training/assemble.py's build_model): adapters (train.lora_rank) and
+    """The model as a run builds it (training/assemble.py's build_model): its adapters and
     train.freeze's layers marked not trainable, so that the programs differentiate what a run does."""
     from tpu_llm.parallel import pipeline
     from tpu_llm.training.assemble import build_model

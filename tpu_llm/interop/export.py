@@ -38,9 +38,8 @@ import keras
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
-from tpu_llm.model import lora
 from tpu_llm.model.sampling import sample_logits
-from tpu_llm.run_layout import EXPORT_DIR, checkpoint_step
+from tpu_llm.platform.run_layout import EXPORT_DIR, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.training.checkpoint import load_for_generation
 from tpu_llm.training.run_directory import check_run_dir_reachable
@@ -146,14 +145,14 @@ def export_target(run_dir: str, output: str, default: str, overwrite: bool) -> t
 def load_float32(run_dir: str):
     """load_for_generation(run_dir) with its checkpoint and notes, built in float32 whatever this process
     trained with (a notebook exports in the process that trained under mixed_bfloat16 on a TPU): the
-    variables are float32, and so is what an export writes. A LoRA run's model comes merged (its config:
-    lora_rank 0). UserError for a directory that is not a run, or a run without a checkpoint yet."""
+    variables are float32, and so is what an export writes. A model with adapters comes merged (its config
+    without them). UserError for a directory that is not a run, or a run without a checkpoint yet."""
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
     try:
         model, tokenizer, cfg, checkpoint, notes = load_for_generation(run_dir, with_checkpoint=True, with_notes=True)
-        if cfg.train.lora_rank:  # a LoRA run: its adapters folded into float32 kernels (docs/lora.md)
-            model, cfg.train.lora_rank, cfg.train.lora_base_dtype = lora.merged(model), 0, "float32"
+        if model.adapters is not None:  # the adapters folded into float32 kernels
+            model, cfg.train = model.merged(), cfg.train.without_adapters()
         return model, tokenizer, cfg, checkpoint, notes
     finally:
         keras.mixed_precision.set_global_policy(policy)

@@ -14,7 +14,7 @@ written into a temporary directory beside the target, renamed into place once co
 
 The model directory comes from outside (a download), so it is checked before anything is built, the
 cheapest first: config.json (hf_config.py: at most MAX_CONFIG_JSON bytes, a JSON object, every field
-used of its type, sizes under tpu_llm/config.py's CAPS and MAX_PARAMS), every safetensors header
+used of its type, sizes under tpu_llm/config/schema.py's CAPS and MAX_PARAMS), every safetensors header
 (safetensors_io), the tensors' names, dtypes and shapes against config.json (`check_tensors`, from the
 model's spec), then the tokenizer. Whatever it holds ends in success or one UserError line, in
 milliseconds, not after building a model of the size config.json claims.
@@ -34,16 +34,17 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
-from tpu_llm.files import write_atomically
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import staged_directory
 from tpu_llm.interop.hf_config import read_config, run_config
 from tpu_llm.model import GPT, families, spec
-from tpu_llm.run_layout import CONFIG_FILE, IMPORT_FILE, MARKER_FILE
+from tpu_llm.platform.files import write_atomically
+from tpu_llm.platform.run_layout import CONFIG_FILE, IMPORT_FILE, MARKER_FILE
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.tokenizers.hf import load_hf_tokenizer
 from tpu_llm.training.checkpoint import Checkpointer
-from tpu_llm.training.run_directory import check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable, is_run_dir
+from tpu_llm.training.run_directory import (check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable,
+                                            is_run_dir)
 
 CODE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors' dtypes of the weights
 
@@ -177,4 +178,4 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_fin
     finally:
         keras.mixed_precision.set_global_policy(policy)
     return {"run_dir": run_dir, "family": cfg.model.family, "dtype": dtype, "eos_id": eos,
-            "params": net.num_params(), "tokenizer": tokenizer.kind, "lora_rank": cfg.train.lora_rank}
+            "params": net.num_params(), "tokenizer": tokenizer.kind, "adapter_rank": getattr(net.adapters, "rank", 0)}

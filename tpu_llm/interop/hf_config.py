@@ -25,8 +25,7 @@ from tpu_llm.model import families
 MAX_CONFIG_JSON = 10 << 20  # bytes of config.json: a real one is a few KB
 FIX = "give the config.json that came with the weights"
 # Gemma: what Llama's layout here lacks, for the one line that refuses it
-_GEMMA = ("(1 + weight) RMSNorm, embeddings scaled by sqrt(hidden_size), a GeGLU MLP, head_dim apart from "
-          "hidden_size / heads{}")
+_GEMMA = "(1 + weight) RMSNorm, embeddings scaled by sqrt(hidden_size), a GeGLU MLP{}"
 REFUSED = {"GemmaForCausalLM": _GEMMA.format(""),
            "Gemma2ForCausalLM": _GEMMA.format(", post-attention and post-MLP norms, logit soft-capping and "
                                               "sliding-window layers"),

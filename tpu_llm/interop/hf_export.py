@@ -15,14 +15,14 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm import files
 from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, load_float32, staged_directory
 from tpu_llm.interop.hf import weights
 from tpu_llm.interop.hf_config import MAX_CONFIG_JSON, hf_config, shown
 from tpu_llm.model import families
-from tpu_llm.run_layout import HF_EXPORT_DIR, IMPORT_FILE, checkpoint_step
+from tpu_llm.platform import files
+from tpu_llm.platform.run_layout import HF_EXPORT_DIR, IMPORT_FILE, checkpoint_step
 from tpu_llm.tokenizers.hf import write_hf_tokenizer
 
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")

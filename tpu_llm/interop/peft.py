@@ -20,15 +20,16 @@ import os
 
 import tensorflow as tf
 
-from tpu_llm.config import lora_targets, validate
-from tpu_llm.config_reading import set_dotted
+from tpu_llm.config import validate
+from tpu_llm.config.checks import lora_targets
+from tpu_llm.config.reading import set_dotted
 from tpu_llm.errors import UserError
 from tpu_llm.interop import hf, safetensors_io
+from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, staged_directory
 from tpu_llm.interop.hf_config import read_json, shown
 from tpu_llm.interop.hf_export import write_json
-from tpu_llm.interop.export import EXPORT_FIX, META_FILE, export_target, staged_directory
-from tpu_llm.model import GPT, families, lora, spec
-from tpu_llm.run_layout import PEFT_EXPORT_DIR, checkpoint_step
+from tpu_llm.model import GPT, adapters, families, spec
+from tpu_llm.platform.run_layout import PEFT_EXPORT_DIR, checkpoint_step
 from tpu_llm.training.checkpoint import load_for_generation
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -60,7 +61,7 @@ def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
         raise UserError(f"{run_dir!r} has no adapters (train.lora_rank=0): --format peft writes a LoRA run's; "
                         "export the whole model with --format hf")
     layers = {path: layer for path, layer in ((lay.path.removeprefix(model.name + "/"), lay)
-                                              for lay in lora.adapted(model))}
+                                              for lay in adapters.adapted(model))}
     tensors = {}  # name: (variable, transposed)
     for module, path in adapter_modules(cfg.model):
         if path in layers:
@@ -138,22 +139,22 @@ def read_adapter(directory: str, cfg) -> safetensors_io.Reader:
 def adapter_shapes(cfg) -> dict[str, tuple[int, int]]:
     """{PEFT tensor name: shape} of the adapters cfg.train.lora_* put on the model section: lora_A (r, in),
     lora_B (out, r), for every adapted module."""
-    adapters, shapes = lora.spec(cfg), spec.block_shapes(cfg.model)
+    lora, shapes = adapters.adapters_for(cfg), spec.block_shapes(cfg.model)
     out = {}
     for module, path in adapter_modules(cfg.model):
         below = path.split("/", 1)[1]  # attn/q of block_0/attn/q
-        if below in adapters.layers:
+        if below in lora.layers:
             fan_in, fan_out = shapes[f"{below}/kernel"]
-            out[f"{PREFIX}{module}.lora_A.weight"] = (adapters.rank, fan_in)
-            out[f"{PREFIX}{module}.lora_B.weight"] = (fan_out, adapters.rank)
+            out[f"{PREFIX}{module}.lora_A.weight"] = (lora.rank, fan_in)
+            out[f"{PREFIX}{module}.lora_B.weight"] = (fan_out, lora.rank)
     return out
 
 
 def with_adapter(base, reader: safetensors_io.Reader, cfg):
     """The LoRA model of `cfg` with `base`'s weights and the adapters of `reader` (read_adapter's)."""
-    model = GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)).build_weights()
-    lora.copy_base(base, model)
-    layers = {layer.path.removeprefix(model.name + "/"): layer for layer in lora.adapted(model)}
+    model = GPT.from_config(cfg).build_weights()
+    adapters.copy_base(base, model)
+    layers = {layer.path.removeprefix(model.name + "/"): layer for layer in adapters.adapted(model)}
     for module, path in adapter_modules(cfg.model):
         if path in layers:
             for letter, variable in (("A", layers[path].lora_a), ("B", layers[path].lora_b)):

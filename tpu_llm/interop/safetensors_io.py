@@ -35,8 +35,8 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm import files
 from tpu_llm.errors import UserError
+from tpu_llm.platform import files
 
 DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
           "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "U8": np.dtype(np.uint8), "BOOL": np.dtype(bool)}

@@ -1,11 +1,11 @@
 """The model: the decoder in Keras 3 layers (transformer.py over the shared layers of layers.py and
 attention.py), one module per family (families/), what a model holds and costs from its config alone
-(spec.py), LoRA's adapters (lora.py), the loss (dense and chunked) and sampling with a KV cache. No device
+(spec.py), adapters (adapters.py), the loss (dense and chunked) and sampling with a KV cache. No device
 logic and no file I/O: where a layer runs is the parallel package's business, reading and writing runs
 the training package's.
 
 The layers load TensorFlow; `families` and `spec` do not, and importing this package does not either:
-the names below are imported on first use (PEP 562), so the CLI and config.py read the spec and the
+the names below are imported on first use (PEP 562), so the CLI and config/ read the spec and the
 families before TensorFlow starts.
 """
 

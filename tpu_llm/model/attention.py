@@ -100,6 +100,10 @@ def _unblock(x, length):
 
 
 def _flash(q, k, v, pos, block):
+    """The blockwise attention (B, H, T, hd) of the module docstring, with its own backward.
+
+    Long because it is one custom gradient: the forward pass and its backward share the blocking, the
+    mask and the saved log-sum-exp as closures; apart, each loop body would take a dozen arguments."""
     H, Hkv, hd = q.shape[1], k.shape[1], q.shape[3]
     if H % Hkv:
         raise ValueError(f"{Hkv} key/value heads do not divide {H} query heads")

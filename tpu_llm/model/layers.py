@@ -5,7 +5,7 @@ A projection is called through a `project(name, x)` function, so that one compos
 paths of a layer (model/transformer.py): the whole layer calls its Keras Dense layer (`whole`), a tensor
 group multiplies by its slices of that layer's weights (`sliced`, what `columns` and `rows` cut). The
 slices of a frozen bfloat16 or int8 kernel are cast or dequantized one slice at a time, and an adapted
-projection's adapter slices come from its layer (model/lora.py's `group_slices`).
+projection's adapter slices come from its layer (model/adapters.py's `group_slices`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def cache_write(cache, new, pos):
 
 def low_rank(x, a, b, scale: float):
     """(x A B) * scale for x (B, T, in), A (in, r), B (r, out): (B, T, out) in A's dtype, as two 2-D
-    matmuls of the (B T) rows (never the (in, out) product A B: r is small). LoRA's adapter (model/lora.py)."""
+    matmuls of the (B T) rows (never the (in, out) product A B: r is small): an adapter's (model/adapters.py)."""
     rows = tf.reshape(tf.cast(x, a.dtype), [-1, x.shape[-1]])
     y = tf.matmul(tf.matmul(rows, a), b) * scale
     return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [b.shape[-1]]], 0))

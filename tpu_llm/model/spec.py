@@ -1,7 +1,7 @@
 """What a model holds and costs, from its config alone: every variable's shape, parameters, training
 FLOPs per token and activation bytes per token of a block. No TensorFlow.
 
-This is the one place that arithmetic lives. config.py bounds a config's size with it before anything
+This is the one place that arithmetic lives. The config (config/checks.py) bounds a config's size with it before anything
 is built (MAX_PARAMS), the stage partitioner balances stages by it (parallel/pipeline.py), the planner
 counts memory and time with it (tools/plan.py), the model reports its FLOPs per token by it
 (model/transformer.py) and `tpu-llm import` checks a checkpoint's shapes by it before building anything
@@ -26,7 +26,13 @@ from tpu_llm.model import families
 
 
 def head_dim(m) -> int:
-    return m.n_embd // max(m.n_head, 1)
+    """Each head's width: model.head_dim, or C / H (a model section from before model.head_dim: C / H)."""
+    return getattr(m, "head_dim", 0) or m.n_embd // max(m.n_head, 1)
+
+
+def attention_width(m) -> int:
+    """The width of q and of the attention's output, H hd (C unless model.head_dim says otherwise)."""
+    return m.n_head * head_dim(m)
 
 
 def _norm(m, name: str) -> dict[str, tuple[int, ...]]:
@@ -52,6 +58,8 @@ def block_shapes(m) -> dict[str, tuple[int, ...]]:
         attn = {**_dense(m, "attn/q", c, q), **_dense(m, "attn/k", c, kv), **_dense(m, "attn/v", c, kv)}
     else:  # q, k, v side by side
         attn = _dense(m, "attn/qkv", c, 3 * c)
+    if block.qk_norm:  # one RMSNorm over each head's hd dimensions, for q and for k
+        attn.update({"attn/q_norm/scale": (hd,), "attn/k_norm/scale": (hd,)})
     if block.mlp == "swiglu":
         mlp = {**_dense(m, "mlp/gate", c, f), **_dense(m, "mlp/up", c, f), **_dense(m, "mlp/down", f, c)}
     else:
@@ -137,7 +145,7 @@ def lookup_params(m, vocab: int) -> int:
     return count(tables)
 
 
-# ---- what trains: train.freeze's layers, or LoRA's adapters and nothing else ------------------------
+# ---- what trains: train.freeze's layers, or the adapters and nothing else ---------------------------
 
 def frozen_layers(text: str, n_layer: int) -> tuple[set, set]:
     """train.freeze as (names of whole layers: embeddings, head; block indices); a UserError if malformed."""
@@ -156,33 +164,20 @@ def frozen_layers(text: str, n_layer: int) -> tuple[set, set]:
     return named, blocks
 
 
-def adapted_layers(m, train) -> set:
-    """The layers (paths below a block, e.g. attn/q) LoRA adapts in every block for the train section
-    `train` (train.lora_rank, train.lora_targets, validated); empty without adapters."""
-    if not train.lora_rank:
-        return set()
-    family = families.of(m)
-    return {path for name in family.peft_modules(train.lora_targets) for path in family.peft_targets[name]}
-
-
-def adapters_per_block(m, train) -> int:
-    """LoRA's A and B parameters in one block (every block alike; model/lora.py); 0 without adapters."""
-    return adapter_params(m, train.lora_rank, adapted_layers(m, train))
-
-
-def run_flops_per_token(m, train, vocab: int, seq_len: int) -> int:
-    """Training FLOPs per token of a run (its train section `train`), the MFU numerator: 6N + 12 L C T when
-    every weight trains; no weight gradient for the layers train.freeze keeps or, with LoRA, for every
-    weight but the adapters (layer_flops_per_token). `tpu-llm plan` counts the same."""
-    frozen = frozen_layers(train.freeze, m.n_layer) if train.freeze else ((), ())
-    return training_flops_per_token(m, vocab, seq_len, frozen, adapters_per_block(m, train))
+def run_flops_per_token(m, vocab: int, seq_len: int, freeze: str = "", adapters: int = 0) -> int:
+    """Training FLOPs per token of a run, the MFU numerator: 6N + 12 L C T when every weight trains; no
+    weight gradient for the layers train.freeze (`freeze`) keeps or, with `adapters` parameters per block
+    (`adapter_params`), for every weight but the adapters (layer_flops_per_token). `tpu-llm plan` counts
+    the same."""
+    frozen = frozen_layers(freeze, m.n_layer) if freeze else ((), ())
+    return training_flops_per_token(m, vocab, seq_len, frozen, adapters)
 
 
 # ---- training FLOPs per token (forward + backward) -------------------------------------------------
 
 def attention_flops_per_token(m, seq_len: int) -> int:
-    """One block's attention scores and weighted sum, forward and backward: 12 C T."""
-    return 12 * m.n_embd * seq_len
+    """One block's attention scores and weighted sum, forward and backward: 12 C T (12 H hd T)."""
+    return 12 * attention_width(m) * seq_len
 
 
 def flops_per_token(m, vocab: int, seq_len: int, n_params: int | None = None) -> int:
@@ -193,8 +188,8 @@ def flops_per_token(m, vocab: int, seq_len: int, n_params: int | None = None) ->
 
 
 def adapter_params(m, rank: int, layers) -> int:
-    """LoRA's A (in, r) and B (r, out) in one block: r (in + out) for each adapted projection (`layers`:
-    paths below a block, e.g. attn/q; model/lora.py)."""
+    """The adapters' A (in, r) and B (r, out) in one block: r (in + out) for each adapted projection
+    (`layers`: paths below a block, e.g. attn/q; model/adapters.py)."""
     shapes = block_shapes(m)
     return sum(rank * sum(shapes[f"{path}/kernel"]) for path in layers)
 
@@ -203,7 +198,7 @@ def layer_flops_per_token(m, vocab: int, seq_len: int, frozen: tuple = ((), ()),
                           ) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """(forward, backward) training FLOPs per token of each block and of the head when some weights stay
     as they are: `frozen` is frozen_layers' (layer names, block indices) of train.freeze, and
-    `adapters` > 0 (LoRA's parameters per block, `adapter_params`) freezes every weight but them.
+    `adapters` > 0 (the adapters' parameters per block, `adapter_params`) freezes every weight but them.
 
     Per weight 2 FLOPs forward, 2 for the gradient of the layer's input, 2 for its own gradient: 6N when
     everything trains. A frozen weight has no weight gradient (4N); below every trained weight the
@@ -213,25 +208,25 @@ def layer_flops_per_token(m, vocab: int, seq_len: int, frozen: tuple = ((), ()),
     table trains its gradient needs the blocks' backward. Convention: a block with trained weights is
     counted with its whole backward (its first matmuls' input gradient, needed only from below, too)."""
     names, blocks = frozen
-    lora = adapters > 0
+    adapted = adapters > 0
     p, attention = block_params(m), attention_flops_per_token(m, seq_len)
-    through = not lora and "embeddings" not in names  # the input table trains: the backward reaches block 0
+    through = not adapted and "embeddings" not in names  # the input table trains: the backward reaches block 0
     layers = []
     for i in range(m.n_layer):
-        trains = not lora and i not in blocks
-        through = through or trains or lora
+        trains = not adapted and i not in blocks
+        through = through or trains or adapted
         backward = (2 * p + 2 * attention // 3 if through else 0) + (2 * p if trains else 0) + 4 * adapters
         layers.append((2 * p + attention // 3 + 2 * adapters, backward))
     table = vocab * m.n_embd
     norm = head_params(m, vocab) - (0 if m.tie_embeddings else table)  # the final norm
-    table_trains = not lora and ("embeddings" if m.tie_embeddings else "head") not in names
+    table_trains = not adapted and ("embeddings" if m.tie_embeddings else "head") not in names
     head = (2 * (table + norm),
-            (2 * (table + norm) if through else 0) + 2 * table * table_trains + 2 * norm * (not lora))
+            (2 * (table + norm) if through else 0) + 2 * table * table_trains + 2 * norm * (not adapted))
     return layers, head
 
 
 def training_flops_per_token(m, vocab: int, seq_len: int, frozen: tuple = ((), ()), adapters: int = 0) -> int:
-    """The model's training FLOPs per token with train.freeze's `frozen` layers or LoRA's `adapters`
+    """The model's training FLOPs per token with train.freeze's `frozen` layers or the `adapters`
     (`layer_flops_per_token`): `flops_per_token` when everything trains. The MFU numerator the trainer
     prints (training/progress.py) and `tpu-llm plan`'s model FLOPs."""
     layers, head = layer_flops_per_token(m, vocab, seq_len, frozen, adapters)
@@ -253,20 +248,22 @@ def head_flops_per_token(m, vocab: int) -> float:
 def block_activation_bytes(m, seq_len: int, ways: int, act_bytes: int) -> tuple[float, float]:
     """(bytes per token a block saves for its backward, the same with remat: its input only), with its
     heads and units split `ways` ways and `act_bytes` per activation (2 mixed precision, 4 float32)."""
-    c, h = m.n_embd, m.n_head
+    c, h, q = m.n_embd, m.n_head, attention_width(m)
     # replicated over the tensor ways: both norms' inputs and outputs; split: q, k, v, attention output, MLP
     # (gpt2: GELU input, tanh, output; llama: gate and up outputs, their SwiGLU product), k and v
-    # Hkv heads wide (llama: the rotated q and k; rotation is linear, its backward needs no input)
-    kv = 2 * m.kv_heads() * (c // h)
-    linear = 4 * c * act_bytes + (2 * c + kv + 3 * m.hidden()) * act_bytes / ways
+    # Hkv heads wide (llama: the rotated q and k; rotation is linear, its backward needs no input); with
+    # q/k norms (qwen3) also their inputs, q and k before the norm
+    kv = 2 * m.kv_heads() * head_dim(m)
+    normed = q + kv // 2 if families.of(m).block.qk_norm else 0
+    linear = 4 * c * act_bytes + (2 * q + kv + normed + 3 * m.hidden()) * act_bytes / ways
     scores, _ = attention_bytes(m, seq_len, ways, act_bytes)
     if m.dropout > 0:  # 1-byte masks on both residual branches and the probabilities, and dropped probs
         linear, scores = linear + 2 * c, scores + h * seq_len * 5 / ways
     return linear + scores, c * act_bytes
 
 
-def lora_activation_bytes(m, layers, ways: int, act_bytes: int) -> float:
-    """Bytes per token a block keeps beyond `block_activation_bytes` with LoRA adapters on `layers` (paths
+def adapter_activation_bytes(m, layers, ways: int, act_bytes: int) -> float:
+    """Bytes per token a block keeps beyond `block_activation_bytes` with adapters on `layers` (paths
     below a block): only an elementwise op (SwiGLU, GELU) reads an adapted MLP input projection's (gate,
     up; gpt2: fc) output, so XLA fuses the adapter's addition into its readers and keeps the base's output
     and the adapter's apart. 2 x the width for each, as XLA:CPU's buffer assignment shows it for the
@@ -284,7 +281,7 @@ def mlp_activation_bytes(m, ways: int, act_bytes: int) -> float:
 def attention_bytes(m, seq_len: int, ways: int, act_bytes: int) -> tuple[float, float]:
     """(bytes per token one block's attention keeps for its backward beyond q, k, v and its output,
     bytes per token its backward holds while it runs): dense or blockwise (model.attention)."""
-    h, seq, c = m.n_head / ways, seq_len, m.n_embd / ways
+    h, seq, c = m.n_head / ways, seq_len, attention_width(m) / ways
     if m.attention == "blockwise":
         block = min(m.attention_block, seq)
         return 4 * c * (act_bytes != 4) + 4 * h, 8 * 4 * c + 5 * 4 * h * block * block / seq

@@ -5,20 +5,23 @@ picks its block's variant: the norm, the MLP, the q/k/v projections, the positio
           of causal multi-head attention (one fused q/k/v projection) and a GELU MLP -> final LayerNorm
   llama:  token embedding -> n_layer pre-RMSNorm blocks of grouped-query attention with rotary positions
           and a SwiGLU MLP, no biases -> final RMSNorm -> logits, the head tied to the embedding or its own
-          (V, C) matrix (`model.tie_embeddings`); qwen2 adds q/k/v biases, mistral is llama's layout
+          (V, C) matrix (`model.tie_embeddings`); qwen2 adds q/k/v biases, qwen3 an RMSNorm over each head
+          of q and k (and a head size of its own, model.head_dim), mistral is llama's layout
 
 Variables (Keras paths; what `import`/`export --format hf` map Hugging Face tensors onto, the family's
-`weights`), with C = n_embd, H = n_head, Hkv = n_kv_head (0: H), hd = C / H, F = the MLP's hidden size:
+`weights`), with C = n_embd, H = n_head, Hkv = n_kv_head (0: H), hd = model.head_dim (0: C / H), F = the
+MLP's hidden size:
   every family  wte/embeddings (V, C); ln_f/gamma [beta] (LayerNorm) or ln_f/scale (RMSNorm), (C,)
   learned positions  wpe/embeddings (max_len, C)
   fused q/k/v   block_i/attn/qkv/kernel (C, 3C) [bias] (q, k, v side by side, each head-major)
   separate      block_i/attn/q/kernel (C, H hd), attn/k/kernel and attn/v/kernel (C, Hkv hd) [biases]
+  q/k norms     block_i/attn/q_norm/scale, attn/k_norm/scale (hd,)
   both          block_i/ln1, ln2 (norms); block_i/attn/proj/kernel (H hd, C) [bias]
   GELU MLP      block_i/mlp/fc/kernel (C, F) [bias], block_i/mlp/proj/kernel (F, C) [bias]
   SwiGLU MLP    block_i/mlp/gate/kernel, mlp/up/kernel (C, F), block_i/mlp/down/kernel (F, C)
   untied head   lm_head/embeddings (V, C)
-  adapters      (model/lora.py) beside each adapted kernel, e.g. block_i/attn/q/lora_a (in, r) and
-                block_i/attn/q/lora_b (r, out); then only these are trainable
+  adapters      (model/adapters.py) A (in, r) and B (r, out) beside each adapted kernel, e.g. in
+                block_i/attn/q/; then only these are trainable
 Keras Dense kernels are (in, out): the transpose of a torch Linear's weight. Rotary embeddings use
 Hugging Face Llama's convention (rotate_half: dimension i pairs with i + hd/2, not interleaved), so
 HF q/k weights need no permutation; query head h reads key/value head h // (H / Hkv) (HF repeat_kv).
@@ -47,15 +50,17 @@ import keras
 import tensorflow as tf
 
 from tpu_llm.model import attention, families, spec
-from tpu_llm.model.layers import (cache_write, columns, heads, matmul, normal, norm, output, rope, rope_scaling,
-                                  rows, sliced, whole)
+from tpu_llm.model.adapters import adapters_for
+from tpu_llm.model.adapters import merged as fold_adapters
+from tpu_llm.model.layers import (RMSNorm, cache_write, columns, heads, matmul, norm, normal, output, rope,
+                                  rope_scaling, rows, sliced, whole)
 from tpu_llm.model.loss import chunked_loss, cross_entropy
 
 
 def projection(cfg, block: families.Block, adapters, part: str, units: int, name: str,
                residual: bool = False) -> keras.layers.Dense:
     """The Dense layer `name` of layer `part` (attn or mlp), with the family's bias; with `adapters`
-    (model/lora.py's Lora), the kind of Dense they make for that path (an adapter, a frozen base)."""
+    (model/adapters.py), the kind of Dense they make for that path (an adapter, a frozen base)."""
     # GPT-2 init (every family): std 0.02, residual projections scaled by 1/sqrt(2 * n_layer)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
     options = dict(use_bias=block.dense_bias(name, cfg.bias), kernel_initializer=normal(std), name=name)
@@ -73,7 +78,7 @@ class CausalSelfAttention(keras.layers.Layer):
     def __init__(self, cfg, block: families.Block, adapters=None, **kwargs):
         super().__init__(**kwargs)
         self.block, self.rope_theta, self.rope_scaling = block, cfg.rope_theta, rope_scaling(cfg)
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), cfg.n_embd // cfg.n_head
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), cfg.head_size()
         dense = functools.partial(projection, cfg, block, adapters, "attn")
         if block.qkv == "fused":
             self.qkv = dense(3 * cfg.n_embd, "qkv")
@@ -81,6 +86,8 @@ class CausalSelfAttention(keras.layers.Layer):
             self.q = dense(self.n_head * self.head_dim, "q")
             self.k = dense(self.n_kv_head * self.head_dim, "k")
             self.v = dense(self.n_kv_head * self.head_dim, "v")
+        if block.qk_norm:  # an RMSNorm over each head of q and of k (Qwen3), shared by the heads
+            self.q_norm, self.k_norm = RMSNorm(cfg.norm_eps, name="q_norm"), RMSNorm(cfg.norm_eps, name="k_norm")
         self.proj = dense(cfg.n_embd, "proj", residual=True)
         self.attn_drop = keras.layers.Dropout(cfg.dropout)
         self.resid_drop = keras.layers.Dropout(cfg.dropout)
@@ -101,8 +108,9 @@ class CausalSelfAttention(keras.layers.Layer):
         return project("proj", y), cache  # (B, T, C)
 
     def qkv_heads(self, x, project, pos):
-        """q (B, h, T, hd) and k, v (B, kv, T, hd) of the heads `project` gives, rotated where the family
-        uses rotary positions."""
+        """q (B, h, T, hd) and k, v (B, kv, T, hd) of the heads `project` gives, each head of q and k normed
+        where the family norms them, and rotated where it uses rotary positions. (The norms' scales are read
+        whole: a tensor group's backward returns their gradients as variables read inside its part.)"""
         hd = self.head_dim
         if self.block.qkv == "fused":
             qkv = project("qkv", x)  # (B, T, 3 h hd): q, k, v side by side
@@ -111,6 +119,8 @@ class CausalSelfAttention(keras.layers.Layer):
         else:
             q, k, v = (project(name, x) for name in ("q", "k", "v"))  # (B, T, h hd), (B, T, kv hd) twice
             q, k, v = heads(q, q.shape[-1] // hd), heads(k, k.shape[-1] // hd), heads(v, v.shape[-1] // hd)
+        if self.block.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.block.rotary:
             q, k = rope(q, pos, self.rope_theta, self.rope_scaling), rope(k, pos, self.rope_theta, self.rope_scaling)
         return q, k, v
@@ -229,8 +239,14 @@ class Block(keras.layers.Layer):
 
 
 class GPT(keras.Model):
-    """`adapters`: LoRA's (model/lora.py's Lora: train.lora_*) on the projections they name, every other
+    """`adapters` (model/adapters.py's, `from_config`): adapters on the projections they name, every other
     weight frozen; None: no adapters, every weight trainable (train.freeze: optimizer.freeze)."""
+
+    @classmethod
+    def from_config(cls, cfg, vocab_size: int = 0) -> "GPT":
+        """The model a run's config describes (model section, adapters), with `vocab_size` ids (default:
+        model.vocab_size); not built yet."""
+        return cls(cfg.model, vocab_size or cfg.model.vocab_size, adapters_for(cfg))
 
     def __init__(self, cfg, vocab_size: int, adapters=None, **kwargs):
         super().__init__(**kwargs)
@@ -296,6 +312,11 @@ class GPT(keras.Model):
             layers += [self.ln_f] + ([self.lm_head] if self.lm_head is not None else [self.wte] * (not embed))
         return layers
 
+    def merged(self) -> "GPT":
+        """This model with every adapter folded into its kernel (float32), as a model without adapters; the
+        model itself when it has none (model/adapters.py's `merged`)."""
+        return fold_adapters(self)
+
     def by_path(self) -> dict:
         """{path below the model's own name (block_0/attn/q/kernel): variable} of every weight, dropout seeds
         left out. (A model built stage by stage, pipeline.build_weights, has paths without its name.)"""
@@ -318,7 +339,7 @@ class GPT(keras.Model):
         return self.head(x), new_cache
 
     def empty_cache(self, batch: int):
-        shape = [batch, self.cfg.kv_heads(), self.cfg.max_len, self.cfg.n_embd // self.cfg.n_head]
+        shape = [batch, self.cfg.kv_heads(), self.cfg.max_len, self.cfg.head_size()]
         return [(tf.zeros(shape, self.compute_dtype), tf.zeros(shape, self.compute_dtype))
                 for _ in self.blocks]
 

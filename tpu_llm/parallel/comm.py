@@ -31,9 +31,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm import tf_compat
 from tpu_llm.config import comm_refusal
 from tpu_llm.errors import UserError
+from tpu_llm.platform import tf_compat
 
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
 FLOAT_BYTES = 4

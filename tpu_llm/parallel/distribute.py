@@ -34,11 +34,11 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tpu_llm import peak, perf
 from tpu_llm.config import Config
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import tpu
 from tpu_llm.parallel.mesh import Mesh, Placement
+from tpu_llm.platform import peak, perf
 
 RUN_HERE = "strategy=auto, mirrored (cpu_devices=N) or default"
 # parameter_server: how long the chief waits for a worker to answer again once none does
@@ -215,7 +215,7 @@ class Distribution:
 
     def peak_flops(self, on_measure: Callable | None = None) -> tuple[float, str]:
         """(peak FLOP/s of all replicas together, how it was obtained). CPUs and GPUs: the machine's
-        measured peak, cached once per machine (tpu_llm/peak.py); `on_measure()` runs before a measurement."""
+        measured peak, cached once per machine (tpu_llm/platform/peak.py); `on_measure()` runs before a measurement."""
         tpu = perf.tpu_peak_flops(self.device_kind) if self.device_kind.startswith("TPU") else None
         if tpu:
             chips = self.chips or self.num_replicas
@@ -232,7 +232,7 @@ class Distribution:
 
     def raise_peak(self, reached: float) -> float | None:
         """The run reached `reached` FLOP/s over all its replicas, more than `peak_flops` said: on CPUs and
-        GPUs, the cached machine peak was measured low (a busy machine) and is raised (tpu_llm/peak.py).
+        GPUs, the cached machine peak was measured low (a busy machine) and is raised (tpu_llm/platform/peak.py).
         The old peak of all replicas when raised, else None."""
         if self.device_kind.startswith("TPU"):
             return None  # a published figure
@@ -413,7 +413,7 @@ def _stop_after_the_chief(chief: str) -> None:
     """From now on SIGTERM or SIGINT ends this worker or ps task only once the chief has stopped (its
     address no longer takes connections), or after SERVE_AFTER_SIGNAL_SECONDS. A job is stopped by
     signalling every task at once (`tpu-llm launch` on SIGTERM or Ctrl-C, or when the launcher dies,
-    tpu_llm/tether.py): the chief then finishes the round of steps in flight on the workers and saves
+    tpu_llm/platform/tether.py): the chief then finishes the round of steps in flight on the workers and saves
     the variables the ps tasks hold; a task that died at once would leave it nothing to save from.
     A second signal of the same kind ends the task at once. The main thread is blocked in the
     server's join(), where Python handlers never run: the C-level handler wakes a thread through

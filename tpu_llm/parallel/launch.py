@@ -40,8 +40,8 @@ import sys
 import threading
 import time
 
-from tpu_llm import tether
 from tpu_llm.errors import UserError
+from tpu_llm.platform import tether
 
 STOP_GRACE_SECONDS = 30  # a task stopped by SIGTERM saves a checkpoint first (tpu_llm/training/fault.py)
 NO_WORKER_GRACE_SECONDS = 120  # parameter_server: the chief's own wait for a worker (60 s by default), then this
@@ -81,7 +81,7 @@ class _Task:
         self.name = f"{kind} {index}"
         env = {**os.environ, "TF_CONFIG": tf_config(cluster, kind, index), "PYTHONUNBUFFERED": "1"}
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        # tethered: a task gets SIGTERM (and saves) when the launcher dies, even by SIGKILL (tpu_llm/tether.py)
+        # tethered: a task gets SIGTERM (and saves) when the launcher dies, even by SIGKILL (tpu_llm/platform/tether.py)
         self.proc = tether.Popen(command, enter=enter, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
         self.reader = threading.Thread(target=self._copy, args=(out, lock), daemon=True)

@@ -35,7 +35,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from tpu_llm import tf_compat
+from tpu_llm.platform import tf_compat
 
 AXES = ("replica", "stage", "tensor")  # in the order of the mesh: a replica's devices are stage-major
 RULES = {"batch": "replica", "layers": "stage", "heads": "tensor", "mlp": "tensor"}  # logical dimension -> axis

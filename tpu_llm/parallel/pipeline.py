@@ -43,11 +43,11 @@ import functools
 import keras
 import tensorflow as tf
 
-from tpu_llm import tf_compat
-from tpu_llm.model import spec
 from tpu_llm.config import ModelConfig
 from tpu_llm.errors import UserError
+from tpu_llm.model import spec
 from tpu_llm.parallel.tensor import SplitBlock
+from tpu_llm.platform import tf_compat
 
 
 @dataclasses.dataclass(frozen=True)

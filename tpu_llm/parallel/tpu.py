@@ -39,9 +39,9 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
+from tpu_llm.platform.tpu_chips import TYPES as _TYPES  # (tools/plan.py and doctor read tpu._TYPES)
+from tpu_llm.platform.tpu_chips import accelerator_type, kind_of_type, pci_tpus
 from tpu_llm.tokenizers import REMOTE_OK
-from tpu_llm.tpu_chips import TYPES as _TYPES  # (tools/plan.py and doctor read tpu._TYPES)
-from tpu_llm.tpu_chips import accelerator_type, kind_of_type, pci_tpus
 
 ALTERNATIVES = ("use tpu=local on a TPU VM, tpu=<name> or tpu=grpc://<ip>:8470 for a TPU reached over the "
                 "network, or strategy=auto / mirrored / default to run without one")

@@ -17,8 +17,8 @@ import reprlib
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
-from tpu_llm.files import write_atomically
-from tpu_llm.run_layout import HF_FILE, SP_MODEL_FILE, SPEC_FILE
+from tpu_llm.platform.files import write_atomically
+from tpu_llm.platform.run_layout import HF_FILE, SP_MODEL_FILE, SPEC_FILE
 from tpu_llm.tokenizers import hf
 from tpu_llm.tokenizers.core import (REMOTE_OK, ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer,
                                      check_covers, import_tensorflow_text, train_sentencepiece)

@@ -28,8 +28,8 @@ import os
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
-from tpu_llm.native_log import SENTENCEPIECE_INFO, dropping_native_lines
-from tpu_llm.run_layout import SP_MODEL_FILE, SPEC_FILE
+from tpu_llm.platform.native_log import SENTENCEPIECE_INFO, dropping_native_lines
+from tpu_llm.platform.run_layout import SP_MODEL_FILE, SPEC_FILE
 
 REMOTE_OK = ("byte", "char")  # kinds whose encode_tf uses core TF ops only (runs in any TF server)
 

@@ -33,10 +33,10 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tpu_llm import files
 from tpu_llm.config import CAPS
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import HF_FILE, SPEC_FILE
+from tpu_llm.platform import files
+from tpu_llm.platform.run_layout import HF_FILE, SPEC_FILE
 
 # named special tokens that transformers registers (`SPECIAL_TOKENS_ATTRIBUTES`), then its lists
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -36,11 +36,11 @@ import sys
 import tempfile
 import time
 
-from tpu_llm import tether
 from tpu_llm.config import load_config
-from tpu_llm.config_reading import parse_set_args, presets
+from tpu_llm.config.reading import parse_set_args, presets
 from tpu_llm.data import corpora
 from tpu_llm.errors import UserError
+from tpu_llm.platform import tether
 
 TARGET_TOKENS_PER_SEC = 14_000
 TARGET_VAL_LOSS = 1.88
@@ -171,7 +171,7 @@ def pipeline_stages(steps: int = 60, config: str = "configs/tiny.yaml", stages: 
     comparison tests the schedule model, not a FLOPs-to-seconds guess."""
     from tpu_llm.config import load_config
     from tpu_llm.parallel import pipeline
-    from tpu_llm.tools import plan
+    from tpu_llm.tools import plan_time
 
     cfg = load_config(config_path(config), {})
     base = _run_case("P=1", [], config, steps, [])
@@ -186,7 +186,7 @@ def pipeline_stages(steps: int = 60, config: str = "configs/tiny.yaml", stages: 
                                  [f"--cpu_devices={p}", f"--parallel.pipeline_stages={p}",
                                   f"--parallel.microbatches={m}"])
             forward = [base["ms_per_step"] / 3 * s.flops_per_token / total / m for s in parts]
-            predicted, bubble, _ = plan.simulate(forward, m)
+            predicted, bubble, _ = plan_time.simulate(forward, m)
             rows.append({"P": p, "M": m, "measured": measured["ms_per_step"], "predicted": predicted,
                          "bubble": bubble, "loss": measured["train_loss"]})
     print(f"\nGPipe on logical CPUs, {config}: {steps} steps; unpipelined: {base['ms_per_step']:.1f} ms/step")

@@ -1,6 +1,6 @@
-"""The configuration reference (docs/configuration.md), generated from the dataclasses in `tpu_llm/config.py`.
+"""The configuration reference (docs/configuration.md), generated from the dataclasses in `tpu_llm/config/schema.py`.
 
-Every key, its default and its meaning are defined once, in config.py (the meaning is the field's
+Every key, its default and its meaning are defined once, in config/schema.py (the meaning is the field's
 comment: the one on its line, or the comment lines just above it). This module turns them into the
 Markdown block between the markers in docs/configuration.md, so the reference cannot drift from the
 code: tests/test_config_reference.py fails when that block differs from `reference()`.

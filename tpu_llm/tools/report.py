@@ -13,7 +13,7 @@ import io
 import os
 
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import GOODPUT_FILE, METRICS_FILE, REPORT_FILE, check_no_links
+from tpu_llm.platform.run_layout import GOODPUT_FILE, METRICS_FILE, REPORT_FILE, check_no_links
 from tpu_llm.training import goodput, line_log
 
 

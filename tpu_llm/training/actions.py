@@ -20,9 +20,9 @@ import time
 
 import tensorflow as tf
 
-from tpu_llm import perf
 from tpu_llm.data import input_checks, sources
 from tpu_llm.errors import UserError
+from tpu_llm.platform import perf
 from tpu_llm.training import goodput
 from tpu_llm.training import progress as phases
 from tpu_llm.training.build import Run

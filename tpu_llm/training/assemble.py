@@ -15,7 +15,7 @@ import dataclasses
 import keras
 
 from tpu_llm.config import Config
-from tpu_llm.model import GPT, lora
+from tpu_llm.model import GPT
 from tpu_llm.parallel import comm, pipeline
 from tpu_llm.parallel.distribute import Distribution
 from tpu_llm.training.optimizer import freeze, make_optimizer
@@ -42,9 +42,9 @@ class Assembly:
 
 
 def build_model(cfg: Config, dist: Distribution, stages: list) -> GPT:
-    """The model of `cfg` (its adapters with train.lora_*, train.freeze's layers not trainable), each stage's
+    """The model of `cfg` (with its adapters, or train.freeze's layers not trainable), each stage's
     variables on its own device or logical TPU core (pipeline.build_weights); inside the strategy's scope."""
-    model = pipeline.build_weights(GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)), stages, dist.placement)
+    model = pipeline.build_weights(GPT.from_config(cfg), stages, dist.placement)
     freeze(cfg.train, model)  # fine-tuning: layers that stay as they are (train.freeze)
     return model
 

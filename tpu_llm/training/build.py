@@ -19,7 +19,7 @@ from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.parallel import comm, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy
-from tpu_llm.run_layout import check_no_links
+from tpu_llm.platform.run_layout import check_no_links
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
 from tpu_llm.training import line_log, run_lock

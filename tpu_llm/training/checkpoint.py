@@ -2,7 +2,7 @@
 and restores everything needed to resume, checked; and a run's checkpoint restored for another use:
 the weights a run starts from (train.init_from) and a model for generate and export. The run
 directory's own checks and records (marker, config, tokenizer) are in run_directory.py; the names of
-its files and the link checks in tpu_llm/run_layout.py.
+its files and the link checks in tpu_llm/platform/run_layout.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import tempfile
 import tensorflow as tf
 
 from tpu_llm.config import ModelConfig, config_from_dict
+from tpu_llm.config.checks import check_base_run
 from tpu_llm.errors import UserError
-from tpu_llm.model import GPT, lora
-from tpu_llm.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, SPEC_FILE,
-                               UNFINISHED_SUFFIX, check_no_links, checkpoint_name, checkpoint_step)
+from tpu_llm.model import GPT, adapters
+from tpu_llm.platform.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, SPEC_FILE,
+                                         UNFINISHED_SUFFIX, check_no_links, checkpoint_name, checkpoint_step)
 from tpu_llm.tokenizers import Tokenizer, content_hash, load_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
 from tpu_llm.training.run_directory import (check_tokenizer_fits, first_line, model_changes, model_differences,
@@ -45,10 +46,7 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
         raise UserError(f"train.init_from={source!r} was trained with another tokenizer ({theirs.kind}) than this "
                         f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
                         f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
-    if saved.get("train", {}).get("lora_rank"):  # its adapters are no base weight: they would be dropped
-        raise UserError(f"train.init_from={source!r} is a LoRA run (train.lora_rank={saved['train']['lora_rank']}); "
-                        f"start from a merged copy of it: `tpu-llm export --format hf {source} DIR`, then "
-                        "`tpu-llm import DIR --run_dir BASE` and train.init_from=BASE")
+    check_base_run(saved, source)  # no adapters of its own: they are no base weights
     # with adapters: the base run holds none, so its weights go into a model without them, then across
     base = GPT(current, model.vocab_size).build_weights() if getattr(model, "adapters", None) else model
     checkpointer = Checkpointer(source, keep=1, io_device=io_device, model_config=current, tokenizer=tokenizer,
@@ -57,7 +55,7 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
     if path is None:
         raise UserError(f"train.init_from={source!r} has no checkpoint in {CHECKPOINT_DIR}/ yet")
     if base is not model:
-        lora.copy_base(base, model)
+        adapters.copy_base(base, model)
     return path
 
 
@@ -366,7 +364,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
                         "pass the --run_dir of a `tpu-llm train` run")
     cfg = config_from_dict(saved, source=os.path.join(run_dir, CONFIG_FILE))
     check_tokenizer_fits(run_dir, tokenizer, cfg)
-    model = GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)).build_weights()
+    model = GPT.from_config(cfg).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
                       model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)

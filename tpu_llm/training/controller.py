@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import time
 
-from tpu_llm import perf
 from tpu_llm.config import Config
 from tpu_llm.model import GPT
 from tpu_llm.parallel.distribute import serve_if_cluster_server
+from tpu_llm.platform import perf
 from tpu_llm.training import actions, fault, goodput
 from tpu_llm.training import progress as phases
 from tpu_llm.training.build import Run, build_run

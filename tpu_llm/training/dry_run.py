@@ -12,7 +12,7 @@ import tensorflow as tf
 from tpu_llm.config import Config
 from tpu_llm.parallel import pipeline
 from tpu_llm.parallel.distribute import get_strategy
-from tpu_llm.run_layout import CHECKPOINT_DIR, CHECKPOINT_PREFIX, checkpoint_name, checkpoint_step
+from tpu_llm.platform.run_layout import CHECKPOINT_DIR, CHECKPOINT_PREFIX, checkpoint_name, checkpoint_step
 from tpu_llm.training.build import check_run
 from tpu_llm.training.header import layout_lines, setup_lines
 

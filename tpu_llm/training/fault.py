@@ -36,9 +36,9 @@ import uuid
 
 import tensorflow as tf
 
-from tpu_llm import tf_compat
 from tpu_llm.errors import RunStopped
-from tpu_llm.run_layout import checkpoint_name, checkpoint_step
+from tpu_llm.platform import tf_compat
+from tpu_llm.platform.run_layout import checkpoint_name, checkpoint_step
 
 EXIT_DIVERGED = 3
 EXIT_CLUSTER = 4

@@ -41,7 +41,7 @@ import statistics
 import time
 
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import GOODPUT_FILE
+from tpu_llm.platform.run_layout import GOODPUT_FILE
 from tpu_llm.training.line_log import LineLog, parse_line, read_lines
 
 CATEGORIES = ("productive", "compile", "evaluation", "checkpoint", "profiling", "sampling", "startup", "restart",

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import keras
 
-from tpu_llm import perf
-from tpu_llm.config import Config, lora_targets
+from tpu_llm.config import Config
 from tpu_llm.parallel import comm, pipeline
 from tpu_llm.parallel.distribute import Distribution
+from tpu_llm.platform import perf
 from tpu_llm.training import progress as phases
 
 if TYPE_CHECKING:
@@ -53,10 +53,8 @@ def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
         lines.append("comm      off: one replica, nothing to exchange")
     m = cfg.model
     frozen = f"; frozen: {phases.frozen_layers(t.freeze, m.n_layer)}" if t.freeze else ""
-    if t.lora_rank:  # docs/lora.md
-        frozen = (f"; LoRA rank {t.lora_rank}, alpha {t.lora_alpha:g} on "
-                  f"{', '.join(lora_targets(t.lora_targets, m.family))}, the rest frozen"
-                  + (f", the base stored in {t.lora_base_dtype}" if t.lora_base_dtype != "float32" else ""))
+    if run.model.adapters is not None:
+        frozen = f"; {run.model.adapters.describe()}"
     lines += [f"model     {phases.parameters_text(run.model)} ({m.family}: {m.n_layer} layers, {m.n_head} heads, width "
               f"{m.n_embd}{frozen}); {perf.format_count(phases.flops_per_token(cfg, run.model.vocab_size))}FLOP/token",
               f"batch     {t.batch_size} x {d.seq_len} tokens = {t.batch_size * d.seq_len:,} per step; "

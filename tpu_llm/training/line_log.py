@@ -22,8 +22,8 @@ import os
 import time
 from typing import Callable
 
-from tpu_llm import files
-from tpu_llm.run_layout import GOODPUT_FILE, MAX_LINE_LOG_BYTES, METRICS_FILE, link_error
+from tpu_llm.platform import files
+from tpu_llm.platform.run_layout import GOODPUT_FILE, MAX_LINE_LOG_BYTES, METRICS_FILE, link_error
 
 
 class LineLog:

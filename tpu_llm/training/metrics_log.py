@@ -12,9 +12,9 @@ import os
 
 import tensorflow as tf
 
-from tpu_llm import files
+from tpu_llm.platform import files
+from tpu_llm.platform.run_layout import LOGS_DIR, METRICS_FILE, check_no_links, link_error
 from tpu_llm.training import run_lock
-from tpu_llm.run_layout import LOGS_DIR, METRICS_FILE, check_no_links, link_error
 from tpu_llm.training.line_log import LineLog, logged_step, read_lines
 
 

@@ -9,11 +9,10 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tpu_llm import tf_compat
 from tpu_llm.config import TrainConfig
-from tpu_llm.model import spec
 from tpu_llm.errors import UserError
-from tpu_llm.model import GPT, decay_mask
+from tpu_llm.model import GPT, decay_mask, spec
+from tpu_llm.platform import tf_compat
 from tpu_llm.training import fault
 
 

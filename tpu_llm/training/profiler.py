@@ -21,7 +21,7 @@ import time
 import tensorflow as tf
 
 from tpu_llm.config import profile_range
-from tpu_llm.run_layout import LOGS_DIR
+from tpu_llm.platform.run_layout import LOGS_DIR
 
 NEVER = float("inf")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from tpu_llm.config import Config
+from tpu_llm.config.checks import adapters_per_block
 from tpu_llm.model import spec
 
 SLOW_EVAL_SECONDS = 5.0  # an evaluation that took this long gets its phase line again the next time
@@ -66,7 +67,7 @@ def sampling_line(samples: int, tokens: int) -> str:
 
 
 def parameters_text(model) -> str:
-    """'N trainable of M total parameters' (frozen layers count in the total only; an int8 LoRA base's
+    """'N trainable of M total parameters' (frozen layers count in the total only; an int8 base's
     quantization scales, .../kernel_scale, are no parameters)."""
     total = sum(int(math.prod(v.shape)) for v in model.weights if not v.path.endswith("/kernel_scale"))
     trainable = sum(int(math.prod(v.shape)) for v in model.trainable_weights)
@@ -93,4 +94,4 @@ def frozen_layers(freeze: str, n_layer: int) -> str:
 def flops_per_token(cfg: Config, vocab: int) -> int:
     """Training FLOPs per token of the run, the MFU numerator (model/spec.py's run_flops_per_token: what
     trains under train.freeze or with adapters)."""
-    return spec.run_flops_per_token(cfg.model, cfg.train, vocab, cfg.data.seq_len)
+    return spec.run_flops_per_token(cfg.model, vocab, cfg.data.seq_len, cfg.train.freeze, adapters_per_block(cfg))

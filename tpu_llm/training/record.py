@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpu_llm import perf
+from tpu_llm.platform import perf
 
 NAN = float("nan")
 

@@ -1,5 +1,5 @@
 """The run directory's checks and records (local disk or gs://, both through tf.io.gfile); the names of
-its files, the step of a checkpoint's name and the link checks are in tpu_llm/run_layout.py, its
+its files, the step of a checkpoint's name and the link checks are in tpu_llm/platform/run_layout.py, its
 checkpoints in checkpoint.py.
 
 Re-using a run directory resumes it. `check_run_dir` refuses a non-empty directory that is not a
@@ -19,12 +19,13 @@ import uuid
 import tensorflow as tf
 import yaml
 
-from tpu_llm import files
 from tpu_llm.config import Config, ModelConfig
-from tpu_llm.config_reading import MAX_CONFIG_BYTES, REPR
+from tpu_llm.config.checks import adapter_differences
+from tpu_llm.config.reading import MAX_CONFIG_BYTES
 from tpu_llm.errors import UserError
-from tpu_llm.files import write_atomically
-from tpu_llm.run_layout import CHECKPOINT_DIR, CONFIG_FILE, MARKER_FILE, OWN_TEMPORARY, SPEC_FILE, WRITE_PROBE
+from tpu_llm.platform import files
+from tpu_llm.platform.files import write_atomically
+from tpu_llm.platform.run_layout import CHECKPOINT_DIR, CONFIG_FILE, MARKER_FILE, OWN_TEMPORARY, SPEC_FILE, WRITE_PROBE
 from tpu_llm.tokenizers import Tokenizer, load_tokenizer, save_tokenizer
 
 
@@ -118,7 +119,7 @@ def check_run_dir(cfg: Config, unstated: str = "") -> None:
     check_run_dir_owner(run_dir)
     saved = read_saved_config(run_dir)
     if saved is not None:
-        differences = model_differences(saved.get("model", {}), cfg.model) + _lora_differences(saved, cfg)
+        differences = model_differences(saved.get("model", {}), cfg.model) + adapter_differences(saved, cfg)
         if differences:
             why = f" and this command gave {unstated}" if unstated else ""
             fresh = f"{run_dir.rstrip('/')}-2" if not run_dir.endswith("-2") else f"{run_dir}x"
@@ -148,20 +149,6 @@ def open_run_dir(cfg: Config, tokenizer: Tokenizer) -> None:
 
 def model_differences(saved: dict, current: ModelConfig) -> list[str]:
     return [f"model.{key}={theirs} (this config has {ours})" for key, theirs, ours in model_changes(saved, current)]
-
-
-def _lora_differences(saved: dict, current: Config) -> list[str]:
-    """The train.lora_* settings that made a run's adapters (rank, alpha, targets) and its stored base
-    (lora_base_dtype), where `current` differs from the run's saved config: a checkpoint's adapters of
-    another rank would not fit, with no adapters now they would be dropped without a word, and a base of
-    another dtype has other variables (int8: kernel_scale). A run saved before lora_base_dtype existed
-    had a float32 base."""
-    theirs, ours = {"lora_base_dtype": "float32", **saved.get("train", {})}, current.train
-    if not theirs.get("lora_rank") and not ours.lora_rank:
-        return []
-    return [f"train.{key}={REPR.repr(theirs.get(key))} (this config has {REPR.repr(getattr(ours, key))})"
-            for key in ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
-            if theirs.get(key) != getattr(ours, key)]
 
 
 def model_changes(saved: dict, current: ModelConfig) -> list[tuple]:

@@ -33,10 +33,10 @@ import socket
 import threading
 import time
 
-from tpu_llm import files
 from tpu_llm.cloud import gcs
 from tpu_llm.errors import UserError
-from tpu_llm.run_layout import LOCK_FILE
+from tpu_llm.platform import files
+from tpu_llm.platform.run_layout import LOCK_FILE
 
 LEASE_SECONDS = 120.0  # gs://: how long a lock outlives a holder that stopped renewing it
 HOST = socket.gethostname()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from tpu_llm.config import Config
-from tpu_llm.model import GPT, lora
+from tpu_llm.model import GPT
 from tpu_llm.model.beam_search import BeamSearcher
 from tpu_llm.model.sampling import Sampler, continuation
 
@@ -14,7 +14,7 @@ from tpu_llm.model.sampling import Sampler, continuation
 def local_copy(model: GPT, cfg: Config) -> GPT:
     """The model's weights in a model of this process's default device, outside any strategy: sampling
     needs no replicas, and variables on ps tasks or TPU cores cannot be read by a host-compiled step."""
-    copy = GPT(cfg.model, cfg.model.vocab_size, lora.spec(cfg)).build_weights()
+    copy = GPT.from_config(cfg).build_weights()
     copy.set_weights(model.get_weights())
     return copy
 

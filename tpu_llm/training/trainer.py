@@ -17,12 +17,12 @@ from typing import TypedDict
 import keras
 import tensorflow as tf
 
-from tpu_llm import tf_compat
 from tpu_llm.config import TrainConfig
 from tpu_llm.model import GPT
 from tpu_llm.parallel.comm import AllReduce, replica_variable
 from tpu_llm.parallel.distribute import Distribution
 from tpu_llm.parallel.pipeline import Pipeline, owning_stage, partition
+from tpu_llm.platform import tf_compat
 from tpu_llm.training.optimizer import GuardedUpdate
 
 

@@ -3,7 +3,7 @@ their names. Everything else asks a family (`get`, `of`) what it needs: the bloc
 checks, Hugging Face names, PEFT targets (families/base.py's `Family` lists them).
 
 Adding a family: a module beside these holding `FAMILY = SomeFamily(...)`, its line below, its row in
-docs/model-families.md. No TensorFlow is imported here: config.py validates a model section with it.
+docs/model-families.md. No TensorFlow is imported here: config/checks.py validates a model section with it.
 """
 
 from __future__ import annotations

@@ -65,20 +65,21 @@ class Family:
         return -(-int(8 * m.n_embd / 3) // 256) * 256
 
     def validate(self, m, check) -> None:
-        """The model section's family-specific checks (config.py runs the shared ones first)."""
+        """The model section's family-specific checks (config/checks.py runs the shared ones first)."""
         self.validate_bias(m, check)
         validate_rope_scaling(m, check)
         check(m.n_head % m.kv_heads() == 0, lambda: f"model.n_kv_head={m.n_kv_head} must divide model.n_head="
                                                     f"{m.n_head}; valid values: {divisors(m.n_head)}")
-        check(m.head_size() % 2 == 0, f"model.n_embd / model.n_head = {m.head_size()} is odd: rotary embeddings "
-                                      "rotate pairs of dimensions; choose an even head size")
+        check(m.head_size() % 2 == 0, f"the heads' width (model.head_dim, or model.n_embd / model.n_head) = "
+                                      f"{m.head_size()} is odd: rotary embeddings rotate pairs of dimensions; "
+                                      "choose an even head size")
 
     def validate_bias(self, m, check) -> None:
         check(not m.bias, f"model.bias=true: the {self.name} family has no biases; set model.bias=false")
 
     def peft_modules(self, text: str) -> list[str]:
         """The PEFT module names a comma-separated list gives ("": the family's default), in order, once
-        each; unknown names kept (config.py refuses them)."""
+        each; unknown names kept (config/checks.py refuses them)."""
         return list(dict.fromkeys(n.strip() for n in (text or self.peft_default).split(",") if n.strip()))
 
     # ---- Hugging Face ------------------------------------------------------------------------------
@@ -105,9 +106,11 @@ class Family:
         return False
 
     def head_dim_from_hf(self, read, C: int, H: int) -> dict:
-        """The head size config.json gives: hidden_size / num_attention_heads only."""
-        read.expect("head_dim", (None, C // H), None, f"hidden_size / num_attention_heads = {C // H}")
-        return {}
+        """model.head_dim from config.json's head_dim: none (0) where it is hidden_size / num_attention_heads."""
+        if read.get("head_dim") is None:
+            return {}
+        head_dim = read.int("head_dim", "model.head_dim")
+        return {} if head_dim * H == C else {"head_dim": head_dim}
 
     def check_context(self, read, context: int) -> None:
         """A UserError if a sliding window (Mistral's) is shorter than `context`, the context the import

@@ -19,6 +19,9 @@ class GPT2(Family):
                                         "embeddings); set model.rope_scaling=none")
         check(m.n_kv_head in (0, m.n_head), f"model.n_kv_head={m.n_kv_head}: grouped-query attention is for "
                                              "model.family=llama; set model.n_kv_head=0 for gpt2")
+        check(m.head_dim in (0, m.n_embd // m.n_head), f"model.head_dim={m.head_dim}: gpt2's heads are n_embd / "
+                                                       "n_head wide (its q, k and v are one (C, 3C) kernel); set "
+                                                       "model.head_dim=0")
         check(m.tie_embeddings, "model.tie_embeddings=false: gpt2's output head is the embedding table; "
                                 "use model.family=llama for an untied head")
         check(m.rope_theta == DEFAULT_ROPE_THETA, f"model.rope_theta={m.rope_theta}: gpt2 learns its positions "

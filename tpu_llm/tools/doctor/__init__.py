@@ -59,16 +59,17 @@ import time
 import keras
 import tensorflow as tf
 
-from tpu_llm import __version__, xla_flags
+from tpu_llm import __version__
 from tpu_llm.cloud import pod_check
 from tpu_llm.config import Config, load_config
 from tpu_llm.data import sources
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import distribute
 from tpu_llm.parallel import tpu as tpus
+from tpu_llm.platform import xla_flags
+from tpu_llm.tools.doctor import hlo
 from tpu_llm.tools.doctor.data_parallel import (check_bfloat16, check_checkpoint, check_input, check_plan,
                                                 check_profile, check_replicas, input_windows_per_second)
-from tpu_llm.tools.doctor import hlo
 from tpu_llm.tools.doctor.devices import check_devices, devices_fix
 from tpu_llm.tools.doctor.memory import check_memory, first_device
 from tpu_llm.tools.doctor.model_parallel import check_model_parallel, device_count, layout

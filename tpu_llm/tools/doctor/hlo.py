@@ -24,10 +24,10 @@ import time
 import keras
 import tensorflow as tf
 
-from tpu_llm import tf_compat
-from tpu_llm.parallel import distribute
 from tpu_llm.harness import placement_audit
 from tpu_llm.harness.compiled_step import Module
+from tpu_llm.parallel import distribute
+from tpu_llm.platform import tf_compat
 from tpu_llm.tools.doctor.report import FIX, Check
 from tpu_llm.training import build
 

@@ -22,7 +22,7 @@ import os
 import platform
 from typing import Callable
 
-from tpu_llm.files import write_atomically
+from tpu_llm.platform.files import write_atomically
 
 CACHE_FILE = "peak.json"
 LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0"}

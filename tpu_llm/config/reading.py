@@ -2,9 +2,9 @@
 mapping applied onto the config dataclasses with each value's type checked.
 
 What it reads may come from elsewhere (a copied run's config.yaml, a Hugging Face config.json mapped by
-tpu_llm/interop/hf.py), so reading is bounded: a YAML file of at most MAX_CONFIG_BYTES, and messages that
-echo a value cut short (`REPR`). The schema, its caps and the checks of the values read are in
-tpu_llm/config.py, which calls this module.
+tpu_llm/interop/hf_config.py), so reading is bounded: a YAML file of at most MAX_CONFIG_BYTES, and messages
+that echo a value cut short (`REPR`). The schema and its caps are config/schema.py's, the checks of the
+values read config/checks.py's.
 """
 
 from __future__ import annotations
@@ -19,20 +19,20 @@ from typing import Any, Callable
 
 import yaml
 
-from tpu_llm import files
 from tpu_llm.errors import UserError
+from tpu_llm.platform import files
 
 MAX_CONFIG_BYTES = 1 << 20  # a YAML config is a few KB; PyYAML parses about 1 MB a second
 # a value in a message, cut to a few levels and characters (see _short)
 REPR = reprlib.Repr()
 REPR.maxlevel, REPR.maxstring, REPR.maxother, REPR.maxlong = 3, 80, 80, 40
 
-PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")  # package data (the wheel has it)
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")  # package data (the wheel has it)
 
 
 def check(ok: bool, message: str | Callable[[], str]) -> None:
     """A UserError with `message` unless `ok`; a message that costs something to build (the divisors of a
-    number) is given as a function, called only on failure. (config.py's and config_lora.py's checks.)"""
+    number) is given as a function, called only on failure. (config/checks.py's.)"""
     if not ok:
         raise UserError(f"config: {message() if callable(message) else message}")
 

@@ -10,8 +10,8 @@ on the adapter's input only, the adapter computed in float32 (PEFT casts the inp
 and added to the base projection's output. Keras kernels are (in, out), so A and B here are the
 transposes of PEFT's lora_A.weight (r, in) and lora_B.weight (out, r).
 
-Which projections get one is `train.lora_targets` in PEFT's module names (config.LORA_TARGETS): one
-adapter per PEFT module. Our layouts hold the modules Hugging Face's models hold (llama: separate q,
+Which projections get one is `train.lora_targets` in PEFT's module names (each family's `peft_targets`):
+one adapter per PEFT module. Our layouts hold the modules Hugging Face's models hold (llama: separate q,
 k, v; gpt2: the fused c_attn, a single Conv1D in transformers too, whose adapter PEFT fits to the
 whole (C, 3C) matrix), so each adapter is PEFT's, weight for weight: no fused kernel needs splitting.
 
@@ -34,8 +34,8 @@ import math
 import keras
 import tensorflow as tf
 
-from tpu_llm.config import Config, lora_targets
-from tpu_llm.model import families
+from tpu_llm.config import Config
+from tpu_llm.config.checks import adapted_layers, lora_targets
 from tpu_llm.model.layers import ADAPTER_IN, ADAPTER_OUT, low_rank
 
 ADAPTERS = ("/lora_a", "/lora_b")  # how an adapter's variables' paths end
@@ -55,6 +55,7 @@ class Lora:
     dropout: float
     layers: frozenset
     base_dtype: str = "float32"  # train.lora_base_dtype: how the frozen projection kernels are stored
+    targets: tuple = ()  # train.lora_targets: PEFT's module names (the layers' names there)
 
     @property
     def scale(self) -> float:
@@ -76,19 +77,23 @@ class Lora:
             if not v.path.endswith(ADAPTERS):
                 v.trainable = False
 
+    def describe(self) -> str:
+        """For the run's header: 'LoRA rank 8, alpha 16 on q_proj, v_proj, the rest frozen'."""
+        base = f", the base stored in {self.base_dtype}" if self.base_dtype != "float32" else ""
+        return f"LoRA rank {self.rank}, alpha {self.alpha:g} on {', '.join(self.targets)}, the rest frozen{base}"
+
     def base_weights(self, model) -> list:
         """The base model's weights: neither the adapters nor an int8 kernel's scales (no parameters)."""
         return [v for v in model.weights if not v.path.endswith((*ADAPTERS, SCALE))]
 
 
-def spec(cfg: Config) -> Lora | None:
+def adapters_for(cfg: Config) -> Lora | None:
     """The adapters the run's train.lora_* ask for (None: lora_rank 0, no adapters)."""
     train = cfg.train
     if not train.lora_rank:
         return None
-    table = families.of(cfg.model).peft_targets
-    layers = frozenset(path for name in lora_targets(train.lora_targets, cfg.model.family) for path in table[name])
-    return Lora(train.lora_rank, train.lora_alpha, train.lora_dropout, layers, train.lora_base_dtype)
+    return Lora(train.lora_rank, train.lora_alpha, train.lora_dropout, frozenset(adapted_layers(cfg)),
+                train.lora_base_dtype, tuple(lora_targets(train.lora_targets, cfg.model.family)))
 
 
 class FrozenDense(keras.layers.Dense):

@@ -19,7 +19,7 @@ no symbolic link is anywhere in a run directory.
   goodput.jsonl        GOODPUT_FILE: what each training process did and for how long, only appended to
   report.png           REPORT_FILE: `tpu-llm report`'s plot
   export/, hf/, peft/  EXPORT_DIR, HF_EXPORT_DIR, PEFT_EXPORT_DIR: `tpu-llm export`'s default --output
-                       (SavedModel, Hugging Face, a LoRA run's adapters in PEFT's format)
+                       (SavedModel, Hugging Face, the adapters in PEFT's format)
 
 Standard library only, and a leaf of the package (tests/test_layout.py, layer 0): the Cloud helpers
 (cloud/storage.py lists a bucket's checkpoints without TensorFlow), `tpu-llm report` and the CLI's checks
