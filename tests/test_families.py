@@ -145,13 +145,14 @@ def test_qwen2_5_presets_have_the_published_parameter_counts_and_plan(preset, pu
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model.family": "gemma"}, "model.family='gemma'; valid choices: gpt2, llama, qwen2, mistral"),
+    ({"model.family": "gemma"}, "model.family='gemma'; valid choices: gpt2, llama, qwen2, qwen3, mistral"),
     ({"model.family": "llama", "model.bias": True}, "model.bias=true: the llama family has no biases; set "
                                                     "model.bias=false"),
     ({"model.family": "mistral", "model.bias": True}, "model.bias=true: the mistral family has no biases; set "
                                                       "model.bias=false"),
+    ({"model.family": "qwen3", "model.bias": True}, "model.bias=true: the qwen3 family has no biases"),
     ({"model.head_dim": 16}, "model.head_dim=16: gpt2's heads are n_embd / n_head wide"),
-    ({"model.family": "llama", "model.head_dim": 15}, r"model.n_embd / model.n_head\) = 15 is odd"),
+    ({"model.family": "qwen3", "model.head_dim": 15}, r"model.n_embd / model.n_head\) = 15 is odd"),
     ({"model.family": "qwen2", "model.bias": False}, "the qwen2 family has q/k/v biases .*use model.family=llama"),
     ({"model.rope_scaling": "llama3"}, "model.rope_scaling='llama3': gpt2 learns its positions"),
     ({"model.family": "llama", "model.bias": False, "model.rope_scaling": "yarn"},
@@ -178,10 +179,10 @@ def test_family_settings_that_cannot_work_are_one_line_errors(overrides, message
 
 
 def test_a_family_brings_its_defaults_where_the_config_gives_none(tmp_path):
-    """model.family alone is enough: llama and mistral have no biases, qwen2 and gpt2 have them (the
+    """model.family alone is enough: llama, mistral and qwen3 have no biases, qwen2 and gpt2 have them (the
     schema's default); a value the file or a flag gives is the user's, and the family checks it."""
     assert {name: load_config(None, {"model.family": name}).model.bias for name in families.NAMES} == {
-        "gpt2": True, "llama": False, "qwen2": True, "mistral": False}
+        "gpt2": True, "llama": False, "qwen2": True, "qwen3": False, "mistral": False}
     (tmp_path / "llama.yaml").write_text("model:\n  family: llama\n  bias: true\n")
     with pytest.raises(UserError, match="model.bias=true: the llama family has no biases"):
         load_config(str(tmp_path / "llama.yaml"))

@@ -10,6 +10,7 @@ unexpected weights and the same logits, and import then export bit-identical, bf
 
 The families of issue 41, in float32 only (the dtype handling is the families' common path above):
 Llama 3.x (rope_type llama3 with every frequency band in use, tied head), Qwen2 (q/k/v biases, tied
+head), Qwen3 (issue 47: an RMSNorm over each head of q and k, heads wider than hidden_size / heads, tied
 head) and Mistral (untied, a sliding window as long as the context): logits within 1e-5, greedy
 generation through the KV cache, and the round trip.
 """
@@ -60,6 +61,9 @@ def reference_model(family: str):
     if family == "qwen2":  # Qwen2.5 0.5B/1.5B's: q/k/v biases, tied head
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **LAYOUT, max_position_embeddings=64, rope_theta=20000.0, tie_word_embeddings=True))
+    if family == "qwen3":  # Qwen3 0.6B's shape: q/k norms per head, heads wider than hidden / heads, tied head
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **LAYOUT, head_dim=16, max_position_embeddings=64, rope_theta=1000000.0, tie_word_embeddings=True))
     return transformers.MistralForCausalLM(transformers.MistralConfig(  # a window that covers the whole context
         **LAYOUT, max_position_embeddings=64, sliding_window=64, rope_theta=30000.0, tie_word_embeddings=False))
 
@@ -116,12 +120,17 @@ def qwen2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return build("qwen3", tmp_path_factory.mktemp("qwen3"), dtypes=("float32",))
+
+
+@pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
     return build("mistral", tmp_path_factory.mktemp("mistral"), dtypes=("float32",))
 
 
 FAMILIES = ["gpt2", "llama"]
-NEW_FAMILIES = ["llama3", "qwen2", "mistral"]  # issue 41
+NEW_FAMILIES = ["llama3", "qwen2", "qwen3", "mistral"]  # issues 41 and 47
 
 
 @pytest.fixture(params=FAMILIES)
@@ -220,9 +229,11 @@ def test_import_then_export_is_bit_identical_and_loads_in_transformers(ref, dtyp
 def test_new_families_import_to_the_logits_of_transformers_within_1e_5(new_ref):
     model, _, cfg = restored(new_ref["float32"]["run_dir"])
     hf = new_ref["model"].config
-    assert cfg.model.family == {"LlamaConfig": "llama", "Qwen2Config": "qwen2", "MistralConfig": "mistral"}[
+    assert cfg.model.family == {"LlamaConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3",
+                                "MistralConfig": "mistral"}[
         type(hf).__name__]
     assert cfg.model.tie_embeddings == hf.tie_word_embeddings and cfg.model.kv_heads() == 2
+    assert cfg.model.head_size() == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert cfg.model.rope_scaling == ("llama3" if hf.rope_parameters["rope_type"] == "llama3" else "none")
     for length in (1, 7, 20, 100 if cfg.model.max_len >= 100 else 60):  # past the original context (llama3: 64)
         ids = tokens(length)

@@ -25,6 +25,7 @@ CASES = {
                                     "mlp_hidden": 48},
     "qwen2 tied, grouped-query (q/k/v biases)": {"family": "qwen2", "n_kv_head": 2, "mlp_hidden": 48},
     "mistral untied": {"family": "mistral", "bias": False, "tie_embeddings": False},
+    "qwen3 q/k norms, heads wider than C / H": {"family": "qwen3", "n_kv_head": 2, "head_dim": 16, "mlp_hidden": 48},
 }
 
 

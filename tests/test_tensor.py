@@ -17,10 +17,12 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("stages, ways, microbatches, family", [(1, 4, 2, "gpt2"), (2, 2, 2, "gpt2"),
-                                                                 (2, 2, 2, "llama")])
+                                                                 (2, 2, 2, "llama"), (1, 2, 1, "qwen3")])
 def test_split_blocks_give_the_plain_models_loss_and_gradients(stages, ways, microbatches, family):
     if family == "llama":  # 4 query heads over 2 kv heads: each group takes one kv head and its 2 query heads
         model = tiny_model(**{**LLAMA, "n_head": 4, "n_kv_head": 2})
+    elif family == "qwen3":  # q/k norms read whole in each group's own backward (their gradients: variables')
+        model = tiny_model(2, **{**ROTARY["qwen3"], "n_head": 4})
     else:
         model = tiny_model() if ways < 4 else tiny_model(2, n_head=4)
     plain = loss_and_grads(model)
@@ -52,10 +54,12 @@ def test_tpu_placement_puts_each_group_on_its_logical_core():
 
 ROTARY = {"llama": {**LLAMA, "n_kv_head": 2},  # qwen2: its q/k/v biases; llama3: the scaled rotary frequencies
           "qwen2": {**LLAMA, "family": "qwen2", "bias": True, "n_kv_head": 2},
-          "llama3": {**LLAMA, "n_kv_head": 2, "rope_scaling": "llama3", "rope_original_max_len": 8}}
+          "llama3": {**LLAMA, "n_kv_head": 2, "rope_scaling": "llama3", "rope_original_max_len": 8},
+          # q/k norms read whole by every group (their gradients summed over the groups), heads of 16
+          "qwen3": {**LLAMA, "family": "qwen3", "n_kv_head": 2, "head_dim": 16}}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "llama3"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "llama3", "qwen3"])
 def test_the_layers_group_parts_sum_to_the_layer_with_gradients_through_the_slices(family):
     """What SplitBlock runs, without devices: each layer's combine(sum of group_part(x, group_weights(g)))
     is the layer's call, and the gradients reach the variables through the slices."""
@@ -80,9 +84,10 @@ def test_the_layers_group_parts_sum_to_the_layer_with_gradients_through_the_slic
         assert shapes == {"attn/qkv/kernel": (32, 48), "attn/qkv/bias": (48,), "attn/proj/kernel": (16, 32),
                           "mlp/fc/kernel": (32, 64), "mlp/fc/bias": (64,), "mlp/proj/kernel": (64, 32)}
     else:  # 1 of 2 kv heads and its 2 query heads, 32 of 64 units (qwen2: q, k and v bias slices)
+        hd = 16 if family == "qwen3" else 8  # (qwen3: its q/k norms are read whole, no slices)
         biases = {"attn/q/bias": (16,), "attn/k/bias": (8,), "attn/v/bias": (8,)} if family == "qwen2" else {}
-        assert shapes == {"attn/q/kernel": (32, 16), "attn/k/kernel": (32, 8), "attn/v/kernel": (32, 8), **biases,
-                          "attn/proj/kernel": (16, 32), "mlp/gate/kernel": (32, 32), "mlp/up/kernel": (32, 32),
+        assert shapes == {"attn/q/kernel": (32, 2 * hd), "attn/k/kernel": (32, hd), "attn/v/kernel": (32, hd), **biases,
+                          "attn/proj/kernel": (2 * hd, 32), "mlp/gate/kernel": (32, 32), "mlp/up/kernel": (32, 32),
                           "mlp/down/kernel": (32, 32)}
 
 

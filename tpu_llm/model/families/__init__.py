@@ -8,10 +8,10 @@ docs/model-families.md. No TensorFlow is imported here: config/checks.py validat
 
 from __future__ import annotations
 
-from tpu_llm.model.families import gpt2, llama, mistral, qwen2
+from tpu_llm.model.families import gpt2, llama, mistral, qwen2, qwen3
 from tpu_llm.model.families.base import Block, Family
 
-FAMILIES: dict[str, Family] = {module.FAMILY.name: module.FAMILY for module in (gpt2, llama, qwen2, mistral)}
+FAMILIES: dict[str, Family] = {module.FAMILY.name: module.FAMILY for module in (gpt2, llama, qwen2, qwen3, mistral)}
 NAMES = tuple(FAMILIES)  # model.family's valid choices, in the order docs list them
 DEFAULT = "gpt2"  # a model section from before the families (an older run's config) is gpt2
 
