@@ -355,26 +355,26 @@ MUTATIONS = [
     M("planner-without-attention-scores", "tpu_llm/model/spec.py",
       "    return linear + scores, c * act_bytes", "    return linear, c * act_bytes",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
-    M("planner-adam-moments-once", "tpu_llm/tools/plan.py",
+    M("planner-adam-moments-once", "tpu_llm/tools/plan_memory.py",
       "return Memory(parameter_bytes(cfg, stage, adapters), 8 * trainable, grads,",
       "return Memory(parameter_bytes(cfg, stage, adapters), 4 * trainable, grads,",
       "tests/test_plan.py::test_parameters_and_optimizer_bytes_are_exact"),
-    M("planner-adam-state-for-frozen-layers", "tpu_llm/tools/plan.py",  # issue 41
+    M("planner-adam-state-for-frozen-layers", "tpu_llm/tools/plan_memory.py",  # issue 41
       "trainable = params + adapters - frozen_params(cfg, stage, vocab)", "trainable = params + adapters",
       "tests/test_plan.py -k test_frozen_layers_get_no_optimizer_state"),
     M("planner-frozen-weights-get-weight-gradient-flops", "tpu_llm/model/spec.py",  # issue 41
       "+ (2 * p if trains else 0) + 4 * adapters", "+ 2 * p + 4 * adapters",
       "tests/test_plan.py -k test_frozen_weights_have_no_weight_gradient_flops"),
     M("planner-backward-through-frozen-bottom-blocks", "tpu_llm/model/spec.py",  # issue 41
-      'through = not lora and "embeddings" not in names', "through = True",
+      'through = not adapted and "embeddings" not in names', "through = True",
       "tests/test_plan.py -k test_frozen_weights_have_no_weight_gradient_flops"),
-    M("planner-lora-base-gets-adam-state", "tpu_llm/tools/plan.py",  # issue 41: against the compiled step
+    M("planner-lora-base-gets-adam-state", "tpu_llm/tools/plan_memory.py",  # issue 41: against the compiled step
       "    if cfg.train.lora_rank:\n        return stage.params", "    if cfg.train.lora_rank:\n        return 0",
       "tests/test_plan.py -k test_lora_trainable_and_adamw_bytes_in_the_compiled_step_match_the_plan"),
     M("planner-lora-adapter-outputs-not-kept-apart", "tpu_llm/model/spec.py",  # issue 41
       "    return 2 * len(hidden) * m.hidden() * act_bytes / ways", "    return 0.0",
       "tests/test_plan.py -k test_lora_and_a_frozen_table_temp_within_15_percent_of_xla"),
-    M("planner-frozen-table-lends-its-gradient-room", "tpu_llm/tools/plan.py",  # issue 41
+    M("planner-frozen-table-lends-its-gradient-room", "tpu_llm/tools/plan_memory.py",  # issue 41
       "forward <= 4 * vocab * c and table_trains:", "forward <= 4 * vocab * c:",
       "tests/test_plan.py -k test_lora_and_a_frozen_table_temp_within_15_percent_of_xla"),
     M("mfu-counts-lora-base-weight-gradients", "tpu_llm/training/controller.py",  # issue 41
@@ -384,7 +384,7 @@ MUTATIONS = [
       "perf.format_count(phases.flops_per_token(cfg, run.model.vocab_size))",
       "perf.format_count(run.model.flops_per_token(d.seq_len))",
       "tests/test_lora.py -k test_training_moves_only_the_adapters_and_resume_is_exact"),
-    M("planner-logits-workspace-dropped", "tpu_llm/tools/plan.py",
+    M("planner-logits-workspace-dropped", "tpu_llm/tools/plan_memory.py",
       "    return 4 * vocab, 4 * vocab * tokens_micro, 0.0", "    return 4 * vocab, 0.0, 0.0",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu "
       "tests/test_memory.py::test_planner_counts_the_chunked_loss_and_blockwise_attention_within_15_percent_of_xla"),
@@ -404,10 +404,24 @@ MUTATIONS = [
     M("loss-gradient-without-onehot", "tpu_llm/model/loss.py",
       "tf.exp(z - lse[:, None]) * scale - tf.one_hot(y, v, dtype=tf.float32) * scale", "tf.exp(z - lse[:, None]) * scale",
       "tests/test_memory.py::test_the_loss_and_the_chunked_loss_equal_tfs_fused_op_with_their_gradients"),
-    M("planner-attention-backward-phase-dropped", "tpu_llm/tools/plan.py",
+    M("planner-attention-backward-phase-dropped", "tpu_llm/tools/plan_memory.py",
       "work += max(phases + [block_phase])", "work += max(phases)",
       "tests/test_plan.py::test_memory_estimate_within_20_percent_of_xla_on_cpu"),
     # ---- model families (issue 18) ----------------------------------------------------------------
+    # ---- issue 47: families as modules, named mesh axes ---------------------------------------------
+    M("family-defaults-not-applied", "tpu_llm/config/__init__.py",
+      "    if base is None:\n        _family_defaults(cfg, given)\n", "",
+      "tests/test_families.py::test_a_family_brings_its_defaults_where_the_config_gives_none"),
+    M("mesh-axes-numbered-tensor-major", "tpu_llm/parallel/mesh.py",
+      "        for axis in AXES[1:]:\n            flat = flat * self.size(axis) + at[axis]",
+      "        for axis in reversed(AXES[1:]):\n            flat = flat * self.size(axis) + at[axis]",
+      "tests/test_tensor.py::test_tpu_placement_puts_each_group_on_its_logical_core"),
+    M("qwen3-q-k-norms-skipped", "tpu_llm/model/transformer.py",
+      "            q, k = self.q_norm(q), self.k_norm(k)", "            pass",
+      "tests/test_hf.py -k 'new_families_import and qwen3'"),
+    M("hf-head-dim-dropped", "tpu_llm/model/families/base.py",
+      '        return {} if head_dim * H == C else {"head_dim": head_dim}', "        return {}",
+      "tests/test_hf.py -k 'new_families_import and qwen3'"),
     M("rope-interleaved-pairs", "tpu_llm/model/layers.py",  # GPT-J's layout: HF Llama q/k weights would be permuted
       "x1, x2 = x[..., :hd // 2], x[..., hd // 2:]", "x1, x2 = x[..., 0::2], x[..., 1::2]",
       "tests/test_families.py -k test_llama_logits_match_a_numpy_reference_of_hf_llama"),
@@ -503,15 +517,15 @@ MUTATIONS = [
       'return {f"{name}/{ADAPTER_IN}": tf.convert_to_tensor(self.lora_a)[:rows.stop - rows.start if rows.stop else None],',
       "tests/test_lora.py -k 'test_pipeline_stages_and_tensor_groups and gpt2-1-4'"),
     M("lora-init-from-leaves-the-base-random", "tpu_llm/training/checkpoint.py",
-      "        lora.copy_base(base, model)\n", "        pass\n",
+      "        adapters.copy_base(base, model)\n", "        pass\n",
       "tests/test_lora.py -k test_training_moves_only_the_adapters"),
     M("lora-settings-of-a-run-unchecked", "tpu_llm/training/run_directory.py",
-      "model_differences(saved.get(\"model\", {}), cfg.model) + _lora_differences(saved, cfg)",
+      "model_differences(saved.get(\"model\", {}), cfg.model) + adapter_differences(saved, cfg)",
       "model_differences(saved.get(\"model\", {}), cfg.model)",
       "tests/test_lora.py -k test_a_run_with_other_lora_settings_is_refused"),
     M("lora-export-unmerged", "tpu_llm/interop/export.py",
-      "model, cfg.train.lora_rank, cfg.train.lora_base_dtype = lora.merged(model), 0, \"float32\"",
-      "cfg.train.lora_rank, cfg.train.lora_base_dtype = 0, \"float32\"",
+      "model, cfg.train = model.merged(), cfg.train.without_adapters()",
+      "cfg.train = cfg.train.without_adapters()",
       "tests/test_lora_peft.py -k test_export_format_hf_of_a_lora_run"),
     M("peft-export-b-as-a", "tpu_llm/interop/peft.py",
       'tensors[f"{PREFIX}{module}.lora_B.weight"] = layers[path].lora_b',
@@ -526,7 +540,7 @@ MUTATIONS = [
     M("notebook-lora-starts-from-random-weights", "notebooks/quickstart.ipynb",
       ' f\\"--train.init_from={BASE_DIR}\\",', "",
       "tests/test_notebook.py -k test_notebook_runs_end_to_end"),
-    M("plan-lora-charges-every-parameter", "tpu_llm/tools/plan.py",
+    M("plan-lora-charges-every-parameter", "tpu_llm/tools/plan_memory.py",
       "    if cfg.train.lora_rank:\n        return stage.params\n", "",
       "tests/test_lora.py -k test_the_plan_charges"),
     # a LoRA base stored in bfloat16 or int8 (train.lora_base_dtype, tests/test_lora_base.py)
@@ -550,10 +564,10 @@ MUTATIONS = [
     M("lora-init-from-casts-into-int8", "tpu_llm/model/adapters.py",
       '        if path + "_scale" in ours:', "        if False:",
       "tests/test_lora_base.py -k 'test_the_base_is_stored and int8-gpt2'"),
-    M("lora-base-dtype-of-a-run-unchecked", "tpu_llm/training/run_directory.py",
+    M("lora-base-dtype-of-a-run-unchecked", "tpu_llm/config/checks.py",
       '("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")', '("lora_rank", "lora_alpha", "lora_targets")',
       "tests/test_lora_base.py -k 'test_training_moves_only_the_adapters and int8'"),
-    M("plan-lora-bfloat16-base-at-4-bytes", "tpu_llm/tools/plan.py",
+    M("plan-lora-bfloat16-base-at-4-bytes", "tpu_llm/tools/plan_memory.py",
       "        return full - 2 * elements\n", "        return full\n",
       "tests/test_lora_base.py -k test_the_plan_holds_the_stored_base"),
     # ---- files from outside (issue 28) ----------------------------------------------------------------

@@ -170,7 +170,8 @@ def test_the_hubs_gpt2_names_import_to_the_same_weights(imported, tmp_path):
 def test_max_len_is_for_llama_only(imported, tmp_path, capsys):
     assert cli.main(["import", "--from", str(imported / "gpt2"), "--run_dir", str(tmp_path / "run"), "--max_len", "16"]) == 2
     assert capsys.readouterr().err == ("error: --max_len=16: give a context shorter than config.json's 32, for a llama, "
-                                       "qwen2 or mistral model (a gpt2 model's learned position table fixes its own)\n")
+                                       "qwen2, qwen3 or mistral model (a gpt2 model's learned position table fixes "
+                                       "its own)\n")
     assert not (tmp_path / "run").exists()
 
 

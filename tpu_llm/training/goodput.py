@@ -51,11 +51,11 @@ MIN_SECONDS = 1e-3
 _IMPORTED = time.time()
 
 
-def process_started() -> float:
-    """Unix time this process started (Linux: from /proc, so the interpreter's and imports' time counts;
-    elsewhere: when this module was imported)."""
+def process_started(pid: int | str = "self") -> float:
+    """Unix time this process (or process `pid`) started (Linux: from /proc, so the interpreter's and imports'
+    time counts; elsewhere: when this module was imported)."""
     try:
-        with open("/proc/self/stat", encoding="ascii") as f:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
         with open("/proc/uptime", encoding="ascii") as f:
             uptime = float(f.read().split()[0])
