@@ -2,12 +2,11 @@
 when the command left --run_dir/--config to defaults (both cures as commands that work), and the
 "next step" hints of `data prepare` and `import` run as printed (docs/cli.md)."""
 
-import os
 import shlex
 
 import pytest
+from helpers import TINY_FLAGS, write_corpus, write_gpt2
 
-from tests.helpers import TINY_FLAGS, write_bpe_tokenizer, write_corpus, write_gpt2
 from tpu_llm import cli
 
 

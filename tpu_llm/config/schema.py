@@ -85,11 +85,11 @@ class ModelConfig:
     n_embd: int = 128  # model width
     max_len: int = 256  # longest context (gpt2: learned positions; both: the KV cache's length)
     dropout: float = 0.0  # on attention probabilities and residual branches
-    bias: bool = True  # the family's biases: gpt2 Dense and LayerNorm, qwen2 q/k/v; llama and mistral have none (false)
+    bias: bool = True  # the family's biases: gpt2 Dense and LayerNorm, qwen2 q/k/v; llama, mistral and qwen3 have none (false)
     vocab_size: int = 0  # 0: the tokenizer's size; larger pads the table (e.g. to a multiple of 128)
     # gpt2 (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, GQA) | qwen2 (llama's with q/k/v biases)
-    family: str = "gpt2"  # | mistral (llama's, as Mistral's checkpoints name it); docs/model-families.md
-    n_kv_head: int = 0  # llama/qwen2/mistral: key/value heads (grouped-query attention), dividing n_head; 0 = n_head, 1 = multi-query
+    family: str = "gpt2"  # | mistral (llama's, as Mistral's checkpoints name it) | qwen3 (llama's with per-head q/k RMSNorm); docs/model-families.md
+    n_kv_head: int = 0  # the rotary families: key/value heads (grouped-query attention), dividing n_head; 0 = n_head, 1 = multi-query
     head_dim: int = 0  # each attention head's width; 0 = n_embd / n_head (Qwen3 and some Mistral checkpoints give their own)
     mlp_hidden: int = 0  # MLP hidden units; 0 = the family's: gpt2 4 x n_embd, the rotary ones 8/3 x n_embd rounded up to a multiple of 256
     rope_theta: float = 10000.0  # rotary embedding base (Llama 3 uses 500000)
