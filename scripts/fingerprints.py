@@ -56,7 +56,7 @@ RUNS = {
                                                f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down"))],
     "gpt2 lora, int8 base": [*TINY, "--train.steps=8", "--train.lora_rank=4", "--train.lora_targets=c_attn,c_proj,c_fc",
                              "--train.lora_base_dtype=int8"],
-    # its adapters can end one float32 ulp apart from run to run when another job loads the machine (3 of
+    # its adapters can end a float32 ulp or two apart from run to run when another job loads the machine (3 of
     # 13 runs on 6 December 2026, loss unchanged): compare runs made alone, and rerun this row if it differs
     "llama lora, bfloat16 base, 2 stages x 2 tensor groups": [
         "train", "--config", "configs/llama_tiny.yaml", *QUIET, "--train.steps=8", "--cpu_devices=4",
