@@ -12,7 +12,7 @@ from tpu_llm.config.reading import REPR
 from tpu_llm.config.reading import check as _check
 from tpu_llm.config.schema import (ATTENTIONS, BAD_STEP_ACTIONS, CAPS, COMMUNICATIONS, COMPRESSIONS, DATA_FORMATS,
                                    EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_PARAMS, OUTER_OPTIMIZERS,
-                                   PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZERS, CommConfig, Config, ModelConfig,
+                                   PRECISIONS, SCHEDULES, SHARD_OPTIMIZER, STRATEGIES, TOKENIZERS, CommConfig, Config, ModelConfig,
                                    SampleConfig)
 from tpu_llm.errors import UserError
 from tpu_llm.model import families, spec
@@ -133,6 +133,10 @@ def _validate_run(cfg: Config) -> None:
     _check(p.tensor == 1 or cfg.model.hidden() % p.tensor == 0,
            f"parallel.tensor={p.tensor} must divide the MLP's hidden size {cfg.model.hidden()}; set "
            f"model.mlp_hidden to a multiple of {p.tensor}")
+    _check(p.shard_optimizer in SHARD_OPTIMIZER,
+           f"parallel.shard_optimizer={p.shard_optimizer!r}; valid choices: {', '.join(SHARD_OPTIMIZER)}")
+    if p.shard_optimizer != "none":
+        _check(shard_refusal(cfg, cfg.strategy) is None, shard_refusal(cfg, cfg.strategy) or "")
     _check(cfg.cluster.timeout_seconds >= 0,
            f"cluster.timeout_seconds={cfg.cluster.timeout_seconds} must be >= 0 (0 = no timeout)")
 
@@ -205,6 +209,29 @@ def _validate_comm(cfg: Config) -> None:
            f"{what} (local SGD) runs without pipeline stages; set parallel.pipeline_stages=1")
     _check(cfg.parallel.tensor == 1, f"{what} is not supported with parallel.tensor={cfg.parallel.tensor} "
                                      "(untested); set parallel.tensor=1 or drop the comm settings")
+
+
+def shard_refusal(cfg: Config, strategy: str) -> str | None:
+    """Why parallel.shard_optimizer cannot run with `cfg` under `strategy`, or None. The moments are divided
+    over synchronous replicas that all hold the whole model: not over parameter-server workers (no replicas
+    in sync), not across multi-worker processes (each process would save only its own replicas' rows: not
+    built yet), not beside pipeline stages or tensor groups (not built yet), not under local SGD (replicas
+    with weights of their own) or mixed_float16 (Keras' loss-scale optimizer owns that update). Checked
+    here on the config's strategy, and by training/assemble.py on the one strategy=auto chose."""
+    what = f"parallel.shard_optimizer={cfg.parallel.shard_optimizer}"
+    if strategy in ("parameter_server", "multi_worker"):
+        return (f"{what} divides AdamW's moments over the replicas of one process (mirrored, tpu); "
+                f"strategy={strategy} is not supported yet: set parallel.shard_optimizer=none")
+    if cfg.parallel.pipeline_stages > 1 or cfg.parallel.tensor > 1:
+        return (f"{what} with pipeline stages or tensor groups is not supported yet: set "
+                "parallel.shard_optimizer=none, or parallel.pipeline_stages=1 and parallel.tensor=1")
+    if cfg.comm.sync_every > 1:
+        return (f"{what} and local SGD (comm.sync_every={cfg.comm.sync_every}): each replica keeps its own "
+                "weights and moments between syncs; set one of them back (parallel.shard_optimizer=none)")
+    if cfg.precision == "mixed_float16":
+        return (f"{what} does not support precision=mixed_float16 (Keras' loss-scale optimizer); use "
+                "mixed_bfloat16 or float32")
+    return None
 
 
 def comm_refusal(k: CommConfig, strategy: str) -> str | None:

@@ -120,7 +120,8 @@ class Step:
     def variables(self) -> list:
         """Every TPU variable the step may use: the model's, the optimizer's, the input position."""
         keras_vars = list(self.model.variables) + list(self.optimizer.variables)
-        return [getattr(v, "value", v) for v in keras_vars] + [self.data_position]
+        # (Keras variables hold a TF one; ShardedAdamW's moments are TF variables themselves)
+        return [v if isinstance(v, tf.Variable) else v.value for v in keras_vars] + [self.data_position]
 
     def path(self, variable) -> str:
         """A TPU variable's Keras path (`block_2/attn/qkv/kernel`, `adamw/..._momentum`)."""
@@ -162,16 +163,18 @@ class Step:
 
 
 def build_step(stages: int, tensor: int, *, precision: str = "mixed_bfloat16", dropout: float = 0.1,
-               grad_accum: int = 2, family: str = "gpt2") -> Step:
+               grad_accum: int = 2, family: str = "gpt2", shard_optimizer: str = "none") -> Step:
     """A tiny model laid out as `stages` x `tensor` per replica on 2 replicas' worth of offline TPU
-    cores, with its optimizer (LossScaleOptimizer under mixed_float16) and Trainer, as a run assembles
-    them (training/assemble.py). The global dtype policy is left as it was."""
+    cores, with its optimizer (LossScaleOptimizer under mixed_float16; AdamW's moments divided over the
+    replicas with `shard_optimizer="state"`) and Trainer, as a run assembles them (training/assemble.py).
+    The global dtype policy is left as it was."""
     n_layer = max(4, stages)
     model_keys = {"model.family": family, "model.n_layer": n_layer, "model.n_head": 4, "model.n_embd": 32,
                   "model.max_len": MAX_LEN, "model.dropout": dropout, "model.vocab_size": 64}
     model_keys.update({f"model.{key}": value for key, value in families.get(family).defaults.items()})
     cfg = load_config(None, {**model_keys, "data.seq_len": SEQ_LEN, "train.grad_accum": grad_accum,
-                             "parallel.pipeline_stages": stages, "parallel.tensor": tensor})
+                             "parallel.pipeline_stages": stages, "parallel.tensor": tensor,
+                             "parallel.shard_optimizer": shard_optimizer})
     strategy = offline_tpu_strategy(stages * tensor, REPLICAS * stages * tensor)
     placement = Placement(Mesh(REPLICAS, stages, tensor), tpu_strategy=strategy)
     dist = Distribution(strategy, "tpu", "offline audit", "TPU", jit_compile=False, placement=placement)

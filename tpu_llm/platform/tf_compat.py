@@ -22,6 +22,8 @@ Every other module that depends on private TF/Keras behaviour stays where it is,
   a TF checkpoint would hold no block; the checkpoint canary checks that it still puts them there.
 - native_log.py: absl's `SetMinLogLevel` in TensorFlow's framework library, called by its mangled C++
   name (TF exports no Python setter for absl's level); tests/test_progress.py checks that the lines go.
+- training/sharded_adamw.py: its divided moments are checkpointed through TF's trackable and legacy
+  SaveableObject classes (`checkpoint_classes` below, with why); tests/test_shard_optimizer.py checks them.
 - harness/offline_tpu.py: `OfflineTPUResolver` answers what TPUStrategy asks a TPU cluster resolver
   (`num_accelerators`, `get_tpu_system_metadata`), so that TF's own TPUStrategy is built on a hand-built
   topology without a TPU; tests/test_placement.py and tests/test_doctor.py build it on several.
@@ -204,3 +206,19 @@ def mlir_bridge_forced() -> bool:
     from tensorflow.python.eager import context
 
     return int(context.context().enable_mlir_bridge) == 1
+
+
+# ---- checkpointing state that is not a tf.Variable (training/sharded_adamw.py) -----------------------
+# TensorFlow's checkpoint machinery for objects of our own: a node whose children we name
+# (`Trackable._trackable_children`, so that a divided moment sits at the key Keras' AdamW uses), a
+# trackable list (its children are "0", "1", ...) and the legacy SaveableObject, whose SaveSpecs carry
+# a slice spec each: the one path on which slices saved by R replicas restore into any other slicing
+# (TF 2.20's `_serialize_to_tensors` path saved slices but did not restore them, when tried).
+# tests/test_shard_optimizer.py restores across 4, 2 and 1 replicas and from and into Keras' own AdamW.
+def checkpoint_classes():
+    """(Trackable, TrackableList, SaveableObject, SaveSpec, VARIABLE_VALUE_KEY), from TF's private modules."""
+    from tensorflow.python.trackable import base, data_structures
+    from tensorflow.python.training.saving import saveable_object
+
+    return (base.Trackable, data_structures.List, saveable_object.SaveableObject, saveable_object.SaveSpec,
+            base.VARIABLE_VALUE_KEY)

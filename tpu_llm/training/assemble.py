@@ -15,6 +15,8 @@ import dataclasses
 import keras
 
 from tpu_llm.config import Config
+from tpu_llm.config.checks import shard_refusal
+from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.parallel import comm, pipeline
 from tpu_llm.parallel.distribute import Distribution
@@ -49,15 +51,27 @@ def build_model(cfg: Config, dist: Distribution, stages: list) -> GPT:
     return model
 
 
+def optimizer_shards(cfg: Config, dist: Distribution) -> int:
+    """Over how many replicas AdamW's moments are divided (parallel.shard_optimizer=state: the rule that
+    the optimizer's state follows the mesh's `replica` axis); 1 = each replica keeps them whole."""
+    if cfg.parallel.shard_optimizer == "none":
+        return 1
+    why = shard_refusal(cfg, dist.name)  # (the config's strategy was checked; this is the one auto chose)
+    if why:
+        raise UserError(why)
+    return dist.num_replicas
+
+
 def assemble(cfg: Config, dist: Distribution, variables=contextlib.nullcontext) -> Assembly:
     """The compute of `cfg` on `dist`, under Keras' global dtype policy (build.set_precision's): the model,
     its optimizer (loss-scaled under mixed_float16), the gradient exchange and the stage pipeline.
     `variables`: a context entered around the creation of the model's and optimizer's variables."""
     local_sgd = comm.check(cfg.comm, dist)  # local SGD: per-replica copies of the weights and moments
+    shard_over = optimizer_shards(cfg, dist)
     stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
     with variables(), dist.strategy.scope(), comm.variable_scope(local_sgd):
         model = build_model(cfg, dist, stages)
-        optimizer = make_optimizer(cfg.train, model)
+        optimizer = make_optimizer(cfg.train, model, shard_over)
         if keras.mixed_precision.global_policy().name == "mixed_float16":  # float16 gradients underflow unscaled
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             optimizer.build(model.trainable_variables)

@@ -51,6 +51,12 @@ def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
         lines.append(f"comm      {run.comm.describe()}")
     elif comm.active(cfg.comm):
         lines.append("comm      off: one replica, nothing to exchange")
+    shards = getattr(run.optimizer, "replicas", 1)
+    if shards > 1:
+        lines.append(f"optimizer AdamW's moments divided over {shards} replicas (parallel.shard_optimizer=state): "
+                     f"each keeps 1/{shards} of them")
+    elif cfg.parallel.shard_optimizer != "none":
+        lines.append(f"optimizer parallel.shard_optimizer={cfg.parallel.shard_optimizer} has no effect: one replica")
     m = cfg.model
     frozen = f"; frozen: {phases.frozen_layers(t.freeze, m.n_layer)}" if t.freeze else ""
     if run.model.adapters is not None:

@@ -14,6 +14,7 @@ from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, decay_mask, spec
 from tpu_llm.platform import tf_compat
 from tpu_llm.training import fault
+from tpu_llm.training.sharded_adamw import ShardedAdamW
 
 
 def schedule(cfg: TrainConfig) -> keras.optimizers.schedules.CosineDecay:
@@ -102,13 +103,17 @@ def freeze(cfg: TrainConfig, model: GPT) -> list:
     return layers
 
 
-def make_optimizer(cfg: TrainConfig, model: GPT) -> keras.optimizers.Optimizer:
-    """AdamW with decoupled weight decay on Dense kernels only; create inside the strategy scope."""
+def make_optimizer(cfg: TrainConfig, model: GPT, shard_over: int = 1):
+    """AdamW with decoupled weight decay on Dense kernels only; create inside the strategy scope. With
+    `shard_over` R > 1 replicas (parallel.shard_optimizer=state), its moments are divided over them
+    (sharded_adamw.ShardedAdamW); Keras' AdamW then builds none of its own."""
     optimizer = ReducedGradientsAdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay,
                                        beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon)
     decayed = {id(v) for v in decay_mask(model)}
     optimizer.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
                                                   if id(v) not in decayed])
+    if shard_over > 1:
+        return ShardedAdamW(optimizer, model.trainable_variables, shard_over)
     optimizer.build(model.trainable_variables)
     return optimizer
 
