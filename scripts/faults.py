@@ -465,6 +465,47 @@ def nan_row(comm: list[str]):
     return run
 
 
+def summed_losses(losses: dict[int, float]) -> dict[int, float]:
+    """step -> the sum of every step's loss up to it, from metrics.jsonl's host-call means (step -> mean
+    of the steps since the previous entry)."""
+    sums, total, previous = {}, 0.0, 0
+    for step in sorted(losses):
+        total += losses[step] * (step - previous)
+        sums[step], previous = total, step
+    return sums
+
+
+def other_layout_row():
+    """A 2-replica run with AdamW's moments divided over its replicas (parallel.shard_optimizer=state),
+    SIGTERM after step 12, resumed on one replica with whole moments: every step's loss within 1e-5 of the
+    same 2-replica run left alone (a replica count changes only the order of float32 sums; without dropout,
+    whose masks are drawn per replica, so that another replica count draws others)."""
+    def run(bench: Bench, name: str) -> Outcome:
+        two = ["--cpu_devices=2", "--strategy=mirrored", "--parallel.shard_optimizer=state", "--model.dropout=0"]
+        straight = bench.dir(name) / "straight"
+        code = Proc(bench.work / f"{name}-straight.log", bench.train_args(straight, STEPS, *two)).wait()
+        if code:
+            return Outcome(f"the uninterrupted 2-replica run failed (exit {code})", False, "-")
+        run_dir = bench.dir(name) / "run"
+        p = Proc(bench.work / f"{name}.log", bench.train_args(run_dir, STEPS, *two))
+        p.wait_for(lambda t: progress(t) >= 12, "step 12")
+        p.signal(signal.SIGTERM)
+        stopped = p.wait()
+        resumed = Proc(bench.work / f"{name}-resumed.log",
+                       bench.train_args(run_dir, STEPS, "--parallel.shard_optimizer=none", "--model.dropout=0"))
+        code = resumed.wait()
+        # each logged loss is its host call's mean: the stop split a call, so compare the sums of the
+        # steps' losses up to every step both logged
+        run_sums, reference = summed_losses(logged(run_dir)[0]), summed_losses(logged(straight)[0])
+        apart = [step for step, total in reference.items()
+                 if step not in run_sums or abs(run_sums[step] - total) > 1e-5 * abs(total)]
+        said = "resumed   from" in resumed.text
+        observed = f"exit {stopped}, then {code} on one replica" + ("" if said else "; no `resumed` line")
+        lost = "no" if not apart and code == 0 else f"YES: steps {apart[:5]} apart"
+        return Outcome(observed, stopped in (143, -15) and code == 0 and said and lost == "no", lost)
+    return run
+
+
 def cluster_row(workers: int, ps: int, victim: str, expect_code: int, expect_text: str, steps: int = 40):
     def run(bench: Bench, name: str) -> Outcome:
         run_dir = bench.dir(name) / "run"
@@ -789,6 +830,9 @@ ROWS = [
         "allreduce": [], "bf16": ["--comm.compression=bf16"], "powersgd": ["--comm.compression=powersgd",
                                                                           "--comm.rank=2"],
         "topk": ["--comm.compression=topk", "--comm.topk_ratio=0.05"], "localsgd": ["--comm.sync_every=4"]}.items()],
+    Row("zero-layout", "SIGTERM after step 12 of a 2-replica run with divided moments (shard_optimizer=state), "
+        "resumed on 1 replica with whole ones (no dropout)", "143, then exit 0; every step's loss within 1e-5 of the 2-replica "
+        "run left alone", other_layout_row(), reference=False),
     Row("ps-worker", "SIGKILL of one of 2 parameter-server workers", "exit 0: the chief goes on with the other",
         cluster_row(2, 1, "worker 1", 0, "[chief 0] done      step 40")),
     Row("ps-task", "SIGKILL of the ps task", "exit 4, one line: the cluster lost ps 0",

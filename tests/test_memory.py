@@ -188,4 +188,4 @@ def test_bench_memory_names_its_parts(capsys):
 
     assert cli.main(["bench", "memory", "--only", "speeed"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --only='speeed': bench memory runs xla, speed, context or lora (or all four without --only)"]
+    assert errors == ["error: --only='speeed': bench memory runs xla, speed, context, lora or shard (or all five without --only)"]

@@ -403,3 +403,23 @@ def test_memory_estimate_within_20_percent_of_xla_on_cpu(xla_measurement):
               f"{program:,.0f} vs XLA total {xla['total']:,}")
         assert transient == pytest.approx(xla["temp"], rel=XLA_TOLERANCE[name]), name
         assert program == pytest.approx(xla["total"], rel=XLA_TOLERANCE[name]), name
+
+
+def test_the_moments_are_divided_over_the_replicas_only_with_the_setting(tmp_path):
+    # parallel.shard_optimizer=state: 8 bytes per trainable parameter over R replicas (training/sharded_adamw.py)
+    whole = plan.plan(tiny_config(tmp_path, cpu_devices=4), CPU).memory[0]
+    divided = plan.plan(tiny_config(tmp_path, cpu_devices=4, **{"parallel.shard_optimizer": "state"}), CPU).memory[0]
+    assert divided.optimizer == whole.optimizer / 4 and divided.parameters == whole.parameters
+    assert divided.gradients == whole.gradients
+
+
+def test_the_advice_divides_the_moments_before_it_adds_stages():
+    # docs/memory.md's example: a 1B GPT-2 whose AdamW state alone overflows a v5e chip
+    gpt2 = Path(__file__).resolve().parent.parent / "configs" / "gpt2_125m.yaml"
+    cfg = load_config(str(gpt2), {"model.n_layer": 36, "model.n_embd": 1536, "model.n_head": 16,
+                                  "train.batch_size": 8, "data.seq_len": 512, "parallel.remat": True})
+    with pytest.raises(UserError) as e:
+        plan.plan(cfg, "v5litepod-8")
+    assert str(e.value).endswith("it fits with parallel.shard_optimizer=state (11.4 GiB, 58.9 ms per step)")
+    cfg.parallel.shard_optimizer = "state"
+    assert plan.plan(cfg, "v5litepod-8").fits()

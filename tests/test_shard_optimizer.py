@@ -57,9 +57,10 @@ def test_divided_moments_train_exactly_like_whole_ones(four_replicas):
     assert_same_state(four_replicas["state"], four_replicas["none"])
 
 
-def test_with_lora_on_a_bfloat16_step_too(tmp_path):
+def test_with_lora_on_a_bfloat16_step_and_a_skipped_bad_step_too(tmp_path, poison):
     runs = {}
     for setting in ("none", "state"):
+        poison(1)  # NaN gradients at the second step: skipped, every weight and moment kept (the guard)
         train(tiny_config(tmp_path / setting, **EXACT, cpu_devices=2, **{"train.lora_rank": 4,
               "precision": "mixed_bfloat16", "parallel.shard_optimizer": setting}), say=quiet)
         runs[setting] = tmp_path / setting / "run"

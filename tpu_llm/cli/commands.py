@@ -299,14 +299,15 @@ Suites: shakespeare_char (nanoGPT's CPU reference run), strategies (every strate
 configs/tiny.yaml), modes (eager / graph / xla, float32 / bfloat16), pipeline (GPipe P x M, measured
 vs simulated), comm (gradient compression and local SGD), families (gpt2 vs llama on Shakespeare at
 matched size, and the planner on a 1B llama), memory (chunked loss and blockwise attention: XLA's peak
-memory vs the planner, speed, longest context, LoRA vs full fine-tuning; --only xla|speed|context|lora), data (the input pipeline
+memory vs the planner, speed, longest context, LoRA vs full fine-tuning, AdamW's moments divided over
+replicas; --only xla|speed|context|lora|shard), data (the input pipeline
 against a v5p-16's demand on configs/gpt2_125m.yaml: throughput, resume time, memory, batch diversity),
 placement (where the train step's matmuls, collectives and variables run on a replica's TPU cores for
 each P x T, in the HLO a TPU would compile, made offline through TPUStrategy; docs/pipeline-tensor.md).""",
          suite="which benchmark: " + ", ".join(BENCH_SUITES), data="shakespeare_char: the tinyshakespeare text",
          steps="steps per run (0 = the suite's default)", run_dir="shakespeare_char: keep the run here "
          "(default: a temporary directory)", only="strategies, comm: run only the rows whose name contains this; "
-         "memory: xla, speed, context or lora")
+         "memory: xla, speed, context, lora or shard")
 def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, config: str = "", run_dir: str = "",
           only: str = "", overrides: dict | None = None):
     from tpu_llm.tools import bench, bench_data, bench_memory
@@ -326,9 +327,9 @@ def bench(suite: str = "shakespeare_char", data: str = "", steps: int = 0, confi
     elif suite == "pipeline":
         bench.pipeline_stages(steps=steps or 60, config=config or "configs/tiny.yaml")
     elif suite == "memory":  # chunked loss and blockwise attention (docs/memory.md)
-        if only not in ("", "xla", "speed", "context", "lora"):
-            raise UserError(f"--only={only!r}: bench memory runs xla, speed, context or lora (or all four without "
-                            "--only)")
+        if only not in ("", "xla", "speed", "context", "lora", "shard"):
+            raise UserError(f"--only={only!r}: bench memory runs xla, speed, context, lora or shard (or all five "
+                            "without --only)")
         bench_memory.memory(steps=steps or 60, only=only)
     elif suite == "comm":  # compression and local SGD against sync and async data parallel
         bench.comm(steps=steps or 100, config=config or "configs/tiny.yaml", only=only)

@@ -1,7 +1,8 @@
 """`tpu-llm bench memory` (docs/memory.md): the chunked loss and blockwise attention. (a) XLA's buffer
 assignment against the planner's memory for GPT-2 small and Llama-3.2-1B shapes, (b) training-step speed
 with each option on and off, (c) the longest sequence the planner fits on three TPU types, before and after,
-(d) LoRA's trainable state, gradients and temp against full fine-tuning's, in the compiled programs.
+(d) LoRA's trainable state, gradients and temp against full fine-tuning's, in the compiled programs,
+(e) AdamW's moments whole and divided over the replicas (tools/bench_shard.py).
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ def longest_context(limit: int = 1 << 20) -> list[dict]:
 
 def memory(steps: int = 60, only: str = "") -> None:
     """`tpu-llm bench memory`: (a) XLA vs the planner, (b) speed, (c) the longest context, (d) LoRA against
-    full fine-tuning (docs/memory.md)."""
+    full fine-tuning, (e) AdamW's moments divided over the replicas (docs/memory.md)."""
     if not only or only == "xla":
         memory_table()
     if not only or only == "speed":
@@ -303,3 +304,6 @@ def memory(steps: int = 60, only: str = "") -> None:
         longest_context()
     if not only or only == "lora":
         lora_table()
+    if not only or only == "shard":
+        from tpu_llm.tools.bench_shard import shard_table
+        shard_table()

@@ -8,8 +8,9 @@ their two TensorCores as one megacore device; v5e and v6e chips have one). Accel
 TensorCores on v4/v5p and chips on v5e (v5litepod)/v6e: v5p-16 and v4-8 are 8 and 4 chips, v5litepod-8
 and v6e-8 are 8. Per chip, bf16 peak and HBM: v4 275 TFLOP/s, 32 GiB; v5e 197, 16; v5p 459, 95; v6e
 918, 32. A replica spans P pipeline stages x t tensor splits chips; the slice holds R = chips / (P t)
-data-parallel replicas, each with the whole model (no sharded optimizer), so a chip holds one stage's
-share and the most loaded stage decides. "cpu" is this machine: its measured float32 matmul peak, and
+data-parallel replicas, each with the whole model (and AdamW's moments whole, unless
+parallel.shard_optimizer=state divides them over the replicas), so a chip holds one stage's share and
+the most loaded stage decides. "cpu" is this machine: its measured float32 matmul peak, and
 its RAM shared by all `cpu_devices` logical devices (R = cpu_devices / P, as distribute.py lays out).
 
 The memory model is tools/plan_memory.py's (each term derived in its docstring), the time model
@@ -108,21 +109,27 @@ class Plan:
                         f"the total is {total} > {_size(acc.memory_bytes)} {where}; {self._fix()}")
 
     def _fix(self) -> str:
-        """The smallest change that fits: more grad_accum, then remat, then more pipeline stages; at each,
-        first as it is, then with the chunked loss, then also with blockwise attention (docs/memory.md)."""
+        """The smallest change that fits: more grad_accum, then remat, then AdamW's moments divided over the
+        replicas (parallel.shard_optimizer=state, where it runs: one stage, one tensor group, 2+ replicas),
+        then more pipeline stages; at each, first as it is, then with the chunked loss, then also with
+        blockwise attention (docs/memory.md)."""
         p, t, chips = self.cfg.parallel, self.cfg.train, self.acc.chips
-        stage_options = [p.pipeline_stages] + [s for s in range(p.pipeline_stages + 1, self.cfg.model.n_layer + 1)
-                                               if self.acc.shared_memory or chips % (s * p.tensor) == 0]
+        stage_options = [(p.pipeline_stages, p.shard_optimizer)]
+        if p.shard_optimizer == "none" and p.pipeline_stages == 1 and p.tensor == 1 and self.replicas > 1:
+            stage_options.append((1, "state"))
+        # (pipeline stages run with whole moments: training/sharded_adamw.py divides them over replicas only)
+        stage_options += [(s, "none") for s in range(p.pipeline_stages + 1, self.cfg.model.n_layer + 1)
+                          if self.acc.shared_memory or chips % (s * p.tensor) == 0]
         chunk = t.loss_chunk or SUGGESTED_LOSS_CHUNK
         attention = self.cfg.model.attention if self.cfg.model.dropout else "blockwise"  # blockwise: no dropout
         memory_options = list(dict.fromkeys([(t.loss_chunk, self.cfg.model.attention),
                                              (chunk, self.cfg.model.attention), (chunk, attention)]))
-        for stages in stage_options:
+        for stages, shard in stage_options:
             for remat in dict.fromkeys((p.remat, True)):
                 for accum in range(t.grad_accum, t.batch_size + 1):
                     if t.batch_size % (accum * p.microbatches):
                         continue  # cannot split the batch (the rest of the check is plan's)
-                    found = self._fits_with(stages, remat, accum, memory_options)
+                    found = self._fits_with(stages, remat, accum, memory_options, shard)
                     if found is None:
                         break  # more grad_accum cannot help (it adds a gradient buffer)
                     if found:
@@ -130,15 +137,17 @@ class Plan:
         return ("no grad_accum, remat, pipeline_stages, loss_chunk or attention setting fits it here: use more chips "
                 "or a smaller model")
 
-    def _fits_with(self, stages: int, remat: bool, accum: int, memory_options: list) -> str | None:
+    def _fits_with(self, stages: int, remat: bool, accum: int, memory_options: list,
+                   shard: str = "none") -> str | None:
         """'it fits with ...' for the first of `memory_options` (loss_chunk, attention) that fits with
         these settings, "" if none does, None if the model's state alone overflows."""
         p, t = self.cfg.parallel, self.cfg.train
         for loss_chunk, attention in memory_options:
-            changes = {"train.grad_accum": accum, "parallel.remat": remat, "parallel.pipeline_stages": stages,
-                       "train.loss_chunk": loss_chunk, "model.attention": attention}
+            changes = {"train.grad_accum": accum, "parallel.remat": remat, "parallel.shard_optimizer": shard,
+                       "parallel.pipeline_stages": stages, "train.loss_chunk": loss_chunk, "model.attention": attention}
             cfg = copy.deepcopy(self.cfg)
             cfg.train.grad_accum, cfg.parallel.remat, cfg.parallel.pipeline_stages = accum, remat, stages
+            cfg.parallel.shard_optimizer = shard
             cfg.train.loss_chunk, cfg.model.attention = loss_chunk, attention
             if self.acc.shared_memory:
                 cfg.cpu_devices = max(cfg.cpu_devices, stages) // stages * stages
@@ -152,7 +161,7 @@ class Plan:
                 return None
             if candidate.fits(TIGHT):
                 now = {"train.grad_accum": t.grad_accum, "parallel.remat": p.remat,
-                       "parallel.pipeline_stages": p.pipeline_stages, "cpu_devices": self.cfg.cpu_devices,
+                       "parallel.shard_optimizer": p.shard_optimizer, "parallel.pipeline_stages": p.pipeline_stages, "cpu_devices": self.cfg.cpu_devices,
                        "train.loss_chunk": t.loss_chunk, "model.attention": self.cfg.model.attention}
                 setting = " and ".join(f"{k}={str(v).lower()}" for k, v in changes.items() if v != now[k])
                 return (f"{self._takes(changes)}it fits with {setting} ({_size(candidate.memory_needed())}, "
@@ -197,7 +206,8 @@ class Plan:
             out = [f"target    {acc.name} = {acc.chips} {acc.kind} chips ({acc.note}); per chip {peak} bf16 "
                    f"peak, {_size(acc.memory_bytes)} HBM"]
         out += [f"layout    {self.replicas} replica(s) x {p.pipeline_stages} pipeline stage(s) x {p.tensor} tensor "
-                f"way(s); precision {self.precision}; remat {'on' if p.remat else 'off'}",
+                f"way(s); precision {self.precision}; remat {'on' if p.remat else 'off'}"
+                + (f"; AdamW's moments divided over the {self.replicas} replicas" if p.shard_optimizer == "state" else ""),
                 f"batch     {t.batch_size} x {cfg.data.seq_len} = {self.tokens_per_step:,} tokens per step; per "
                 f"replica {t.batch_size // self.replicas} = {t.grad_accum} grad_accum x {p.microbatches} "
                 f"micro-batch(es) of {self.micro_batch}",
@@ -282,7 +292,7 @@ def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = Tr
     micro = t.batch_size // (replicas * t.grad_accum * p.microbatches)
     tokens_micro = micro * seq
     memory, memory_remat = ([stage_memory(cfg, s, vocab, act_bytes, tokens_micro * p.microbatches, tokens_micro,
-                                          remat) for s in stages] for remat in (p.remat, not p.remat))
+                                          remat, replicas) for s in stages] for remat in (p.remat, not p.remat))
 
     model_flops, executed, step, bubble, busy = step_time(cfg, acc, mfu, stages, vocab, tokens_micro)
     result = Plan(cfg, acc, vocab, source, precision, replicas, micro, stages, memory, memory_remat,

@@ -10,7 +10,9 @@ the stage partitioner read too; this docstring derives its activation terms.
                (train.lora_base_dtype) holds the blocks' projection kernels at 2 bytes, int8 at 1 plus a
                float32 scale per output column (embeddings, head, norms and biases: 4)
   optimizer    8 bytes x the stage's trainable parameters: AdamW's m and v, float32. The layers
-               train.freeze names (training/optimizer.py's freeze) have no optimizer slots
+               train.freeze names (training/optimizer.py's freeze) have no optimizer slots. With
+               parallel.shard_optimizer=state each of the R replicas keeps 1/R of them (training/
+               sharded_adamw.py: ceil(rows / R) rows of each variable; counted here as 8 / R bytes)
   gradients    4 bytes x the trainable parameters, twice with train.grad_accum > 1 (the running sum
                and the new one); frozen layers get none
   activations  what the backward pass reads, for every micro-batch in flight. GPipe runs all M
@@ -136,9 +138,10 @@ def adapter_params(cfg: Config, stage: pipeline.Stage) -> int:
 
 
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
-                 tokens_micro: float, remat: bool) -> Memory:
+                 tokens_micro: float, remat: bool, replicas: int = 1) -> Memory:
     """Memory of the chip running `stage`, holding `tokens` tokens of activations (a micro-step of its
-    replica) of which `tokens_micro` are one micro-batch."""
+    replica) of which `tokens_micro` are one micro-batch; `replicas`: the data-parallel replicas, over
+    which parallel.shard_optimizer=state divides AdamW's moments."""
     m, stages = cfg.model, cfg.parallel.pipeline_stages
     c = m.n_embd
     n_blocks = len(stage.blocks)
@@ -179,7 +182,8 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     adapters = adapter_params(cfg, stage)  # LoRA: float32 variables beside the (frozen) weights
     trainable = params + adapters - frozen_params(cfg, stage, vocab)  # AdamW state and gradients: these only
     grads = 4 * trainable * (2 if cfg.train.grad_accum > 1 else 1)
-    return Memory(parameter_bytes(cfg, stage, adapters), 8 * trainable, grads, per_token * tokens, work)
+    shards = replicas if cfg.parallel.shard_optimizer == "state" else 1
+    return Memory(parameter_bytes(cfg, stage, adapters), 8 * trainable / shards, grads, per_token * tokens, work)
 
 
 def parameter_bytes(cfg: Config, stage: pipeline.Stage, adapters: int) -> int:
