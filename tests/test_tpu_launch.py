@@ -95,10 +95,15 @@ def test_train_single_host_on_the_vm_with_the_generations_runtime(single):
     assert train == ["env", "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so",
                      "/opt/tpu-llm/venv/bin/tpu-llm", "train", "--config", "configs/tiny.yaml", "--strategy=tpu",
                      "--tpu=local", f"--run_dir={BUCKET}/runs/tiny"]
-    assert "tpu-llm-run.teardown" not in "\n".join(script).replace("rm -f ~/tpu-llm-run.status ~/tpu-llm-run.teardown", "")
-    assert script[-4:] == ['tail -n "$from" -f --pid="$(cat ~/tpu-llm-owner.pid)" ~/tpu-llm-train.log',
-                           'for _ in $(seq 60); do if [ -f ~/tpu-llm-run.status ]; then exit "$(cat ~/tpu-llm-run.status)"; '
-                           "fi; sleep 1; done",
+    writes = "\n".join(script).replace("rm -f ~/tpu-llm-run.status ~/tpu-llm-run.teardown", "")
+    assert "tpu-llm-run.teardown " not in writes and "> ~/tpu-llm-run.teardown" not in writes
+    assert script[-9:] == ['tail -n "$from" -f --pid="$(cat ~/tpu-llm-owner.pid)" ~/tpu-llm-train.log',
+                           "for _ in $(seq 60); do if [ -f ~/tpu-llm-run.status ]; then break; fi; sleep 1; done",
+                           "if [ -f ~/tpu-llm-run.teardown-failed ]; then",
+                           '  echo "error: the run ended (exit status $(cat ~/tpu-llm-run.status 2>/dev/null || echo '
+                           'unknown)), but worker 0 could not delete this TPU: $(cat ~/tpu-llm-run.teardown-failed)" >&2',
+                           "  exit 76", "fi",
+                           'if [ -f ~/tpu-llm-run.status ]; then exit "$(cat ~/tpu-llm-run.status)"; fi',
                            'echo "error: worker 0 recorded no exit status for the run (~/tpu-llm-train.log says why)" >&2',
                            "exit 1"]
     syntax = subprocess.run(["bash", "-n"], input="\n".join(script), capture_output=True, text=True)

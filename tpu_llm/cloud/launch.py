@@ -12,8 +12,8 @@ import time
 from tpu_llm.cloud.base import Cloud, billing_note, venv_tool
 from tpu_llm.cloud.shell import LaunchError, Outputs
 from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
-from tpu_llm.cloud.worker_plan import (BUSY, INSTALL, SOURCE_ARCHIVE, SSH_LOST, TrainPlan, env, flag, pack_source,
-                                       source_paths)
+from tpu_llm.cloud.worker_plan import (BUSY, INSTALL, SOURCE_ARCHIVE, SSH_LOST, TEARDOWN_FAILED, TrainPlan, env, flag,
+                                       pack_source, source_paths)
 
 
 class Launch(Cloud):
@@ -113,6 +113,12 @@ class Launch(Cloud):
             raise LaunchError("the connection to worker 0 dropped (ssh exit 255, after gcloud's own retries): a run it "
                               "started goes on there; `make tpu-logs` follows it, `make train` with the same settings "
                               "attaches to it (or starts it, if it never started), `make tpu-status` shows the TPU")
+        if status == TEARDOWN_FAILED:
+            self.billing = ""  # said here: worker 0's delete failed, so "worker 0 deletes it" is no longer true
+            raise LaunchError(f"worker 0 could not delete TPU {o['tpu_name']} after the run (its reason is above and "
+                              f"in the log: `make tpu-logs LOGS=gcs`); it is still up and billing: delete it by hand "
+                              f"with `{shlex.join(self.delete_by_hand(o))}` (or `make tpu-down`); the run directory "
+                              f"{plan.run_dir} keeps its checkpoints")
         if status == BUSY:
             raise LaunchError("a run with other settings started on worker 0 meanwhile: follow it with `make tpu-logs`, "
                               "or stop it with `make tpu-stop`")
@@ -123,6 +129,14 @@ class Launch(Cloud):
         print(f"train: the run ended; {self.billing}", flush=True)
         self.billing = ""  # said: main() need not repeat it
         return 0
+
+    def delete_by_hand(self, o: Outputs) -> list[str]:
+        """The command that deletes the TPU from this machine: its queued resource with --force (which deletes
+        the node too), else the node."""
+        if o["use_queued_resource"]:
+            return self.queued_args(o, "delete", "--force", "--quiet")
+        return ["gcloud", "compute", "tpus", "tpu-vm", "delete", str(o["tpu_name"]), f"--zone={o['zone']}",
+                f"--project={o['project_id']}", "--quiet"]
 
     def data_upload(self) -> int:
         o = self.outputs()

@@ -13,7 +13,8 @@ not on the laptop:
   - when the run has ended, for whatever reason, and TEARDOWN_FILE holds a command (DOWN_AFTER=1 or
     TTL_HOURS: `gcloud compute tpus tpu-vm delete ... --async`), it runs that command as the VM's own
     service account (infra/iam.tf grants it the right to delete TPU nodes and nothing more), retried,
-    and writes the outcome into the log, whose last copy then says whether the TPU is gone.
+    and writes the outcome into the log, whose last copy then says whether the TPU is gone; when every
+    attempt failed, also TEARDOWN_FAILED_FILE (the last error), which the launch script reports.
 
 The launch script writes TEARDOWN_FILE before it starts this process, and again when a later `make
 train DOWN_AFTER=1` attaches to the run, so the decision is read when the run ends. Standard library
@@ -35,6 +36,9 @@ TRAIN_PID_FILE = "tpu-llm-train.pid"  # the training process (`make tpu-stop` se
 OWNER_PID_FILE = "tpu-llm-owner.pid"  # this process, written by the launch script
 STATUS_FILE = "tpu-llm-run.status"  # the run's exit status, written last
 TEARDOWN_FILE = "tpu-llm-run.teardown"  # the command that deletes the TPU once the run ended, or absent
+# Written only when that command failed every attempt: its last error line. The launch script reports it
+# and exits TEARDOWN_FAILED, so `make train` never calls a failed delete a teardown (worker_plan.py).
+TEARDOWN_FAILED_FILE = "tpu-llm-run.teardown-failed"
 
 
 def state_path(name: str, home: str = HOME) -> str:
@@ -105,7 +109,7 @@ class Owner:
             return
         self.note(f"the run ended; deleting this TPU as the run asked (DOWN_AFTER=1 or TTL_HOURS): {shlex.join(argv)}")
         self.copy_log(force=True)  # in case the VM goes before the next copy
-        out = ""
+        out, why = "", "no attempt ran"
         for attempt in range(1, self.args.attempts + 1):
             try:
                 done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
@@ -118,9 +122,14 @@ class Owner:
                           "once it is gone (`make tpu-status` shows it)")
                 self.copy_log(force=True)
                 return
-            self.note(f"delete attempt {attempt} of {self.args.attempts} failed: {out.splitlines()[-1] if out else status}")
-            time.sleep(self.args.retry_seconds * attempt)
-        self.note("could not delete this TPU; it is billing: run `make tpu-down` on your machine")
+            why = out.splitlines()[-1] if out else f"exit status {status}"
+            self.note(f"delete attempt {attempt} of {self.args.attempts} failed: {why}")
+            if attempt < self.args.attempts:
+                time.sleep(self.args.retry_seconds * attempt)
+        hand = [word for word in argv if word != "--async"]
+        self.note(f"could not delete this TPU; it is billing: delete it by hand with `{shlex.join(hand)}`, or run "
+                  "`make tpu-down` on your machine")
+        write_atomic(state_path(TEARDOWN_FAILED_FILE, self.args.home), f"{why}\n")
         self.copy_log(force=True)
 
     def run(self) -> int:

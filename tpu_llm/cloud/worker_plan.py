@@ -43,8 +43,9 @@ PID_FILE = "~/tpu-llm-train.pid"
 LOG_DIR = "logs"  # under the run directory: train-YYYYMMDDTHHMMSSZ.log, one per `make train`
 LOG_COPY_SECONDS = 30
 OWNER_PID_FILE = "~/tpu-llm-owner.pid"  # the run's owner process (run_owner.py; the files it keeps are named there)
-RUN_FILES = {name: f"~/tpu-llm-run.{name}" for name in ("launch", "key", "status", "teardown")}
+RUN_FILES = {name: f"~/tpu-llm-run.{name}" for name in ("launch", "key", "status", "teardown", "teardown-failed")}
 BUSY = 75  # the launch's exit status when another run holds worker 0 (EX_TEMPFAIL: again once it ended)
+TEARDOWN_FAILED = 76  # the launch's exit status when the run ended but worker 0 could not delete its TPU
 SSH_LOST = 255  # ssh's own failure, which gcloud retries up to 10 times before it gives up
 # Single host: the pinned libtpu wheel of the venv (tensorflow-tpu 2.20.0 declares libtpu~=0.0.14; the
 # lock pins 0.0.14; newer ones, e.g. 0.0.52, make `import tensorflow` abort: "ConfigureDistributedTpuOp_DoWork
@@ -188,7 +189,7 @@ class TrainPlan:
             f"  {BUSY_CHECK}",
             f"  printf '%s\\n' \"$launch\" > {files['launch']}",
             f"  printf '%s\\n' \"$key\" > {files['key']}",
-            f"  rm -f {files['status']} {files['teardown']} {PID_FILE}",
+            f"  rm -f {files['status']} {files['teardown']} {files['teardown-failed']} {PID_FILE}",
             *[f"  {line}" for line in teardown],
             f"  log_url={log_url}",
             f"  : > {TRAIN_LOG}",
@@ -198,7 +199,13 @@ class TrainPlan:
             "  from=+1",
             "fi",
             f"tail -n \"$from\" -f --pid=\"$(cat {OWNER_PID_FILE})\" {TRAIN_LOG}",
-            f"for _ in $(seq 60); do if [ -f {files['status']} ]; then exit \"$(cat {files['status']})\"; fi; sleep 1; done",
+            f"for _ in $(seq 60); do if [ -f {files['status']} ]; then break; fi; sleep 1; done",
+            f"if [ -f {files['teardown-failed']} ]; then",  # the owner's delete failed: never a clean end
+            f"  echo \"error: the run ended (exit status $(cat {files['status']} 2>/dev/null || echo unknown)), but worker 0 "
+            f"could not delete this TPU: $(cat {files['teardown-failed']})\" >&2",
+            f"  exit {TEARDOWN_FAILED}",
+            "fi",
+            f"if [ -f {files['status']} ]; then exit \"$(cat {files['status']})\"; fi",
             f"echo \"error: worker 0 recorded no exit status for the run ({TRAIN_LOG} says why)\" >&2",
             "exit 1",
         ])
