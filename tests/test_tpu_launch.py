@@ -54,8 +54,8 @@ def tfvars(tmp_path) -> Path:
 
 RUN_STATE = [*SSH, "--worker=0", "--tunnel-through-iap",
              '--command=for f in ~/tpu-llm-owner.pid ~/tpu-llm-train.pid; do if [ -f $f ] && kill -0 "$(cat $f)" '
-             '2>/dev/null; then echo "tpu-llm-run: alive $(cat ~/tpu-llm-run.key 2>/dev/null || echo -) $(cat $f)"; '
-             'exit 0; fi; done; echo tpu-llm-run: idle']
+             '2>/dev/null; then echo "tpu-llm-run: alive $(cat ~/tpu-llm-run.key 2>/dev/null || echo -) $(cat $f) '
+             '$([ -s ~/tpu-llm-run.teardown ] && echo teardown || echo keep)"; exit 0; fi; done; echo tpu-llm-run: idle']
 BUSY = ('for f in ~/tpu-llm-owner.pid ~/tpu-llm-train.pid; do if [ -f $f ] && kill -0 "$(cat $f)" 2>/dev/null; then '
         'echo "error: a run is already training on worker 0 (pid $(cat $f))" >&2; exit 75; fi; done')
 

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import NAME, PROJECT, ZONE, clean_env, one_error_line
-from test_tpu_ownership import DELETE, Worker0, launch_script, ready_tpu
+from helpers import NAME, PROJECT, ZONE, clean_env, make, one_error_line
+from test_tpu_ownership import DELETE, Worker0, launch_script, ready_tpu, single_host
 
 pytestmark = pytest.mark.slow  # bash and the driver in subprocesses
 
@@ -53,3 +53,60 @@ def test_make_train_reports_a_failed_self_delete_as_a_failure_with_the_command(t
     assert f"worker 0 could not delete TPU {NAME} after the run" in line and "still up and billing" in line
     assert f"`gcloud compute tpus tpu-vm delete {NAME} --zone={ZONE} --project={PROJECT} --quiet`" in line
     assert "worker 0 deletes" not in line and "the run ended;" not in done.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# 17. What make train says of the TPU's end is what worker 0 will do
+
+
+def attach_key(tmp_path: Path) -> str:
+    """The run key a `make train` with no settings gives (the live run it attaches to was started with it)."""
+    return next(ln for ln in launch_script(tmp_path).splitlines() if ln.startswith("key="))[4:]
+
+
+@pytest.mark.parametrize("teardown", [False, True], ids=["run-keeps-its-tpu", "run-deletes-its-tpu"])
+def test_attaching_without_down_after_says_what_worker_0_will_do(tmp_path, teardown):
+    single, tfvars = single_host(tmp_path)
+    state = f"tpu-llm-run: alive {attach_key(tmp_path)} 4242 {'teardown' if teardown else 'keep'}"
+    done = make("train", TF_OUTPUTS=single, TFVARS=tfvars, DRY_RUN_RUN_STATE=state)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "attaching to it" in done.stdout
+    said = [ln for ln in done.stdout.splitlines() if f"TPU {NAME} when" in ln]
+    if teardown:  # started with DOWN_AFTER=1: worker 0 still deletes it, whatever this launch's flags
+        assert said == [f"train: the run attached to was started with DOWN_AFTER=1 or TTL_HOURS: worker 0 deletes TPU "
+                        f"{NAME} when it ends or fails; this machine deletes nothing"], done.stdout
+    else:  # no teardown is announced that will not happen
+        assert said == [f"train: worker 0 does not delete TPU {NAME} when the run ends: it bills until `make tpu-down` "
+                        "(`make train DOWN_AFTER=1` with the same settings hands the teardown to worker 0)"], done.stdout
+
+
+def test_after_an_attached_run_ends_the_tpu_s_fate_is_worker_0_s(tmp_path):
+    (tmp_path / "k").mkdir()
+    key = attach_key(tmp_path / "k")
+    for word, fate in (("teardown", f"worker 0 deletes TPU {NAME} when the run ends"),
+                       ("keep", f"TPU {NAME} is still up and billing: `make tpu-down` deletes it")):
+        run = tmp_path / word
+        run.mkdir()
+        _, _, env = ready_tpu(run, ("*echo tpu-llm-run:*", 0, f"tpu-llm-run: alive {key} 4242 {word}"))
+        done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "train"], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT, env=clean_env(**env))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"train: the run ended; {fate}" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("teardown", [False, True], ids=["keep", "teardown"])
+def test_worker_0_says_whether_its_live_run_deletes_the_tpu(tmp_path, teardown):
+    from tpu_llm.cloud.worker_plan import RUN_STATE
+
+    (tmp_path / "tpu-llm-run.key").write_text("0123456789ab\n")
+    if teardown:
+        (tmp_path / "tpu-llm-run.teardown").write_text(DELETE + "\n")
+    owner = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / "tpu-llm-owner.pid").write_text(f"{owner.pid}\n")
+        done = subprocess.run(["bash", "-c", RUN_STATE], capture_output=True, text=True, timeout=30,
+                              env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    finally:
+        owner.kill()
+        owner.wait()
+    assert done.stdout.strip() == f"tpu-llm-run: alive 0123456789ab {owner.pid} {'teardown' if teardown else 'keep'}"

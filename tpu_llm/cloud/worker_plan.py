@@ -59,9 +59,12 @@ LIBTPU = f"{STATE_DIR}/libtpu.so"
 # spans the pre-flight check, the training and the teardown) or a trainer started before owners existed.
 BUSY_CHECK = (f"for f in {OWNER_PID_FILE} {PID_FILE}; do if [ -f $f ] && kill -0 \"$(cat $f)\" 2>/dev/null; then "
               f"echo \"error: a run is already training on worker 0 (pid $(cat $f))\" >&2; exit {BUSY}; fi; done")
-# What the driver asks worker 0 before it launches or deletes anything: `tpu-llm-run: alive KEY PID` or idle.
+# What the driver asks worker 0 before it launches or deletes anything: `tpu-llm-run: alive KEY PID TEARDOWN`
+# (TEARDOWN: `teardown` when the live run's owner deletes the TPU at its end, else `keep`: what `make train`
+# says of the TPU's end comes from here, not from this machine's DOWN_AFTER) or idle.
 RUN_STATE = (f"for f in {OWNER_PID_FILE} {PID_FILE}; do if [ -f $f ] && kill -0 \"$(cat $f)\" 2>/dev/null; then "
-             f"echo \"tpu-llm-run: alive $(cat {RUN_FILES['key']} 2>/dev/null || echo -) $(cat $f)\"; exit 0; fi; "
+             f"echo \"tpu-llm-run: alive $(cat {RUN_FILES['key']} 2>/dev/null || echo -) $(cat $f) "
+             f"$([ -s {RUN_FILES['teardown']} ] && echo teardown || echo keep)\"; exit 0; fi; "
              "done; echo tpu-llm-run: idle")
 # On every worker: unpack the copied source and install it with the set-up script packed beside it, the
 # current lock's (not the copy the worker booted with: a changed lock rebuilds the venv).
