@@ -6,6 +6,8 @@ run with bash in a scratch HOME (fake trainer, fake gcloud), and the driver agai
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +112,28 @@ def test_worker_0_says_whether_its_live_run_deletes_the_tpu(tmp_path, teardown):
         owner.kill()
         owner.wait()
     assert done.stdout.strip() == f"tpu-llm-run: alive 0123456789ab {owner.pid} {'teardown' if teardown else 'keep'}"
+
+
+# --------------------------------------------------------------------------------------------------
+# 12. TTL_HOURS applies to the run a make train attaches to
+
+
+def test_ttl_hours_given_when_attaching_stops_the_live_run_and_deletes_the_tpu(tmp_path):
+    worker = Worker0(tmp_path, launch_script(tmp_path))  # started without a time limit
+    first = worker.start(FAKE_RELEASE=tmp_path / "never")
+    try:
+        worker.wait_for("fake trainer started")
+        attach = Worker0(tmp_path / "again", launch_script(tmp_path, TTL_HOURS="0.0003")).script  # about a second
+        attach = attach.replace(str(tmp_path / "again"), str(tmp_path))
+        done = subprocess.run(["bash", "-c", attach], capture_output=True, text=True, timeout=40,
+                              env=worker.env(FAKE_RELEASE=tmp_path / "never"))
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    assert "attaching to the run with these settings" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 143, done.stdout + done.stderr  # the live run got SIGTERM at the new limit
+    log = worker.log()
+    assert "time limit TTL_HOURS=0.0003: the run stops at" in log and "TTL_HOURS=0.0003 reached: SIGTERM" in log
+    assert "fake trainer: SIGTERM, checkpoint saved" in log and log.count("fake trainer started") == 1
+    assert worker.deletes() == [DELETE]  # a time limit bounds the TPU's life too

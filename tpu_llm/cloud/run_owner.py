@@ -8,8 +8,11 @@ not on the laptop:
     records the run's exit status in STATUS_FILE, which the launch script reports, also when gcloud ran
     it again after a dropped connection and it attached to this run instead of starting another;
   - it copies the log to Cloud Storage every `--copy-seconds` while the run lives, and at its end;
-  - with `--ttl-hours`, it sends the training SIGTERM at the time limit (the trainer saves a checkpoint
-    at the next step and exits, tpu_llm/training/fault.py), and SIGKILL `--grace-seconds` later;
+  - with a time limit, it sends the training SIGTERM when it is reached (the trainer saves a checkpoint
+    at the next step and exits, tpu_llm/training/fault.py), and SIGKILL `--grace-seconds` later. The
+    limit is DEADLINE_FILE ("END_EPOCH_SECONDS HOURS"), read every second: `--ttl-hours` writes it at
+    the start, and a later `make train TTL_HOURS=N` that attaches to the run rewrites it, so the new
+    limit applies to the run going on;
   - when the run has ended, for whatever reason, and TEARDOWN_FILE holds a command (DOWN_AFTER=1 or
     TTL_HOURS: `gcloud compute tpus tpu-vm delete ... --async`), it runs that command as the VM's own
     service account (infra/iam.tf grants it the right to delete TPU nodes and nothing more), retried,
@@ -39,6 +42,7 @@ TEARDOWN_FILE = "tpu-llm-run.teardown"  # the command that deletes the TPU once 
 # Written only when that command failed every attempt: its last error line. The launch script reports it
 # and exits TEARDOWN_FAILED, so `make train` never calls a failed delete a teardown (worker_plan.py).
 TEARDOWN_FAILED_FILE = "tpu-llm-run.teardown-failed"
+DEADLINE_FILE = "tpu-llm-run.deadline"  # "END HOURS": the run's time limit (epoch seconds) and its TTL_HOURS
 
 
 def state_path(name: str, home: str = HOME) -> str:
@@ -68,9 +72,22 @@ class Owner:
         except (OSError, subprocess.TimeoutExpired):
             pass
 
-    def run_child(self, argv: list[str], deadline: float | None, pid_file: str = "") -> int:
-        """Run argv with its output in the log until it exits; SIGTERM at the deadline, SIGKILL after the
-        grace time. Its exit status (128 + N for a signal N, as a shell reports it)."""
+    def deadline(self) -> tuple[float, str] | None:
+        """The run's time limit from DEADLINE_FILE: (epoch seconds, TTL_HOURS as given), or None without one.
+        Read each time: an attaching `make train TTL_HOURS=N` may have set a new one."""
+        try:
+            with open(state_path(DEADLINE_FILE, self.args.home), encoding="utf-8") as f:
+                end, hours = (f.read().split() + ["?"])[:2]
+            return float(end), hours
+        except (OSError, ValueError):
+            return None
+
+    def set_deadline(self, hours: float) -> None:
+        write_atomic(state_path(DEADLINE_FILE, self.args.home), f"{time.time() + hours * 3600:.0f} {hours:g}\n")
+
+    def run_child(self, argv: list[str], pid_file: str = "") -> int:
+        """Run argv with its output in the log until it exits; SIGTERM once the time limit (deadline()) is
+        reached, SIGKILL after the grace time. Its exit status (128 + N for a signal N, as a shell reports it)."""
         try:
             child = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         except OSError as e:
@@ -78,16 +95,20 @@ class Owner:
             return 127
         if pid_file:
             write_atomic(pid_file, f"{child.pid}\n")
-        stopped_at = None
+        stopped_at, known = None, self.deadline()
         while True:
             try:
                 status = child.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            now = time.monotonic()
-            if deadline is not None and stopped_at is None and now >= deadline:
-                self.note(f"TTL_HOURS={self.args.ttl_hours:g} reached: SIGTERM to the run (it saves a checkpoint "
+            now, limit = time.monotonic(), self.deadline()
+            if limit != known and limit is not None:
+                self.note(f"time limit TTL_HOURS={limit[1]}: the run stops at "
+                          f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(limit[0]))}")
+                known = limit
+            if limit is not None and stopped_at is None and time.time() >= limit[0]:
+                self.note(f"TTL_HOURS={limit[1]} reached: SIGTERM to the run (it saves a checkpoint "
                           "at the next step and stops)")
                 child.send_signal(signal.SIGTERM)
                 stopped_at = now
@@ -134,14 +155,15 @@ class Owner:
 
     def run(self) -> int:
         args = self.args
-        deadline = time.monotonic() + args.ttl_hours * 3600 if args.ttl_hours > 0 else None
+        if args.ttl_hours > 0 and self.deadline() is None:  # the launch script wrote it, unless started by hand
+            self.set_deadline(args.ttl_hours)
         self.note(f"owner of this run (pid {os.getpid()})" + (f"; time limit TTL_HOURS={args.ttl_hours:g}"
-                                                                if deadline is not None else ""))
-        status = self.run_child(shlex.split(args.preflight), deadline) if args.preflight else 0
+                                                                if args.ttl_hours > 0 else ""))
+        status = self.run_child(shlex.split(args.preflight)) if args.preflight else 0
         if status != 0:
             self.note(f"the pre-flight check failed (exit status {status}); training did not start")
         else:
-            status = self.run_child(args.train, deadline, pid_file=state_path(TRAIN_PID_FILE, args.home))
+            status = self.run_child(args.train, pid_file=state_path(TRAIN_PID_FILE, args.home))
             self.note(f"the run ended with exit status {status}")
         write_atomic(state_path(STATUS_FILE, args.home), f"{status}\n")
         self.copy_log(force=True)

@@ -26,6 +26,7 @@ import hashlib
 import os
 import shlex
 import tarfile
+import time
 import uuid
 
 from tpu_llm.cloud.shell import LaunchError, Outputs
@@ -43,7 +44,8 @@ PID_FILE = "~/tpu-llm-train.pid"
 LOG_DIR = "logs"  # under the run directory: train-YYYYMMDDTHHMMSSZ.log, one per `make train`
 LOG_COPY_SECONDS = 30
 OWNER_PID_FILE = "~/tpu-llm-owner.pid"  # the run's owner process (run_owner.py; the files it keeps are named there)
-RUN_FILES = {name: f"~/tpu-llm-run.{name}" for name in ("launch", "key", "status", "teardown", "teardown-failed")}
+RUN_FILES = {name: f"~/tpu-llm-run.{name}" for name in ("launch", "key", "status", "teardown", "teardown-failed",
+                                                         "deadline")}
 BUSY = 75  # the launch's exit status when another run holds worker 0 (EX_TEMPFAIL: again once it ended)
 TEARDOWN_FAILED = 76  # the launch's exit status when the run ended but worker 0 could not delete its TPU
 SSH_LOST = 255  # ssh's own failure, which gcloud retries up to 10 times before it gives up
@@ -89,6 +91,8 @@ class TrainPlan:
         self.pod = bool(o["multi_host"])
         self.down_after = down_after or ttl_hours > 0  # a time limit bounds the TPU's life, not only the run's
         self.ttl_hours = ttl_hours
+        # the time limit as an instant, fixed here: gcloud's re-runs of the launch write the same one
+        self.deadline = int(time.time() + ttl_hours * 3600) if ttl_hours > 0 else 0
         self.launch_id = uuid.uuid4().hex[:12]  # this `make train`: gcloud's re-runs of its ssh carry the same
 
     @classmethod
@@ -169,6 +173,9 @@ class TrainPlan:
         files = RUN_FILES
         teardown = ([f"printf '%s\\n' {shlex.quote(shlex.join(self.teardown_argv()))} > {files['teardown']}"]
                     if self.down_after else [])
+        # TTL_HOURS as the owner reads it (run_owner.DEADLINE_FILE), also for a run this launch attaches to
+        limit = ([f"printf '%s %s\\n' {self.deadline} {self.ttl_hours:g} > {files['deadline']}.tmp && "
+                  f"mv {files['deadline']}.tmp {files['deadline']}"] if self.ttl_hours > 0 else [])
         log_url = f"{shlex.quote(self.run_dir + '/' + LOG_DIR)}/train-$(date -u +%Y%m%dT%H%M%SZ).log"
         owner = shlex.join(self.owner_argv()).replace("--log-url=LOG_URL", '"--log-url=$log_url"')
         alive = f"[ -f {OWNER_PID_FILE} ] && kill -0 \"$(cat {OWNER_PID_FILE})\" 2>/dev/null"
@@ -183,7 +190,7 @@ class TrainPlan:
             f"    exit {BUSY}",
             "  fi",
             f"  echo \"train: attaching to the run with these settings, going on worker 0 (pid $(cat {OWNER_PID_FILE}))\"",
-            *[f"  {line}" for line in teardown],
+            *[f"  {line}" for line in teardown + limit],
             "  from=50",
             f"elif [ \"$(cat {files['launch']} 2>/dev/null)\" = \"$launch\" ]; then",
             "  echo \"train: the run this command started has ended (the connection dropped; gcloud ran it again)\"",
@@ -192,8 +199,8 @@ class TrainPlan:
             f"  {BUSY_CHECK}",
             f"  printf '%s\\n' \"$launch\" > {files['launch']}",
             f"  printf '%s\\n' \"$key\" > {files['key']}",
-            f"  rm -f {files['status']} {files['teardown']} {files['teardown-failed']} {PID_FILE}",
-            *[f"  {line}" for line in teardown],
+            f"  rm -f {files['status']} {files['teardown']} {files['teardown-failed']} {files['deadline']} {PID_FILE}",
+            *[f"  {line}" for line in teardown + limit],
             f"  log_url={log_url}",
             f"  : > {TRAIN_LOG}",
             f"  nohup {owner} > /dev/null 2>&1 < /dev/null &",
