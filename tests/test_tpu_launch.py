@@ -272,9 +272,12 @@ def test_tpu_up_creates_the_queued_resource_with_gcloud_as_the_project_service_a
 
 def test_tpu_up_deletes_the_queued_resource_when_switching_back_to_a_vm(queued, tfvars):
     done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars)  # tfvars without use_queued_resource = true
+    assert done.returncode != 0 and "use_queued_resource: true -> false" in done.stderr  # its TPU is READY
+    assert QUEUED_DELETE not in commands(done.stdout)
+    done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars, REPLACE=1)  # issue 50: replacing it is asked for
     cmds = commands(done.stdout)
-    assert cmds.index(QUEUED_DELETE) < cmds.index(
-        [*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true", "-out=.tpu-up.tfplan"])
+    plan = next(i for i, c in enumerate(cmds) if c[:4] == [*TF, "plan", "-input=false"])
+    assert cmds.index(QUEUED_DELETE) < plan
 
 
 def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, queued_tfvars):

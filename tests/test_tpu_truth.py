@@ -6,6 +6,7 @@ run with bash in a scratch HOME (fake trainer, fake gcloud), and the driver agai
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import NAME, PROJECT, ZONE, clean_env, make, one_error_line
+from helpers import NAME, PROJECT, ZONE, clean_env, fake_cloud, make, one_error_line, outputs_json, write_outputs
 from test_tpu_ownership import DELETE, Worker0, launch_script, ready_tpu, single_host
 
 pytestmark = pytest.mark.slow  # bash and the driver in subprocesses
@@ -137,3 +138,66 @@ def test_ttl_hours_given_when_attaching_stops_the_live_run_and_deletes_the_tpu(t
     assert "time limit TTL_HOURS=0.0003: the run stops at" in log and "TTL_HOURS=0.0003 reached: SIGTERM" in log
     assert "fake trainer: SIGTERM, checkpoint saved" in log and log.count("fake trainer started") == 1
     assert worker.deletes() == [DELETE]  # a time limit bounds the TPU's life too
+
+
+# --------------------------------------------------------------------------------------------------
+# 13. No running TPU is replaced, or kept unlike the tfvars, without REPLACE=1: queued resources too
+
+PIN_REPLACED = {"format_version": "1.2", "resource_changes": [
+    {"address": "terraform_data.runtime_pin[0]", "type": "terraform_data", "name": "runtime_pin",
+     "change": {"actions": ["delete", "create"], "before": {}, "after": {}}}],
+    "output_changes": {
+        "runtime_version": {"actions": ["update"], "before": "tpu-ubuntu2204-base", "after": None, "after_unknown": True},
+        "accelerator_type": {"actions": ["no-op"], "before": "v4-8", "after": "v4-8", "after_unknown": False}}}
+VM_DELETED = {"format_version": "1.2", "resource_changes": [
+    {"address": "google_tpu_v2_vm.tpu[0]", "type": "google_tpu_v2_vm", "name": "tpu", "index": 0,
+     "change": {"actions": ["delete"], "before": {}, "after": None}, "action_reason": "delete_because_count_index"}]}
+LIVE_NODE = {"name": f"projects/{PROJECT}/locations/{ZONE}/nodes/{NAME}", "state": "READY", "acceleratorType": "v4-8",
+             "runtimeVersion": "tpu-ubuntu2204-base"}
+
+
+def tpu_up(tmp_path: Path, was_queued: bool, tfvars: str, plan: dict, **extra) -> tuple[subprocess.CompletedProcess, list]:
+    """make tpu-up over a READY TPU (a queued resource's node when `was_queued`) with fake gcloud/terraform."""
+    tmp_path.mkdir(exist_ok=True)
+    previous = write_outputs(tmp_path / "o.json", "v4-8", 1, use_queued_resource=was_queued,
+                             queued_resource_name=f"{NAME}-queued" if was_queued else "",
+                             runtime_version="tpu-ubuntu2204-base")
+    (tmp_path / "terraform.tfvars").write_text(f'project_id = "{PROJECT}"\nzone = "{ZONE}"\n{tfvars}')
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[
+        ("compute tpus tpu-vm describe*--format=json", 0, json.dumps(LIVE_NODE)),
+        ("compute tpus tpu-vm describe*", 0, "READY"), ("compute tpus queued-resources describe*", 0, "ACTIVE")],
+        terraform=[("*show -json*", 0, json.dumps(plan)), ("*output -json*", 0, outputs_json(previous))])
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "up"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=clean_env(PATH=bin_dir, TFVARS=tmp_path / "terraform.tfvars", TF_OUTPUTS=previous,
+                                                  SSH_AUTH_SOCK="", **extra))
+    return done, log.read_text().splitlines()
+
+
+APPLY = "terraform -chdir=infra apply -input=false .tpu-up.tfplan"
+QUEUED_DELETE = f"gcloud compute tpus queued-resources delete {NAME}-queued --force --quiet"
+
+
+@pytest.mark.parametrize("was_queued, tfvars, plan, said", [
+    (True, 'use_queued_resource = true\nruntime_version = "v2-alpha-tpuv5"\n', PIN_REPLACED,
+     "runtime_version: 'tpu-ubuntu2204-base' -> (known after apply)"),
+    (False, "use_queued_resource = true\n", VM_DELETED, "google_tpu_v2_vm.tpu[0] (deleted: use_queued_resource is on"),
+    (True, "", {}, "use_queued_resource: true -> false")], ids=["queued-new-image", "vm-to-queued", "queued-to-vm"])
+def test_a_change_to_a_running_tpu_is_refused_before_anything_unless_replace(tmp_path, was_queued, tfvars, plan, said):
+    done, calls = tpu_up(tmp_path / "refused", was_queued, tfvars, plan)
+    line = one_error_line(done)
+    assert f"would replace the running TPU {NAME} (READY)" in line and said in line and "REPLACE=1" in line, line
+    assert APPLY not in calls and not [c for c in calls if " delete " in c], calls  # nothing changed
+    done, calls = tpu_up(tmp_path / "replaced", was_queued, tfvars, plan, REPLACE=1)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"tpu-up: REPLACE=1: replacing TPU {NAME}" in done.stdout
+    if was_queued:  # gcloud's queued resource goes first (with its node), then the apply; tpu-up requests it anew
+        deleted = next(i for i, c in enumerate(calls) if c.startswith(QUEUED_DELETE))
+        assert APPLY in calls and deleted < calls.index(APPLY), calls
+
+
+def test_an_unchanged_queued_tpu_is_kept_without_asking(tmp_path):
+    same = {**PIN_REPLACED, "resource_changes": [], "output_changes": {
+        "runtime_version": {"actions": ["no-op"], "before": "tpu-ubuntu2204-base", "after": "tpu-ubuntu2204-base"}}}
+    done, calls = tpu_up(tmp_path, True, "use_queued_resource = true\n", same)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert APPLY in calls and not [c for c in calls if c.startswith(QUEUED_DELETE)]
