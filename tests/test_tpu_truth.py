@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,3 +202,43 @@ def test_an_unchanged_queued_tpu_is_kept_without_asking(tmp_path):
     done, calls = tpu_up(tmp_path, True, "use_queued_resource = true\n", same)
     assert done.returncode == 0, done.stdout + done.stderr
     assert APPLY in calls and not [c for c in calls if c.startswith(QUEUED_DELETE)]
+
+
+# --------------------------------------------------------------------------------------------------
+# 14. A deleted custom role's ID is never asked for again
+
+
+def role_id(tmp_path: Path, name_prefix: str, created: int) -> str:
+    """The worker role's ID as infra/iam.tf computes it for a deployment made at `created` (unix seconds), by the
+    Terraform binary: the role_id expression with time_static's value given (the time provider is not here)."""
+    import hcl2
+    from helpers import terraform
+
+    with open(ROOT / "infra" / "iam.tf", encoding="utf-8") as f:
+        iam = hcl2.load(f)
+    role = next(block['"google_project_iam_custom_role"']['"tpu_self_delete"'] for block in iam["resource"]
+                if '"google_project_iam_custom_role"' in block)  # python-hcl2 keeps the labels' quotes
+    expression = role["role_id"].replace("time_static.deployment.unix", "var.created")
+    module = tmp_path / f"role-{created}"
+    module.mkdir()
+    (module / "main.tf").write_text('variable "name_prefix" { type = string }\nvariable "created" { type = number }\n')
+    done = subprocess.run([terraform(), "console", f"-var=name_prefix={name_prefix}", f"-var=created={created}"],
+                          input=f"{expression}\n", capture_output=True, text=True, cwd=module,
+                          env={**os.environ, "CHECKPOINT_DISABLE": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip())
+
+
+def test_a_deployment_after_destroy_bucket_never_reuses_the_deleted_role_id(tmp_path):
+    """up, then `make tpu-down DESTROY_BUCKET=1` (IAM keeps the deleted role's ID reserved for up to 37 days), then
+    up again a day later: the second deployment's role must have another ID, or its create fails for weeks."""
+    reserved = set()
+    first = role_id(tmp_path, "tpu-llm", 1_796_000_000)
+    reserved.add(first)  # destroyed: soft-deleted, its ID unusable until purged
+    second = role_id(tmp_path, "tpu-llm", 1_796_000_000 + 86_400)
+    assert second not in reserved, f"the new deployment asks for the reserved role ID {second}"
+    longest = "a" + "-" * 20 + "z"  # name_prefix allows 22 characters
+    for rid in (first, second, role_id(tmp_path, longest, 4_102_444_800)):  # ... up to the year 2100
+        assert re.fullmatch(r"[a-zA-Z0-9_.]{3,64}", rid), rid  # IAM's rule for a custom role's ID
+    text = (ROOT / "infra" / "iam.tf").read_text()
+    assert 'resource "time_static" "deployment" {}' in text  # no count: kept while the TPU comes and goes
