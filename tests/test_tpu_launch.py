@@ -91,8 +91,9 @@ def test_train_single_host_on_the_vm_with_the_generations_runtime(single):
     own, train = owner_line(script)
     assert own == ["--log=~/tpu-llm-train.log", "--log-url=$log_url", "--copy-seconds=30",
                    f"--preflight=/opt/tpu-llm/venv/bin/python -m tpu_llm.cloud preflight --run_dir={BUCKET}/runs/tiny"]
-    # a v4: TensorFlow's own TPU runtime, pointed at the venv's libtpu; no PJRT (tpu_chips.runtime_variables)
-    assert train == ["env", "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so",
+    # a v4: PJRT, as on every generation, with the venv's libtpu (tpu_chips.runtime_variables)
+    assert train == ["env", "NEXT_PLUGGABLE_DEVICE_USE_C_API=true",
+                     "TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so", "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so",
                      "/opt/tpu-llm/venv/bin/tpu-llm", "train", "--config", "configs/tiny.yaml", "--strategy=tpu",
                      "--tpu=local", f"--run_dir={BUCKET}/runs/tiny"]
     writes = "\n".join(script).replace("rm -f ~/tpu-llm-run.status ~/tpu-llm-run.teardown", "")
@@ -111,7 +112,7 @@ def test_train_single_host_on_the_vm_with_the_generations_runtime(single):
 
 
 @pytest.mark.parametrize("accelerator,pjrt", [("v5litepod-8", True), ("v5p-8", True), ("v6e-8", True),
-                                               ("v4-8", False), ("v3-8", False), ("v2-8", False)])
+                                               ("v4-8", True), ("v3-8", True), ("v2-8", True)])
 def test_a_single_host_gets_pjrt_only_where_google_documents_it_for_tensorflow(tmp_path, accelerator, pjrt):
     done = make("train", TF_OUTPUTS=write_outputs(tmp_path / "o.json", accelerator, 1))
     assert done.returncode == 0, done.stderr

@@ -87,10 +87,10 @@ def test_the_setup_checks_the_venv_libtpu_is_the_pinned_one():
     assert 'fail "the venv\'s libtpu is' in text and 'ln -sf "$${found#* }" "$LIBTPU"' in text
     lock = (INFRA / "worker-requirements.txt").read_text()
     assert re.search(r"^libtpu==0\.0\.14 ", lock, re.M)
-    # the single-host run names that link, never /lib/libtpu.so, on every generation; through PJRT only on
-    # v5e, v5p and v6e (tpu_chips.runtime_variables)
+    # the single-host run names that link, never /lib/libtpu.so, on every generation, through PJRT on every one
+    # (tpu_chips.runtime_variables; issue 50: Google's TF images and release tests run v2 to v5p on PJRT too)
     from tpu_llm.cloud.worker_plan import TrainPlan
-    for accelerator, pjrt in (("v2-8", False), ("v3-8", False), ("v4-8", False), ("v5litepod-8", True),
+    for accelerator, pjrt in (("v2-8", True), ("v3-8", True), ("v4-8", True), ("v5litepod-8", True),
                               ("v5p-8", True), ("v6e-8", True)):
         plan = TrainPlan({"multi_host": False, "tpu_name": "t", "accelerator_type": accelerator}, "c", "gs://b", "", [])
         assert set(plan.environment().values()) - {"true"} == {"/opt/tpu-llm/libtpu.so"}

@@ -13,7 +13,7 @@ library only.
 
 How training is launched (as Google's own TF-on-TPU test harness does it; worker_plan.py):
   single-host slice  on the VM, `--strategy=tpu --tpu=local`, with TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so (the
-                     venv's pinned libtpu, which the set-up links there) and, on v5e, v5p and v6e, PJRT:
+                     venv's pinned libtpu, which the set-up links there) and, on every generation, PJRT:
                      NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so
                      (tpu_chips.runtime_variables)
   multi-host slice   on worker 0 only, `--strategy=tpu --tpu=NAME`, with TPU_NAME=NAME TPU_LOAD_LIBRARY=0:

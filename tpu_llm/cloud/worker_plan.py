@@ -1,9 +1,9 @@
 """What `make train` runs on TPU worker 0, and the source it copies to every worker (for tpu_llm/cloud/driver.py).
 
   single-host slice  `--strategy=tpu --tpu=local` with the generation's runtime variables (tpu_chips.runtime_variables)
-                     for the venv's pinned libtpu, linked at /opt/tpu-llm/libtpu.so by the set-up: on v5e, v5p
-                     and v6e PJRT, NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=... and
-                     TPU_LIBRARY_PATH=...; on v2-v4 TensorFlow's own TPU runtime, TPU_LIBRARY_PATH=... alone
+                     for the venv's pinned libtpu, linked at /opt/tpu-llm/libtpu.so by the set-up: PJRT on every
+                     generation (v2 through v6e), NEXT_PLUGGABLE_DEVICE_USE_C_API=true
+                     TF_PLUGGABLE_DEVICE_LIBRARY_PATH=... and TPU_LIBRARY_PATH=...
   multi-host slice   `--strategy=tpu --tpu=NAME` with TPU_NAME=NAME TPU_LOAD_LIBRARY=0: the TF servers are the
                      TF worker containers the set-up runs on every host (infra/startup.sh.tftpl), and they run
                      the input pipeline, so the data must be TFRecord shards on gs://
@@ -52,7 +52,7 @@ SSH_LOST = 255  # ssh's own failure, which gcloud retries up to 10 times before 
 # Single host: the pinned libtpu wheel of the venv (tensorflow-tpu 2.20.0 declares libtpu~=0.0.14; the
 # lock pins 0.0.14; newer ones, e.g. 0.0.52, make `import tensorflow` abort: "ConfigureDistributedTpuOp_DoWork
 # not available in this library"), through the runtime Google documents for the slice's generation
-# (tpu_chips.runtime_variables: PJRT on v5e, v5p, v6e). The set-up checks its version and links it at
+# (tpu_chips.runtime_variables: PJRT on every generation, v2 through v6e). The set-up checks its version and links it at
 # LIBTPU. Every image is a base image, which has no TensorFlow (docs/cloud-tpu.md).
 LIBTPU = f"{STATE_DIR}/libtpu.so"
 
