@@ -242,3 +242,22 @@ def test_a_deployment_after_destroy_bucket_never_reuses_the_deleted_role_id(tmp_
         assert re.fullmatch(r"[a-zA-Z0-9_.]{3,64}", rid), rid  # IAM's rule for a custom role's ID
     text = (ROOT / "infra" / "iam.tf").read_text()
     assert 'resource "time_static" "deployment" {}' in text  # no count: kept while the TPU comes and goes
+
+
+# --------------------------------------------------------------------------------------------------
+# 15. A missing right to create the custom role is named, with the role that grants it
+
+# The provider's error when the account lacks iam.roles.create (its shape as googleapi prints a 403)
+ROLE_DENIED = ("│ Error: Error creating the custom project role projects/my-proj/roles/tpu_llm_tpu_self_delete_1796000000: "
+               "googleapi: Error 403: Permission 'iam.roles.create' denied on resource (or it may not exist)., forbidden")
+
+
+def test_a_denied_custom_role_names_role_admin_and_the_grant():
+    from tpu_llm.cloud.shell import explain_failure
+
+    line = explain_failure(["terraform"], 1, ROLE_DENIED, {"project": PROJECT, "zone": ZONE})
+    assert "iam.roles" in line and "roles/iam.roleAdmin" in line, line
+    assert (f"`gcloud projects add-iam-policy-binding {PROJECT} --member=user:YOUR_EMAIL --role=roles/iam.roleAdmin`"
+            in line) and "nothing was destroyed" in line
+    generic = explain_failure(["gcloud"], 1, "ERROR: PERMISSION_DENIED: tpu.nodes.create", {"project": PROJECT})
+    assert "roles/iam.roleAdmin" in generic and "docs/cloud-tpu.md" in generic  # the owner-less set is complete

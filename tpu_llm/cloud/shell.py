@@ -145,9 +145,16 @@ FAILURES = [
     (r"failed to connect to backend|Error while connecting \[40\d\d|IAP tunnel|iap\.tunnelInstances",
      "ssh through Identity-Aware Proxy failed ({detail}): the firewall rule {prefix}-ssh-from-iap must exist "
      "(make tpu-up) and your account needs roles/iap.tunnelResourceAccessor; then run the target again"),
+    # The workers' custom role (infra/iam.tf): creating one needs iam.roles.create, which roles/editor lacks
+    (r"iam\.roles\.(create|update|delete|undelete)",
+     "permission denied in project {project} ({detail}): the workers' custom role needs iam.roles.* on the "
+     "project: an owner grants your account roles/iam.roleAdmin (`gcloud projects add-iam-policy-binding "
+     "{project} --member=user:YOUR_EMAIL --role=roles/iam.roleAdmin`), then run the target again; nothing was "
+     "destroyed"),
     (r"PERMISSION_DENIED|Permission denied|does not have .*permission|\b403\b",
      "permission denied in project {project} ({detail}): your account needs roles/owner, or roles/editor plus "
-     "roles/resourcemanager.projectIamAdmin, on the project"),
+     "roles/resourcemanager.projectIamAdmin and roles/iam.roleAdmin, on the project (docs/cloud-tpu.md lists "
+     "the roles each target needs)"),
     # During `make tpu-up` a 404 is something the configuration names (an image, a type, a network):
     # recreating would fail the same way.
     (r"NOT_FOUND|was not found|\b404\b",
