@@ -312,7 +312,9 @@ def test_dry_run_previews_every_target_from_tfvars_alone(tmp_path, target):
     cmds = [c for c in commands(done.stdout) if c[0] == "gcloud"]
     assert cmds, done.stdout
     assert all("--project=fresh-proj" in c for c in cmds), cmds
-    assert all("--zone=us-east5-a" in c for c in cmds if c[1] != "storage"), cmds  # buckets have no zone
+    assert all("--zone=us-east5-a" in c for c in cmds if c[1] not in ("storage", "container")), cmds  # zone-less
+    if target == "tpu-up":  # a pod's TF worker container is asked of its registry first, before anything is made
+        assert cmds[0][:4] == ["gcloud", "container", "images", "describe"], cmds
     if target == "tpu-up":  # the pod set-up is shown before anything is paid for
         assert ("tpu-up: pod set-up on every worker: tensorflow-tpu from the lock, and the TPU runtime serving "
                 "TensorFlow from gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:tf-2.20.0-pjrt on port 8470") in done.stdout

@@ -261,3 +261,56 @@ def test_a_denied_custom_role_names_role_admin_and_the_grant():
             in line) and "nothing was destroyed" in line
     generic = explain_failure(["gcloud"], 1, "ERROR: PERMISSION_DENIED: tpu.nodes.create", {"project": PROJECT})
     assert "roles/iam.roleAdmin" in generic and "docs/cloud-tpu.md" in generic  # the owner-less set is complete
+
+
+# --------------------------------------------------------------------------------------------------
+# 16. A pod's TF worker container is asked of its registry before anything is created
+
+IMAGE = "gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:tf-2.20.0-pjrt"
+
+
+@pytest.mark.parametrize("answer", ["missing", "exists", "cannot-ask"])
+def test_a_missing_worker_container_tag_stops_tpu_up_before_anything_is_created(tmp_path, answer):
+    recorded = {"missing": (1, f"ERROR: (gcloud.container.images.describe) NOT_FOUND: manifest unknown: {IMAGE}"),
+                "exists": (0, "sha256:0123abcd"),
+                "cannot-ask": (1, "ERROR: (gcloud.container.images.describe) PERMISSION_DENIED: artifactregistry."
+                                  "repositories.downloadArtifacts")}[answer]
+    tfvars = tmp_path / "terraform.tfvars"
+    tfvars.write_text(f'project_id = "{PROJECT}"\nzone = "us-east5-a"\naccelerator_type = "v5p-16"\n')
+    pod = write_outputs(tmp_path / "pod.json", "v5p-16", 2)
+    bin_dir, log = fake_cloud(tmp_path, gcloud=[("container images describe*", *recorded),
+                                                ("compute tpus tpu-vm describe*", 0, "READY")],
+                              terraform=[("*output -json*", 0, outputs_json(pod))])
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "up"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=clean_env(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "saved.json",
+                                                  SSH_AUTH_SOCK=""))
+    calls = [c for c in log.read_text().splitlines() if " auth " not in c]
+    assert calls[0] == (f"gcloud container images describe {IMAGE} --project={PROJECT} "
+                        "--format=value(image_summary.digest)")  # first: before the state bucket or terraform
+    if answer == "missing":
+        line = one_error_line(done)
+        assert f"the pod's TF worker container {IMAGE} does not exist" in line and "nothing was created" in line
+        assert "gcloud container images list-tags gcr.io/cloud-tpu-v2-images/grpc_tpu_worker" in line
+        assert calls == calls[:1]  # nothing else ran
+    else:
+        assert done.returncode == 0, done.stdout + done.stderr
+        said = "exists (sha256:0123abcd)" if answer == "exists" else "could not ask the registry"
+        assert said in done.stdout and any(c.startswith("terraform") for c in calls)
+
+
+def test_a_worker_that_cannot_pull_the_container_is_one_line_naming_tag_and_tpu_down(tmp_path):
+    setup_log = (f"docker: Error response from daemon: manifest for {IMAGE} not found: manifest unknown\n"
+                 f"tpu-llm setup failed on t1v-n-0-w-1: the TF worker container {IMAGE} cannot be pulled (the tag "
+                 "tensorflow-tpu 2.20.0 names is not in the registry; the runtime's journal is above)")
+    pod = write_outputs(tmp_path / "pod.json", "v5p-16", 2)
+    tfvars = tmp_path / "terraform.tfvars"
+    tfvars.write_text(f'project_id = "{PROJECT}"\naccelerator_type = "v5p-16"\n')
+    bin_dir, _ = fake_cloud(tmp_path, gcloud=[("*--worker=all*/opt/tpu-llm/ready*", 1, setup_log),
+                                              ("compute tpus tpu-vm describe*", 0, "READY")],
+                            terraform=[("*output -json*", 0, outputs_json(pod))])
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "up"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=clean_env(PATH=bin_dir, TFVARS=tfvars, TF_OUTPUTS=tmp_path / "s.json",
+                                                  SSH_AUTH_SOCK=""))
+    line = one_error_line(done)
+    assert line.startswith(f"error: a worker could not pull the pod's TF worker container (") and IMAGE in line
+    assert "`make tpu-down` deletes the TPU" in line and "retries it" not in line, line

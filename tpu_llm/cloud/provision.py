@@ -34,6 +34,7 @@ class Provision(Cloud):
               "for every hour it exists, training or idle, plus a bucket, Cloud NAT and logs. Run `make tpu-down` "
               "when you are done.", flush=True)
         self.check_cloud(terraform=True)
+        self.check_worker_image(settings)  # before anything is created: a missing tag fails in seconds
         self.init_backend(settings)
         prefix = settings.get("name_prefix", "tpu-llm")
         context = {"project": settings.get("project_id", "?"), "zone": settings.get("zone", DEFAULT_ZONE),
@@ -66,6 +67,31 @@ class Provision(Cloud):
         print(f"tpu-up: {o['tpu_name']} ({o['accelerator_type']}, {o['worker_count']} worker(s)) is READY in "
               f"{o['zone']}; bucket {o['bucket_url']}. Next: `make train` (or `make data-upload` first for a "
               "pod slice).", flush=True)
+
+    def check_worker_image(self, settings: dict[str, str]) -> None:
+        """A pod's hosts serve TensorFlow from the TF worker container the lock's tensorflow-tpu names: its tag is
+        asked of the registry (`gcloud container images describe`) before anything is created. A tag the registry
+        does not know stops here, named; a registry that cannot be asked (no permission, an old gcloud) is said,
+        and the set-up on the TPU stops as soon as the pull fails (infra/startup.sh.tftpl)."""
+        image = str(Outputs.preview(settings).get("tf_worker_image") or "")
+        if not image:  # one host: no container
+            return
+        argv = ["gcloud", "container", "images", "describe", image, f"--project={settings.get('project_id', '?')}",
+                "--format=value(image_summary.digest)"]
+        status, out = self.runner.capture(argv, dry_result="sha256:<digest>")
+        if status == 0:
+            print(f"tpu-up: the pod's TF worker container {image} exists ({out.strip() or 'no digest shown'})",
+                  flush=True)
+            return
+        said = next((line.strip() for line in reversed(out.splitlines()) if line.strip()), f"exit status {status}")
+        if re.search(r"MANIFEST_UNKNOWN|manifest unknown|NOT_FOUND|not found|\b404\b", out, re.IGNORECASE):
+            raise LaunchError(f"the pod's TF worker container {image} does not exist (the registry: {said[:200]}); "
+                              f"every host of a {settings.get('accelerator_type')} pod serves TensorFlow from it, and "
+                              "infra/worker-requirements.txt's tensorflow-tpu names that tag: nothing was created. "
+                              "Pin a tensorflow-tpu whose tag exists (`gcloud container images list-tags "
+                              f"{image.rsplit(':', 1)[0]}` lists them), or choose a single-host accelerator_type")
+        print(f"tpu-up: could not ask the registry for {image} ({said[:200]}); the set-up on the TPU stops as soon as "
+              "its pull fails, naming it", flush=True)
 
     def clear_the_way(self, previous: Outputs | None, settings: dict[str, str]) -> tuple[list[str], str]:
         """Before the apply: a queued resource no longer wanted, or a preempted TPU, goes. The -replace
@@ -222,6 +248,8 @@ class Provision(Cloud):
         try:
             self.runner.stream(self.ssh(o, "all", command), o.context())
         except LaunchError as e:
+            if "could not pull the pod's TF worker container" in str(e):  # a retry would fail the same way
+                raise
             raise LaunchError(f"the worker set-up did not finish ({e}); `make tpu-logs LOGS=setup` shows its "
                               "log, and `make tpu-up` retries it") from None
 

@@ -107,6 +107,10 @@ INSTALL_HINT = {
 # (pattern, message[, tools]) in order; the first match (for that tool) wins. {zone}, {accelerator},
 # ... come from the context.
 FAILURES = [
+    # infra/startup.sh.tftpl on a pod's host whose runtime could not pull the TF worker container
+    (r"the TF worker container \S+ cannot be pulled",
+     "a worker could not pull the pod's TF worker container ({detail}); `make tpu-down` deletes the TPU, which "
+     "bills meanwhile; then pin in infra/worker-requirements.txt a tensorflow-tpu whose tag exists"),
     (r"a run is already training on worker 0",
      "a run is already training on worker 0: follow it with `make tpu-logs`, or stop it first (`make tpu-ssh`, "
      "then `kill $(cat ~/tpu-llm-train.pid)`)"),
