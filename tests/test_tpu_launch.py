@@ -204,7 +204,12 @@ def test_tpu_up_applies_then_waits_for_every_worker(request, tfvars, slice_):
     done = make("tpu-up", TF_OUTPUTS=outputs, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert "creates billable resources" in done.stdout and "make tpu-down" in done.stdout
-    state, init, apis, describe, plan, show, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
+    registry, state, init, apis, describe, plan, show, apply, output, describe2, hosts, copy, wait = \
+        commands(done.stdout)
+    # tfvars asks for a v4-32 pod: its TF worker container is asked of the registry before anything is made
+    assert registry == ["gcloud", "container", "images", "describe",
+                        "gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:tf-2.20.0-pjrt", "--project=my-proj",
+                        "--format=value(image_summary.digest)"]
     assert (state, init) == (STATE_BUCKET, INIT)
     # the APIs first: the plan reads the zone's accelerator types and images from the TPU API
     assert apis == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}",
