@@ -314,3 +314,43 @@ def test_a_worker_that_cannot_pull_the_container_is_one_line_naming_tag_and_tpu_
     line = one_error_line(done)
     assert line.startswith(f"error: a worker could not pull the pod's TF worker container (") and IMAGE in line
     assert "`make tpu-down` deletes the TPU" in line and "retries it" not in line, line
+
+
+def detached(seconds: float) -> int:
+    """The pid of a `sleep` that is no child of this process (as the trainer and its owner are not the launch's
+    children on worker 0): when it ends, init reaps it, so `kill -0` stops seeing it."""
+    done = subprocess.run(["bash", "-c", f"sleep {seconds} > /dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_tpu_stop_waits_for_the_teardown_and_reports_a_failed_one(tmp_path):
+    from tpu_llm.cloud.watch import STOP
+
+    home = tmp_path / "home"
+    home.mkdir()
+    trainer, owner = detached(30), detached(1)
+    try:
+        (home / "tpu-llm-train.pid").write_text(f"{trainer}\n")
+        (home / "tpu-llm-owner.pid").write_text(f"{owner}\n")
+        (home / "tpu-llm-run.teardown").write_text(DELETE + "\n")
+        (home / "tpu-llm-run.teardown-failed").write_text("ERROR: PERMISSION_DENIED: tpu.nodes.delete\n")
+        done = subprocess.run(["bash", "-c", STOP], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "HOME": str(home)})
+    finally:
+        for pid in (trainer, owner):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert "tpu-stop: the run stopped" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 76 and "error: worker 0 could not delete this TPU: ERROR: PERMISSION_DENIED" in done.stderr
+
+
+def test_make_tpu_stop_says_a_failed_teardown_in_one_line_with_the_command(tmp_path):
+    _, _, env = ready_tpu(tmp_path, ("*tpu-stop: SIGTERM*", 76, "tpu-stop: the run stopped\nerror: worker 0 could not "
+                                     "delete this TPU: ERROR: PERMISSION_DENIED: tpu.nodes.delete"))
+    done = subprocess.run([sys.executable, "-m", "tpu_llm.cloud", "stop"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=clean_env(**env))
+    line = one_error_line(done)
+    assert f"worker 0 could not delete TPU {NAME}" in line and "still up and billing" in line
+    assert f"`gcloud compute tpus tpu-vm delete {NAME} --zone={ZONE} --project={PROJECT} --quiet`" in line

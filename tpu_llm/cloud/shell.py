@@ -107,6 +107,10 @@ INSTALL_HINT = {
 # (pattern, message[, tools]) in order; the first match (for that tool) wins. {zone}, {accelerator},
 # ... come from the context.
 FAILURES = [
+    # worker 0's owner tried to delete its TPU (DOWN_AFTER=1, TTL_HOURS) and could not (`make tpu-stop`)
+    (r"worker 0 could not delete this TPU",
+     "worker 0 could not delete TPU {tpu_name} ({detail}); it is still up and billing: delete it by hand with "
+     "`gcloud compute tpus tpu-vm delete {tpu_name} --zone={zone} --project={project} --quiet` (or `make tpu-down`)"),
     # infra/startup.sh.tftpl on a pod's host whose runtime could not pull the TF worker container
     (r"the TF worker container \S+ cannot be pulled",
      "a worker could not pull the pod's TF worker container ({detail}); `make tpu-down` deletes the TPU, which "
