@@ -29,8 +29,10 @@ Settings come from the environment (the Makefile passes its variables through):
   INPUT, SHARDS, OVERWRITE                                       data-upload
   TRAIN_ON=auto|tpu|local, WORKER, LOGS=train|gcs|setup, PORT, TPU_WAIT_MINUTES
   KEEP_QUEUED=1 [KEEP_QUEUED_HOURS=24]   tpu-up: a queued resource that may wait unattended
-  DOWN_AFTER=1, TTL_HOURS=N  train: worker 0 deletes its TPU when the run ends (after N hours at most)
-  REPLACE=1          tpu-up: apply a plan that replaces the running TPU (refused otherwise)
+  DOWN_AFTER=1, TTL_HOURS=N  train: worker 0 deletes its TPU when the run ends (after N hours at most; TTL_HOURS
+                     given when attaching to a live run sets that run's limit); a failed delete fails make train
+  REPLACE=1          tpu-up: replace the running TPU (a queued resource's too) when the tfvars changed it
+                     (refused otherwise)
   FORCE=1            tpu-down, tpu-up REPLACE=1: do not ask worker 0 whether a run is training there
   DESTROY_BUCKET=1 [YES=1]   tpu-down deletes everything, buckets included, after showing what and
                              asking (YES=1: without asking)

@@ -117,8 +117,10 @@ class Provision(Cloud):
 
     def apply_planned(self, previous: Outputs, state: str, replace: list[str], context: dict) -> None:
         """Plan, read the plan, apply exactly it: a plan that would replace a running TPU (runtime_version,
-        accelerator_type or zone changed: each forces a new node) stops here unless REPLACE=1, which also
-        lets go of the pinned image (infra/tpu.tf: terraform_data.runtime_pin) to take the current choice."""
+        accelerator_type or zone changed: each forces a new node), or keep a queued resource's running node
+        unlike the plan (gcloud made it, so the plan cannot show it: queued_drift), stops here unless REPLACE=1,
+        which also lets go of the pinned image (infra/tpu.tf: terraform_data.runtime_pin) to take the current
+        choice, and deletes such a queued resource before the apply (request_queued makes it anew)."""
         pin = ["-replace=terraform_data.runtime_pin[0]"] if flag("REPLACE") and state and not replace else []
         self.runner.stream(self.terraform("plan", *self.tf_var_args("-var=tpu_enabled=true", *replace, *pin,
                                                                     approve=False), f"-out={PLAN_FILE}"), context)
