@@ -99,9 +99,9 @@ class Provision(Cloud):
         if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
             # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs: a running
             # one is replaced, so only with REPLACE=1
+            # (REPLACE=1 asks worker 0 first; a TPU that is not running has no run to ask about)
             self.refuse_replacing(previous, self.tpu_state(previous) if previous["tpu_enabled"] else "",
                                   ["use_queued_resource: true -> false (a TPU VM replaces the queued resource's node)"])
-            self.refuse_if_run_alive(previous, "tpu-up")
             self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
         if not previous or not previous["tpu_enabled"]:
             return [], ""
