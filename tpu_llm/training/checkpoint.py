@@ -132,13 +132,18 @@ class Checkpointer:
 
     def _manager(self) -> tf.train.CheckpointManager | None:
         """The run's CheckpointManager, or None while the state file names no checkpoint: TF raises
-        ValueError on an empty one (what a power loss can leave: TF does not fsync it). Until the
-        first save, which writes a new state file, the checkpoints are found by their files."""
+        ValueError on an empty one (what a power loss can leave: TF does not fsync it) or one that is not
+        UTF-8. Until the first save, which writes a new state file, the checkpoints are found by their
+        files. Every checkpoint the state file names must be one of this directory (`check_confined`): TF
+        restores the newest from wherever it is, and deletes the oldest ones' files, wherever they are,
+        when it drops them after a save."""
         try:
-            return tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep,
-                                              keep_checkpoint_every_n_hours=self.keep_every_hours or None)
+            manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep,
+                                                 keep_checkpoint_every_n_hours=self.keep_every_hours or None)
         except ValueError:
             return None
+        check_confined(self.directory, [manager.latest_checkpoint, *manager.checkpoints])
+        return manager
 
     @property
     def latest(self) -> str | None:
@@ -306,6 +311,28 @@ class Checkpointer:
             raise UserError(f"saving checkpoint {name} in {self.directory} failed ({first_line(e)}); "
                             f"the newest usable checkpoint is {latest or 'none yet'}; free space or fix permissions "
                             "in the run directory, then run the same command to resume") from None
+
+
+def check_confined(directory: str, paths: list[str | None]) -> None:
+    """Refuse (UserError) a checkpoint path read from the state file of `directory` that is not `ckpt-N` in
+    `directory` itself: a path elsewhere (absolute, `../`), a glob (TF deletes a dropped checkpoint's files
+    by pattern) or another name. An edited or copied state file made a normal `train` delete files
+    outside the run directory, and exit 0. Refused rather than rewritten: the state file is the run's
+    record of which checkpoints it keeps, and a refusal changes nothing."""
+    for path in paths:
+        if path is None or (checkpoint_step(path) is not None and _same_directory(os.path.dirname(path), directory)):
+            continue
+        state = os.path.join(directory, CHECKPOINT_STATE)
+        raise UserError(f"the checkpoint state file {state} names {path!r}, not a checkpoint ckpt-N of {directory}: "
+                        "TensorFlow would restore from it, and delete its files when it drops old checkpoints, "
+                        "wherever they are; restore the state file from a copy of the run directory, or delete it "
+                        "(the checkpoints are then found by their own files)")
+
+
+def _same_directory(one: str, other: str) -> bool:
+    if "://" in one or "://" in other:
+        return one.rstrip("/") == other.rstrip("/")
+    return os.path.abspath(one) == os.path.abspath(other)
 
 
 def model_section(model: ModelConfig) -> str:
