@@ -769,9 +769,9 @@ ROWS = [
     Row("symlink-logs", "logs/train a symbolic link to a directory outside the run directory",
         "exit 2, one line naming the link; nothing written through it", symlink_row("logs/train")),
     Row("fifo-lock", "the run directory's .tpu-llm-lock a FIFO", "exit 2 at once, one line naming the FIFO; the run "
-        "directory unchanged", refused_row(special_file(".tpu-llm-lock", "fifo"), "is a named pipe (FIFO)")),
+        "directory unchanged", refused_row(special_file(".tpu-llm-lock", "fifo"), "a named pipe (FIFO)")),
     Row("fifo-metrics", "the run directory's metrics.jsonl a FIFO", "exit 2 at once, one line naming the FIFO; the "
-        "run directory unchanged", refused_row(special_file("metrics.jsonl", "fifo"), "is a named pipe (FIFO)")),
+        "run directory unchanged", refused_row(special_file("metrics.jsonl", "fifo"), "a named pipe (FIFO)")),
     Row("hardlink-goodput", "goodput.jsonl hard-linked to a file outside the run directory", "exit 2, one line "
         "naming the hard link; nothing appended through it", refused_row(special_file("goodput.jsonl", "hardlink"),
                                                                          "goodput.jsonl has 2 hard links")),

@@ -7,7 +7,10 @@ test failed before its fix. In-process and TF-light: a Checkpointer of one small
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import socket
 import time
 
 import pytest
@@ -15,6 +18,7 @@ import tensorflow as tf
 from helpers import state
 
 from tpu_llm.errors import UserError
+from tpu_llm.platform import run_layout
 from tpu_llm.training.checkpoint import Checkpointer
 
 
@@ -82,3 +86,73 @@ def test_the_run_directorys_own_absolute_path_and_a_state_file_not_utf8_are_acce
     checkpointer = Checkpointer(str(run), 2, weights=weights)
     assert checkpointer.restore_latest().endswith("ckpt-2") and "state file" in checkpointer.notes[0]
     assert checkpointer.save(3).endswith("ckpt-3")  # and a save writes a new state file
+
+
+# ---- what TensorFlow opens itself: the run directory's tree, checked before it runs --------------------
+
+def run_tree(tmp_path):
+    """A run directory's usual tree, files of plain text (check_run_tree looks at kinds and names only)."""
+    run = tmp_path / "run"
+    for rel in ["config.yaml", "metrics.jsonl", "checkpoints/checkpoint", "checkpoints/ckpt-2.index",
+                "checkpoints/ckpt-2.data-00000-of-00001", "logs/train/events.out.tfevents.1.host.2.v2",
+                "logs/goodput/events.out.tfevents.1.host.2.v2", "export/saved_model.pb"]:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("ours")
+    return run
+
+
+@pytest.mark.parametrize("rel", ["checkpoints/checkpoint", "checkpoints/ckpt-2.index",
+                                 "checkpoints/ckpt-2.data-00000-of-00001", "logs/train/events.out.tfevents.1.host.2.v2",
+                                 "logs/goodput/events.out.tfevents.1.host.2.v2", "export/saved_model.pb", "notes"])
+def test_a_fifo_anywhere_in_the_run_directory_is_refused_naming_it(tmp_path, rel):
+    """Issue 50 #3: a FIFO at the state file, a ckpt-N.index or an event file hung train and generate
+    forever: TensorFlow opens those itself, where files.open_regular never sees the open."""
+    run = run_tree(tmp_path)
+    (run / rel).unlink(missing_ok=True)
+    os.mkfifo(run / rel)
+    with pytest.raises(UserError, match=f"holds a named pipe \\(FIFO\\), {re.escape(rel)}, where only regular files"):
+        run_layout.check_run_tree(str(run))
+
+
+def test_a_socket_is_refused_and_before_a_save_in_checkpoints(tmp_path):
+    run = run_tree(tmp_path)
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(run / "checkpoints" / "ckpt-4.index"))
+        with pytest.raises(UserError, match="holds a socket, checkpoints/ckpt-4.index"):
+            run_layout.check_run_tree(str(run), trees=(run_layout.CHECKPOINT_DIR,))
+
+
+def test_a_tree_a_thousand_levels_deep_is_walked_without_recursion(tmp_path):
+    """Issue 50 #6: a directory tree 1,000 levels deep was a RecursionError (a traceback) in every command."""
+    run = run_tree(tmp_path)
+    deep = str(run / "logs" / "train")
+    for _ in range(1000):  # one level at a time: pathlib's and os's makedirs recurse themselves
+        deep = os.path.join(deep, "d")
+        os.mkdir(deep)
+    run_layout.check_run_tree(str(run))  # directories only: nothing to refuse
+    os.mkfifo(os.path.join(deep, "pipe"))
+    with pytest.raises(UserError, match="holds a named pipe"):
+        run_layout.check_run_tree(str(run))
+
+
+def test_a_name_that_is_not_utf8_is_refused(tmp_path):
+    """Issue 50 #6: a checkpoint file name that is not UTF-8 was a traceback (TF's glob cannot decode it)."""
+    run = run_tree(tmp_path)
+    with open(os.path.join(os.fsencode(run / "checkpoints"), b"ckpt-\xff.index"), "w") as f:
+        f.write("ours")
+    with pytest.raises(UserError, match=r"holds a name that is not UTF-8, 'checkpoints/ckpt-\\udcff.index'"):
+        run_layout.check_run_tree(str(run))
+
+
+@pytest.mark.parametrize("rel, kind", [("checkpoints", "regular file"), ("logs", "regular file"),
+                                       ("logs/train", "regular file"), ("config.yaml", "directory"),
+                                       ("metrics.jsonl", "directory")])
+def test_a_name_of_the_layout_of_the_wrong_kind_is_refused(tmp_path, rel, kind):
+    """Issue 50 #2 and #6: checkpoints/ replaced by a regular file made a resume find no checkpoint, drop
+    metrics.jsonl's lines (6 to 1), then fail at its first save; logs/ a regular file was a traceback."""
+    run = run_tree(tmp_path)
+    shutil.rmtree(run / rel) if (run / rel).is_dir() else (run / rel).unlink()
+    (run / rel).mkdir() if kind == "directory" else (run / rel).write_text("not ours")
+    expected = "directory" if kind == "regular file" else "regular file"
+    with pytest.raises(UserError, match=f"holds {re.escape(rel)} as a {kind}, where tpu-llm keeps a {expected}"):
+        run_layout.check_run_tree(str(run))

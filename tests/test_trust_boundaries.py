@@ -85,7 +85,7 @@ def test_a_fifo_in_the_run_directory_is_refused_not_waited_on(run_copy, capsys, 
     (run / name).unlink()
     os.mkfifo(run / name)
     r = Refusal(capsys, resume(run, flags), run, seconds=60)
-    r.assert_refused(f"{run / name} is a named pipe (FIFO), not a regular file")
+    r.assert_refused(f"holds a named pipe (FIFO), {name}, where only regular files")  # the run directory's check
 
 
 @pytest.mark.parametrize("name", ["goodput.jsonl", "metrics.jsonl", ".tpu-llm-lock"])
@@ -97,6 +97,42 @@ def test_a_log_hard_linked_out_of_the_run_directory_is_refused_never_appended_to
     os.link(run / name, outside / "victim")
     r = Refusal(capsys, resume(run, flags), run, outside)
     r.assert_refused(f"{run / name} has 2 hard links")
+
+
+TF_OPENS = ["checkpoints/checkpoint", "checkpoints/ckpt-4.index", "checkpoints/ckpt-4.data-00000-of-00001",
+            "logs/goodput/EVENTS"]
+
+
+def command(name: str, run: Path, flags: list, tmp_path: Path) -> list:
+    """Every command that restores or reads a run: train (a resume), generate, export, report."""
+    return {"train": resume(run, flags), "generate": ["generate", "--run_dir", run, "--prompt", "a"],
+            "export": ["export", "--run_dir", run, "--output", tmp_path / "export"],
+            "report": ["report", "--run_dir", run, "--plot", tmp_path / "r.png"]}[name]
+
+
+@pytest.mark.parametrize("rel", TF_OPENS)
+@pytest.mark.parametrize("name", ["train", "generate", "export", "report"])
+def test_a_fifo_where_tensorflow_opens_a_file_itself_is_refused_by_every_command(run_copy, tmp_path, capsys, rel, name):
+    """Issue 50 #3: a FIFO at the checkpoint state file, a ckpt-N.index or data file, or an event file hung
+    train and generate forever (TF opens them itself; files.open_regular never sees those opens)."""
+    run, flags = run_copy
+    if rel.endswith("EVENTS"):
+        rel = str(next((run / "logs" / "goodput").glob("events.out.tfevents.*")).relative_to(run))
+    (run / rel).unlink()
+    os.mkfifo(run / rel)
+    r = Refusal(capsys, command(name, run, flags, tmp_path), run, seconds=60)
+    r.assert_refused(f"holds a named pipe (FIFO), {rel}, where only regular files and directories belong")
+
+
+@pytest.mark.parametrize("rel", ["checkpoints", "logs"])
+def test_a_resume_with_checkpoints_or_logs_a_regular_file_is_refused_and_changes_nothing(run_copy, capsys, rel):
+    """Issue 50 #2 and #6: checkpoints/ a regular file made a resume drop metrics.jsonl's lines (6 to 1),
+    then exit 2 at its first save; logs/ a regular file was a traceback."""
+    run, flags = run_copy
+    shutil.rmtree(run / rel)
+    (run / rel).write_text("not a directory")
+    Refusal(capsys, resume(run, flags), run).assert_refused(f"holds {rel} as a regular file, where tpu-llm keeps a "
+                                                            "directory")
 
 
 # ---- 2. the run directory's own line files ----------------------------------------------------------

@@ -13,7 +13,7 @@ import io
 import os
 
 from tpu_llm.errors import UserError
-from tpu_llm.platform.run_layout import GOODPUT_FILE, METRICS_FILE, REPORT_FILE, check_no_links
+from tpu_llm.platform.run_layout import GOODPUT_FILE, METRICS_FILE, REPORT_FILE, check_run_tree
 from tpu_llm.training import goodput, line_log
 
 
@@ -68,7 +68,7 @@ def plot(figures: dict, curves: dict, path: str) -> str | None:
 def report(run_dir: str, plot_path: str = "", say=print) -> dict:
     """Print the goodput table and the newest losses of `run_dir`; draw the PNG where matplotlib is
     importable. Returns the goodput figures."""
-    check_no_links(run_dir)  # report.png is written with open(): a link there would write the plot into its target
+    check_run_tree(run_dir)  # report.png is written with open(): a link there would write the plot into its target
     records = goodput.read_records(os.path.join(run_dir, GOODPUT_FILE))
     curves = losses(run_dir)
     if not records and not any(curves.values()):

@@ -19,7 +19,7 @@ from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.parallel import comm, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy
-from tpu_llm.platform.run_layout import check_no_links
+from tpu_llm.platform.run_layout import check_run_tree
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
 from tpu_llm.training import line_log, run_lock
@@ -118,7 +118,7 @@ def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tupl
 
         tpu.check_remote_data(cfg, (train_src, val_src))
     check_run_dir_reachable(cfg.run_dir)  # before the tokenizer is looked for in it
-    check_no_links(cfg.run_dir)  # nothing in it is read or written through a symbolic link
+    check_run_tree(cfg.run_dir)  # no link, FIFO or device in it: nothing read or written through one, by TF either
     if dist.is_chief:  # not another tool's directory (the other workers of a cluster write nothing) ...
         check_run_dir_owner(cfg.run_dir)
         run_lock.check_unlocked(cfg.run_dir)  # ... nor one another trainer is writing (its lock: taken below)

@@ -22,7 +22,7 @@ from tpu_llm.config.checks import check_base_run
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, adapters
 from tpu_llm.platform.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, SPEC_FILE,
-                                         UNFINISHED_SUFFIX, check_no_links, checkpoint_name, checkpoint_step)
+                                         UNFINISHED_SUFFIX, check_run_tree, checkpoint_name, checkpoint_step)
 from tpu_llm.tokenizers import Tokenizer, content_hash, load_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
 from tpu_llm.training.run_directory import (check_tokenizer_fits, first_line, model_changes, model_differences,
@@ -32,7 +32,7 @@ from tpu_llm.training.run_directory import (check_tokenizer_fits, first_line, mo
 def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
     """train.init_from: load the weights (only) of the newest readable checkpoint of the run `source` into
     `model`, made with the same model section and tokenizer; returns that checkpoint's path."""
-    check_no_links(source)  # its files are read
+    check_run_tree(source)  # its files are read
     saved = read_saved_config(source)
     if saved is None:
         raise UserError(f"train.init_from={source!r} is not a run directory (no {CONFIG_FILE}); give the --run_dir of "
@@ -276,7 +276,7 @@ class Checkpointer:
         if self.lock is not None:
             self.lock.check()
         if not self.worker:
-            check_no_links(self.run_dir, trees=(CHECKPOINT_DIR,))
+            check_run_tree(self.run_dir, trees=(CHECKPOINT_DIR,))
         try:
             if not self.worker:
                 if self.manager is None:  # the state file names no checkpoint: this save writes a new one
@@ -383,7 +383,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
     checkpoint's path with `with_checkpoint`, plus with `with_notes` the warnings to show (an unreadable
     newest checkpoint is skipped for the one before: the caller must say so, as `train` does)."""
-    check_no_links(run_dir)  # generate and export read a run's files, never through a link
+    check_run_tree(run_dir)  # generate and export read a run's files: never through a link, never a FIFO
     saved = read_saved_config(run_dir)
     tokenizer = load_tokenizer(run_dir) if saved else None
     if saved is None or tokenizer is None:
