@@ -156,3 +156,26 @@ def test_a_name_of_the_layout_of_the_wrong_kind_is_refused(tmp_path, rel, kind):
     expected = "directory" if kind == "regular file" else "regular file"
     with pytest.raises(UserError, match=f"holds {re.escape(rel)} as a {kind}, where tpu-llm keeps a {expected}"):
         run_layout.check_run_tree(str(run))
+
+
+@pytest.mark.parametrize("args", [["generate", "--run_dir", "runs/a\0b"], ["report", "--run_dir=runs/a\0b"],
+                                  ["train", "--run_dir", "runs/x", "--train.init_from=runs/a\0b", "--dry_run"]])
+def test_a_nul_byte_in_an_argument_is_one_line(capsys, args):
+    """Issue 50 #6: a NUL byte in --run_dir or train.init_from was ValueError: embedded null byte (a traceback)."""
+    from tpu_llm import cli
+
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument ") and "holds a NUL byte" in err and err.count("\n") == 1, err
+
+
+def test_a_nul_byte_in_a_config_or_a_run_dir_of_the_python_api_is_one_userror(tmp_path):
+    from tpu_llm.config import load_config
+
+    with pytest.raises(UserError, match=r"config: train.init_from='a\\x00b' holds a NUL byte"):
+        load_config(None, {"train.init_from": "a\0b"})
+    (tmp_path / "c.yaml").write_text('run_dir: "runs/a\\0b"\n')
+    with pytest.raises(UserError, match=r"config: run_dir='runs/a\\x00b' holds a NUL byte"):
+        load_config(str(tmp_path / "c.yaml"), {})
+    with pytest.raises(UserError, match="holds a NUL byte"):
+        run_layout.check_run_tree("runs/a\0b")  # tpu_llm.load(run_dir) and train.init_from's source

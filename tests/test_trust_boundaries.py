@@ -135,6 +135,19 @@ def test_a_resume_with_checkpoints_or_logs_a_regular_file_is_refused_and_changes
                                                             "directory")
 
 
+@pytest.mark.parametrize("source", ["missing", "not-a-run", "nul"])
+def test_a_refused_init_from_creates_nothing(run_copy, tmp_path, capsys, source):
+    """Issue 50 #2: a refused train.init_from left a new run directory holding its lock (and its parents)."""
+    run, flags = run_copy
+    (tmp_path / "not-a-run").mkdir()
+    (tmp_path / "not-a-run" / "notes.txt").write_text("someone else's")
+    new = tmp_path / "parent" / "new"
+    given = f"{tmp_path}/a\0b" if source == "nul" else str(tmp_path / source)
+    r = Refusal(capsys, ["train", f"--run_dir={new}", *flags, f"--train.init_from={given}"], tmp_path)
+    r.assert_refused("train.init_from=")
+    assert not (tmp_path / "parent").exists()
+
+
 # ---- 2. the run directory's own line files ----------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ family-specific checks are its family's (model/families/).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from tpu_llm.config.reading import REPR
@@ -37,6 +38,7 @@ def validate(cfg: Config) -> None:
     """A UserError naming the first value that is out of range or inconsistent with another (the caps first)."""
     m, d, t, c, s = cfg.model, cfg.data, cfg.train, cfg.checkpoint, cfg.sample
     _validate_caps(cfg)  # first: every later check may loop over, or print, these sizes
+    _validate_no_nul(cfg)
     _check(m.family in families.NAMES, f"model.family={m.family!r}; valid choices: {', '.join(families.NAMES)}")
     _validate_run(cfg)
     _validate_comm(cfg)
@@ -85,6 +87,16 @@ def validate(cfg: Config) -> None:
     _check(s.seed >= -INT64, f"sample.seed={s.seed} must be >= -2**63 (a 64-bit seed)")
     _validate_beams(s)
 
+
+
+def _validate_no_nul(cfg: Config) -> None:
+    """No text value holds a NUL byte: run_dir, train.init_from, data.train are paths, and os.stat raises
+    ValueError on one (a traceback); a YAML config ("\\0") or the Python API can give one."""
+    for section in (cfg, *(v for v in vars(cfg).values() if dataclasses.is_dataclass(v))):
+        prefix = "" if section is cfg else next(k for k, v in vars(cfg).items() if v is section) + "."
+        for key, value in vars(section).items():
+            _check(not (isinstance(value, str) and "\0" in value),
+                   lambda: f"{prefix}{key}={ascii(value)[:80]} holds a NUL byte, which no path or name may hold")
 
 
 def _validate_beams(s: SampleConfig) -> None:

@@ -108,6 +108,8 @@ def check_run_tree(run_dir: str, trees: tuple[str, ...] = (WHOLE,)) -> None:
     lines, then failed at its first save). Iterative, so a tree of any depth is one refusal or none, never
     a RecursionError; one directory read per directory (the entries' types come with them); gs:// has no
     links nor special files. (The run directory itself may be a link.)"""
+    if "\0" in run_dir:  # os.scandir raises ValueError (the Python API and train.init_from reach here)
+        raise UserError(f"run_dir {ascii(run_dir)} holds a NUL byte, which no path may hold")
     if "://" in run_dir:
         return
     for tree in trees:

@@ -29,9 +29,9 @@ from tpu_llm.training.run_directory import (check_tokenizer_fits, first_line, mo
                                             read_saved_config)
 
 
-def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
-    """train.init_from: load the weights (only) of the newest readable checkpoint of the run `source` into
-    `model`, made with the same model section and tokenizer; returns that checkpoint's path."""
+def check_init_from(source: str, current: ModelConfig, tokenizer: Tokenizer) -> None:
+    """Every check of train.init_from=`source` that needs no model (build.check_run: before anything is
+    written): a run directory of sound shape, of the same model section and tokenizer, without adapters."""
     check_run_tree(source)  # its files are read
     saved = read_saved_config(source)
     if saved is None:
@@ -47,6 +47,12 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
                         f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
                         f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
     check_base_run(saved, source)  # no adapters of its own: they are no base weights
+
+
+def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
+    """train.init_from: load the weights (only) of the newest readable checkpoint of the run `source` into
+    `model`, made with the same model section and tokenizer; returns that checkpoint's path."""
+    check_init_from(source, current, tokenizer)
     # with adapters: the base run holds none, so its weights go into a model without them, then across
     base = GPT(current, model.vocab_size).build_weights() if getattr(model, "adapters", None) else model
     checkpointer = Checkpointer(source, keep=1, io_device=io_device, model_config=current, tokenizer=tokenizer,
