@@ -12,7 +12,7 @@ import re
 from tpu_llm.config.reading import REPR
 from tpu_llm.config.reading import check as _check
 from tpu_llm.config.schema import (ATTENTIONS, BAD_STEP_ACTIONS, CAPS, COMMUNICATIONS, COMPRESSIONS, DATA_FORMATS,
-                                   EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_PARAMS, OUTER_OPTIMIZERS,
+                                   EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_LENGTH_PENALTY, MAX_PARAMS, OUTER_OPTIMIZERS,
                                    PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZERS, CommConfig, Config, ModelConfig,
                                    SampleConfig)
 from tpu_llm.errors import UserError
@@ -102,6 +102,9 @@ def _validate_no_nul(cfg: Config) -> None:
 def _validate_beams(s: SampleConfig) -> None:
     _check(1 <= s.num_beams <= MAX_BEAMS, f"sample.num_beams={s.num_beams} must be between 1 (off) and {MAX_BEAMS} "
                                           "(each beam is a row of the KV cache)")
+    _check(abs(s.length_penalty) <= MAX_LENGTH_PENALTY,  # NaN fails too
+           f"sample.length_penalty={s.length_penalty} must be between -{MAX_LENGTH_PENALTY:g} and "
+           f"{MAX_LENGTH_PENALTY:g} (length ** it must stay finite; 1.0 = the mean log-probability)")
     _check(s.early_stopping in EARLY_STOPPING,
            f"sample.early_stopping={REPR.repr(s.early_stopping)}; valid choices: {', '.join(EARLY_STOPPING)}")
     _check(1 <= s.num_return_sequences <= s.num_beams,
