@@ -179,3 +179,23 @@ def test_a_nul_byte_in_a_config_or_a_run_dir_of_the_python_api_is_one_userror(tm
         load_config(str(tmp_path / "c.yaml"), {})
     with pytest.raises(UserError, match="holds a NUL byte"):
         run_layout.check_run_tree("runs/a\0b")  # tpu_llm.load(run_dir) and train.init_from's source
+
+
+def test_the_trained_state_record_names_adapter_keys_not_layout_keys(tmp_path):
+    """Issue 50 #5: what each checkpoint records of the config (config.checks.trained_state): the adapters'
+    keys, PEFT's default targets spelt out; cpu_devices and parallel.* are layout (a run may resume in
+    another), and a record of other adapters is refused by the Checkpointer, naming the key."""
+    from helpers import tiny_config
+
+    from tpu_llm.config.checks import trained_state
+
+    lora = {"train.lora_rank": 2, "train.lora_alpha": 4.0}
+    one = trained_state(tiny_config(tmp_path, **lora))
+    assert one == {"lora_rank": 2, "lora_alpha": 4.0, "lora_base_dtype": "float32", "lora_targets": "c_attn"}
+    layout = {"cpu_devices": 2, "parallel.pipeline_stages": 2, "parallel.microbatches": 2, "parallel.tensor": 2}
+    assert trained_state(tiny_config(tmp_path, **lora, **layout)) == one
+    assert trained_state(tiny_config(tmp_path)) == {"lora_rank": 0}
+    weights = tf.Variable([1.0, 2.0])
+    Checkpointer(str(tmp_path / "run"), 2, trained=one, weights=weights).save(1)
+    with pytest.raises(UserError, match=r"was trained with train.lora_rank=2, this config has 0 .*another --run_dir"):
+        Checkpointer(str(tmp_path / "run"), 2, trained={"lora_rank": 0}, weights=weights).restore_latest()

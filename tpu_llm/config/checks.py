@@ -12,9 +12,9 @@ import re
 from tpu_llm.config.reading import REPR
 from tpu_llm.config.reading import check as _check
 from tpu_llm.config.schema import (ATTENTIONS, BAD_STEP_ACTIONS, CAPS, COMMUNICATIONS, COMPRESSIONS, DATA_FORMATS,
-                                   EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_LENGTH_PENALTY, MAX_PARAMS, OUTER_OPTIMIZERS,
-                                   PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZERS, CommConfig, Config, ModelConfig,
-                                   SampleConfig)
+                                   EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_LENGTH_PENALTY, MAX_PARAMS,
+                                   OUTER_OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZERS, CommConfig, Config,
+                                   ModelConfig, SampleConfig)
 from tpu_llm.errors import UserError
 from tpu_llm.model import families, spec
 from tpu_llm.model.families.base import divisors as _divisors
@@ -298,8 +298,23 @@ def adapter_differences(saved: dict, current) -> list[str]:
     if not theirs.get("lora_rank") and not ours.lora_rank:
         return []
     return [f"train.{key}={REPR.repr(theirs.get(key))} (this config has {REPR.repr(getattr(ours, key))})"
-            for key in ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
-            if theirs.get(key) != getattr(ours, key)]
+            for key in ADAPTER_KEYS if theirs.get(key) != getattr(ours, key)]
+
+
+ADAPTER_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")  # train.*: what made the adapters
+
+
+def trained_state(cfg) -> dict:
+    """The train.* keys that decide the set, shape or meaning of a run's trained state (a validated
+    `cfg`), as each checkpoint records them: a resume or a `generate` with another value dropped the
+    adapters or read them at another scale, without a word. The targets are PEFT's module names (""
+    spelt out as the family's default). Layout keys (cpu_devices, parallel.*) are not among them: a run
+    may resume in another layout."""
+    t = cfg.train
+    if not t.lora_rank:
+        return {"lora_rank": 0}
+    return {"lora_rank": t.lora_rank, "lora_alpha": t.lora_alpha, "lora_base_dtype": t.lora_base_dtype,
+            "lora_targets": ",".join(lora_targets(t.lora_targets, cfg.model.family))}
 
 
 def check_base_run(saved: dict, source: str) -> None:

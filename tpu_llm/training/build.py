@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 
 from tpu_llm.config import Config
+from tpu_llm.config.checks import trained_state
 from tpu_llm.data import dataset as data
 from tpu_llm.data import lanes, reading, sources
 from tpu_llm.errors import UserError
@@ -166,7 +167,8 @@ def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "")
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
                                 cluster=bool(dist.task or dist.asynchronous), io_device=dist.io_device,
-                                model_config=cfg.model, tokenizer=tokenizer, model=model, optimizer=optimizer,
+                                model_config=cfg.model, tokenizer=tokenizer, trained=trained_state(cfg), model=model,
+                                optimizer=optimizer,
                                 rng=rng, **(communication.trackables() if communication else {}))
     # the chief holds the lock from before the newest checkpoint is read until train ends (Run.release, or
     # this process does): another trainer cannot save a checkpoint between that read and this run's writes

@@ -18,7 +18,7 @@ import tempfile
 import tensorflow as tf
 
 from tpu_llm.config import ModelConfig, config_from_dict
-from tpu_llm.config.checks import check_base_run
+from tpu_llm.config.checks import ADAPTER_KEYS, check_base_run, trained_state
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, adapters
 from tpu_llm.platform.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, SPEC_FILE,
@@ -102,11 +102,11 @@ class Checkpointer:
     (run_lock.acquire's handle) is checked before each save: a run that lost its lock writes no more.
     """
 
-    NOT_RESTORED = ("data_position", "model_config", "tokenizer")
+    NOT_RESTORED = ("data_position", "model_config", "tokenizer", "trained_state")
 
     def __init__(self, run_dir: str, keep: int, scratch: str = "", keep_every_hours: float = 0.0,
                  cluster: bool = False, io_device: str = "", model_config: ModelConfig | None = None,
-                 tokenizer: Tokenizer | None = None, **trackables):
+                 tokenizer: Tokenizer | None = None, trained: dict | None = None, **trackables):
         self.options = tf.train.CheckpointOptions(experimental_io_device=io_device or None)
         self.run_dir, self.directory = run_dir, os.path.join(run_dir, CHECKPOINT_DIR)
         self.keep, self.keep_every_hours, self.cluster = keep, keep_every_hours, cluster
@@ -119,6 +119,10 @@ class Checkpointer:
         self.model_config = model_config
         if model_config is not None:
             trackables["model_config"] = tf.Variable(model_section(model_config), trainable=False, dtype=tf.string)
+        self.trained = trained  # config.checks.trained_state: the keys that shape the trained state
+        if trained is not None:
+            trackables["trained_state"] = tf.Variable(json.dumps(trained, sort_keys=True), trainable=False,
+                                                      dtype=tf.string)
         self.tokenizer = content_hash(tokenizer) if tokenizer is not None else ""
         if self.tokenizer:
             trackables["tokenizer"] = tf.Variable(self.tokenizer, trainable=False, dtype=tf.string)
@@ -198,6 +202,8 @@ class Checkpointer:
                 self._check_model(path)
             if self.tokenizer and "tokenizer" in held:  # (none before issue 40)
                 self._check_tokenizer(path)
+            if self.trained is not None and "trained_state" in held:  # (none before issue 50)
+                self._check_trained(path)
             # the optimizer too if the checkpoint has one: `tpu-llm import` saves the model alone (step 0)
             objects = {k: v for k, v in self.trackables.items()
                        if k not in self.NOT_RESTORED and (k in held or k == "model")}
@@ -227,6 +233,24 @@ class Checkpointer:
             raise UserError(f"checkpoint {path} does not fit this model (it was made with model.{key}={theirs}, this "
                             f"config has {ours}): the model section changed since it was saved (an edited "
                             "config.yaml?); resume with the model section it was made with, or use another --run_dir")
+
+    def _check_trained(self, path: str) -> None:
+        """Refuse a checkpoint whose trained state (its adapters) was made with other train.* keys than
+        this config's (an edited config.yaml): a UserError naming the key, both values and the fixes."""
+        text = self.read(path, "trained_state")
+        try:
+            saved = json.loads(text.decode() if isinstance(text, bytes) else str(text))
+        except ValueError:
+            raise Unreadable(f"its trained_state is not JSON ({str(text)[:60]!r})") from None
+        saved = saved if isinstance(saved, dict) else {}
+        keys = set(saved) | set(self.trained)  # the rank first: with no adapters, the others are not recorded
+        for key in [k for k in ADAPTER_KEYS if k in keys] + sorted(keys - set(ADAPTER_KEYS)):
+            theirs, ours = saved.get(key), self.trained.get(key)
+            if theirs != ours:
+                raise UserError(f"checkpoint {path} was trained with train.{key}={theirs!r}, this config has {ours!r} "
+                                f"(an edited {CONFIG_FILE}?): its adapters would be dropped or misread; set "
+                                f"train.{key}={theirs!r} again ({self.run_dir}/{CONFIG_FILE}, or --train.{key} for "
+                                "train), or start a new run with another --run_dir")
 
     def _check_tokenizer(self, path: str) -> None:
         theirs = self.read(path, "tokenizer")
@@ -399,6 +423,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     check_tokenizer_fits(run_dir, tokenizer, cfg)
     model = GPT.from_config(cfg).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
+                        trained=trained_state(cfg),
                       model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
     if path is None:
