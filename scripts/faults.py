@@ -382,6 +382,15 @@ def checkpoints_a_file(bench: Bench, run_dir: Path) -> list[str]:
     return bench.train_args(run_dir)
 
 
+def lora_alpha_edited(bench: Bench, run_dir: Path) -> list[str]:
+    """A LoRA run stopped at ckpt-8 whose config.yaml then says train.lora_alpha 16 (it trained with 8): a
+    resume read its adapters at twice their scale, without a word."""
+    Proc(bench.work / "config-drift-prepare.log", bench.train_args(run_dir, EVERY, "--train.lora_rank=2")).wait()
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("lora_alpha: 8.0", "lora_alpha: 16.0"))
+    return ["train", "--config", str(config), f"--run_dir={run_dir}", f"--train.steps={STEPS}"]
+
+
 def corrupted_tokenizer(bench: Bench, run_dir: Path) -> list[str]:
     Proc(bench.work / "tokenizer-prepare.log", bench.train_args(run_dir, EVERY)).wait()
     (run_dir / "tokenizer.json").write_text('{"kind": "byte", "vocab')  # torn mid-write
@@ -819,6 +828,9 @@ ROWS = [
     Row("checkpoints-file", "checkpoints/ replaced by a regular file", "exit 2, one line naming it; the run "
         "directory (metrics.jsonl included) unchanged",
         refused_row(checkpoints_a_file, "holds checkpoints as a regular file"), reference=False),
+    Row("config-drift", "train.lora_alpha edited in a LoRA run's config.yaml (8 -> 16), then the resume",
+        "exit 2, one line naming train.lora_alpha and both values; the run directory unchanged",
+        refused_row(lora_alpha_edited, "was trained with train.lora_alpha=8.0, this config has 16.0"), reference=False),
     Row("hardlink-goodput", "goodput.jsonl hard-linked to a file outside the run directory", "exit 2, one line "
         "naming the hard link; nothing appended through it", refused_row(special_file("goodput.jsonl", "hardlink"),
                                                                          "goodput.jsonl has 2 hard links")),
