@@ -818,10 +818,12 @@ ROWS = [
         "run directory unchanged", refused_row(special_file("metrics.jsonl", "fifo"), "a named pipe (FIFO)")),
     Row("fifo-state", "the checkpoint state file a FIFO (TensorFlow opens it itself)", "exit 2 at once, one line "
         "naming the FIFO; the run directory unchanged",
-        refused_row(special_file("checkpoints/checkpoint", "fifo"), "a named pipe (FIFO), checkpoints/checkpoint"), reference=False),
+        refused_row(special_file("checkpoints/checkpoint", "fifo"), "a named pipe (FIFO), checkpoints/checkpoint"),
+        reference=False),
     Row("fifo-index", "ckpt-8.index a FIFO (TensorFlow opens it itself)", "exit 2 at once, one line naming the FIFO; "
         "the run directory unchanged",
-        refused_row(special_file(f"checkpoints/ckpt-{EVERY}.index", "fifo"), "a named pipe (FIFO), checkpoints/"), reference=False),
+        refused_row(special_file(f"checkpoints/ckpt-{EVERY}.index", "fifo"), "a named pipe (FIFO), checkpoints/"),
+        reference=False),
     Row("state-outside", "the checkpoint state file lists a checkpoint outside the run directory (its files exist)",
         "exit 2, one line naming the path; nothing deleted, inside or outside the run directory",
         refused_row(state_naming_outside, "not a checkpoint ckpt-N of"), reference=False),

@@ -404,3 +404,59 @@ def test_export_refuses_a_damaged_or_linked_import_record_in_one_line(imported, 
         record.write_text(content)
     r = Refusal(capsys, ["export", "--run_dir", run, "--format", "hf", "--output", tmp_path / "hf"], tmp_path)
     r.assert_refused(words)
+
+
+# ---- 6. imported adapters: untrusted like imported weights (issue 50 #4) -------------------------------
+
+
+def write_adapter(gpt2_dir: Path, folder: Path, tensor_edit=None, **config_edit) -> Path:
+    """A PEFT LoRA adapter (rank 2 on c_attn) for write_gpt2's checkpoint, as save_pretrained lays it out,
+    without torch: adapter_config.json and random adapter_model.safetensors; then the edits."""
+    from tpu_llm.config.reading import set_dotted
+    from tpu_llm.interop import hf_config
+    from tpu_llm.interop import peft as peft_format
+
+    cfg = hf_config.run_config(hf_config.read_config(str(gpt2_dir)), str(gpt2_dir), "unused")
+    for key, value in {"train.lora_rank": 2, "train.lora_alpha": 4.0, "train.lora_targets": "c_attn"}.items():
+        set_dotted(cfg, key, value, source="test")
+    rng = np.random.default_rng(0)
+    tensors = {name: rng.normal(0, 0.1, shape).astype(np.float32)
+               for name, shape in peft_format.adapter_shapes(cfg).items()}
+    if tensor_edit:
+        tensor_edit(tensors)
+    folder.mkdir()
+    write_safetensors(folder / "adapter_model.safetensors", tensors)
+    (folder / "adapter_config.json").write_text(json.dumps({**peft_format.adapter_config(cfg), **config_edit}))
+    return folder
+
+
+def poisoned(tensors: dict) -> None:
+    first = sorted(tensors)[0]
+    tensors[first][0, :3] = [np.nan, np.inf, -np.inf]
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"r": 0}, "adapter_config.json: r=0 is no LoRA rank (1 or more)"),
+    ({"r": -2}, "adapter_config.json: r=-2 is no LoRA rank (1 or more)"),
+    ({"r": 2**40}, "adapter_config.json: train.lora_rank=1099511627776 is more than its cap"),  # (refused before)
+    ({"lora_alpha": 0}, "adapter_config.json: train.lora_alpha=0.0 must be > 0"),  # (refused before)
+    ({"lora_alpha": float("inf")}, "adapter_config.json: lora_alpha=Infinity is not a finite number"),
+    ({"lora_alpha": float("nan")}, "adapter_config.json: lora_alpha=NaN is not a finite number"),
+    ({"target_modules": ["c_attn", "q_proj"]}, "target_modules [\"c_attn\", \"q_proj\"] is not a list of gpt2 "
+                                               "modules"),  # (refused before)
+    ("nan", "tensor base_model.model.transformer.h.0.attn.c_attn.lora_A.weight holds 3 non-finite values"),
+])
+def test_an_imported_adapter_is_checked_like_imported_weights(gpt2_dir, tmp_path, capsys, edit, words):
+    """Issue 50 #4: NaN or infinity in an adapter's tensors imported with exit 0; r: 0 and a non-finite
+    lora_alpha were not refused in words of their own. Each is one line, nothing written."""
+    adapter = write_adapter(gpt2_dir, tmp_path / "adapter", poisoned if edit == "nan" else None,
+                            **({} if edit == "nan" else edit))
+    r = Refusal(capsys, ["import", "--from", gpt2_dir, "--adapter", adapter, "--run_dir", tmp_path / "run"], tmp_path)
+    r.assert_refused(words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sound_adapter_imports(gpt2_dir, tmp_path, capsys):
+    adapter = write_adapter(gpt2_dir, tmp_path / "adapter")
+    args = ["import", "--from", str(gpt2_dir), "--adapter", str(adapter), "--run_dir", str(tmp_path / "run")]
+    assert cli.main(args) == 0
