@@ -460,3 +460,25 @@ def test_a_sound_adapter_imports(gpt2_dir, tmp_path, capsys):
     adapter = write_adapter(gpt2_dir, tmp_path / "adapter")
     args = ["import", "--from", str(gpt2_dir), "--adapter", str(adapter), "--run_dir", str(tmp_path / "run")]
     assert cli.main(args) == 0
+
+
+@pytest.mark.parametrize("head", ["other", "equal"])
+def test_a_tied_head_saved_with_other_values_is_refused_not_dropped(gpt2_dir, tmp_path, capsys, head):
+    """Issue 50 #4: config.json says tie_word_embeddings and the file holds an lm_head.weight unlike the table:
+    transformers 5 unties them (checked here: its warning, and its head the file's), tpu-llm dropped the head
+    for the table. Now refused; a head equal to the table (save_pretrained may write both) imports."""
+    source = tmp_path / "gpt2"
+    shutil.copytree(gpt2_dir, source)
+    reader = safetensors_io.Reader(str(source))
+    tensors = {name: reader.get(name).copy() for name in reader.names()}
+    tensors["lm_head.weight"] = tensors[WTE].copy()
+    if head == "other":
+        tensors["lm_head.weight"][7, :] += 1.0
+    write_safetensors(source / "model.safetensors", tensors)
+    args = ["import", "--from", source, "--run_dir", tmp_path / "run"]
+    if head == "equal":
+        assert cli.main([str(a) for a in args]) == 0
+        return
+    r = Refusal(capsys, args, tmp_path)
+    r.assert_refused(f"lm_head.weight differs from the embedding table {WTE} (32 of its 9,600 values), but "
+                     "config.json says tie_word_embeddings: true")
