@@ -466,6 +466,39 @@ def hf_import(damage: Callable[[Path], None]):
     return prepare
 
 
+def tied_head_unlike_its_table(source: Path) -> None:
+    """model.safetensors with an lm_head.weight beside the tied embedding table, one row different:
+    transformers unties them and uses the head; tpu-llm ignored it for the table."""
+    from tpu_llm.interop import safetensors_io
+
+    reader = safetensors_io.Reader(str(source))
+    tensors = {name: reader.get(name).copy() for name in reader.names()}
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"].copy()
+    tensors["lm_head.weight"][7] += 1.0
+    safetensors_io.write(str(source / "model.safetensors"), [(k, v.shape, v.dtype) for k, v in tensors.items()],
+                         tensors.__getitem__)
+
+
+def adapter_with_nan(bench: Bench, run_dir: Path) -> list[str]:
+    """`tpu-llm import --adapter` of a PEFT adapter (rank 2 on c_attn) whose first tensor holds a NaN."""
+    import numpy as np
+
+    from tpu_llm.config.reading import set_dotted
+    from tpu_llm.interop import hf_config, peft, safetensors_io
+
+    source, adapter = hf_checkpoint(bench, run_dir.parent / "hf"), run_dir.parent / "adapter"
+    cfg = hf_config.run_config(hf_config.read_config(str(source)), str(source), "unused")
+    for key, value in {"train.lora_rank": 2, "train.lora_alpha": 4.0, "train.lora_targets": "c_attn"}.items():
+        set_dotted(cfg, key, value, source="faults")
+    tensors = {name: np.full(shape, 0.01, np.float32) for name, shape in peft.adapter_shapes(cfg).items()}
+    tensors[sorted(tensors)[0]][0, 0] = np.nan
+    adapter.mkdir()
+    safetensors_io.write(str(adapter / "adapter_model.safetensors"),
+                         [(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__)
+    (adapter / "adapter_config.json").write_text(json.dumps(peft.adapter_config(cfg)))
+    return ["import", "--from", str(source), "--adapter", str(adapter), "--run_dir", str(run_dir)]
+
+
 def offsets_out_of_range(source: Path) -> None:
     """model.safetensors with its first tensor's offsets moved 1,000 bytes before the data."""
     path = source / "model.safetensors"
@@ -798,6 +831,12 @@ ROWS = [
     Row("hf-tokenizer-size", "`import` with a 500 MB tokenizer.json", "exit 2, one line naming the file and the "
         "100 MB cap, before reading it; nothing written",
         refused_row(hf_import(sparse_tokenizer_json), "a tokenizer file may have")),
+    Row("hf-tied-head", "`import` of a checkpoint whose config.json ties the head, with an lm_head.weight unlike the "
+        "table", "exit 2, one line naming both tensors; nothing written",
+        refused_row(hf_import(tied_head_unlike_its_table), "lm_head.weight differs from the embedding table"),
+        reference=False),
+    Row("adapter-nan", "`import --adapter` of a PEFT adapter holding a NaN", "exit 2, one line naming the tensor; "
+        "nothing written", refused_row(adapter_with_nan, "holds 1 non-finite values"), reference=False),
     Row("shard-ids", "shards holding byte ids (up to 255) with a 12-id tokenizer.json and a meta.json that says "
         "their largest id is 10", "exit 2, one line naming the id and the model's 12 ids; no checkpoint written",
         shard_ids_row, reference=False),
