@@ -162,10 +162,17 @@ def test_report_skips_malformed_metrics_lines(run_copy, capsys):
     run, _ = run_copy
     with open(run / "metrics.jsonl", "a") as f:
         f.write("\n".join(BAD_LINES) + "\n")
+    with open(run / "goodput.jsonl", "a") as f:
+        f.write("not json\n")
     capsys.readouterr()
     assert cli.main(["report", "--run_dir", str(run), "--plot", str(run / "r.png")]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "loss" in out
+    # issue 50 #9: the partial table was shown as whole; now it says how many lines it left out, and why
+    total = len((run / "metrics.jsonl").read_text().splitlines())
+    assert f"warning   {run / 'metrics.jsonl'}: {len(BAD_LINES)} of {total} lines skipped (line {total - 9}, ...): " \
+           "not a JSON object with a text split, a whole step and (train, validation) a numeric loss" in err, err
+    assert f"warning   {run / 'goodput.jsonl'}: 1 of " in err and "lines skipped" in err, err
 
 
 def test_a_resumed_train_drops_malformed_metrics_lines(run_copy, capsys):
