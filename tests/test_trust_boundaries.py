@@ -313,6 +313,18 @@ def test_data_prepare_never_writes_into_a_run_directory(trained, run_copy, capsy
     r.assert_refused(f"--output {str(run)!r} is a tpu-llm run directory (it holds ")
 
 
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_data_prepare_names_another_tools_folder_as_what_it_is(trained, tmp_path, capsys, overwrite):
+    """Issue 50 #10: a folder of another tool holding a config.yaml and a checkpoints/ was refused as "a
+    tpu-llm run directory"; it is not one, and the message says what it is."""
+    out = tmp_path / "theirs"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "config.yaml").write_text("learning_rate: 0.1\n")
+    r = Refusal(capsys, prepare_args(trained, out, *overwrite), tmp_path)
+    line = r.assert_refused(f"--output {str(out)!r} is not empty and not a tpu-llm data directory (it holds ")
+    assert "run directory" not in line
+
+
 def test_data_prepare_refuses_its_earlier_output_without_overwrite_even_without_shards(trained, tmp_path, capsys):
     """Issue 40 #4: a directory's own tokenizer.json and meta.json were overwritten without --overwrite."""
     out = tmp_path / "shards"
