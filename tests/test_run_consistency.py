@@ -170,3 +170,19 @@ def test_property_a_run_config_and_a_shards_meta_json_are_read_or_one_line(tmp_p
         reading.check_shard_ids([shard], 300)
     except UserError as e:
         assert "\n" not in str(e) and "past the model's 300 ids" in str(e)
+
+
+def test_a_shard_id_equal_to_the_vocabulary_size_is_refused_and_one_below_passes(tmp_path):
+    """Issue 50 (a test that could not fail): the boundary of both id checks, which no test held. Id
+    `vocab_size` is one past the embedding's last row; this fails for `>` instead of `>=` in check_shard_ids
+    and for `<=` instead of `<` in bounded_ids (both mutants tried)."""
+    from tpu_llm.data.input_checks import bounded_ids
+
+    shard = str(tmp_path / "a.tfrecord")
+    (tmp_path / "meta.json").write_text(json.dumps({"max_id": 12}))
+    with pytest.raises(UserError, match="hold token id 12 .*past the model's 12 ids"):
+        reading.check_shard_ids([shard], 12)
+    reading.check_shard_ids([shard], 13)
+    assert bounded_ids(tf.constant([[0, 11]]), 12).numpy().tolist() == [[0, 11]]
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        bounded_ids(tf.constant([[0, 12]]), 12)
