@@ -125,14 +125,27 @@ def test_a_socket_is_refused_and_before_a_save_in_checkpoints(tmp_path):
 def test_a_tree_a_thousand_levels_deep_is_walked_without_recursion(tmp_path):
     """Issue 50 #6: a directory tree 1,000 levels deep was a RecursionError (a traceback) in every command."""
     run = run_tree(tmp_path)
-    deep = str(run / "logs" / "train")
-    for _ in range(1000):  # one level at a time: pathlib's and os's makedirs recurse themselves
-        deep = os.path.join(deep, "d")
-        os.mkdir(deep)
-    run_layout.check_run_tree(str(run))  # directories only: nothing to refuse
-    os.mkfifo(os.path.join(deep, "pipe"))
-    with pytest.raises(UserError, match="holds a named pipe"):
-        run_layout.check_run_tree(str(run))
+    top = deep = str(run / "logs" / "train")
+    try:
+        for _ in range(1000):  # one level at a time: pathlib's and os's makedirs recurse themselves
+            deep = os.path.join(deep, "d")
+            os.mkdir(deep)
+        run_layout.check_run_tree(str(run))  # directories only: nothing to refuse
+        os.mkfifo(os.path.join(deep, "pipe"))
+        with pytest.raises(UserError, match="holds a named pipe"):
+            run_layout.check_run_tree(str(run))
+    finally:
+        remove_deep(top, deep)
+
+
+def remove_deep(top: str, deep: str) -> None:
+    """Remove the tree from `deep` up to `top` (exclusive) one level at a time: pytest's own clean-up of old
+    temporary directories (shutil.rmtree, recursive) hit a RecursionError on it."""
+    for name in os.listdir(deep):
+        os.remove(os.path.join(deep, name))
+    while deep != top:
+        os.rmdir(deep)
+        deep = os.path.dirname(deep)
 
 
 def test_a_name_that_is_not_utf8_is_refused(tmp_path):
