@@ -22,8 +22,10 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 #                    TPU_WAIT_MINUTES or Ctrl-C (default: it lasts the wait, and is deleted then)
 #   DOWN_AFTER=1     train: worker 0 deletes its TPU itself when the run ends or fails (the laptop may go away)
 #   TTL_HOURS=N      train: worker 0 stops the run after N hours (SIGTERM: a checkpoint) and deletes the TPU
+#                    (given to a make train that attaches to a live run: N hours from then, for that run)
 #   TF_STATE_BUCKET=NAME   tpu-up/tpu-down: the Terraform state's bucket (default PROJECT_ID-NAME_PREFIX-tf)
-#   REPLACE=1        tpu-up: apply a plan that replaces the running TPU (else refused; a new image needs it)
+#   REPLACE=1        tpu-up: apply a plan that replaces the running TPU, a queued resource's too (else refused;
+#                    a new image, type, zone, spot or use_queued_resource needs it)
 #   FORCE=1          tpu-down, tpu-up REPLACE=1: delete the TPU without asking worker 0 whether a run trains there
 CONFIG ?= configs/tiny.yaml
 TPU := $(PYTHON) -m tpu_llm.cloud

@@ -33,9 +33,18 @@ locals {
 # single node, so it reaches the project's other TPU nodes too (deleting them is all it allows). A queued
 # resource is not deleted by worker 0: once its node is gone it is SUSPENDED, bills nothing, and the next
 # `make tpu-up` or `make tpu-down` deletes it.
+#
+# Its ID is never reused. IAM soft-deletes a custom role: `make tpu-down DESTROY_BUCKET=1` deletes it with
+# everything else, the provider can undelete it for 7 days (it does, on create), and after that the ID stays
+# unusable for up to 30 more days, so a fixed ID made the next `make tpu-up` fail for weeks (the provider's
+# documentation of google_project_iam_custom_role says both). The ID ends with the deployment's creation time
+# (time_static, made on the first apply and kept until the destroy, `make tpu-down` without DESTROY_BUCKET
+# included): a deployment made after a destroy gets a new ID.
+resource "time_static" "deployment" {}
+
 resource "google_project_iam_custom_role" "tpu_self_delete" {
   project     = var.project_id
-  role_id     = "${replace(var.name_prefix, "-", "_")}_tpu_self_delete"
+  role_id     = "${replace(var.name_prefix, "-", "_")}_tpu_self_delete_${time_static.deployment.unix}"
   title       = "tpu-llm: delete a TPU node"
   description = "Lets the TPU workers of ${var.name_prefix} delete their TPU node when a run that owns it ends."
   permissions = ["tpu.nodes.delete", "tpu.nodes.get"]

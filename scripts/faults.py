@@ -331,20 +331,64 @@ def truncate(path: Path, keep: float = 0.5) -> None:
 
 
 def refused_row(prepare: Callable[[Bench, Path], list[str]], expect_text: str):
-    """A fault the run must refuse in one line (exit 2), leaving the run directory as it was."""
+    """A fault the run must refuse in one line (exit 2), leaving the run directory as it was, and what a
+    prepare put outside it (`outside`, beside it) too."""
     def run(bench: Bench, name: str) -> Outcome:
         run_dir = bench.dir(name) / "run"
         args = prepare(bench, run_dir)
-        before = tree_hash(run_dir) if run_dir.exists() else ""
+        before = tree_hash(run_dir) if run_dir.exists() else "", outside_hash(run_dir.parent / "outside")
         p = Proc(bench.work / f"{name}.log", args)
         code = p.wait()
         text, line = p.text, error_line(p.text)
-        after = tree_hash(run_dir) if run_dir.exists() else ""
-        lost = "no" if before == after else "YES: the run directory changed"
+        after = tree_hash(run_dir) if run_dir.exists() else "", outside_hash(run_dir.parent / "outside")
+        lost = ("no" if before == after else "YES: the run directory changed" if before[0] != after[0]
+                else "YES: a file outside the run directory changed")
         ok = code == 2 and expect_text in line and not has_traceback(text) and lost == "no"
         observed = f"exit {code}: {line or last_lines(text)}" + (" (with a traceback)" if has_traceback(text) else "")
         return Outcome(observed[:300], ok, lost)
     return run
+
+
+def outside_hash(path: Path) -> str:
+    """What a row put outside the run directory (a file or a directory), by content; "" if nothing."""
+    if path.is_dir():
+        return tree_hash(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else ""
+
+
+def state_naming_outside(bench: Bench, run_dir: Path) -> list[str]:
+    """A run stopped at ckpt-16 whose checkpoint state file lists `outside/victim` (its .index and .data-*
+    files exist) as its oldest checkpoint: TF's CheckpointManager deleted them at the next save."""
+    Proc(bench.work / "state-outside-prepare.log", bench.train_args(run_dir, 2 * EVERY)).wait()
+    outside = run_dir.parent / "outside"
+    outside.mkdir()
+    for suffix in (".index", ".data-00000-of-00001"):
+        (outside / f"victim{suffix}").write_text("precious")
+    now = time.time()
+    paths = [str(outside / "victim"), f"ckpt-{EVERY}", f"ckpt-{2 * EVERY}"]
+    (run_dir / "checkpoints" / "checkpoint").write_text("\n".join(
+        [f'model_checkpoint_path: "ckpt-{2 * EVERY}"', *(f'all_model_checkpoint_paths: "{p}"' for p in paths),
+         *(f"all_model_checkpoint_timestamps: {now - 10 + i}" for i in range(len(paths))),
+         f"last_preserved_timestamp: {now - 100}"]) + "\n")
+    return bench.train_args(run_dir, STEPS, "--checkpoint.keep=1")
+
+
+def checkpoints_a_file(bench: Bench, run_dir: Path) -> list[str]:
+    """A run stopped at ckpt-8 whose checkpoints/ is then a regular file: a resume found no checkpoint,
+    dropped metrics.jsonl's lines, then failed at its first save."""
+    Proc(bench.work / "checkpoints-file-prepare.log", bench.train_args(run_dir, EVERY)).wait()
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "checkpoints").write_text("not a directory")
+    return bench.train_args(run_dir)
+
+
+def lora_alpha_edited(bench: Bench, run_dir: Path) -> list[str]:
+    """A LoRA run stopped at ckpt-8 whose config.yaml then says train.lora_alpha 16 (it trained with 8): a
+    resume read its adapters at twice their scale, without a word."""
+    Proc(bench.work / "config-drift-prepare.log", bench.train_args(run_dir, EVERY, "--train.lora_rank=2")).wait()
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("lora_alpha: 8.0", "lora_alpha: 16.0"))
+    return ["train", "--config", str(config), f"--run_dir={run_dir}", f"--train.steps={STEPS}"]
 
 
 def corrupted_tokenizer(bench: Bench, run_dir: Path) -> list[str]:
@@ -357,7 +401,7 @@ def special_file(name: str, kind: str):
     """A run stopped at ckpt-8 whose `name` is then a FIFO (kind "fifo": a reader would wait forever) or
     hard-linked to a file outside the run directory (kind "hardlink": an append would write into it)."""
     def prepare(bench: Bench, run_dir: Path) -> list[str]:
-        Proc(bench.work / f"{kind}-{name}-prepare.log", bench.train_args(run_dir, EVERY)).wait()
+        Proc(bench.work / f"{kind}-{name.replace('/', '-')}-prepare.log", bench.train_args(run_dir, EVERY)).wait()
         if kind == "fifo":
             (run_dir / name).unlink()
             os.mkfifo(run_dir / name)
@@ -420,6 +464,39 @@ def hf_import(damage: Callable[[Path], None]):
         damage(source)
         return ["import", "--from", str(source), "--run_dir", str(run_dir)]
     return prepare
+
+
+def tied_head_unlike_its_table(source: Path) -> None:
+    """model.safetensors with an lm_head.weight beside the tied embedding table, one row different:
+    transformers unties them and uses the head; tpu-llm ignored it for the table."""
+    from tpu_llm.interop import safetensors_io
+
+    reader = safetensors_io.Reader(str(source))
+    tensors = {name: reader.get(name).copy() for name in reader.names()}
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"].copy()
+    tensors["lm_head.weight"][7] += 1.0
+    safetensors_io.write(str(source / "model.safetensors"), [(k, v.shape, v.dtype) for k, v in tensors.items()],
+                         tensors.__getitem__)
+
+
+def adapter_with_nan(bench: Bench, run_dir: Path) -> list[str]:
+    """`tpu-llm import --adapter` of a PEFT adapter (rank 2 on c_attn) whose first tensor holds a NaN."""
+    import numpy as np
+
+    from tpu_llm.config.reading import set_dotted
+    from tpu_llm.interop import hf_config, peft, safetensors_io
+
+    source, adapter = hf_checkpoint(bench, run_dir.parent / "hf"), run_dir.parent / "adapter"
+    cfg = hf_config.run_config(hf_config.read_config(str(source)), str(source), "unused")
+    for key, value in {"train.lora_rank": 2, "train.lora_alpha": 4.0, "train.lora_targets": "c_attn"}.items():
+        set_dotted(cfg, key, value, source="faults")
+    tensors = {name: np.full(shape, 0.01, np.float32) for name, shape in peft.adapter_shapes(cfg).items()}
+    tensors[sorted(tensors)[0]][0, 0] = np.nan
+    adapter.mkdir()
+    safetensors_io.write(str(adapter / "adapter_model.safetensors"),
+                         [(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__)
+    (adapter / "adapter_config.json").write_text(json.dumps(peft.adapter_config(cfg)))
+    return ["import", "--from", str(source), "--adapter", str(adapter), "--run_dir", str(run_dir)]
 
 
 def offsets_out_of_range(source: Path) -> None:
@@ -795,6 +872,12 @@ ROWS = [
     Row("hf-tokenizer-size", "`import` with a 500 MB tokenizer.json", "exit 2, one line naming the file and the "
         "100 MB cap, before reading it; nothing written",
         refused_row(hf_import(sparse_tokenizer_json), "a tokenizer file may have")),
+    Row("hf-tied-head", "`import` of a checkpoint whose config.json ties the head, with an lm_head.weight unlike the "
+        "table", "exit 2, one line naming both tensors; nothing written",
+        refused_row(hf_import(tied_head_unlike_its_table), "lm_head.weight differs from the embedding table"),
+        reference=False),
+    Row("adapter-nan", "`import --adapter` of a PEFT adapter holding a NaN", "exit 2, one line naming the tensor; "
+        "nothing written", refused_row(adapter_with_nan, "holds 1 non-finite values"), reference=False),
     Row("shard-ids", "shards holding byte ids (up to 255) with a 12-id tokenizer.json and a meta.json that says "
         "their largest id is 10", "exit 2, one line naming the id and the model's 12 ids; no checkpoint written",
         shard_ids_row, reference=False),
@@ -810,9 +893,26 @@ ROWS = [
     Row("symlink-logs", "logs/train a symbolic link to a directory outside the run directory",
         "exit 2, one line naming the link; nothing written through it", symlink_row("logs/train")),
     Row("fifo-lock", "the run directory's .tpu-llm-lock a FIFO", "exit 2 at once, one line naming the FIFO; the run "
-        "directory unchanged", refused_row(special_file(".tpu-llm-lock", "fifo"), "is a named pipe (FIFO)")),
+        "directory unchanged", refused_row(special_file(".tpu-llm-lock", "fifo"), "a named pipe (FIFO)")),
     Row("fifo-metrics", "the run directory's metrics.jsonl a FIFO", "exit 2 at once, one line naming the FIFO; the "
-        "run directory unchanged", refused_row(special_file("metrics.jsonl", "fifo"), "is a named pipe (FIFO)")),
+        "run directory unchanged", refused_row(special_file("metrics.jsonl", "fifo"), "a named pipe (FIFO)")),
+    Row("fifo-state", "the checkpoint state file a FIFO (TensorFlow opens it itself)", "exit 2 at once, one line "
+        "naming the FIFO; the run directory unchanged",
+        refused_row(special_file("checkpoints/checkpoint", "fifo"), "a named pipe (FIFO), checkpoints/checkpoint"),
+        reference=False),
+    Row("fifo-index", "ckpt-8.index a FIFO (TensorFlow opens it itself)", "exit 2 at once, one line naming the FIFO; "
+        "the run directory unchanged",
+        refused_row(special_file(f"checkpoints/ckpt-{EVERY}.index", "fifo"), "a named pipe (FIFO), checkpoints/"),
+        reference=False),
+    Row("state-outside", "the checkpoint state file lists a checkpoint outside the run directory (its files exist)",
+        "exit 2, one line naming the path; nothing deleted, inside or outside the run directory",
+        refused_row(state_naming_outside, "not a checkpoint ckpt-N of"), reference=False),
+    Row("checkpoints-file", "checkpoints/ replaced by a regular file", "exit 2, one line naming it; the run "
+        "directory (metrics.jsonl included) unchanged",
+        refused_row(checkpoints_a_file, "holds checkpoints as a regular file"), reference=False),
+    Row("config-drift", "train.lora_alpha edited in a LoRA run's config.yaml (8 -> 16), then the resume",
+        "exit 2, one line naming train.lora_alpha and both values; the run directory unchanged",
+        refused_row(lora_alpha_edited, "was trained with train.lora_alpha=8.0, this config has 16.0"), reference=False),
     Row("hardlink-goodput", "goodput.jsonl hard-linked to a file outside the run directory", "exit 2, one line "
         "naming the hard link; nothing appended through it", refused_row(special_file("goodput.jsonl", "hardlink"),
                                                                          "goodput.jsonl has 2 hard links")),

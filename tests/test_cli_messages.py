@@ -140,7 +140,9 @@ GENERATE_REFUSED = [
      "error: --num_samples=2 with --num_beams=4: beam search is deterministic"),
     ("early stopping misspelt", ["--num_beams", "4", "--temperature", "0", "--early_stopping", "nevr"],
      "error: --early_stopping='nevr'; valid choices: false, true, never"),
-    ("infinite length penalty", ["--length_penalty", "inf"], "error: --length_penalty=inf must be a finite number"),
+    ("infinite length penalty", ["--length_penalty", "inf"], "error: --length_penalty=inf must be between -4 and 4"),
+    ("length penalty 1e39", ["--length_penalty", "1e39"], "error: --length_penalty=1e+39 must be between -4 and 4"),
+    ("length penalty -1e39", ["--length_penalty=-1e39"], "error: --length_penalty=-1e+39 must be between -4 and 4"),
 ]
 
 

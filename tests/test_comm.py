@@ -236,6 +236,37 @@ def test_local_sgd_replicas_diverge_between_syncs_and_agree_after_each():
     assert trainer.evaluate(iter(eval_data), 2) == between
 
 
+@pytest.mark.parametrize("outer", ["sgd", "nesterov"])
+def test_the_outer_step_moves_by_the_configured_outer_learning_rate(outer):
+    """Issue 50 (a test that could not fail): local SGD and DiLoCo with their outer learning rate ignored
+    (1.0, or the default 0.7) passed every test. Built from the config (comm.build), two local steps, then
+    the outer step: anchor - outer_lr * mean delta (Nesterov, momentum starting at zero: (1 + mu) x delta)."""
+    settings = {f"model.{k}": getattr(MODEL.model, k) for k in ("n_layer", "n_head", "n_embd", "max_len")}
+    cfg = load_config(None, {**settings, "data.seq_len": 16, "comm.sync_every": 4, "comm.outer_optimizer": outer,
+                             "comm.outer_lr": 0.3, "comm.outer_momentum": 0.5})
+    dist = mirrored(2)
+    keras.utils.set_random_seed(0)
+    with dist.strategy.scope(), comm.variable_scope(True):
+        model = GPT(cfg.model, 32).build_weights()
+        optimizer = ReducedSGD(0.5)
+        optimizer.build(model.trainable_variables)
+        communication = comm.build(cfg.comm, dist, model, optimizer)
+    trainer = Trainer(dist, model, optimizer, MODEL.train, execution="graph", comm=communication)
+    ids = tf.random.stateless_uniform([64, 17], [1, 2], maxval=32, dtype=tf.int32)
+    data = iter(dist.distribute_dataset(lambda ctx: tf.data.Dataset.from_tensor_slices(
+        (ids[:, :-1], ids[:, 1:])).batch(2, drop_remainder=True).repeat()))
+    kernel = model.trainable_variables[2].value
+    anchor = dist.strategy.experimental_local_results(kernel)[0].numpy()
+    trainer.run(data, 2, 2)  # two local steps of four: no outer step yet
+    own = [v.numpy() for v in dist.strategy.experimental_local_results(kernel)]
+    assert not np.allclose(*own)
+    trainer.synchronise()  # the outer step
+    delta = anchor - np.mean(own, axis=0)
+    expected = anchor - 0.3 * (delta * 1.5 if outer == "nesterov" else delta)
+    for after in dist.strategy.experimental_local_results(kernel):
+        np.testing.assert_allclose(after.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
 # ---- configuration --------------------------------------------------------------------------------
 
 

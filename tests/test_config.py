@@ -254,3 +254,19 @@ def test_early_stopping_takes_yaml_booleans_and_never(tmp_path):
     assert load_config(str(tmp_path / "c.yaml")).sample.early_stopping == "true"
     assert load_config(None, parse_set_args(["sample.early_stopping=false"])).sample.early_stopping == "false"
     assert load_config(None, {"sample.early_stopping": "never"}).sample.early_stopping == "never"
+
+
+@pytest.mark.parametrize("value", [1e39, -1e39, 4.5])
+def test_a_length_penalty_whose_power_overflows_float32_is_refused(value):
+    """Issue 50 #6: --length_penalty 1e39 (finite, so accepted) overflowed float32 (length ** it) in the beam
+    search; it is bounded, in the config (a run's samples, the Python API) and by `generate`'s flags."""
+    from tpu_llm.cli.generate_flags import check_beams
+
+    with pytest.raises(UserError, match="sample.length_penalty=.* must be between -4 and 4"):
+        load_config(None, {"sample.length_penalty": value})
+    with pytest.raises(UserError, match="--length_penalty=.* must be between -4 and 4"):
+        check_beams(2, value, "false", 1, 0.0, 1)
+    with pytest.raises(UserError, match="--length_penalty=nan must be between -4 and 4"):
+        check_beams(2, float("nan"), "false", 1, 0.0, 1)
+    check_beams(2, -4.0, "false", 1, 0.0, 1)
+    load_config(None, {"sample.length_penalty": 4.0})

@@ -524,7 +524,7 @@ ExecStart=/usr/bin/docker run --rm --name tpu-runtime --net=host --privileged ${
 """
 
 
-@pytest.mark.parametrize("case", ["other-tag", "right-tag", "no-unit", "port-closed"])
+@pytest.mark.parametrize("case", ["other-tag", "right-tag", "no-unit", "port-closed", "tag-missing"])
 def test_pod_hosts_point_the_tpu_runtime_at_the_tf_worker_container(tf, tmp_path, case):
     """The pod part of the set-up, run here: a fake systemctl, a unit file as the base images carry it (the
     form Google's release tests edit with sed), a TF server port that answers or not."""
@@ -537,21 +537,26 @@ def test_pod_hosts_point_the_tpu_runtime_at_the_tf_worker_container(tf, tmp_path
     if case != "no-unit":
         unit.write_text(RUNTIME_UNIT.format(tag="tf-2.20.0-pjrt" if case == "right-tag" else "nightly"))
     (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "systemctl $*" >> {calls}\n')
-    (bin_dir / "journalctl").write_text("#!/bin/sh\necho 'docker: manifest unknown'\n")
+    journal = ("docker: Error response from daemon: manifest for gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:"
+               "tf-2.20.0-pjrt not found: manifest unknown: manifest unknown" if case == "tag-missing"
+               else "tpu-runtime: waiting for the TPU driver")
+    (bin_dir / "journalctl").write_text(f"#!/bin/sh\necho '{journal}'\n")
     for tool_ in bin_dir.iterdir():
         tool_.chmod(0o755)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    if case == "port-closed":
+    if case in ("port-closed", "tag-missing"):
         listener.close()
     else:
         listener.listen(8)
-    script = (f"RUNTIME_UNIT={unit}\nMULTI_HOST=true\nTF_SERVER_PORT={port}\n"
+    # the whole wait (120 rounds) when the tag is missing: the pull's failure must end it in the first round
+    wait = pod.replace("sleep 5", "sleep 1") if case == "tag-missing" else pod.replace("seq 120", "seq 2") \
+        .replace("sleep 5", "sleep 0")
+    script = (f"RUNTIME_UNIT={unit}\nMULTI_HOST=true\nTF_SERVER_PORT={port}\nTENSORFLOW_VERSION=2.20.0\n"
               f"TF_WORKER_IMAGE={pod_check.tf_worker_image('2.20.0')}\n"
-              'fail() { echo "FAILED: $*"; exit 1; }\n' + pod.replace("seq 120", "seq 2").replace("sleep 5", "sleep 0")
-              + "echo passed\n")
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+              'fail() { echo "FAILED: $*"; exit 1; }\n' + wait + "echo passed\n")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
                           env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
     listener.close()
     restarted = calls.exists() and "systemctl restart tpu-runtime" in calls.read_text()
@@ -559,7 +564,11 @@ def test_pod_hosts_point_the_tpu_runtime_at_the_tf_worker_container(tf, tmp_path
         assert "FAILED: no " in done.stdout and "tpu-runtime.service on this image" in done.stdout
     elif case == "port-closed":
         assert "FAILED: the TPU runtime with" in done.stdout and f"serves nothing on port {port}" in done.stdout
-        assert "manifest unknown" in done.stdout  # the runtime's journal says why
+        assert "waiting for the TPU driver" in done.stdout  # the runtime's journal says why
+    elif case == "tag-missing":  # issue 50: named at once, with the command that stops the billing
+        assert (f"FAILED: the TF worker container {pod_check.tf_worker_image('2.20.0')} cannot be pulled (the tag "
+                "tensorflow-tpu 2.20.0 names is not in the registry") in done.stdout, done.stdout + done.stderr
+        assert "`make tpu-down`" in done.stdout and "manifest unknown" in done.stdout
     else:
         assert "passed" in done.stdout, done.stdout + done.stderr
         assert pod_check.service_image(unit.read_text()) == pod_check.tf_worker_image("2.20.0")

@@ -209,6 +209,29 @@ def test_a_run_with_other_lora_settings_is_refused(base_run):
             build_run(lora_cfg(tmp, "run", steps=2, **overrides))
     with pytest.raises(UserError, match=r"train.init_from=.* is a LoRA run \(train.lora_rank=2\); start from a merged"):
         build_run(lora_cfg(tmp, "next", **{"train.init_from": str(tmp / "run")}))
+    assert_config_drift_is_refused(tmp / "run")
+
+
+def assert_config_drift_is_refused(run):
+    """Issue 50 #5: train.lora_targets (or rank, alpha) edited in the run's config.yaml, then a resume or a
+    generate: the checkpoint's other adapters were dropped without a word (expect_partial). Each checkpoint
+    records the keys that shape its trained state; every command that restores compares them."""
+    import yaml
+
+    from tpu_llm.training.checkpoint import load_for_generation
+
+    saved = (run / "config.yaml").read_text()
+    for key, value, theirs in (("lora_targets", "c_attn", "'c_attn,c_proj,c_fc'"), ("lora_alpha", 16.0, "4.0")):
+        config = yaml.safe_load(saved)
+        config["train"][key] = value
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        words = re.escape(f"was trained with train.{key}={theirs}, this config has {value!r}")
+        with pytest.raises(UserError, match=words):
+            load_for_generation(str(run))  # generate, export
+        with pytest.raises(UserError, match=words):
+            build_run(lora_cfg(run.parent, "run", steps=2, **{f"train.{key}": value}))  # a resume
+    (run / "config.yaml").write_text(saved)
+    assert load_for_generation(str(run))[2].train.lora_targets == ALL["gpt2"]  # as it was: restored
 
 
 # ---- the planner -----------------------------------------------------------------------------------

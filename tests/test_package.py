@@ -158,3 +158,21 @@ def test_the_installed_wheel_runs_from_an_empty_directory(built, tmp_path):
 
 def test_the_installed_metadata_is_this_version():
     assert importlib.metadata.version("tpu-llm") == tpu_llm.__version__
+
+
+def test_the_python_api_keeps_tensorflows_native_log_lines_off_stderr(tmp_path):
+    """Issue 50 #7: `tpu_llm.load(...)` printed TensorFlow's C++ start-up lines (cuda stubs, cpu_feature_guard),
+    which the command line hides; TPU_LLM_VERBOSE=1 still shows them, as --verbose does."""
+    from tpu_llm.cli.quiet import _NATIVE_LOG
+
+    code = (f"import tpu_llm\ntry:\n    tpu_llm.load({str(tmp_path)!r})\n"
+            "except Exception as e:\n    print(type(e).__name__)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TPU_LLM_VERBOSE")}
+    runs = {verbose: subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300,
+                                    env={**env, **({"TPU_LLM_VERBOSE": "1"} if verbose else {})})
+            for verbose in (False, True)}
+    assert runs[False].stdout.decode().strip() == "UserError", runs[False]
+    native = {verbose: [line for line in r.stderr.splitlines() if _NATIVE_LOG.match(line)]
+              for verbose, r in runs.items()}
+    assert native[False] == [], runs[False].stderr.decode()[-2000:]
+    assert native[True], "TensorFlow printed no start-up line at all: this test proves nothing here"

@@ -137,7 +137,7 @@ def test_init_from_refuses_a_run_whose_tokenizer_was_replaced_since_its_checkpoi
     new = tmp_path / "new"
     args = ["train", f"--run_dir={new}", f"--data.train={corpus / '*.txt'}", *FLAGS, f"--train.init_from={run}"]
     Refusal(capsys, args, run).assert_refused(f"checkpoint {run}/checkpoints/ckpt-4 {REFUSED} {run}/tokenizer.json")
-    assert [p.name for p in new.iterdir()] == [".tpu-llm-lock"]  # (empty: the lock is no content of its own)
+    assert not new.exists()  # issue 50 #2: a refusal creates nothing (it left `new` holding its lock)
 
 
 # ---- records of a run or shard directory from elsewhere: read, or one line ----------------------------
@@ -170,3 +170,19 @@ def test_property_a_run_config_and_a_shards_meta_json_are_read_or_one_line(tmp_p
         reading.check_shard_ids([shard], 300)
     except UserError as e:
         assert "\n" not in str(e) and "past the model's 300 ids" in str(e)
+
+
+def test_a_shard_id_equal_to_the_vocabulary_size_is_refused_and_one_below_passes(tmp_path):
+    """Issue 50 (a test that could not fail): the boundary of both id checks, which no test held. Id
+    `vocab_size` is one past the embedding's last row; this fails for `>` instead of `>=` in check_shard_ids
+    and for `<=` instead of `<` in bounded_ids (both mutants tried)."""
+    from tpu_llm.data.input_checks import bounded_ids
+
+    shard = str(tmp_path / "a.tfrecord")
+    (tmp_path / "meta.json").write_text(json.dumps({"max_id": 12}))
+    with pytest.raises(UserError, match="hold token id 12 .*past the model's 12 ids"):
+        reading.check_shard_ids([shard], 12)
+    reading.check_shard_ids([shard], 13)
+    assert bounded_ids(tf.constant([[0, 11]]), 12).numpy().tolist() == [[0, 11]]
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        bounded_ids(tf.constant([[0, 12]]), 12)

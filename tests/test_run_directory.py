@@ -102,10 +102,10 @@ def test_a_symlink_in_the_run_directory_is_refused_and_nothing_is_written_throug
     assert (snapshot(tmp_path / "outside") or (tmp_path / "outside").read_bytes()) == outside
 
 
-@pytest.mark.parametrize("name", ["checkpoints/ckpt-4.index", "metrics.jsonl"])
+@pytest.mark.parametrize("name", ["checkpoints/ckpt-4.index", "metrics.jsonl", "goodput.jsonl"])
 def test_a_symlink_planted_during_the_run_is_refused_before_the_next_write(name, tmp_path, monkeypatch):
-    """The check runs before each save and each metrics line, not only at the start: a link made
-    while the run trains is never written through."""
+    """The check runs before each save and each metrics or goodput line, not only at the start: a link made
+    while the run trains is never written through. (goodput.jsonl: issue 50, its check had no test.)"""
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     real_run = Trainer.run

@@ -88,7 +88,7 @@ def test_a_link_anywhere_in_a_run_directory_is_refused_naming_it(rel, tmp_path):
         (real / name).parent.mkdir(parents=True, exist_ok=True)
         (real / name).write_text("ours")
     (tmp_path / "run").symlink_to(real)
-    run_layout.check_no_links(str(tmp_path / "run"))  # no link inside it
+    run_layout.check_run_tree(str(tmp_path / "run"))  # no link inside it
     if (real / rel).is_dir():  # checkpoints/, logs/: the link replaces the directory
         shutil.rmtree(real / rel)
     elif (real / rel).exists():  # config.yaml: the link replaces the file
@@ -96,9 +96,9 @@ def test_a_link_anywhere_in_a_run_directory_is_refused_naming_it(rel, tmp_path):
     (real / rel).parent.mkdir(parents=True, exist_ok=True)
     (real / rel).symlink_to(outside / "precious")
     with pytest.raises(UserError, match=f"holds a symbolic link, {re.escape(rel)} -> {re.escape(str(outside))}/"):
-        run_layout.check_no_links(str(tmp_path / "run"))
+        run_layout.check_run_tree(str(tmp_path / "run"))
     if rel.split("/")[0] == run_layout.CHECKPOINT_DIR:  # before a save: checkpoints/ only
         with pytest.raises(UserError, match=re.escape(rel)):
-            run_layout.check_no_links(str(tmp_path / "run"), trees=(run_layout.CHECKPOINT_DIR,))
+            run_layout.check_run_tree(str(tmp_path / "run"), trees=(run_layout.CHECKPOINT_DIR,))
     else:
-        run_layout.check_no_links(str(tmp_path / "run"), trees=(run_layout.CHECKPOINT_DIR,))
+        run_layout.check_run_tree(str(tmp_path / "run"), trees=(run_layout.CHECKPOINT_DIR,))

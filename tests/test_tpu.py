@@ -245,15 +245,16 @@ WHEEL = "/site-packages/libtpu/libtpu.so"
     ("dev/accel0", "0x0062", {}, no_metadata, True),  # v5p, by its chips' PCI id
     ("dev/vfio/0", None, {}, lambda: "v6e-8", True),  # v6e: the TPU VM's metadata
     ("dev/vfio/0", None, {}, lambda: "", True),  # /dev/vfio: only v5e and v6e chips
-    ("dev/accel0", "0x005e", {}, no_metadata, False),  # v4
-    ("dev/accel0", None, {"ACCELERATOR_TYPE": "v3-8"}, no_metadata, False),  # Kaggle's v3-8
-    ("dev/accel0", "0x0027", {}, no_metadata, False),  # v2 or v3 (one PCI id)
-    ("dev/accel0", None, {}, lambda: "v2-8", False),  # Colab's v2-8
+    ("dev/accel0", "0x005e", {}, no_metadata, True),  # v4
+    ("dev/accel0", None, {"ACCELERATOR_TYPE": "v3-8"}, no_metadata, True),  # Kaggle's v3-8
+    ("dev/accel0", "0x0027", {}, no_metadata, True),  # v2 or v3 (one PCI id)
+    ("dev/accel0", None, {}, lambda: "v2-8", True),  # Colab's v2-8
     ("dev/accel0", None, {}, lambda: "", False),  # an unknown generation with /dev/accel: left alone
 ], ids=["v5e-env", "v5p-pci", "v6e-metadata", "vfio", "v4-pci", "kaggle-v3", "v2-v3-pci", "colab-v2", "accel"])
 def test_pjrt_only_where_google_documents_tensorflows_pjrt_runtime(tmp_path, device, shows, env, metadata, pjrt):
-    """v5e, v5p, v6e: the PJRT plugin; v2, v3, v4: TensorFlow's own TPU runtime, left as it is, with only
-    the library it reads (TPU_LIBRARY_PATH) named."""
+    """Every generation from v2 to v6e: the PJRT plugin (Google's TF images and release tests, issue 50); a
+    TPU whose generation cannot be told: TensorFlow's non-PJRT runtime, left as it is, with only the library
+    it reads (TPU_LIBRARY_PATH) named."""
     from tpu_llm.cli import pjrt as module
 
     root = fake_machine(tmp_path, device, pci=shows)
@@ -264,15 +265,17 @@ def test_pjrt_only_where_google_documents_tensorflows_pjrt_runtime(tmp_path, dev
 
 
 def test_one_table_of_the_runtime_per_generation():
-    """tpu_chips.runtime_variables, which cli/pjrt.decide and cloud/worker_plan both use: PJRT on v5e, v5p
-    and v6e, TensorFlow's own TPU runtime (only its library named) on v2, v3, v4 and an unknown TPU."""
+    """tpu_chips.runtime_variables, which cli/pjrt.decide and cloud/worker_plan both use: PJRT on every
+    generation from v2 to v6e (as Google's TF images `tpu-vm-tf-2.18.0-pjrt-v5p-and-below` and its TF release
+    harness run v2-8, v3-8 and v4-8); TensorFlow's non-PJRT runtime (only its library named) on a TPU whose
+    generation is unknown, and on TPU7x, which runs no TensorFlow."""
     from tpu_llm.platform import tpu_chips
 
     for prefix, kind, _ in tpu_chips.TYPES:
-        pjrt = prefix in ("v5litepod", "v5e", "v5p", "v6e")
-        assert tpu_chips.runtime_variables(kind, WHEEL) == \
-            (dict(zip(PJRT, ("true", WHEEL, WHEEL))) if pjrt else {"TPU_LIBRARY_PATH": WHEEL}), prefix
-    assert tpu_chips.runtime_variables(tpu_chips.kind_of_type("v4-8"), WHEEL) == {"TPU_LIBRARY_PATH": WHEEL}
+        assert tpu_chips.runtime_variables(kind, WHEEL) == dict(zip(PJRT, ("true", WHEEL, WHEEL))), prefix
+    for kind in set(tpu_chips.PCI_KINDS.values()) - {"TPU7x"}:
+        assert tpu_chips.runtime_variables(kind, WHEEL) == dict(zip(PJRT, ("true", WHEEL, WHEEL))), kind
+    assert tpu_chips.runtime_variables("TPU7x", WHEEL) == {"TPU_LIBRARY_PATH": WHEEL}
     assert tpu_chips.runtime_variables(None, WHEEL) == {"TPU_LIBRARY_PATH": WHEEL}
     assert tpu_chips.runtime_variables(None, WHEEL, unknown_is_pjrt=True) == dict(zip(PJRT, ("true", WHEEL, WHEEL)))
 

@@ -54,8 +54,8 @@ def tfvars(tmp_path) -> Path:
 
 RUN_STATE = [*SSH, "--worker=0", "--tunnel-through-iap",
              '--command=for f in ~/tpu-llm-owner.pid ~/tpu-llm-train.pid; do if [ -f $f ] && kill -0 "$(cat $f)" '
-             '2>/dev/null; then echo "tpu-llm-run: alive $(cat ~/tpu-llm-run.key 2>/dev/null || echo -) $(cat $f)"; '
-             'exit 0; fi; done; echo tpu-llm-run: idle']
+             '2>/dev/null; then echo "tpu-llm-run: alive $(cat ~/tpu-llm-run.key 2>/dev/null || echo -) $(cat $f) '
+             '$([ -s ~/tpu-llm-run.teardown ] && echo teardown || echo keep)"; exit 0; fi; done; echo tpu-llm-run: idle']
 BUSY = ('for f in ~/tpu-llm-owner.pid ~/tpu-llm-train.pid; do if [ -f $f ] && kill -0 "$(cat $f)" 2>/dev/null; then '
         'echo "error: a run is already training on worker 0 (pid $(cat $f))" >&2; exit 75; fi; done')
 
@@ -91,14 +91,20 @@ def test_train_single_host_on_the_vm_with_the_generations_runtime(single):
     own, train = owner_line(script)
     assert own == ["--log=~/tpu-llm-train.log", "--log-url=$log_url", "--copy-seconds=30",
                    f"--preflight=/opt/tpu-llm/venv/bin/python -m tpu_llm.cloud preflight --run_dir={BUCKET}/runs/tiny"]
-    # a v4: TensorFlow's own TPU runtime, pointed at the venv's libtpu; no PJRT (tpu_chips.runtime_variables)
-    assert train == ["env", "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so",
+    # a v4: PJRT, as on every generation, with the venv's libtpu (tpu_chips.runtime_variables)
+    assert train == ["env", "NEXT_PLUGGABLE_DEVICE_USE_C_API=true",
+                     "TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so", "TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so",
                      "/opt/tpu-llm/venv/bin/tpu-llm", "train", "--config", "configs/tiny.yaml", "--strategy=tpu",
                      "--tpu=local", f"--run_dir={BUCKET}/runs/tiny"]
-    assert "tpu-llm-run.teardown" not in "\n".join(script).replace("rm -f ~/tpu-llm-run.status ~/tpu-llm-run.teardown", "")
-    assert script[-4:] == ['tail -n "$from" -f --pid="$(cat ~/tpu-llm-owner.pid)" ~/tpu-llm-train.log',
-                           'for _ in $(seq 60); do if [ -f ~/tpu-llm-run.status ]; then exit "$(cat ~/tpu-llm-run.status)"; '
-                           "fi; sleep 1; done",
+    writes = "\n".join(script).replace("rm -f ~/tpu-llm-run.status ~/tpu-llm-run.teardown", "")
+    assert "tpu-llm-run.teardown " not in writes and "> ~/tpu-llm-run.teardown" not in writes
+    assert script[-9:] == ['tail -n "$from" -f --pid="$(cat ~/tpu-llm-owner.pid)" ~/tpu-llm-train.log',
+                           "for _ in $(seq 60); do if [ -f ~/tpu-llm-run.status ]; then break; fi; sleep 1; done",
+                           "if [ -f ~/tpu-llm-run.teardown-failed ]; then",
+                           '  echo "error: the run ended (exit status $(cat ~/tpu-llm-run.status 2>/dev/null || echo '
+                           'unknown)), but worker 0 could not delete this TPU: $(cat ~/tpu-llm-run.teardown-failed)" >&2',
+                           "  exit 76", "fi",
+                           'if [ -f ~/tpu-llm-run.status ]; then exit "$(cat ~/tpu-llm-run.status)"; fi',
                            'echo "error: worker 0 recorded no exit status for the run (~/tpu-llm-train.log says why)" >&2',
                            "exit 1"]
     syntax = subprocess.run(["bash", "-n"], input="\n".join(script), capture_output=True, text=True)
@@ -106,7 +112,7 @@ def test_train_single_host_on_the_vm_with_the_generations_runtime(single):
 
 
 @pytest.mark.parametrize("accelerator,pjrt", [("v5litepod-8", True), ("v5p-8", True), ("v6e-8", True),
-                                               ("v4-8", False), ("v3-8", False), ("v2-8", False)])
+                                               ("v4-8", True), ("v3-8", True), ("v2-8", True)])
 def test_a_single_host_gets_pjrt_only_where_google_documents_it_for_tensorflow(tmp_path, accelerator, pjrt):
     done = make("train", TF_OUTPUTS=write_outputs(tmp_path / "o.json", accelerator, 1))
     assert done.returncode == 0, done.stderr
@@ -198,7 +204,12 @@ def test_tpu_up_applies_then_waits_for_every_worker(request, tfvars, slice_):
     done = make("tpu-up", TF_OUTPUTS=outputs, TFVARS=tfvars)
     assert done.returncode == 0, done.stderr
     assert "creates billable resources" in done.stdout and "make tpu-down" in done.stdout
-    state, init, apis, describe, plan, show, apply, output, describe2, hosts, copy, wait = commands(done.stdout)
+    registry, state, init, apis, describe, plan, show, apply, output, describe2, hosts, copy, wait = \
+        commands(done.stdout)
+    # tfvars asks for a v4-32 pod: its TF worker container is asked of the registry before anything is made
+    assert registry == ["gcloud", "container", "images", "describe",
+                        "gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:tf-2.20.0-pjrt", "--project=my-proj",
+                        "--format=value(image_summary.digest)"]
     assert (state, init) == (STATE_BUCKET, INIT)
     # the APIs first: the plan reads the zone's accelerator types and images from the TPU API
     assert apis == [*TF, "apply", "-input=false", "-auto-approve", f"-var-file={tfvars}",
@@ -267,9 +278,12 @@ def test_tpu_up_creates_the_queued_resource_with_gcloud_as_the_project_service_a
 
 def test_tpu_up_deletes_the_queued_resource_when_switching_back_to_a_vm(queued, tfvars):
     done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars)  # tfvars without use_queued_resource = true
+    assert done.returncode != 0 and "use_queued_resource: true -> false" in done.stderr  # its TPU is READY
+    assert QUEUED_DELETE not in commands(done.stdout)
+    done = make("tpu-up", TF_OUTPUTS=queued, TFVARS=tfvars, REPLACE=1)  # issue 50: replacing it is asked for
     cmds = commands(done.stdout)
-    assert cmds.index(QUEUED_DELETE) < cmds.index(
-        [*TF, "plan", "-input=false", f"-var-file={tfvars}", "-var=tpu_enabled=true", "-out=.tpu-up.tfplan"])
+    plan = next(i for i, c in enumerate(cmds) if c[:4] == [*TF, "plan", "-input=false"])
+    assert cmds.index(QUEUED_DELETE) < plan
 
 
 def test_tpu_up_replaces_a_preempted_queued_resource_with_force(queued, queued_tfvars):

@@ -341,7 +341,7 @@ def test_a_failing_delete_is_retried_then_said_in_the_log(tmp_path, monkeypatch)
     text = log.read_text()
     assert "trained" in text and "the run ended with exit status 3" in text
     assert "delete attempt 2 of 2 failed: ERROR: PERMISSION_DENIED: tpu.nodes.delete" in text
-    assert "could not delete this TPU; it is billing: run `make tpu-down` on your machine" in text
+    assert "could not delete this TPU; it is billing: delete it by hand with `gcloud compute tpus tpu-vm delete" in text
     deletes = [c for c in calls.read_text().splitlines() if c.startswith("compute tpus tpu-vm delete")]
     assert len(deletes) == 2 and calls.read_text().splitlines()[-1].startswith("storage cp")  # the log says it too
 

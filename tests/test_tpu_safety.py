@@ -87,10 +87,10 @@ def test_the_setup_checks_the_venv_libtpu_is_the_pinned_one():
     assert 'fail "the venv\'s libtpu is' in text and 'ln -sf "$${found#* }" "$LIBTPU"' in text
     lock = (INFRA / "worker-requirements.txt").read_text()
     assert re.search(r"^libtpu==0\.0\.14 ", lock, re.M)
-    # the single-host run names that link, never /lib/libtpu.so, on every generation; through PJRT only on
-    # v5e, v5p and v6e (tpu_chips.runtime_variables)
+    # the single-host run names that link, never /lib/libtpu.so, on every generation, through PJRT on every one
+    # (tpu_chips.runtime_variables; issue 50: Google's TF images and release tests run v2 to v5p on PJRT too)
     from tpu_llm.cloud.worker_plan import TrainPlan
-    for accelerator, pjrt in (("v2-8", False), ("v3-8", False), ("v4-8", False), ("v5litepod-8", True),
+    for accelerator, pjrt in (("v2-8", True), ("v3-8", True), ("v4-8", True), ("v5litepod-8", True),
                               ("v5p-8", True), ("v6e-8", True)):
         plan = TrainPlan({"multi_host": False, "tpu_name": "t", "accelerator_type": accelerator}, "c", "gs://b", "", [])
         assert set(plan.environment().values()) - {"true"} == {"/opt/tpu-llm/libtpu.so"}
@@ -312,7 +312,9 @@ def test_dry_run_previews_every_target_from_tfvars_alone(tmp_path, target):
     cmds = [c for c in commands(done.stdout) if c[0] == "gcloud"]
     assert cmds, done.stdout
     assert all("--project=fresh-proj" in c for c in cmds), cmds
-    assert all("--zone=us-east5-a" in c for c in cmds if c[1] != "storage"), cmds  # buckets have no zone
+    assert all("--zone=us-east5-a" in c for c in cmds if c[1] not in ("storage", "container")), cmds  # zone-less
+    if target == "tpu-up":  # a pod's TF worker container is asked of its registry first, before anything is made
+        assert cmds[0][:4] == ["gcloud", "container", "images", "describe"], cmds
     if target == "tpu-up":  # the pod set-up is shown before anything is paid for
         assert ("tpu-up: pod set-up on every worker: tensorflow-tpu from the lock, and the TPU runtime serving "
                 "TensorFlow from gcr.io/cloud-tpu-v2-images/grpc_tpu_worker:tf-2.20.0-pjrt on port 8470") in done.stdout

@@ -85,7 +85,7 @@ def test_a_fifo_in_the_run_directory_is_refused_not_waited_on(run_copy, capsys, 
     (run / name).unlink()
     os.mkfifo(run / name)
     r = Refusal(capsys, resume(run, flags), run, seconds=60)
-    r.assert_refused(f"{run / name} is a named pipe (FIFO), not a regular file")
+    r.assert_refused(f"holds a named pipe (FIFO), {name}, where only regular files")  # the run directory's check
 
 
 @pytest.mark.parametrize("name", ["goodput.jsonl", "metrics.jsonl", ".tpu-llm-lock"])
@@ -97,6 +97,55 @@ def test_a_log_hard_linked_out_of_the_run_directory_is_refused_never_appended_to
     os.link(run / name, outside / "victim")
     r = Refusal(capsys, resume(run, flags), run, outside)
     r.assert_refused(f"{run / name} has 2 hard links")
+
+
+TF_OPENS = ["checkpoints/checkpoint", "checkpoints/ckpt-4.index", "checkpoints/ckpt-4.data-00000-of-00001",
+            "logs/goodput/EVENTS"]
+
+
+def command(name: str, run: Path, flags: list, tmp_path: Path) -> list:
+    """Every command that restores or reads a run: train (a resume), generate, export, report."""
+    return {"train": resume(run, flags), "generate": ["generate", "--run_dir", run, "--prompt", "a"],
+            "export": ["export", "--run_dir", run, "--output", tmp_path / "export"],
+            "report": ["report", "--run_dir", run, "--plot", tmp_path / "r.png"]}[name]
+
+
+@pytest.mark.parametrize("rel", TF_OPENS)
+@pytest.mark.parametrize("name", ["train", "generate", "export", "report"])
+def test_a_fifo_where_tensorflow_opens_a_file_itself_is_refused_by_every_command(run_copy, tmp_path, capsys, rel, name):
+    """Issue 50 #3: a FIFO at the checkpoint state file, a ckpt-N.index or data file, or an event file hung
+    train and generate forever (TF opens them itself; files.open_regular never sees those opens)."""
+    run, flags = run_copy
+    if rel.endswith("EVENTS"):
+        rel = str(next((run / "logs" / "goodput").glob("events.out.tfevents.*")).relative_to(run))
+    (run / rel).unlink()
+    os.mkfifo(run / rel)
+    r = Refusal(capsys, command(name, run, flags, tmp_path), run, seconds=60)
+    r.assert_refused(f"holds a named pipe (FIFO), {rel}, where only regular files and directories belong")
+
+
+@pytest.mark.parametrize("rel", ["checkpoints", "logs"])
+def test_a_resume_with_checkpoints_or_logs_a_regular_file_is_refused_and_changes_nothing(run_copy, capsys, rel):
+    """Issue 50 #2 and #6: checkpoints/ a regular file made a resume drop metrics.jsonl's lines (6 to 1),
+    then exit 2 at its first save; logs/ a regular file was a traceback."""
+    run, flags = run_copy
+    shutil.rmtree(run / rel)
+    (run / rel).write_text("not a directory")
+    Refusal(capsys, resume(run, flags), run).assert_refused(f"holds {rel} as a regular file, where tpu-llm keeps a "
+                                                            "directory")
+
+
+@pytest.mark.parametrize("source", ["missing", "not-a-run", "nul"])
+def test_a_refused_init_from_creates_nothing(run_copy, tmp_path, capsys, source):
+    """Issue 50 #2: a refused train.init_from left a new run directory holding its lock (and its parents)."""
+    run, flags = run_copy
+    (tmp_path / "not-a-run").mkdir()
+    (tmp_path / "not-a-run" / "notes.txt").write_text("someone else's")
+    new = tmp_path / "parent" / "new"
+    given = f"{tmp_path}/a\0b" if source == "nul" else str(tmp_path / source)
+    r = Refusal(capsys, ["train", f"--run_dir={new}", *flags, f"--train.init_from={given}"], tmp_path)
+    r.assert_refused("train.init_from=")
+    assert not (tmp_path / "parent").exists()
 
 
 # ---- 2. the run directory's own line files ----------------------------------------------------------
@@ -113,10 +162,17 @@ def test_report_skips_malformed_metrics_lines(run_copy, capsys):
     run, _ = run_copy
     with open(run / "metrics.jsonl", "a") as f:
         f.write("\n".join(BAD_LINES) + "\n")
+    with open(run / "goodput.jsonl", "a") as f:
+        f.write("not json\n")
     capsys.readouterr()
     assert cli.main(["report", "--run_dir", str(run), "--plot", str(run / "r.png")]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "loss" in out
+    # issue 50 #9: the partial table was shown as whole; now it says how many lines it left out, and why
+    total = len((run / "metrics.jsonl").read_text().splitlines())
+    assert f"warning   {run / 'metrics.jsonl'}: {len(BAD_LINES)} of {total} lines skipped (line {total - 9}, ...): " \
+           "not a JSON object with a text split, a whole step and (train, validation) a numeric loss" in err, err
+    assert f"warning   {run / 'goodput.jsonl'}: 1 of " in err and "lines skipped" in err, err
 
 
 def test_a_resumed_train_drops_malformed_metrics_lines(run_copy, capsys):
@@ -257,6 +313,18 @@ def test_data_prepare_never_writes_into_a_run_directory(trained, run_copy, capsy
     r.assert_refused(f"--output {str(run)!r} is a tpu-llm run directory (it holds ")
 
 
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_data_prepare_names_another_tools_folder_as_what_it_is(trained, tmp_path, capsys, overwrite):
+    """Issue 50 #10: a folder of another tool holding a config.yaml and a checkpoints/ was refused as "a
+    tpu-llm run directory"; it is not one, and the message says what it is."""
+    out = tmp_path / "theirs"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "config.yaml").write_text("learning_rate: 0.1\n")
+    r = Refusal(capsys, prepare_args(trained, out, *overwrite), tmp_path)
+    line = r.assert_refused(f"--output {str(out)!r} is not empty and not a tpu-llm data directory (it holds ")
+    assert "run directory" not in line
+
+
 def test_data_prepare_refuses_its_earlier_output_without_overwrite_even_without_shards(trained, tmp_path, capsys):
     """Issue 40 #4: a directory's own tokenizer.json and meta.json were overwritten without --overwrite."""
     out = tmp_path / "shards"
@@ -355,3 +423,81 @@ def test_export_refuses_a_damaged_or_linked_import_record_in_one_line(imported, 
         record.write_text(content)
     r = Refusal(capsys, ["export", "--run_dir", run, "--format", "hf", "--output", tmp_path / "hf"], tmp_path)
     r.assert_refused(words)
+
+
+# ---- 6. imported adapters: untrusted like imported weights (issue 50 #4) -------------------------------
+
+
+def write_adapter(gpt2_dir: Path, folder: Path, tensor_edit=None, **config_edit) -> Path:
+    """A PEFT LoRA adapter (rank 2 on c_attn) for write_gpt2's checkpoint, as save_pretrained lays it out,
+    without torch: adapter_config.json and random adapter_model.safetensors; then the edits."""
+    from tpu_llm.config.reading import set_dotted
+    from tpu_llm.interop import hf_config
+    from tpu_llm.interop import peft as peft_format
+
+    cfg = hf_config.run_config(hf_config.read_config(str(gpt2_dir)), str(gpt2_dir), "unused")
+    for key, value in {"train.lora_rank": 2, "train.lora_alpha": 4.0, "train.lora_targets": "c_attn"}.items():
+        set_dotted(cfg, key, value, source="test")
+    rng = np.random.default_rng(0)
+    tensors = {name: rng.normal(0, 0.1, shape).astype(np.float32)
+               for name, shape in peft_format.adapter_shapes(cfg).items()}
+    if tensor_edit:
+        tensor_edit(tensors)
+    folder.mkdir()
+    write_safetensors(folder / "adapter_model.safetensors", tensors)
+    (folder / "adapter_config.json").write_text(json.dumps({**peft_format.adapter_config(cfg), **config_edit}))
+    return folder
+
+
+def poisoned(tensors: dict) -> None:
+    first = sorted(tensors)[0]
+    tensors[first][0, :3] = [np.nan, np.inf, -np.inf]
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"r": 0}, "adapter_config.json: r=0 is no LoRA rank (1 or more)"),
+    ({"r": -2}, "adapter_config.json: r=-2 is no LoRA rank (1 or more)"),
+    ({"r": 2**40}, "adapter_config.json: train.lora_rank=1099511627776 is more than its cap"),  # (refused before)
+    ({"lora_alpha": 0}, "adapter_config.json: train.lora_alpha=0.0 must be > 0"),  # (refused before)
+    ({"lora_alpha": float("inf")}, "adapter_config.json: lora_alpha=Infinity is not a finite number"),
+    ({"lora_alpha": float("nan")}, "adapter_config.json: lora_alpha=NaN is not a finite number"),
+    ({"target_modules": ["c_attn", "q_proj"]}, "target_modules [\"c_attn\", \"q_proj\"] is not a list of gpt2 "
+                                               "modules"),  # (refused before)
+    ("nan", "tensor base_model.model.transformer.h.0.attn.c_attn.lora_A.weight holds 3 non-finite values"),
+])
+def test_an_imported_adapter_is_checked_like_imported_weights(gpt2_dir, tmp_path, capsys, edit, words):
+    """Issue 50 #4: NaN or infinity in an adapter's tensors imported with exit 0; r: 0 and a non-finite
+    lora_alpha were not refused in words of their own. Each is one line, nothing written."""
+    adapter = write_adapter(gpt2_dir, tmp_path / "adapter", poisoned if edit == "nan" else None,
+                            **({} if edit == "nan" else edit))
+    r = Refusal(capsys, ["import", "--from", gpt2_dir, "--adapter", adapter, "--run_dir", tmp_path / "run"], tmp_path)
+    r.assert_refused(words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sound_adapter_imports(gpt2_dir, tmp_path, capsys):
+    adapter = write_adapter(gpt2_dir, tmp_path / "adapter")
+    args = ["import", "--from", str(gpt2_dir), "--adapter", str(adapter), "--run_dir", str(tmp_path / "run")]
+    assert cli.main(args) == 0
+
+
+@pytest.mark.parametrize("head", ["other", "equal"])
+def test_a_tied_head_saved_with_other_values_is_refused_not_dropped(gpt2_dir, tmp_path, capsys, head):
+    """Issue 50 #4: config.json says tie_word_embeddings and the file holds an lm_head.weight unlike the table:
+    transformers 5 unties them (checked here: its warning, and its head the file's), tpu-llm dropped the head
+    for the table. Now refused; a head equal to the table (save_pretrained may write both) imports."""
+    source = tmp_path / "gpt2"
+    shutil.copytree(gpt2_dir, source)
+    reader = safetensors_io.Reader(str(source))
+    tensors = {name: reader.get(name).copy() for name in reader.names()}
+    tensors["lm_head.weight"] = tensors[WTE].copy()
+    if head == "other":
+        tensors["lm_head.weight"][7, :] += 1.0
+    write_safetensors(source / "model.safetensors", tensors)
+    args = ["import", "--from", source, "--run_dir", tmp_path / "run"]
+    if head == "equal":
+        assert cli.main([str(a) for a in args]) == 0
+        return
+    r = Refusal(capsys, args, tmp_path)
+    r.assert_refused(f"lm_head.weight differs from the embedding table {WTE} (32 of its 9,600 values), but "
+                     "config.json says tie_word_embeddings: true")

@@ -202,7 +202,8 @@ def sharded(folder: Path, shard: str) -> Path:
 
 
 @pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "sub/../../outside.safetensors",
-                                   "C:/model.safetensors", "gs://bucket/model.safetensors", "", "."])
+                                   "C:/model.safetensors", "gs://bucket/model.safetensors", "", ".",
+                                   "model.safetensors\0.txt"])  # NUL: issue 50 #6 (os.stat raised ValueError)
 def test_a_shard_index_names_files_inside_the_checkpoint_only(gpt2_dir, tmp_path, shard):
     (tmp_path / "outside.safetensors").write_bytes((gpt2_dir / "model.safetensors").read_bytes())
     folder = sharded(copy_of(gpt2_dir, tmp_path / "src"), shard)

@@ -12,5 +12,8 @@ def __getattr__(name: str):
     if name in ("load", "train", "LoadedRun"):  # PEP 562: TensorFlow loads on first use, not on import
         import importlib
 
+        from tpu_llm.platform import native_log
+
+        native_log.quiet_library()  # as quiet as the command line: TensorFlow's C++ log lines kept off stderr
         return getattr(importlib.import_module("tpu_llm.api"), name)
     raise AttributeError(f"module 'tpu_llm' has no attribute {name!r}")

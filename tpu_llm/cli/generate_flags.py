@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 
-from tpu_llm.config import CAPS, EARLY_STOPPING, INT64, MAX_BEAMS, MAX_NEW_TOKENS, MAX_SAMPLES
+from tpu_llm.config import CAPS, EARLY_STOPPING, INT64, MAX_BEAMS, MAX_LENGTH_PENALTY, MAX_NEW_TOKENS, MAX_SAMPLES
 from tpu_llm.errors import UserError
 from tpu_llm.platform import files
 from tpu_llm.platform.run_layout import CONFIG_FILE
@@ -62,8 +62,10 @@ def check_beams(num_beams: int, length_penalty: float, early_stopping: str, num_
     if not 1 <= num_beams <= MAX_BEAMS:
         raise UserError(f"--num_beams={num_beams} must be between 1 (off: sample) and {MAX_BEAMS}: each beam is a row "
                         "of the KV cache")
-    if not math.isfinite(length_penalty):
-        raise UserError(f"--length_penalty={length_penalty} must be a finite number (1.0 = the mean log-probability)")
+    if not abs(length_penalty) <= MAX_LENGTH_PENALTY:  # NaN and infinity fail too
+        raise UserError(f"--length_penalty={length_penalty} must be between -{MAX_LENGTH_PENALTY:g} and "
+                        f"{MAX_LENGTH_PENALTY:g}: a beam scores sum(log p) / length ** it, in float32 (1.0 = the mean "
+                        "log-probability)")
     if early_stopping not in EARLY_STOPPING:
         raise UserError(f"--early_stopping={early_stopping!r}; valid choices: {', '.join(EARLY_STOPPING)}")
     if not 1 <= num_return_sequences <= num_beams:

@@ -149,9 +149,19 @@ def _refuse_non_utf8(argv: list[str]) -> None:
                         f"(e.g. LANG=C.UTF-8){hint}")
 
 
+def _refuse_nul(argv: list[str]) -> None:
+    """UserError for an argument holding a NUL byte: no path or name can hold one (os.stat raised
+    ValueError, a traceback). A process's own argv cannot carry one; `cli.main([...])` from Python can."""
+    for i, arg in enumerate(argv):
+        if "\0" in arg:
+            raise UserError(f"argument {i + 1} ({ascii(arg)[:80]}) holds a NUL byte, which no path, name or text "
+                            "tpu-llm reads may hold; remove it")
+
+
 def parse(argv: list[str]) -> tuple[Command | None, dict]:
     """(command, keyword arguments) for `argv` (without the program name); (None, {}) when help was
     printed. Raises UserError for anything wrong, before any work is done."""
+    _refuse_nul(argv)
     _refuse_non_utf8(argv)
     cmd, i = _command(argv)
     if cmd is None:

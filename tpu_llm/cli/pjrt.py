@@ -3,9 +3,10 @@ documents it.
 
 TensorFlow 2.20 reaches a TPU VM's chips through one of two runtimes. The PJRT plugin, which it loads at
 import when NEXT_PLUGGABLE_DEVICE_USE_C_API=true and TF_PLUGGABLE_DEVICE_LIBRARY_PATH names libtpu, is
-what Google documents TensorFlow's TPU runtime as on v5e, v5p and v6e. On v2, v3 and v4 (Colab's v2-8,
-Kaggle's v3-8) TensorFlow's own TPU runtime is left as it is: no PJRT variables, only TPU_LIBRARY_PATH,
-the variable that runtime reads for its libtpu (else it asks the loader for `libtpu.so`); the table is
+TensorFlow's TPU runtime on every generation in Google's TF images and release tests, v2 through v6e
+(Colab's v2-8 and Kaggle's v3-8 included). Only a TPU VM whose generation cannot be told keeps
+TensorFlow's non-PJRT runtime as it is: no PJRT variables, only TPU_LIBRARY_PATH, the variable that
+runtime reads for its libtpu (else it asks the loader for `libtpu.so`); the table is
 tpu_chips.runtime_variables, which `make train` uses too (cloud/worker_plan.py). `tpu-llm`
 sets them at start-up (tpu_llm/cli/__init__.py `main`), before any command imports TensorFlow, when all of:
 
@@ -173,7 +174,7 @@ def decide(tpu: str = "", *, env: Mapping[str, str] | None = None, root: str = "
     # the generation's runtime (tpu_chips.runtime_variables); an unknown one asked for as tpu=local where no
     # device file shows (a container): PJRT, as before
     wanted = runtime_variables(kind, path, unknown_is_pjrt=not tpu_vm(root))
-    runtime = "PJRT" if C_API in wanted else "TF's TPU runtime (PJRT is documented for v5e, v5p and v6e only)"
+    runtime = "PJRT" if C_API in wanted else "TF's TPU runtime (the TPU's generation could not be told)"
     return Runtime(runtime, kind, path, f"{why}; generation from {seen}", {k: v for k, v in wanted.items()
                                                                             if not env.get(k)})
 

@@ -28,6 +28,7 @@ class RunState:
     alive: bool
     key: str = ""  # the settings the live run was started with (TrainPlan.run_key)
     pid: str = ""
+    teardown: bool = False  # worker 0 deletes the TPU when the live run ends (its teardown file is set)
 
 
 class Cloud:
@@ -111,8 +112,8 @@ class Cloud:
         if status != 0 or not line:
             raise LaunchError("cannot tell whether a run is training on worker 0: "
                               + explain_failure(argv, status, out, o.context()))
-        words = line.split()[1:] + ["", ""]
-        return RunState(words[0] == "alive", words[1], words[2])
+        words = line.split()[1:] + ["", "", ""]
+        return RunState(words[0] == "alive", words[1], words[2], words[3] == "teardown")
 
     def queued_args(self, o: Outputs, verb: str, *args: str) -> list[str]:
         return ["gcloud", "compute", "tpus", "queued-resources", verb, queued_name(o), *args, f"--zone={o['zone']}",

@@ -13,7 +13,7 @@ library only.
 
 How training is launched (as Google's own TF-on-TPU test harness does it; worker_plan.py):
   single-host slice  on the VM, `--strategy=tpu --tpu=local`, with TPU_LIBRARY_PATH=/opt/tpu-llm/libtpu.so (the
-                     venv's pinned libtpu, which the set-up links there) and, on v5e, v5p and v6e, PJRT:
+                     venv's pinned libtpu, which the set-up links there) and, on every generation, PJRT:
                      NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/opt/tpu-llm/libtpu.so
                      (tpu_chips.runtime_variables)
   multi-host slice   on worker 0 only, `--strategy=tpu --tpu=NAME`, with TPU_NAME=NAME TPU_LOAD_LIBRARY=0:
@@ -29,8 +29,10 @@ Settings come from the environment (the Makefile passes its variables through):
   INPUT, SHARDS, OVERWRITE                                       data-upload
   TRAIN_ON=auto|tpu|local, WORKER, LOGS=train|gcs|setup, PORT, TPU_WAIT_MINUTES
   KEEP_QUEUED=1 [KEEP_QUEUED_HOURS=24]   tpu-up: a queued resource that may wait unattended
-  DOWN_AFTER=1, TTL_HOURS=N  train: worker 0 deletes its TPU when the run ends (after N hours at most)
-  REPLACE=1          tpu-up: apply a plan that replaces the running TPU (refused otherwise)
+  DOWN_AFTER=1, TTL_HOURS=N  train: worker 0 deletes its TPU when the run ends (after N hours at most; TTL_HOURS
+                     given when attaching to a live run sets that run's limit); a failed delete fails make train
+  REPLACE=1          tpu-up: replace the running TPU (a queued resource's too) when the tfvars changed it
+                     (refused otherwise)
   FORCE=1            tpu-down, tpu-up REPLACE=1: do not ask worker 0 whether a run is training there
   DESTROY_BUCKET=1 [YES=1]   tpu-down deletes everything, buckets included, after showing what and
                              asking (YES=1: without asking)

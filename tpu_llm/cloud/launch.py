@@ -12,8 +12,8 @@ import time
 from tpu_llm.cloud.base import Cloud, billing_note, venv_tool
 from tpu_llm.cloud.shell import LaunchError, Outputs
 from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
-from tpu_llm.cloud.worker_plan import (BUSY, INSTALL, SOURCE_ARCHIVE, SSH_LOST, TrainPlan, env, flag, pack_source,
-                                       source_paths)
+from tpu_llm.cloud.worker_plan import (BUSY, INSTALL, SOURCE_ARCHIVE, SSH_LOST, TEARDOWN_FAILED, TrainPlan, env, flag,
+                                       pack_source, source_paths)
 
 
 class Launch(Cloud):
@@ -63,6 +63,9 @@ class Launch(Cloud):
             raise LaunchError(f"a run is already training on worker 0 (pid {run.pid}) with other settings: follow "
                               "it with `make tpu-logs`, or stop it with `make tpu-stop` (it saves a checkpoint) and "
                               "run `make train` again")
+        # whether worker 0 deletes the TPU at the run's end: this launch asks it (DOWN_AFTER, TTL_HOURS), or the
+        # live run it attaches to was started so; what is said of the TPU's end follows this, never the flag alone
+        owned = plan.down_after or (run.alive and run.teardown)
         if run.alive:
             print(f"train: a run with these settings is going on worker 0 (pid {run.pid}): attaching to it; nothing "
                   "is copied or installed", flush=True)
@@ -70,12 +73,11 @@ class Launch(Cloud):
             self.copy_and_install(o, plan)
         launch = self.ssh(o, "0", plan.remote_script())
         self.runner.show(launch)
-        if plan.down_after:
-            print(f"train: {owner_note(o, plan)}; this machine deletes nothing", flush=True)
+        print(f"train: {teardown_note(o, plan, run.alive and run.teardown)}", flush=True)
         if self.dry:
             return 0
         self.record_run(plan)
-        return self.after_run(o, plan, _run_attached(launch))
+        return self.after_run(o, plan, _run_attached(launch), owned)
 
     def train_here(self, local_command: str) -> int:
         argv = shlex.split(local_command) + shlex.split(env("ARGS"))
@@ -99,20 +101,27 @@ class Launch(Cloud):
         self.runner.stream(self.scp(o, SOURCE_ARCHIVE, "tpu-llm-src.tar.gz", worker="all"), context)
         self.runner.stream(self.ssh(o, "all", INSTALL), context)
 
-    def after_run(self, o: Outputs, plan: TrainPlan, status: int | None) -> int:
-        """What the launch's exit status means; the TPU is never deleted from here (worker 0 owns it)."""
-        if plan.down_after and status != BUSY:  # the owner started, and deletes the TPU at the run's end
+    def after_run(self, o: Outputs, plan: TrainPlan, status: int | None, owned: bool) -> int:
+        """What the launch's exit status means; the TPU is never deleted from here (worker 0 owns it, and deletes
+        it at the run's end when `owned`)."""
+        if owned and status != BUSY:  # the owner started (or runs), and deletes the TPU at the run's end
             self.billing = billing_note(o, owned=True)
         if status is None:  # Ctrl-C: the terminal detached, the run goes on
             print(f"\ntrain: detached; the run goes on on worker 0 (`make tpu-logs` follows it, `make train` with "
                   f"the same settings attaches again); {self.billing}", flush=True)
             return 0
         if status == SSH_LOST:
-            if plan.down_after:
+            if owned:
                 self.billing += "; if the run never started, `make tpu-down` deletes it"
             raise LaunchError("the connection to worker 0 dropped (ssh exit 255, after gcloud's own retries): a run it "
                               "started goes on there; `make tpu-logs` follows it, `make train` with the same settings "
                               "attaches to it (or starts it, if it never started), `make tpu-status` shows the TPU")
+        if status == TEARDOWN_FAILED:
+            self.billing = ""  # said here: worker 0's delete failed, so "worker 0 deletes it" is no longer true
+            raise LaunchError(f"worker 0 could not delete TPU {o['tpu_name']} after the run (its reason is above and "
+                              f"in the log: `make tpu-logs LOGS=gcs`); it is still up and billing: delete it by hand "
+                              f"with `{shlex.join(self.delete_by_hand(o))}` (or `make tpu-down`); the run directory "
+                              f"{plan.run_dir} keeps its checkpoints")
         if status == BUSY:
             raise LaunchError("a run with other settings started on worker 0 meanwhile: follow it with `make tpu-logs`, "
                               "or stop it with `make tpu-stop`")
@@ -123,6 +132,14 @@ class Launch(Cloud):
         print(f"train: the run ended; {self.billing}", flush=True)
         self.billing = ""  # said: main() need not repeat it
         return 0
+
+    def delete_by_hand(self, o: Outputs) -> list[str]:
+        """The command that deletes the TPU from this machine: its queued resource with --force (which deletes
+        the node too), else the node."""
+        if o["use_queued_resource"]:
+            return self.queued_args(o, "delete", "--force", "--quiet")
+        return ["gcloud", "compute", "tpus", "tpu-vm", "delete", str(o["tpu_name"]), f"--zone={o['zone']}",
+                f"--project={o['project_id']}", "--quiet"]
 
     def data_upload(self) -> int:
         o = self.outputs()
@@ -159,7 +176,15 @@ def _run_attached(argv: list[str]) -> int | None:
         return None
 
 
-def owner_note(o: Outputs, plan: TrainPlan) -> str:
-    limit = f", or after TTL_HOURS={plan.ttl_hours:g} (it stops the run first)" if plan.ttl_hours > 0 else ""
-    return (f"worker 0 deletes TPU {o['tpu_name']} when the run ends or fails{limit} (DOWN_AFTER=1), as its "
-            f"service account: {shlex.join(plan.teardown_argv())}")
+def teardown_note(o: Outputs, plan: TrainPlan, attached_teardown: bool) -> str:
+    """What becomes of the TPU when the run ends, as worker 0 will do it: this launch's DOWN_AFTER/TTL_HOURS, or
+    the teardown the live run it attaches to was started with (`attached_teardown`), or none."""
+    if plan.down_after:
+        limit = f", or after TTL_HOURS={plan.ttl_hours:g} (it stops the run first)" if plan.ttl_hours > 0 else ""
+        return (f"worker 0 deletes TPU {o['tpu_name']} when the run ends or fails{limit} (DOWN_AFTER=1), as its "
+                f"service account: {shlex.join(plan.teardown_argv())}; this machine deletes nothing")
+    if attached_teardown:
+        return (f"the run attached to was started with DOWN_AFTER=1 or TTL_HOURS: worker 0 deletes TPU "
+                f"{o['tpu_name']} when it ends or fails; this machine deletes nothing")
+    return (f"worker 0 does not delete TPU {o['tpu_name']} when the run ends: it bills until `make tpu-down` "
+            "(`make train DOWN_AFTER=1` with the same settings hands the teardown to worker 0)")

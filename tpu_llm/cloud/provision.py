@@ -34,6 +34,7 @@ class Provision(Cloud):
               "for every hour it exists, training or idle, plus a bucket, Cloud NAT and logs. Run `make tpu-down` "
               "when you are done.", flush=True)
         self.check_cloud(terraform=True)
+        self.check_worker_image(settings)  # before anything is created: a missing tag fails in seconds
         self.init_backend(settings)
         prefix = settings.get("name_prefix", "tpu-llm")
         context = {"project": settings.get("project_id", "?"), "zone": settings.get("zone", DEFAULT_ZONE),
@@ -67,12 +68,40 @@ class Provision(Cloud):
               f"{o['zone']}; bucket {o['bucket_url']}. Next: `make train` (or `make data-upload` first for a "
               "pod slice).", flush=True)
 
+    def check_worker_image(self, settings: dict[str, str]) -> None:
+        """A pod's hosts serve TensorFlow from the TF worker container the lock's tensorflow-tpu names: its tag is
+        asked of the registry (`gcloud container images describe`) before anything is created. A tag the registry
+        does not know stops here, named; a registry that cannot be asked (no permission, an old gcloud) is said,
+        and the set-up on the TPU stops as soon as the pull fails (infra/startup.sh.tftpl)."""
+        image = str(Outputs.preview(settings).get("tf_worker_image") or "")
+        if not image:  # one host: no container
+            return
+        argv = ["gcloud", "container", "images", "describe", image, f"--project={settings.get('project_id', '?')}",
+                "--format=value(image_summary.digest)"]
+        status, out = self.runner.capture(argv, dry_result="sha256:<digest>")
+        if status == 0:
+            print(f"tpu-up: the pod's TF worker container {image} exists ({out.strip() or 'no digest shown'})",
+                  flush=True)
+            return
+        said = next((line.strip() for line in reversed(out.splitlines()) if line.strip()), f"exit status {status}")
+        if re.search(r"MANIFEST_UNKNOWN|manifest unknown|NOT_FOUND|not found|\b404\b", out, re.IGNORECASE):
+            raise LaunchError(f"the pod's TF worker container {image} does not exist (the registry: {said[:200]}); "
+                              f"every host of a {settings.get('accelerator_type')} pod serves TensorFlow from it, and "
+                              "infra/worker-requirements.txt's tensorflow-tpu names that tag: nothing was created. "
+                              "Pin a tensorflow-tpu whose tag exists (`gcloud container images list-tags "
+                              f"{image.rsplit(':', 1)[0]}` lists them), or choose a single-host accelerator_type")
+        print(f"tpu-up: could not ask the registry for {image} ({said[:200]}); the set-up on the TPU stops as soon as "
+              "its pull fails, naming it", flush=True)
+
     def clear_the_way(self, previous: Outputs | None, settings: dict[str, str]) -> tuple[list[str], str]:
         """Before the apply: a queued resource no longer wanted, or a preempted TPU, goes. The -replace
         arguments that recreate a preempted TPU VM, and the TPU's state ("" if none)."""
         if previous and previous["use_queued_resource"] and settings.get("use_queued_resource") != "true":
-            # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs
-            self.refuse_if_run_alive(previous, "tpu-up")
+            # its node carries the TPU's name, which the google_tpu_v2_vm about to be created needs: a running
+            # one is replaced, so only with REPLACE=1
+            # (REPLACE=1 asks worker 0 first; a TPU that is not running has no run to ask about)
+            self.refuse_replacing(previous, self.tpu_state(previous) if previous["tpu_enabled"] else "",
+                                  ["use_queued_resource: true -> false (a TPU VM replaces the queued resource's node)"])
             self.delete_queued(previous, "tpu-up: use_queued_resource is off now")
         if not previous or not previous["tpu_enabled"]:
             return [], ""
@@ -88,8 +117,10 @@ class Provision(Cloud):
 
     def apply_planned(self, previous: Outputs, state: str, replace: list[str], context: dict) -> None:
         """Plan, read the plan, apply exactly it: a plan that would replace a running TPU (runtime_version,
-        accelerator_type or zone changed: each forces a new node) stops here unless REPLACE=1, which also
-        lets go of the pinned image (infra/tpu.tf: terraform_data.runtime_pin) to take the current choice."""
+        accelerator_type or zone changed: each forces a new node), or keep a queued resource's running node
+        unlike the plan (gcloud made it, so the plan cannot show it: queued_drift), stops here unless REPLACE=1,
+        which also lets go of the pinned image (infra/tpu.tf: terraform_data.runtime_pin) to take the current
+        choice, and deletes such a queued resource before the apply (request_queued makes it anew)."""
         pin = ["-replace=terraform_data.runtime_pin[0]"] if flag("REPLACE") and state and not replace else []
         self.runner.stream(self.terraform("plan", *self.tf_var_args("-var=tpu_enabled=true", *replace, *pin,
                                                                     approve=False), f"-out={PLAN_FILE}"), context)
@@ -98,20 +129,42 @@ class Provision(Cloud):
         if status != 0:
             raise LaunchError(explain_failure(argv, status, text, context))
         changes = replaced_tpus(text) if not self.dry else []
+        queued = bool(previous["use_queued_resource"]) and not self.dry and running(state)
+        if queued:  # gcloud made its node, not Terraform: the plan replaces nothing, so compare the node itself
+            changes += queued_drift(self.live_node(previous), previous, planned_outputs(text))
         if changes and not replace:  # -replace of a preempted TPU is asked for; anything else is checked
-            if state not in ("", "PREEMPTED", "TERMINATED"):
-                if not flag("REPLACE"):
-                    raise LaunchError(f"this apply would replace the running TPU {previous['tpu_name']} ({state}): "
-                                      f"{'; '.join(changes)}; nothing was changed. A run on it would be lost: `make "
-                                      "tpu-up REPLACE=1` replaces it (after `make tpu-stop`), or undo the change in "
-                                      "infra/terraform.tfvars")
-                self.refuse_if_run_alive(previous, "tpu-up REPLACE=1")
-                print(f"tpu-up: REPLACE=1: replacing TPU {previous['tpu_name']} ({'; '.join(changes)})", flush=True)
+            if self.refuse_replacing(previous, state, changes) and queued:
+                self.delete_queued(previous, "tpu-up REPLACE=1")  # request_queued makes it anew after the apply
         try:
             self.runner.stream(self.terraform("apply", "-input=false", PLAN_FILE), context)
         finally:
             if not self.dry and os.path.exists(os.path.join(self.tf_dir, PLAN_FILE)):
                 os.remove(os.path.join(self.tf_dir, PLAN_FILE))
+
+    def refuse_replacing(self, previous: Outputs, state: str, changes: list[str]) -> bool:
+        """A change that replaces a running TPU, or keeps one that differs from the tfvars, stops here in one line
+        unless REPLACE=1 (worker 0 is asked first whether a run lives). True when the TPU is to be replaced."""
+        if not changes or not running(state):
+            return False
+        if not flag("REPLACE"):
+            raise LaunchError(f"this apply would replace the running TPU {previous['tpu_name']} ({state}), or keep it "
+                              f"unlike infra/terraform.tfvars: {'; '.join(changes)}; nothing was changed. A run on it "
+                              "would be lost: `make tpu-up REPLACE=1` replaces it (after `make tpu-stop`), or undo "
+                              "the change in infra/terraform.tfvars")
+        self.refuse_if_run_alive(previous, "tpu-up REPLACE=1")
+        print(f"tpu-up: REPLACE=1: replacing TPU {previous['tpu_name']} ({'; '.join(changes)})", flush=True)
+        return True
+
+    def live_node(self, o: Outputs) -> dict:
+        """The TPU node as the API describes it (acceleratorType, runtimeVersion, ...), {} if it cannot be read."""
+        argv = ["gcloud", "compute", "tpus", "tpu-vm", "describe", str(o["tpu_name"]), f"--zone={o['zone']}",
+                f"--project={o['project_id']}", "--format=json"]
+        status, out = self.runner.capture(argv, dry_result="{}")
+        try:
+            node = json.loads(out) if status == 0 and out.strip() else {}
+        except ValueError:
+            node = {}
+        return node if isinstance(node, dict) else {}
 
     def request_queued(self, o: Outputs) -> None:
         """Create the queued resource unless one waits or is ACTIVE, and wait for its TPU. Ctrl-C or
@@ -197,6 +250,8 @@ class Provision(Cloud):
         try:
             self.runner.stream(self.ssh(o, "all", command), o.context())
         except LaunchError as e:
+            if "could not pull the pod's TF worker container" in str(e):  # a retry would fail the same way
+                raise
             raise LaunchError(f"the worker set-up did not finish ({e}); `make tpu-logs LOGS=setup` shows its "
                               "log, and `make tpu-up` retries it") from None
 
@@ -300,10 +355,53 @@ class Provision(Cloud):
 
 
 
+def running(state: str) -> bool:
+    """A TPU that exists and is not preempted: replacing it loses what runs there."""
+    return state not in ("", "PREEMPTED", "TERMINATED")
+
+
+# What a TPU node is made of, as the plan's outputs (infra/outputs.tf) name it and the TPU API's Node does
+NODE_FIELDS = {"accelerator_type": "acceleratorType", "runtime_version": "runtimeVersion"}
+
+
+def planned_outputs(plan_json: str) -> dict[str, object]:
+    """The outputs the plan will leave (`terraform show -json`: output_changes.NAME.after); UNKNOWN for a value
+    known only after the apply."""
+    try:
+        plan = json.loads(plan_json or "{}")
+    except ValueError:
+        return {}
+    changes = plan.get("output_changes") if isinstance(plan, dict) else None
+    out = {}
+    for name, change in (changes if isinstance(changes, dict) else {}).items():
+        if isinstance(change, dict):
+            out[name] = UNKNOWN if change.get("after_unknown") is True else change.get("after")
+    return out
+
+
+UNKNOWN = "(known after apply)"
+
+
+def queued_drift(node: dict, previous: Outputs, planned: dict[str, object]) -> list[str]:
+    """How the running node of a queued resource differs from what the plan now asks for: "NAME: LIVE -> PLANNED"
+    for its accelerator type and image (as the API describes the node, else as it was asked), zone and spot.
+    gcloud, not Terraform, made that node, so the plan would silently keep it."""
+    live = {"zone": previous.get("zone"), "spot": previous.get("spot")}
+    live.update({name: node.get(api) or previous.get(name) for name, api in NODE_FIELDS.items()})
+    drift = []
+    for name, was in live.items():
+        wanted = planned.get(name, was)
+        if wanted != was:
+            drift.append(f"{name}: {was!r} -> " + (UNKNOWN if wanted == UNKNOWN else repr(wanted)))
+    return drift
+
+
 def replaced_tpus(plan_json: str) -> list[str]:
     """What `terraform show -json PLAN` says would replace a TPU node: "ADDRESS (ATTRIBUTE: BEFORE -> AFTER, ...)"
     per replaced google_tpu_v2_vm, from its resource_changes (actions delete and create; replace_paths
-    names the attributes that force it). Anything else in the file is ignored."""
+    names the attributes that force it), or "ADDRESS (deleted: ...)" for one deleted alone (in `make tpu-up`,
+    which keeps tpu_enabled on, that is use_queued_resource switched on: a queued resource's node takes its
+    place). Anything else in the file is ignored."""
     try:
         plan = json.loads(plan_json or "{}")
     except ValueError:
@@ -315,12 +413,14 @@ def replaced_tpus(plan_json: str) -> list[str]:
         if not isinstance(body, dict) or change.get("type") != "google_tpu_v2_vm":
             continue
         actions = body.get("actions") if isinstance(body.get("actions"), list) else []
-        if not {"delete", "create"} <= {a for a in actions if isinstance(a, str)}:
+        if "delete" not in actions:  # delete and create: replaced; delete alone: a queued resource's node follows
             continue
         before, after, unknown = (body.get(k) if isinstance(body.get(k), dict) else {}
                                   for k in ("before", "after", "after_unknown"))
         paths = [p[0] for p in body.get("replace_paths") or [] if isinstance(p, list) and p and isinstance(p[0], str)]
         said = [f"{name}: {before.get(name)!r} -> "
                 + ("(known after apply)" if unknown.get(name) else repr(after.get(name))) for name in paths]
+        if "create" not in actions:
+            said = [f"deleted: use_queued_resource is on now ({change.get('action_reason', 'no reason given')})"]
         found.append(f"{change.get('address', 'google_tpu_v2_vm')} ({', '.join(said) or change.get('action_reason')})")
     return found

@@ -8,12 +8,16 @@ not on the laptop:
     records the run's exit status in STATUS_FILE, which the launch script reports, also when gcloud ran
     it again after a dropped connection and it attached to this run instead of starting another;
   - it copies the log to Cloud Storage every `--copy-seconds` while the run lives, and at its end;
-  - with `--ttl-hours`, it sends the training SIGTERM at the time limit (the trainer saves a checkpoint
-    at the next step and exits, tpu_llm/training/fault.py), and SIGKILL `--grace-seconds` later;
+  - with a time limit, it sends the training SIGTERM when it is reached (the trainer saves a checkpoint
+    at the next step and exits, tpu_llm/training/fault.py), and SIGKILL `--grace-seconds` later. The
+    limit is DEADLINE_FILE ("END_EPOCH_SECONDS HOURS"), read every second: `--ttl-hours` writes it at
+    the start, and a later `make train TTL_HOURS=N` that attaches to the run rewrites it, so the new
+    limit applies to the run going on;
   - when the run has ended, for whatever reason, and TEARDOWN_FILE holds a command (DOWN_AFTER=1 or
     TTL_HOURS: `gcloud compute tpus tpu-vm delete ... --async`), it runs that command as the VM's own
     service account (infra/iam.tf grants it the right to delete TPU nodes and nothing more), retried,
-    and writes the outcome into the log, whose last copy then says whether the TPU is gone.
+    and writes the outcome into the log, whose last copy then says whether the TPU is gone; when every
+    attempt failed, also TEARDOWN_FAILED_FILE (the last error), which the launch script reports.
 
 The launch script writes TEARDOWN_FILE before it starts this process, and again when a later `make
 train DOWN_AFTER=1` attaches to the run, so the decision is read when the run ends. Standard library
@@ -35,6 +39,10 @@ TRAIN_PID_FILE = "tpu-llm-train.pid"  # the training process (`make tpu-stop` se
 OWNER_PID_FILE = "tpu-llm-owner.pid"  # this process, written by the launch script
 STATUS_FILE = "tpu-llm-run.status"  # the run's exit status, written last
 TEARDOWN_FILE = "tpu-llm-run.teardown"  # the command that deletes the TPU once the run ended, or absent
+# Written only when that command failed every attempt: its last error line. The launch script reports it
+# and exits TEARDOWN_FAILED, so `make train` never calls a failed delete a teardown (worker_plan.py).
+TEARDOWN_FAILED_FILE = "tpu-llm-run.teardown-failed"
+DEADLINE_FILE = "tpu-llm-run.deadline"  # "END HOURS": the run's time limit (epoch seconds) and its TTL_HOURS
 
 
 def state_path(name: str, home: str = HOME) -> str:
@@ -64,9 +72,22 @@ class Owner:
         except (OSError, subprocess.TimeoutExpired):
             pass
 
-    def run_child(self, argv: list[str], deadline: float | None, pid_file: str = "") -> int:
-        """Run argv with its output in the log until it exits; SIGTERM at the deadline, SIGKILL after the
-        grace time. Its exit status (128 + N for a signal N, as a shell reports it)."""
+    def deadline(self) -> tuple[float, str] | None:
+        """The run's time limit from DEADLINE_FILE: (epoch seconds, TTL_HOURS as given), or None without one.
+        Read each time: an attaching `make train TTL_HOURS=N` may have set a new one."""
+        try:
+            with open(state_path(DEADLINE_FILE, self.args.home), encoding="utf-8") as f:
+                end, hours = (f.read().split() + ["?"])[:2]
+            return float(end), hours
+        except (OSError, ValueError):
+            return None
+
+    def set_deadline(self, hours: float) -> None:
+        write_atomic(state_path(DEADLINE_FILE, self.args.home), f"{time.time() + hours * 3600:.0f} {hours:g}\n")
+
+    def run_child(self, argv: list[str], pid_file: str = "") -> int:
+        """Run argv with its output in the log until it exits; SIGTERM once the time limit (deadline()) is
+        reached, SIGKILL after the grace time. Its exit status (128 + N for a signal N, as a shell reports it)."""
         try:
             child = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         except OSError as e:
@@ -74,16 +95,20 @@ class Owner:
             return 127
         if pid_file:
             write_atomic(pid_file, f"{child.pid}\n")
-        stopped_at = None
+        stopped_at, known = None, self.deadline()
         while True:
             try:
                 status = child.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            now = time.monotonic()
-            if deadline is not None and stopped_at is None and now >= deadline:
-                self.note(f"TTL_HOURS={self.args.ttl_hours:g} reached: SIGTERM to the run (it saves a checkpoint "
+            now, limit = time.monotonic(), self.deadline()
+            if limit != known and limit is not None:
+                self.note(f"time limit TTL_HOURS={limit[1]}: the run stops at "
+                          f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(limit[0]))}")
+                known = limit
+            if limit is not None and stopped_at is None and time.time() >= limit[0]:
+                self.note(f"TTL_HOURS={limit[1]} reached: SIGTERM to the run (it saves a checkpoint "
                           "at the next step and stops)")
                 child.send_signal(signal.SIGTERM)
                 stopped_at = now
@@ -105,7 +130,7 @@ class Owner:
             return
         self.note(f"the run ended; deleting this TPU as the run asked (DOWN_AFTER=1 or TTL_HOURS): {shlex.join(argv)}")
         self.copy_log(force=True)  # in case the VM goes before the next copy
-        out = ""
+        out, why = "", "no attempt ran"
         for attempt in range(1, self.args.attempts + 1):
             try:
                 done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
@@ -118,21 +143,27 @@ class Owner:
                           "once it is gone (`make tpu-status` shows it)")
                 self.copy_log(force=True)
                 return
-            self.note(f"delete attempt {attempt} of {self.args.attempts} failed: {out.splitlines()[-1] if out else status}")
-            time.sleep(self.args.retry_seconds * attempt)
-        self.note("could not delete this TPU; it is billing: run `make tpu-down` on your machine")
+            why = out.splitlines()[-1] if out else f"exit status {status}"
+            self.note(f"delete attempt {attempt} of {self.args.attempts} failed: {why}")
+            if attempt < self.args.attempts:
+                time.sleep(self.args.retry_seconds * attempt)
+        hand = [word for word in argv if word != "--async"]
+        self.note(f"could not delete this TPU; it is billing: delete it by hand with `{shlex.join(hand)}`, or run "
+                  "`make tpu-down` on your machine")
+        write_atomic(state_path(TEARDOWN_FAILED_FILE, self.args.home), f"{why}\n")
         self.copy_log(force=True)
 
     def run(self) -> int:
         args = self.args
-        deadline = time.monotonic() + args.ttl_hours * 3600 if args.ttl_hours > 0 else None
+        if args.ttl_hours > 0 and self.deadline() is None:  # the launch script wrote it, unless started by hand
+            self.set_deadline(args.ttl_hours)
         self.note(f"owner of this run (pid {os.getpid()})" + (f"; time limit TTL_HOURS={args.ttl_hours:g}"
-                                                                if deadline is not None else ""))
-        status = self.run_child(shlex.split(args.preflight), deadline) if args.preflight else 0
+                                                                if args.ttl_hours > 0 else ""))
+        status = self.run_child(shlex.split(args.preflight)) if args.preflight else 0
         if status != 0:
             self.note(f"the pre-flight check failed (exit status {status}); training did not start")
         else:
-            status = self.run_child(args.train, deadline, pid_file=state_path(TRAIN_PID_FILE, args.home))
+            status = self.run_child(args.train, pid_file=state_path(TRAIN_PID_FILE, args.home))
             self.note(f"the run ended with exit status {status}")
         write_atomic(state_path(STATUS_FILE, args.home), f"{status}\n")
         self.copy_log(force=True)

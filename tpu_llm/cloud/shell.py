@@ -107,6 +107,14 @@ INSTALL_HINT = {
 # (pattern, message[, tools]) in order; the first match (for that tool) wins. {zone}, {accelerator},
 # ... come from the context.
 FAILURES = [
+    # worker 0's owner tried to delete its TPU (DOWN_AFTER=1, TTL_HOURS) and could not (`make tpu-stop`)
+    (r"worker 0 could not delete this TPU",
+     "worker 0 could not delete TPU {tpu_name} ({detail}); it is still up and billing: delete it by hand with "
+     "`gcloud compute tpus tpu-vm delete {tpu_name} --zone={zone} --project={project} --quiet` (or `make tpu-down`)"),
+    # infra/startup.sh.tftpl on a pod's host whose runtime could not pull the TF worker container
+    (r"the TF worker container \S+ cannot be pulled",
+     "a worker could not pull the pod's TF worker container ({detail}); `make tpu-down` deletes the TPU, which "
+     "bills meanwhile; then pin in infra/worker-requirements.txt a tensorflow-tpu whose tag exists"),
     (r"a run is already training on worker 0",
      "a run is already training on worker 0: follow it with `make tpu-logs`, or stop it first (`make tpu-ssh`, "
      "then `kill $(cat ~/tpu-llm-train.pid)`)"),
@@ -145,9 +153,16 @@ FAILURES = [
     (r"failed to connect to backend|Error while connecting \[40\d\d|IAP tunnel|iap\.tunnelInstances",
      "ssh through Identity-Aware Proxy failed ({detail}): the firewall rule {prefix}-ssh-from-iap must exist "
      "(make tpu-up) and your account needs roles/iap.tunnelResourceAccessor; then run the target again"),
+    # The workers' custom role (infra/iam.tf): creating one needs iam.roles.create, which roles/editor lacks
+    (r"iam\.roles\.(create|update|delete|undelete)",
+     "permission denied in project {project} ({detail}): the workers' custom role needs iam.roles.* on the "
+     "project: an owner grants your account roles/iam.roleAdmin (`gcloud projects add-iam-policy-binding "
+     "{project} --member=user:YOUR_EMAIL --role=roles/iam.roleAdmin`), then run the target again; nothing was "
+     "destroyed"),
     (r"PERMISSION_DENIED|Permission denied|does not have .*permission|\b403\b",
      "permission denied in project {project} ({detail}): your account needs roles/owner, or roles/editor plus "
-     "roles/resourcemanager.projectIamAdmin, on the project"),
+     "roles/resourcemanager.projectIamAdmin and roles/iam.roleAdmin, on the project (docs/cloud-tpu.md lists "
+     "the roles each target needs)"),
     # During `make tpu-up` a 404 is something the configuration names (an image, a type, a network):
     # recreating would fail the same way.
     (r"NOT_FOUND|was not found|\b404\b",

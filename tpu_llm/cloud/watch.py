@@ -11,7 +11,25 @@ import re
 from tpu_llm.cloud.base import Cloud, queued_name, venv_tool
 from tpu_llm.cloud.shell import LaunchError, Outputs, explain_failure
 from tpu_llm.cloud.ssh_agent import ensure_key_in_agent
-from tpu_llm.cloud.worker_plan import LOG_DIR, PID_FILE, RUN_FILES, TRAIN_LOG, default_run_dir, env
+from tpu_llm.cloud.worker_plan import (LOG_DIR, OWNER_PID_FILE, PID_FILE, RUN_FILES, TEARDOWN_FAILED, TRAIN_LOG,
+                                       default_run_dir, env)
+
+
+# On worker 0: SIGTERM to the training, wait for it; when the run owns its TPU, wait for the owner's teardown
+# too and report a failed one (exit 76 with its reason, run_owner.TEARDOWN_FAILED_FILE), never a clean end.
+STOP = (f"if [ -f {PID_FILE} ] && kill -0 \"$(cat {PID_FILE})\" 2>/dev/null; then pid=$(cat {PID_FILE}); "
+        "kill -TERM \"$pid\"; echo \"tpu-stop: SIGTERM sent to $pid; waiting for its checkpoint\"; "
+        "for i in $(seq 600); do kill -0 \"$pid\" 2>/dev/null || break; sleep 1; done; "
+        "if kill -0 \"$pid\" 2>/dev/null; then echo 'tpu-stop: still running after 10 minutes' >&2; exit 1; fi; "
+        "echo 'tpu-stop: the run stopped'; "
+        f"if [ -s {RUN_FILES['teardown']} ]; then "
+        "echo 'tpu-stop: it was started with DOWN_AFTER=1 or TTL_HOURS: worker 0 deletes the TPU now'; "
+        f"for i in $(seq 900); do [ -f {OWNER_PID_FILE} ] && kill -0 \"$(cat {OWNER_PID_FILE})\" 2>/dev/null || break; "
+        "sleep 1; done; "
+        f"if [ -f {RUN_FILES['teardown-failed']} ]; then echo \"error: worker 0 could not delete this TPU: "
+        f"$(cat {RUN_FILES['teardown-failed']})\" >&2; exit {TEARDOWN_FAILED}; fi; "
+        "echo 'tpu-stop: worker 0 asked for the deletion of the TPU'; fi; exit 0; "
+        "else echo 'tpu-stop: no run is training on worker 0'; fi")
 
 
 class Watch(Cloud):
@@ -97,14 +115,7 @@ class Watch(Cloud):
         exits; tpu_llm/training/fault.py) and wait for it; every host's TF servers stay up."""
         o = self.outputs()
         self.check_cloud(terraform=False)
-        command = (f"if [ -f {PID_FILE} ] && kill -0 \"$(cat {PID_FILE})\" 2>/dev/null; then pid=$(cat {PID_FILE}); "
-                   "kill -TERM \"$pid\"; echo \"tpu-stop: SIGTERM sent to $pid; waiting for its checkpoint\"; "
-                   "for i in $(seq 600); do kill -0 \"$pid\" 2>/dev/null || { echo 'tpu-stop: the run stopped'; "
-                   f"[ -f {RUN_FILES['teardown']} ] && echo 'tpu-stop: it was started with DOWN_AFTER=1 or "
-                   "TTL_HOURS: worker 0 deletes the TPU now'; exit 0; }; sleep 1; done; "
-                   "echo 'tpu-stop: still running after 10 minutes' >&2; exit 1; "
-                   "else echo 'tpu-stop: no run is training on worker 0'; fi")
-        self.runner.stream(self.ssh(o, "0", command), o.context())
+        self.runner.stream(self.ssh(o, "0", STOP), o.context())
         print("tpu-stop: unless worker 0 said above that it deletes it, the TPU still exists and bills: `make tpu-down` "
               "deletes it", flush=True)
         return 0

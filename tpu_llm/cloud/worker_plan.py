@@ -1,9 +1,9 @@
 """What `make train` runs on TPU worker 0, and the source it copies to every worker (for tpu_llm/cloud/driver.py).
 
   single-host slice  `--strategy=tpu --tpu=local` with the generation's runtime variables (tpu_chips.runtime_variables)
-                     for the venv's pinned libtpu, linked at /opt/tpu-llm/libtpu.so by the set-up: on v5e, v5p
-                     and v6e PJRT, NEXT_PLUGGABLE_DEVICE_USE_C_API=true TF_PLUGGABLE_DEVICE_LIBRARY_PATH=... and
-                     TPU_LIBRARY_PATH=...; on v2-v4 TensorFlow's own TPU runtime, TPU_LIBRARY_PATH=... alone
+                     for the venv's pinned libtpu, linked at /opt/tpu-llm/libtpu.so by the set-up: PJRT on every
+                     generation (v2 through v6e), NEXT_PLUGGABLE_DEVICE_USE_C_API=true
+                     TF_PLUGGABLE_DEVICE_LIBRARY_PATH=... and TPU_LIBRARY_PATH=...
   multi-host slice   `--strategy=tpu --tpu=NAME` with TPU_NAME=NAME TPU_LOAD_LIBRARY=0: the TF servers are the
                      TF worker containers the set-up runs on every host (infra/startup.sh.tftpl), and they run
                      the input pipeline, so the data must be TFRecord shards on gs://
@@ -26,6 +26,7 @@ import hashlib
 import os
 import shlex
 import tarfile
+import time
 import uuid
 
 from tpu_llm.cloud.shell import LaunchError, Outputs
@@ -43,13 +44,15 @@ PID_FILE = "~/tpu-llm-train.pid"
 LOG_DIR = "logs"  # under the run directory: train-YYYYMMDDTHHMMSSZ.log, one per `make train`
 LOG_COPY_SECONDS = 30
 OWNER_PID_FILE = "~/tpu-llm-owner.pid"  # the run's owner process (run_owner.py; the files it keeps are named there)
-RUN_FILES = {name: f"~/tpu-llm-run.{name}" for name in ("launch", "key", "status", "teardown")}
+RUN_FILES = {name: f"~/tpu-llm-run.{name}" for name in ("launch", "key", "status", "teardown", "teardown-failed",
+                                                         "deadline")}
 BUSY = 75  # the launch's exit status when another run holds worker 0 (EX_TEMPFAIL: again once it ended)
+TEARDOWN_FAILED = 76  # the launch's exit status when the run ended but worker 0 could not delete its TPU
 SSH_LOST = 255  # ssh's own failure, which gcloud retries up to 10 times before it gives up
 # Single host: the pinned libtpu wheel of the venv (tensorflow-tpu 2.20.0 declares libtpu~=0.0.14; the
 # lock pins 0.0.14; newer ones, e.g. 0.0.52, make `import tensorflow` abort: "ConfigureDistributedTpuOp_DoWork
 # not available in this library"), through the runtime Google documents for the slice's generation
-# (tpu_chips.runtime_variables: PJRT on v5e, v5p, v6e). The set-up checks its version and links it at
+# (tpu_chips.runtime_variables: PJRT on every generation, v2 through v6e). The set-up checks its version and links it at
 # LIBTPU. Every image is a base image, which has no TensorFlow (docs/cloud-tpu.md).
 LIBTPU = f"{STATE_DIR}/libtpu.so"
 
@@ -58,9 +61,12 @@ LIBTPU = f"{STATE_DIR}/libtpu.so"
 # spans the pre-flight check, the training and the teardown) or a trainer started before owners existed.
 BUSY_CHECK = (f"for f in {OWNER_PID_FILE} {PID_FILE}; do if [ -f $f ] && kill -0 \"$(cat $f)\" 2>/dev/null; then "
               f"echo \"error: a run is already training on worker 0 (pid $(cat $f))\" >&2; exit {BUSY}; fi; done")
-# What the driver asks worker 0 before it launches or deletes anything: `tpu-llm-run: alive KEY PID` or idle.
+# What the driver asks worker 0 before it launches or deletes anything: `tpu-llm-run: alive KEY PID TEARDOWN`
+# (TEARDOWN: `teardown` when the live run's owner deletes the TPU at its end, else `keep`: what `make train`
+# says of the TPU's end comes from here, not from this machine's DOWN_AFTER) or idle.
 RUN_STATE = (f"for f in {OWNER_PID_FILE} {PID_FILE}; do if [ -f $f ] && kill -0 \"$(cat $f)\" 2>/dev/null; then "
-             f"echo \"tpu-llm-run: alive $(cat {RUN_FILES['key']} 2>/dev/null || echo -) $(cat $f)\"; exit 0; fi; "
+             f"echo \"tpu-llm-run: alive $(cat {RUN_FILES['key']} 2>/dev/null || echo -) $(cat $f) "
+             f"$([ -s {RUN_FILES['teardown']} ] && echo teardown || echo keep)\"; exit 0; fi; "
              "done; echo tpu-llm-run: idle")
 # On every worker: unpack the copied source and install it with the set-up script packed beside it, the
 # current lock's (not the copy the worker booted with: a changed lock rebuilds the venv).
@@ -85,6 +91,8 @@ class TrainPlan:
         self.pod = bool(o["multi_host"])
         self.down_after = down_after or ttl_hours > 0  # a time limit bounds the TPU's life, not only the run's
         self.ttl_hours = ttl_hours
+        # the time limit as an instant, fixed here: gcloud's re-runs of the launch write the same one
+        self.deadline = int(time.time() + ttl_hours * 3600) if ttl_hours > 0 else 0
         self.launch_id = uuid.uuid4().hex[:12]  # this `make train`: gcloud's re-runs of its ssh carry the same
 
     @classmethod
@@ -165,6 +173,9 @@ class TrainPlan:
         files = RUN_FILES
         teardown = ([f"printf '%s\\n' {shlex.quote(shlex.join(self.teardown_argv()))} > {files['teardown']}"]
                     if self.down_after else [])
+        # TTL_HOURS as the owner reads it (run_owner.DEADLINE_FILE), also for a run this launch attaches to
+        limit = ([f"printf '%s %s\\n' {self.deadline} {self.ttl_hours:g} > {files['deadline']}.tmp && "
+                  f"mv {files['deadline']}.tmp {files['deadline']}"] if self.ttl_hours > 0 else [])
         log_url = f"{shlex.quote(self.run_dir + '/' + LOG_DIR)}/train-$(date -u +%Y%m%dT%H%M%SZ).log"
         owner = shlex.join(self.owner_argv()).replace("--log-url=LOG_URL", '"--log-url=$log_url"')
         alive = f"[ -f {OWNER_PID_FILE} ] && kill -0 \"$(cat {OWNER_PID_FILE})\" 2>/dev/null"
@@ -179,7 +190,7 @@ class TrainPlan:
             f"    exit {BUSY}",
             "  fi",
             f"  echo \"train: attaching to the run with these settings, going on worker 0 (pid $(cat {OWNER_PID_FILE}))\"",
-            *[f"  {line}" for line in teardown],
+            *[f"  {line}" for line in teardown + limit],
             "  from=50",
             f"elif [ \"$(cat {files['launch']} 2>/dev/null)\" = \"$launch\" ]; then",
             "  echo \"train: the run this command started has ended (the connection dropped; gcloud ran it again)\"",
@@ -188,8 +199,8 @@ class TrainPlan:
             f"  {BUSY_CHECK}",
             f"  printf '%s\\n' \"$launch\" > {files['launch']}",
             f"  printf '%s\\n' \"$key\" > {files['key']}",
-            f"  rm -f {files['status']} {files['teardown']} {PID_FILE}",
-            *[f"  {line}" for line in teardown],
+            f"  rm -f {files['status']} {files['teardown']} {files['teardown-failed']} {files['deadline']} {PID_FILE}",
+            *[f"  {line}" for line in teardown + limit],
             f"  log_url={log_url}",
             f"  : > {TRAIN_LOG}",
             f"  nohup {owner} > /dev/null 2>&1 < /dev/null &",
@@ -198,7 +209,13 @@ class TrainPlan:
             "  from=+1",
             "fi",
             f"tail -n \"$from\" -f --pid=\"$(cat {OWNER_PID_FILE})\" {TRAIN_LOG}",
-            f"for _ in $(seq 60); do if [ -f {files['status']} ]; then exit \"$(cat {files['status']})\"; fi; sleep 1; done",
+            f"for _ in $(seq 60); do if [ -f {files['status']} ]; then break; fi; sleep 1; done",
+            f"if [ -f {files['teardown-failed']} ]; then",  # the owner's delete failed: never a clean end
+            f"  echo \"error: the run ended (exit status $(cat {files['status']} 2>/dev/null || echo unknown)), but worker 0 "
+            f"could not delete this TPU: $(cat {files['teardown-failed']})\" >&2",
+            f"  exit {TEARDOWN_FAILED}",
+            "fi",
+            f"if [ -f {files['status']} ]; then exit \"$(cat {files['status']})\"; fi",
             f"echo \"error: worker 0 recorded no exit status for the run ({TRAIN_LOG} says why)\" >&2",
             "exit 1",
         ])

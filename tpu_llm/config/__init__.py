@@ -23,14 +23,14 @@ from typing import Any
 from tpu_llm.config.checks import approx_params, comm_refusal, profile_range, validate
 from tpu_llm.config.reading import apply_mapping, config_file, read_yaml, set_dotted
 from tpu_llm.config.schema import (ATTENTIONS, BAD_STEP_ACTIONS, CAPS, COMMUNICATIONS, COMPRESSIONS, DATA_FORMATS,
-                                   EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_NEW_TOKENS, MAX_PARAMS,
-                                   MAX_SAMPLES, OUTER_OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZERS,
+                                   EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_LENGTH_PENALTY, MAX_NEW_TOKENS,
+                                   MAX_PARAMS, MAX_SAMPLES, OUTER_OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZERS,
                                    CheckpointConfig, ClusterConfig, CommConfig, Config, DataConfig, ModelConfig,
                                    ParallelConfig, SampleConfig, TrainConfig)
 from tpu_llm.model import families
 
 __all__ = ["ATTENTIONS", "BAD_STEP_ACTIONS", "CAPS", "COMMUNICATIONS", "COMPRESSIONS", "DATA_FORMATS",
-           "EARLY_STOPPING", "EXECUTIONS", "INT64", "MAX_BEAMS", "MAX_NEW_TOKENS", "MAX_PARAMS",
+           "EARLY_STOPPING", "EXECUTIONS", "INT64", "MAX_BEAMS", "MAX_LENGTH_PENALTY", "MAX_NEW_TOKENS", "MAX_PARAMS",
            "MAX_SAMPLES", "OUTER_OPTIMIZERS", "PRECISIONS", "SCHEDULES", "STRATEGIES", "TOKENIZERS",
            "CheckpointConfig", "ClusterConfig", "CommConfig", "Config", "DataConfig", "ModelConfig", "ParallelConfig",
            "SampleConfig", "TrainConfig", "approx_params", "comm_refusal", "config_from_dict", "load_config",

@@ -6,14 +6,15 @@ family-specific checks are its family's (model/families/).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from tpu_llm.config.reading import REPR
 from tpu_llm.config.reading import check as _check
 from tpu_llm.config.schema import (ATTENTIONS, BAD_STEP_ACTIONS, CAPS, COMMUNICATIONS, COMPRESSIONS, DATA_FORMATS,
-                                   EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_PARAMS, OUTER_OPTIMIZERS,
-                                   PRECISIONS, SCHEDULES, SHARD_OPTIMIZER, STRATEGIES, TOKENIZERS, CommConfig, Config, ModelConfig,
-                                   SampleConfig)
+                                   EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_LENGTH_PENALTY, MAX_PARAMS,
+                                   OUTER_OPTIMIZERS, PRECISIONS, SCHEDULES, SHARD_OPTIMIZER, STRATEGIES, TOKENIZERS,
+                                   CommConfig, Config, ModelConfig, SampleConfig)
 from tpu_llm.errors import UserError
 from tpu_llm.model import families, spec
 from tpu_llm.model.families.base import divisors as _divisors
@@ -37,6 +38,7 @@ def validate(cfg: Config) -> None:
     """A UserError naming the first value that is out of range or inconsistent with another (the caps first)."""
     m, d, t, c, s = cfg.model, cfg.data, cfg.train, cfg.checkpoint, cfg.sample
     _validate_caps(cfg)  # first: every later check may loop over, or print, these sizes
+    _validate_no_nul(cfg)
     _check(m.family in families.NAMES, f"model.family={m.family!r}; valid choices: {', '.join(families.NAMES)}")
     _validate_run(cfg)
     _validate_comm(cfg)
@@ -87,9 +89,22 @@ def validate(cfg: Config) -> None:
 
 
 
+def _validate_no_nul(cfg: Config) -> None:
+    """No text value holds a NUL byte: run_dir, train.init_from, data.train are paths, and os.stat raises
+    ValueError on one (a traceback); a YAML config ("\\0") or the Python API can give one."""
+    for section in (cfg, *(v for v in vars(cfg).values() if dataclasses.is_dataclass(v))):
+        prefix = "" if section is cfg else next(k for k, v in vars(cfg).items() if v is section) + "."
+        for key, value in vars(section).items():
+            _check(not (isinstance(value, str) and "\0" in value),
+                   lambda: f"{prefix}{key}={ascii(value)[:80]} holds a NUL byte, which no path or name may hold")
+
+
 def _validate_beams(s: SampleConfig) -> None:
     _check(1 <= s.num_beams <= MAX_BEAMS, f"sample.num_beams={s.num_beams} must be between 1 (off) and {MAX_BEAMS} "
                                           "(each beam is a row of the KV cache)")
+    _check(abs(s.length_penalty) <= MAX_LENGTH_PENALTY,  # NaN fails too
+           f"sample.length_penalty={s.length_penalty} must be between -{MAX_LENGTH_PENALTY:g} and "
+           f"{MAX_LENGTH_PENALTY:g} (length ** it must stay finite; 1.0 = the mean log-probability)")
     _check(s.early_stopping in EARLY_STOPPING,
            f"sample.early_stopping={REPR.repr(s.early_stopping)}; valid choices: {', '.join(EARLY_STOPPING)}")
     _check(1 <= s.num_return_sequences <= s.num_beams,
@@ -310,8 +325,23 @@ def adapter_differences(saved: dict, current) -> list[str]:
     if not theirs.get("lora_rank") and not ours.lora_rank:
         return []
     return [f"train.{key}={REPR.repr(theirs.get(key))} (this config has {REPR.repr(getattr(ours, key))})"
-            for key in ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
-            if theirs.get(key) != getattr(ours, key)]
+            for key in ADAPTER_KEYS if theirs.get(key) != getattr(ours, key)]
+
+
+ADAPTER_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")  # train.*: what made the adapters
+
+
+def trained_state(cfg) -> dict:
+    """The train.* keys that decide the set, shape or meaning of a run's trained state (a validated
+    `cfg`), as each checkpoint records them: a resume or a `generate` with another value dropped the
+    adapters or read them at another scale, without a word. The targets are PEFT's module names (""
+    spelt out as the family's default). Layout keys (cpu_devices, parallel.*) are not among them: a run
+    may resume in another layout."""
+    t = cfg.train
+    if not t.lora_rank:
+        return {"lora_rank": 0}
+    return {"lora_rank": t.lora_rank, "lora_alpha": t.lora_alpha, "lora_base_dtype": t.lora_base_dtype,
+            "lora_targets": ",".join(lora_targets(t.lora_targets, cfg.model.family))}
 
 
 def check_base_run(saved: dict, source: str) -> None:

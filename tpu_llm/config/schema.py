@@ -27,6 +27,9 @@ ATTENTIONS = ("dense", "blockwise")
 EARLY_STOPPING = ("false", "true", "never")  # sample.early_stopping: transformers' False, True, "never"
 # each beam is a row of the KV cache (num_beams contexts in memory); published beam searches use 1 to 10
 MAX_BEAMS = 64
+# beam search's length ** length_penalty, in float32, for lengths up to MAX_NEW_TOKENS (10^6): 10^24 at 4 keeps
+# every score finite (transformers' usual values are 0.6 to 2); 1e39 overflowed float32 to inf
+MAX_LENGTH_PENALTY = 4.0
 
 # Upper bounds of sizes and counts, checked before anything else (validate): a value from a file or a
 # flag must not reach a loop, a message or an allocation that it would make run for hours. Each is far

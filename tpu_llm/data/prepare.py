@@ -75,9 +75,13 @@ def check_output(output: str, overwrite: bool) -> list[str]:
     if not is_dir and tf.io.gfile.exists(output):
         raise UserError(f"--output {output!r} is a file, not a directory; choose a new or empty directory")
     run_files = [n for n in names if n in (MARKER_FILE, CONFIG_FILE, CHECKPOINT_DIR)]
-    if run_files:
+    if run_files and (MARKER_FILE in names or {CONFIG_FILE, SPEC_FILE, CHECKPOINT_DIR} <= set(names)):
         raise UserError(f"--output {output!r} is a tpu-llm run directory (it holds {', '.join(run_files)}); shards "
                         "never go into a run's directory (its tokenizer.json would be replaced): choose a new --output")
+    if run_files:  # another tool's folder (a config.yaml, a checkpoints/ of its own): say what it is, and is not
+        raise UserError(f"--output {output!r} is not empty and not a tpu-llm data directory (it holds "
+                        f"{', '.join(run_files)}, no {META_FILE}); shards never go beside such files, even with "
+                        "--overwrite: choose a new or empty --output")
     ours = [n for n in names if n in OWN_FILES or SHARD_NAME.fullmatch(n)]
     if "://" not in output:  # gs:// has no links
         for name in ours:

@@ -33,6 +33,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tpu_llm.config.checks import trained_state
 from tpu_llm.errors import UserError
 from tpu_llm.interop import safetensors_io
 from tpu_llm.interop.export import staged_directory
@@ -121,8 +122,33 @@ def load_weights(model, reader: safetensors_io.Reader, m, allow_non_finite: bool
         if tuple(value.shape) != tuple(variable.shape):  # check_tensors' shapes and the model's disagree: a bug
             raise AssertionError(f"{stored}: {list(value.shape)} read, the variable is {list(variable.shape)}")
         variable.assign(value)
+    check_tied_head(reader, m, names_of)
     dtypes = sorted(CODE_NAMES.get(d, d) for d in dtypes)
     return dtypes[0] if len(dtypes) == 1 else "float32"
+
+
+TIED_HEAD = "lm_head.weight"  # a tied head saved beside its table (family.ignored)
+
+
+def check_tied_head(reader: safetensors_io.Reader, m, names_of: dict[str, str]) -> None:
+    """config.json ties the head to the embedding table, yet the file holds lm_head.weight too: equal to the
+    table (save_pretrained may write both), it is the same model; different, transformers 5 unties them
+    ("both are present in the checkpoints with different values, so we will NOT tie them") and uses the
+    file's head, where tpu-llm would use the table and generate other text. Refused, never silently
+    different (transformers' own fix: tie_word_embeddings false)."""
+    if not getattr(m, "tie_embeddings", True) or TIED_HEAD not in reader.where:
+        return
+    table = names_of[next(hf_name for hf_name, path, _ in weights(m) if path == "wte/embeddings")]
+    head, embeddings = reader.get(TIED_HEAD), reader.get(table)
+    if head.shape == embeddings.shape and np.array_equal(head.astype(np.float32), embeddings.astype(np.float32)):
+        return
+    differ = (f"{int(np.count_nonzero(head.astype(np.float32) != embeddings.astype(np.float32))):,} of its "
+              f"{head.size:,} values" if head.shape == embeddings.shape else f"shape {list(head.shape)}")
+    raise UserError(f"{reader.file(TIED_HEAD)}: {TIED_HEAD} differs from the embedding table {table} ({differ}), "
+                    "but config.json says tie_word_embeddings: true; transformers then unties them and uses "
+                    f"{TIED_HEAD}, tpu-llm would use the table: set tie_word_embeddings to false in config.json (a "
+                    f"family with an untied head) to import the head as it is, or remove {TIED_HEAD} from the file "
+                    "to import the table as the head")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,7 +200,8 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_fin
             meta = {"source": source, "architecture": architecture, "dtype": dtype, "config": hf}
             write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
             # the model only (train adds the optimizer), and the tokenizer it goes with
-            Checkpointer(tmp, keep=cfg.checkpoint.keep, tokenizer=tokenizer, model=net).save(0)
+            Checkpointer(tmp, keep=cfg.checkpoint.keep, tokenizer=tokenizer, trained=trained_state(cfg),
+                         model=net).save(0)
     finally:
         keras.mixed_precision.set_global_policy(policy)
     return {"run_dir": run_dir, "family": cfg.model.family, "dtype": dtype, "eos_id": eos,

@@ -16,8 +16,10 @@ weights and their adapters.
 
 from __future__ import annotations
 
+import math
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from tpu_llm.config import validate
@@ -88,10 +90,11 @@ PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "modules_to_sav
          "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "megatron_config": None}
 
 
-def read_adapter(directory: str, cfg) -> safetensors_io.Reader:
+def read_adapter(directory: str, cfg, allow_non_finite: bool = False, warn=print) -> safetensors_io.Reader:
     """Check the PEFT adapter in `directory` against the model section of `cfg` (its settings, then every
-    tensor's name, dtype and shape from the file's header) and set cfg.train.lora_* from it; returns its
-    tensors' reader. A one-line UserError for anything this module cannot load exactly."""
+    tensor's name, dtype and shape from the file's header, then its values: finite, as an imported
+    checkpoint's, unless `allow_non_finite`) and set cfg.train.lora_* from it; returns its tensors'
+    reader. A one-line UserError for anything this module cannot load exactly."""
     path = os.path.join(directory, CONFIG_FILE)
     if not tf.io.gfile.exists(path):
         raise UserError(f"--adapter {directory!r} has no {CONFIG_FILE}; {ADAPTER_FIX}")
@@ -113,6 +116,10 @@ def read_adapter(directory: str, cfg) -> safetensors_io.Reader:
     if not (type(rank) is int and type(alpha) in (int, float) and type(dropout) in (int, float)):
         raise refuse(f"r={shown(rank)}, lora_alpha={shown(alpha)}, lora_dropout={shown(dropout)} are not "
                      "numbers (r an integer)")
+    if rank < 1:  # 0 is "no adapters" to the config, which then expected none of the adapter's tensors
+        raise refuse(f"r={rank} is no LoRA rank (1 or more)")
+    if not math.isfinite(alpha):
+        raise refuse(f"lora_alpha={shown(alpha)} is not a finite number")
     settings = {"train.lora_rank": rank, "train.lora_alpha": float(alpha), "train.lora_dropout": float(dropout),
                 "train.lora_targets": ",".join(targets), "train.freeze": ""}
     try:
@@ -133,7 +140,23 @@ def read_adapter(directory: str, cfg) -> safetensors_io.Reader:
             raise UserError(f"{reader.file(name)}: tensor {name} is {reader.dtype(name)} {list(reader.shape(name))}, "
                             f"this model's adapter of rank {rank} needs {list(shape)} in one of "
                             f"{', '.join(hf.WEIGHT_DTYPES)}; {ADAPTER_FIX}")
+    for name in sorted(expected):
+        check_finite(reader, name, allow_non_finite, warn)
     return reader
+
+
+def check_finite(reader: safetensors_io.Reader, name: str, allow_non_finite: bool, warn) -> None:
+    """An adapter's tensor holding NaN or infinity is refused, as an imported checkpoint's is (hf.load_weights):
+    before, it was imported with exit 0, and every logit of the LoRA run was NaN."""
+    value = reader.get(name).astype(np.float32)
+    bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+    if not bad:
+        return
+    said = f"{reader.file(name)}: tensor {name} holds {bad:,} non-finite values (NaN or infinity) of its {value.size:,}"
+    if not allow_non_finite:
+        raise UserError(f"{said}; the adapter is damaged: save or download it again (pass --allow_non_finite to "
+                        "import it anyway)")
+    warn(f"warning: {said}; imported as they are (--allow_non_finite)")
 
 
 def adapter_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -166,7 +189,8 @@ def import_with_adapter(source: str, run_dir: str, adapter: str, **options) -> d
     """hf.import_checkpoint of `source` with the PEFT adapter in `adapter` on it, checked (read_adapter)
     with the rest before anything is written."""
     def adapt(cfg):
-        reader = read_adapter(str(adapter).rstrip("/"), cfg)
+        reader = read_adapter(str(adapter).rstrip("/"), cfg, options.get("allow_non_finite", False),
+                              options.get("warn", print))
         return lambda base: with_adapter(base, reader, cfg)
 
     return hf.import_checkpoint(source, run_dir, adapt=adapt, **options)

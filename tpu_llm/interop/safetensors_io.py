@@ -158,9 +158,9 @@ def _confined(directory: str, name, named_by: str) -> str:
     snapshot folders hold links (models--ORG--NAME/snapshots/REV/model.safetensors -> ../../blobs/HASH)."""
     parts = name.replace("\\", "/").split("/") if isinstance(name, str) else []
     if (not parts or "://" in name or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts)
-            or parts[0][1:2] == ":"):  # a Windows drive, C:
+            or parts[0][1:2] == ":" or "\0" in name):  # a Windows drive, C:; a NUL (os.stat: ValueError)
         raise UserError(f"{named_by} names shard {_short(name)}; a shard is a file inside {directory} (no absolute "
-                        "path, no ..); download the checkpoint again")
+                        "path, no .., no NUL byte); download the checkpoint again")
     path = os.path.join(directory, name)
     if "://" not in directory:  # a local directory: follow links (object stores have none)
         root = os.path.realpath(directory)

@@ -81,8 +81,7 @@ def open_regular(path: str, what: str, flags: int = os.O_RDONLY, *, single_link:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            kind = next((name for test, name in _KINDS if test(info.st_mode)), "special file")
-            raise UserError(_special(what, path, kind, fix))
+            raise UserError(_special(what, path, kind_of(info.st_mode), fix))
         if single_link and info.st_nlink > 1:
             raise UserError(f"{what} {path} has {info.st_nlink} hard links: writing to it would change the same file "
                             "elsewhere; " + (fix or "replace it with a copy of its own (cp F F.copy && mv F.copy F)"))
@@ -90,6 +89,13 @@ def open_regular(path: str, what: str, flags: int = os.O_RDONLY, *, single_link:
         os.close(fd)
         raise
     return fd
+
+
+def kind_of(mode: int) -> str:
+    """How a message names what `mode` (st_mode) is: "directory", "named pipe (FIFO)", ..., "regular file"."""
+    if stat.S_ISREG(mode):
+        return "regular file"
+    return next((name for test, name in _KINDS if test(mode)), "special file")
 
 
 def _special(what: str, path: str, kind: str, fix: str = "") -> str:

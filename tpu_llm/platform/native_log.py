@@ -33,6 +33,18 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
+def quiet_library() -> None:
+    """The Python API's share of the command line's quiet (cli/quiet.py), before TensorFlow loads: its C++
+    log lines below FATAL off (TF_CPP_MIN_LOG_LEVEL=3, unless the user set it), and absl's below ERROR.
+    `tpu_llm.load` printed TensorFlow's start-up lines (cuda stubs, cpu_feature_guard), which `tpu-llm
+    generate` hides. TPU_LLM_VERBOSE=1 keeps everything, as --verbose does. No file descriptor is taken
+    over (the command line's NativeLogFilter): a library leaves the process's stderr alone."""
+    if verbose():
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # read once, when TensorFlow's library loads
+    quiet_absl()
+
+
 def quiet_absl(level: int = ABSL_ERROR) -> bool:
     """Set absl's minimum log level in TensorFlow's framework library (before or after TensorFlow is
     imported: it is one global of that library). Returns whether it could; False leaves logging as is."""

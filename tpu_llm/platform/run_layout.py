@@ -1,7 +1,7 @@
 """The run directory's layout: the name of every file tpu-llm keeps in a run directory, the step of a
 checkpoint's name, and the check that none of the files tpu-llm reads or writes there is a symbolic link
 (docs/run-directory.md shows the same list; tests/test_run_layout.py compares the two), and the check that
-no symbolic link is anywhere in a run directory.
+no symbolic link, special file or other surprise is anywhere in a run directory (`check_run_tree`).
 
 <run_dir>/
   .tpu-llm-run         MARKER_FILE: marks the directory as a tpu-llm run (nothing else is ever written into
@@ -28,8 +28,9 @@ from here, so the layout is written down once. Reading and writing the files (tf
 stays with their owners: training/checkpoint.py (the Checkpointer), training/run_directory.py (the run
 directory's checks), training/line_log.py, training/run_lock.py.
 
-A local run directory is a guarded space: `check_no_links` refuses a symbolic link anywhere in it, at
-any depth and whatever its name (not only the names of NAMES: an export's files, a tokenizer file of a
+A local run directory is a guarded space: `check_run_tree` refuses a symbolic link anywhere in it (and
+a special file, a name that is not UTF-8, a name of the layout of the wrong kind), at any depth and
+whatever its name (not only the names of NAMES: an export's files, a tokenizer file of a
 later version, a user's notes), at the start of train, generate, export and report, and again (checkpoints/
 only) before each save: TensorFlow's writers follow links, so a planted `ckpt-N.index` link had the next
 save write a checkpoint index into whatever file it named, and a link at a name of no list was read
@@ -42,6 +43,7 @@ from __future__ import annotations
 import os
 
 from tpu_llm.errors import UserError
+from tpu_llm.platform.files import kind_of
 
 MARKER_FILE = ".tpu-llm-run"
 LOCK_FILE = ".tpu-llm-lock"
@@ -91,33 +93,74 @@ def checkpoint_step(path: str | None, suffix: str = "") -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
-WHOLE = ""  # check_no_links' tree for the whole run directory
+WHOLE = ""  # check_run_tree's tree for the whole run directory
+# the names of the layout that are directories (the others of NAMES are regular files), and logs/'s splits
+DIRECTORIES = {CHECKPOINT_DIR, LOGS_DIR, EXPORT_DIR, HF_EXPORT_DIR, PEFT_EXPORT_DIR,
+               *(os.path.join(LOGS_DIR, split) for split in LOG_SPLITS)}
 
 
-def check_no_links(run_dir: str, trees: tuple[str, ...] = (WHOLE,)) -> None:
-    """Refuse (UserError) a symbolic link anywhere in a local `run_dir` (or only under `trees`, e.g.
-    (CHECKPOINT_DIR,) before a save), naming the first one found. One directory read per directory (the
-    entries' types come with them); gs:// has no links. (The run directory itself may be one.)"""
+def check_run_tree(run_dir: str, trees: tuple[str, ...] = (WHOLE,)) -> None:
+    """Refuse (UserError) in a local `run_dir` (or only under `trees`, e.g. (CHECKPOINT_DIR,) before a
+    save), naming the first one found: a symbolic link; a special file (FIFO, socket, device: TensorFlow
+    opens the checkpoint state file, ckpt-N.index and the event files itself, where our own checks never
+    see the open, and a reader of a FIFO waits forever); a name that is not UTF-8; a name of the layout
+    of the wrong kind (checkpoints/ a regular file: a resume found no checkpoint, dropped metrics.jsonl's
+    lines, then failed at its first save). Iterative, so a tree of any depth is one refusal or none, never
+    a RecursionError; one directory read per directory (the entries' types come with them); gs:// has no
+    links nor special files. (The run directory itself may be a link.)"""
+    if "\0" in run_dir:  # os.scandir raises ValueError (the Python API and train.init_from reach here)
+        raise UserError(f"run_dir {ascii(run_dir)} holds a NUL byte, which no path may hold")
     if "://" in run_dir:
         return
     for tree in trees:
         _check_tree(run_dir, tree)
 
 
-def _check_tree(run_dir: str, rel: str) -> None:
+def _check_tree(run_dir: str, top: str) -> None:
+    if top and os.path.islink(os.path.join(run_dir, top)):
+        raise link_error(run_dir, top)
+    pending = [top]
+    while pending:
+        rel = pending.pop()
+        for entry in _entries(run_dir, rel):
+            child = os.path.join(rel, entry.name)
+            _check_entry(run_dir, child, entry)
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(child)
+
+
+def _entries(run_dir: str, rel: str) -> list:
     path = os.path.join(run_dir, rel) if rel else run_dir
-    if rel and os.path.islink(path):
-        raise link_error(run_dir, rel)
     try:
         with os.scandir(path) as entries:
-            children = list(entries)
+            return list(entries)
     except (FileNotFoundError, NotADirectoryError):
-        return
-    for entry in children:
-        if entry.is_symlink():  # from the directory entry: no extra system call
-            raise link_error(run_dir, os.path.join(rel, entry.name))
-        if entry.is_dir(follow_symlinks=False):
-            _check_tree(run_dir, os.path.join(rel, entry.name))
+        return []
+    except OSError as e:  # a name too long at some depth, no permission
+        raise UserError(f"run_dir {run_dir!r}: {ascii(rel)} cannot be read ({e.strerror or e}); fix its "
+                        "permissions or remove it, or use another --run_dir") from None
+
+
+def _check_entry(run_dir: str, rel: str, entry: os.DirEntry) -> None:
+    """One entry of the run directory: its name, then its kind (from the directory entry where it can)."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:  # os.scandir gives a name of other bytes as surrogates
+        raise UserError(f"run_dir {run_dir!r} holds a name that is not UTF-8, {ascii(rel)}: TensorFlow cannot "
+                        "name it (a traceback); rename or remove it, or use another --run_dir") from None
+    if entry.is_symlink():  # from the directory entry: no extra system call
+        raise link_error(run_dir, rel)
+    is_dir, is_file = entry.is_dir(follow_symlinks=False), entry.is_file(follow_symlinks=False)
+    if not is_dir and not is_file:
+        kind = kind_of(entry.stat(follow_symlinks=False).st_mode)
+        raise UserError(f"run_dir {run_dir!r} holds a {kind}, {rel}, where only regular files and directories "
+                        "belong: TensorFlow opens a run's files itself, and a reader of a FIFO or a device waits "
+                        "forever; remove it, or use another --run_dir")
+    expected = "directory" if rel in DIRECTORIES else "regular file" if rel in NAMES else ""
+    if expected and expected != ("directory" if is_dir else "regular file"):
+        raise UserError(f"run_dir {run_dir!r} holds {rel} as a {'directory' if is_dir else 'regular file'}, where "
+                        f"tpu-llm keeps a {expected}; restore it from a copy of the run directory, or use another "
+                        "--run_dir")
 
 
 def link_error(run_dir: str, rel: str) -> UserError:

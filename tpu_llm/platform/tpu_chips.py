@@ -47,20 +47,23 @@ def kind_of_type(accelerator: str) -> str | None:
 C_API = "NEXT_PLUGGABLE_DEVICE_USE_C_API"
 PLUGIN = "TF_PLUGGABLE_DEVICE_LIBRARY_PATH"
 LIBRARY = "TPU_LIBRARY_PATH"
-# Where Google documents TensorFlow's PJRT runtime: its "TPU software versions" page
-# (cloud.google.com/tpu/docs/runtimes) gives TensorFlow on v6e, v5p and v5e (2.15.0 and later) in the
-# `-pjrt` form only (tpu-vm-tf-x.y.z[-pod]-pjrt, the PJRT device API). v2-v4 (Colab's v2-8, Kaggle's
-# v3-8) keep TensorFlow's own TPU runtime, which is not switched here.
-PJRT_KINDS = ("TPU v5 lite", "TPU v5p", "TPU v6 lite")
+# TensorFlow's TPU runtime is PJRT on every generation TensorFlow supports: from TF 2.17/2.18 Google's TF
+# runtime images carry PJRT for all of them (`tpu-vm-tf-2.18.0-pjrt-v5p-and-below` for v2 through v5p,
+# `...-pjrt-v5e-and-v6` for v5e and v6e), and Google's TF release harness (GoogleCloudPlatform/
+# ml-auto-solutions: dags/solutions_team/solutionsteam_tf_release_supported.py runs v2-8, v3-8 and v4-8
+# with is_pjrt left at its default True; configs/tensorflow/common.py export_env_variables then sets
+# NEXT_PLUGGABLE_DEVICE_USE_C_API=true and TF_PLUGGABLE_DEVICE_LIBRARY_PATH=.../libtpu/libtpu.so on a single
+# host) runs them on PJRT too. TPU7x runs no TensorFlow at all and gets nothing.
+PJRT_KINDS = ("TPU v2", "TPU v3", "TPU v2/v3", "TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite")
 
 
 def runtime_variables(kind: str | None, library: str, *, unknown_is_pjrt: bool = False) -> dict[str, str]:
     """The variables that point TensorFlow 2.20 at `library` (a libtpu.so) on a TPU of device `kind`:
     the PJRT plugin (NEXT_PLUGGABLE_DEVICE_USE_C_API=true, TF_PLUGGABLE_DEVICE_LIBRARY_PATH, and
-    TPU_LIBRARY_PATH for TensorFlow's own import-time load) where Google documents TF's PJRT runtime,
-    v5e, v5p and v6e; only TPU_LIBRARY_PATH, the library TensorFlow's own TPU runtime loads, on v2, v3
-    and v4, whose runtime is left as it is. An unknown `kind` (None) gets the latter, or the PJRT
-    variables with `unknown_is_pjrt`."""
+    TPU_LIBRARY_PATH for TensorFlow's own import-time load) on every generation TensorFlow runs on, v2
+    through v6e (PJRT_KINDS: Google's images and TF release tests). A TPU whose generation cannot be told
+    (None) gets only TPU_LIBRARY_PATH, the library TensorFlow's non-PJRT runtime loads, left as it is, or
+    the PJRT variables with `unknown_is_pjrt`."""
     if kind in PJRT_KINDS or (kind is None and unknown_is_pjrt):
         return {C_API: "true", PLUGIN: library, LIBRARY: library}
     return {LIBRARY: library}

@@ -11,24 +11,43 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 
 from tpu_llm.errors import UserError
-from tpu_llm.platform.run_layout import GOODPUT_FILE, METRICS_FILE, REPORT_FILE, check_no_links
+from tpu_llm.platform.run_layout import GOODPUT_FILE, METRICS_FILE, REPORT_FILE, check_run_tree
 from tpu_llm.training import goodput, line_log
 
 
 def losses(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """{"train": [(step, loss)], "validation": [...]} from metrics.jsonl (torn or foreign lines skipped:
-    not JSON, a split that is not "train" or "validation", a step that is not a whole number, a loss
-    that is not a number)."""
+    """{"train": [(step, loss)], "validation": [...]} from metrics.jsonl (`read_metrics`' curves)."""
+    return read_metrics(run_dir)[0]
+
+
+def read_metrics(run_dir: str) -> tuple[dict[str, list[tuple[int, float]]], list[int], int]:
+    """(the curves of `losses`, the numbers of the lines skipped, the number of lines). A line is skipped
+    when it is torn or foreign: not a JSON object with a text split and a whole step, or a train or
+    validation line whose loss is not a number. The report says how many (`say_skipped`)."""
     out: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
-    for line in line_log.read_lines(os.path.join(run_dir, METRICS_FILE)):
+    lines, skipped = line_log.read_lines(os.path.join(run_dir, METRICS_FILE)), []
+    for number, line in enumerate(lines, 1):
         entry = line_log.parse_line(line) or {}
         split, step, loss = entry.get("split"), line_log.whole(entry.get("step")), entry.get("loss")
-        if split in ("train", "validation") and step is not None and isinstance(loss, (int, float)) \
-                and not isinstance(loss, bool) and not abs(loss) >= 1e300:  # (NaN passes: a diverged run's)
-            out[split].append((step, float(loss)))
-    return out
+        if not isinstance(split, str) or step is None:
+            skipped.append(number)
+        elif split in ("train", "validation"):
+            if isinstance(loss, (int, float)) and not isinstance(loss, bool) and not abs(loss) >= 1e300:
+                out[split].append((step, float(loss)))  # (NaN passes: a diverged run's)
+            else:
+                skipped.append(number)
+    return out, skipped, len(lines)
+
+
+def say_skipped(path: str, skipped: list[int], total: int, what: str, warn) -> None:
+    """Never partial data shown as whole: how many lines of `path` the report left out, and why."""
+    if skipped:
+        first = f"line {skipped[0]}" + (", ..." if len(skipped) > 1 else "")
+        warn(f"warning   {path}: {len(skipped):,} of {total:,} lines skipped ({first}): not {what}; the report "
+             "leaves them out")
 
 
 def plot(figures: dict, curves: dict, path: str) -> str | None:
@@ -65,12 +84,18 @@ def plot(figures: dict, curves: dict, path: str) -> str | None:
     return path
 
 
-def report(run_dir: str, plot_path: str = "", say=print) -> dict:
+def report(run_dir: str, plot_path: str = "", say=print, warn=None) -> dict:
     """Print the goodput table and the newest losses of `run_dir`; draw the PNG where matplotlib is
-    importable. Returns the goodput figures."""
-    check_no_links(run_dir)  # report.png is written with open(): a link there would write the plot into its target
-    records = goodput.read_records(os.path.join(run_dir, GOODPUT_FILE))
-    curves = losses(run_dir)
+    importable. Returns the goodput figures. `warn` (default: stderr) hears how many lines of each file
+    were skipped, and why."""
+    warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+    check_run_tree(run_dir)  # report.png is written with open(): a link there would write the plot into its target
+    goodput_path = os.path.join(run_dir, GOODPUT_FILE)
+    records, skipped, total = goodput.read_records_counted(goodput_path)
+    say_skipped(goodput_path, skipped, total, "a JSON object with a text kind and a time", warn)
+    curves, skipped, total = read_metrics(run_dir)
+    say_skipped(os.path.join(run_dir, METRICS_FILE), skipped, total, "a JSON object with a text split, a whole step "
+                "and (train, validation) a numeric loss", warn)
     if not records and not any(curves.values()):
         there = "" if "://" in run_dir or os.path.isdir(run_dir) else " (no such directory)"
         raise UserError(f"{run_dir!r} holds no {GOODPUT_FILE} and no {METRICS_FILE}{there}; pass the --run_dir "

@@ -13,18 +13,19 @@ import keras
 import tensorflow as tf
 
 from tpu_llm.config import Config
+from tpu_llm.config.checks import trained_state
 from tpu_llm.data import dataset as data
 from tpu_llm.data import lanes, reading, sources
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.parallel import comm, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy
-from tpu_llm.platform.run_layout import check_no_links
+from tpu_llm.platform.run_layout import CHECKPOINT_DIR, CHECKPOINT_PREFIX, check_run_tree
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
 from tpu_llm.training import line_log, run_lock
 from tpu_llm.training.assemble import assemble
-from tpu_llm.training.checkpoint import Checkpointer, restore_init_from
+from tpu_llm.training.checkpoint import Checkpointer, check_init_from, restore_init_from
 from tpu_llm.training.run_directory import (check_run_dir, check_run_dir_owner, check_run_dir_reachable, record_run,
                                             resolve_tokenizer)
 from tpu_llm.training.trainer import Trainer
@@ -118,7 +119,7 @@ def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tupl
 
         tpu.check_remote_data(cfg, (train_src, val_src))
     check_run_dir_reachable(cfg.run_dir)  # before the tokenizer is looked for in it
-    check_no_links(cfg.run_dir)  # nothing in it is read or written through a symbolic link
+    check_run_tree(cfg.run_dir)  # no link, FIFO or device in it: nothing read or written through one, by TF either
     if dist.is_chief:  # not another tool's directory (the other workers of a cluster write nothing) ...
         check_run_dir_owner(cfg.run_dir)
         run_lock.check_unlocked(cfg.run_dir)  # ... nor one another trainer is writing (its lock: taken below)
@@ -139,7 +140,14 @@ def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tupl
         check_covers(tokenizer, cfg.sample.prompt, "sample.prompt")
     if dist.is_chief:
         check_run_dir(cfg, unstated)
+    if cfg.train.init_from and not has_checkpoint_files(cfg.run_dir):  # a new run: it starts from those weights
+        check_init_from(cfg.train.init_from, cfg.model, tokenizer)
     return (train_src, val_src), tokenizer
+
+
+def has_checkpoint_files(run_dir: str) -> bool:
+    """Whether `run_dir` holds a checkpoint's index file: a resume, which does not read train.init_from."""
+    return bool(tf.io.gfile.glob(os.path.join(run_dir, CHECKPOINT_DIR, f"{CHECKPOINT_PREFIX}*.index")))
 
 
 def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "") -> Run:
@@ -159,10 +167,12 @@ def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "")
     scratch = "" if dist.is_chief else dist.task.replace(" ", "-")
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint.keep, scratch, cfg.checkpoint.keep_every_hours,
                                 cluster=bool(dist.task or dist.asynchronous), io_device=dist.io_device,
-                                model_config=cfg.model, tokenizer=tokenizer, model=model, optimizer=optimizer,
+                                model_config=cfg.model, tokenizer=tokenizer, trained=trained_state(cfg), model=model,
+                                optimizer=optimizer,
                                 rng=rng, **(communication.trackables() if communication else {}))
     # the chief holds the lock from before the newest checkpoint is read until train ends (Run.release, or
     # this process does): another trainer cannot save a checkpoint between that read and this run's writes
+    created = run_lock.missing_directories(cfg.run_dir)  # a refusal below removes them again
     lock = run_lock.acquire(cfg.run_dir) if dist.is_chief else None
     try:
         resumed_from = checkpointer.restore_latest()  # a UserError if none of the checkpoints can be read
@@ -185,7 +195,7 @@ def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "")
                    resumed_from, data_resume, communication, initialised_from, lock)
     except BaseException:
         if lock is not None:
-            lock.release()
+            lock.release(created)
         raise
 
 

@@ -18,21 +18,21 @@ import tempfile
 import tensorflow as tf
 
 from tpu_llm.config import ModelConfig, config_from_dict
-from tpu_llm.config.checks import check_base_run
+from tpu_llm.config.checks import ADAPTER_KEYS, check_base_run, trained_state
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, adapters
 from tpu_llm.platform.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, SPEC_FILE,
-                                         UNFINISHED_SUFFIX, check_no_links, checkpoint_name, checkpoint_step)
+                                         UNFINISHED_SUFFIX, check_run_tree, checkpoint_name, checkpoint_step)
 from tpu_llm.tokenizers import Tokenizer, content_hash, load_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
 from tpu_llm.training.run_directory import (check_tokenizer_fits, first_line, model_changes, model_differences,
                                             read_saved_config)
 
 
-def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
-    """train.init_from: load the weights (only) of the newest readable checkpoint of the run `source` into
-    `model`, made with the same model section and tokenizer; returns that checkpoint's path."""
-    check_no_links(source)  # its files are read
+def check_init_from(source: str, current: ModelConfig, tokenizer: Tokenizer) -> None:
+    """Every check of train.init_from=`source` that needs no model (build.check_run: before anything is
+    written): a run directory of sound shape, of the same model section and tokenizer, without adapters."""
+    check_run_tree(source)  # its files are read
     saved = read_saved_config(source)
     if saved is None:
         raise UserError(f"train.init_from={source!r} is not a run directory (no {CONFIG_FILE}); give the --run_dir of "
@@ -47,6 +47,12 @@ def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Token
                         f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
                         f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
     check_base_run(saved, source)  # no adapters of its own: they are no base weights
+
+
+def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
+    """train.init_from: load the weights (only) of the newest readable checkpoint of the run `source` into
+    `model`, made with the same model section and tokenizer; returns that checkpoint's path."""
+    check_init_from(source, current, tokenizer)
     # with adapters: the base run holds none, so its weights go into a model without them, then across
     base = GPT(current, model.vocab_size).build_weights() if getattr(model, "adapters", None) else model
     checkpointer = Checkpointer(source, keep=1, io_device=io_device, model_config=current, tokenizer=tokenizer,
@@ -96,11 +102,11 @@ class Checkpointer:
     (run_lock.acquire's handle) is checked before each save: a run that lost its lock writes no more.
     """
 
-    NOT_RESTORED = ("data_position", "model_config", "tokenizer")
+    NOT_RESTORED = ("data_position", "model_config", "tokenizer", "trained_state")
 
     def __init__(self, run_dir: str, keep: int, scratch: str = "", keep_every_hours: float = 0.0,
                  cluster: bool = False, io_device: str = "", model_config: ModelConfig | None = None,
-                 tokenizer: Tokenizer | None = None, **trackables):
+                 tokenizer: Tokenizer | None = None, trained: dict | None = None, **trackables):
         self.options = tf.train.CheckpointOptions(experimental_io_device=io_device or None)
         self.run_dir, self.directory = run_dir, os.path.join(run_dir, CHECKPOINT_DIR)
         self.keep, self.keep_every_hours, self.cluster = keep, keep_every_hours, cluster
@@ -113,6 +119,10 @@ class Checkpointer:
         self.model_config = model_config
         if model_config is not None:
             trackables["model_config"] = tf.Variable(model_section(model_config), trainable=False, dtype=tf.string)
+        self.trained = trained  # config.checks.trained_state: the keys that shape the trained state
+        if trained is not None:
+            trackables["trained_state"] = tf.Variable(json.dumps(trained, sort_keys=True), trainable=False,
+                                                      dtype=tf.string)
         self.tokenizer = content_hash(tokenizer) if tokenizer is not None else ""
         if self.tokenizer:
             trackables["tokenizer"] = tf.Variable(self.tokenizer, trainable=False, dtype=tf.string)
@@ -132,13 +142,18 @@ class Checkpointer:
 
     def _manager(self) -> tf.train.CheckpointManager | None:
         """The run's CheckpointManager, or None while the state file names no checkpoint: TF raises
-        ValueError on an empty one (what a power loss can leave: TF does not fsync it). Until the
-        first save, which writes a new state file, the checkpoints are found by their files."""
+        ValueError on an empty one (what a power loss can leave: TF does not fsync it) or one that is not
+        UTF-8. Until the first save, which writes a new state file, the checkpoints are found by their
+        files. Every checkpoint the state file names must be one of this directory (`check_confined`): TF
+        restores the newest from wherever it is, and deletes the oldest ones' files, wherever they are,
+        when it drops them after a save."""
         try:
-            return tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep,
-                                              keep_checkpoint_every_n_hours=self.keep_every_hours or None)
+            manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep,
+                                                 keep_checkpoint_every_n_hours=self.keep_every_hours or None)
         except ValueError:
             return None
+        check_confined(self.directory, [manager.latest_checkpoint, *manager.checkpoints])
+        return manager
 
     @property
     def latest(self) -> str | None:
@@ -187,6 +202,8 @@ class Checkpointer:
                 self._check_model(path)
             if self.tokenizer and "tokenizer" in held:  # (none before issue 40)
                 self._check_tokenizer(path)
+            if self.trained is not None and "trained_state" in held:  # (none before issue 50)
+                self._check_trained(path)
             # the optimizer too if the checkpoint has one: `tpu-llm import` saves the model alone (step 0)
             objects = {k: v for k, v in self.trackables.items()
                        if k not in self.NOT_RESTORED and (k in held or k == "model")}
@@ -216,6 +233,24 @@ class Checkpointer:
             raise UserError(f"checkpoint {path} does not fit this model (it was made with model.{key}={theirs}, this "
                             f"config has {ours}): the model section changed since it was saved (an edited "
                             "config.yaml?); resume with the model section it was made with, or use another --run_dir")
+
+    def _check_trained(self, path: str) -> None:
+        """Refuse a checkpoint whose trained state (its adapters) was made with other train.* keys than
+        this config's (an edited config.yaml): a UserError naming the key, both values and the fixes."""
+        text = self.read(path, "trained_state")
+        try:
+            saved = json.loads(text.decode() if isinstance(text, bytes) else str(text))
+        except ValueError:
+            raise Unreadable(f"its trained_state is not JSON ({str(text)[:60]!r})") from None
+        saved = saved if isinstance(saved, dict) else {}
+        keys = set(saved) | set(self.trained)  # the rank first: with no adapters, the others are not recorded
+        for key in [k for k in ADAPTER_KEYS if k in keys] + sorted(keys - set(ADAPTER_KEYS)):
+            theirs, ours = saved.get(key), self.trained.get(key)
+            if theirs != ours:
+                raise UserError(f"checkpoint {path} was trained with train.{key}={theirs!r}, this config has {ours!r} "
+                                f"(an edited {CONFIG_FILE}?): its adapters would be dropped or misread; set "
+                                f"train.{key}={theirs!r} again ({self.run_dir}/{CONFIG_FILE}, or --train.{key} for "
+                                "train), or start a new run with another --run_dir")
 
     def _check_tokenizer(self, path: str) -> None:
         theirs = self.read(path, "tokenizer")
@@ -271,7 +306,7 @@ class Checkpointer:
         if self.lock is not None:
             self.lock.check()
         if not self.worker:
-            check_no_links(self.run_dir, trees=(CHECKPOINT_DIR,))
+            check_run_tree(self.run_dir, trees=(CHECKPOINT_DIR,))
         try:
             if not self.worker:
                 if self.manager is None:  # the state file names no checkpoint: this save writes a new one
@@ -306,6 +341,28 @@ class Checkpointer:
             raise UserError(f"saving checkpoint {name} in {self.directory} failed ({first_line(e)}); "
                             f"the newest usable checkpoint is {latest or 'none yet'}; free space or fix permissions "
                             "in the run directory, then run the same command to resume") from None
+
+
+def check_confined(directory: str, paths: list[str | None]) -> None:
+    """Refuse (UserError) a checkpoint path read from the state file of `directory` that is not `ckpt-N` in
+    `directory` itself: a path elsewhere (absolute, `../`), a glob (TF deletes a dropped checkpoint's files
+    by pattern) or another name. An edited or copied state file made a normal `train` delete files
+    outside the run directory, and exit 0. Refused rather than rewritten: the state file is the run's
+    record of which checkpoints it keeps, and a refusal changes nothing."""
+    for path in paths:
+        if path is None or (checkpoint_step(path) is not None and _same_directory(os.path.dirname(path), directory)):
+            continue
+        state = os.path.join(directory, CHECKPOINT_STATE)
+        raise UserError(f"the checkpoint state file {state} names {path!r}, not a checkpoint ckpt-N of {directory}: "
+                        "TensorFlow would restore from it, and delete its files when it drops old checkpoints, "
+                        "wherever they are; restore the state file from a copy of the run directory, or delete it "
+                        "(the checkpoints are then found by their own files)")
+
+
+def _same_directory(one: str, other: str) -> bool:
+    if "://" in one or "://" in other:
+        return one.rstrip("/") == other.rstrip("/")
+    return os.path.abspath(one) == os.path.abspath(other)
 
 
 def model_section(model: ModelConfig) -> str:
@@ -356,7 +413,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
     checkpoint's path with `with_checkpoint`, plus with `with_notes` the warnings to show (an unreadable
     newest checkpoint is skipped for the one before: the caller must say so, as `train` does)."""
-    check_no_links(run_dir)  # generate and export read a run's files, never through a link
+    check_run_tree(run_dir)  # generate and export read a run's files: never through a link, never a FIFO
     saved = read_saved_config(run_dir)
     tokenizer = load_tokenizer(run_dir) if saved else None
     if saved is None or tokenizer is None:
@@ -366,6 +423,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     check_tokenizer_fits(run_dir, tokenizer, cfg)
     model = GPT.from_config(cfg).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
+                        trained=trained_state(cfg),
                       model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
     if path is None:

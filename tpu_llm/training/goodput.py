@@ -151,12 +151,20 @@ class Ledger:
 
 def read_records(path: str) -> list[dict]:
     """The records of a goodput.jsonl; a line torn by a kill mid-write (or otherwise unreadable) is skipped."""
-    records = []
-    for line in read_lines(path):  # a regular file of a bounded size (line_log.read_lines)
+    return read_records_counted(path)[0]
+
+
+def read_records_counted(path: str) -> tuple[list[dict], list[int], int]:
+    """(read_records' records, the numbers of the lines skipped, the number of lines): tpu-llm report says
+    how many were skipped."""
+    records, skipped, lines = [], [], read_lines(path)  # a regular file of a bounded size (line_log.read_lines)
+    for number, line in enumerate(lines, 1):
         record = parse_line(line)
         if record is not None and isinstance(record.get("kind"), str) and _number(record.get("t")):
             records.append(record)
-    return records
+        else:
+            skipped.append(number)
+    return records, skipped, len(lines)
 
 
 def _number(value) -> bool:

@@ -13,7 +13,7 @@ import os
 import tensorflow as tf
 
 from tpu_llm.platform import files
-from tpu_llm.platform.run_layout import LOGS_DIR, METRICS_FILE, check_no_links, link_error
+from tpu_llm.platform.run_layout import LOGS_DIR, METRICS_FILE, check_run_tree, link_error
 from tpu_llm.training import run_lock
 from tpu_llm.training.line_log import LineLog, logged_step, read_lines
 
@@ -38,7 +38,7 @@ class MetricsLog:
         # a remote TPU: the writers (and their ops) on this process, not on the TPU host (tpu.CLIENT_IO)
         self.device = device
         if enabled:  # TF's summary writers follow links: none under logs/ (nor at metrics.jsonl) ...
-            check_no_links(run_dir)
+            check_run_tree(run_dir)
             self.out.check_file()  # ... and metrics.jsonl a regular file of this directory only
         self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
         with tf.device(device or None):
@@ -51,7 +51,7 @@ class MetricsLog:
         if not self.enabled:
             return 0
         self.flush()
-        check_no_links(self.run_dir)  # it rewrites metrics.jsonl and the event files
+        check_run_tree(self.run_dir)  # it rewrites metrics.jsonl and the event files
         dropped = 0
         lines = read_lines(self.path)
         kept = [line for line in lines if (logged := logged_step(line)) is not None and logged <= step]

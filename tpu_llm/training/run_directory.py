@@ -7,7 +7,7 @@ tpu-llm run and a run made by another model; `record_run` writes the marker, con
 only once every check of the run passed (training/build.py: build_run). A refused run leaves the directory
 untouched. A run directory of an earlier version (config.yaml, tokenizer.json and checkpoints/, no
 marker) is accepted, and gets its marker when it is resumed. A local run directory is read and written
-through no symbolic link (`run_layout.check_no_links`, at the start and before each save).
+through no symbolic link (`run_layout.check_run_tree`, at the start and before each save).
 """
 
 from __future__ import annotations

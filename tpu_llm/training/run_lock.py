@@ -300,7 +300,10 @@ class Handle:
     def check(self) -> None:
         self.lock.check()
 
-    def release(self) -> None:
+    def release(self, created: list[str] = ()) -> None:
+        """Let go of this share; the last one releases the lock. `created` (`missing_directories`, read
+        before `acquire`): a refused command undoes the new run directory the lock made, when nothing but
+        the lock file is in it (`_remove_new`)."""
         with _guard:
             if self.released:
                 return
@@ -312,6 +315,33 @@ class Handle:
             if entry[1] == 0:
                 del _held[self.key]
                 entry[0].release()
+                if created and isinstance(entry[0], LocalLock):
+                    _remove_new(entry[0].run_dir, created)
+
+
+def missing_directories(run_dir: str) -> list[str]:
+    """The directories taking `run_dir`'s lock will create (it and its missing parents), deepest first;
+    none on gs://, where a prefix is no directory."""
+    if "://" in run_dir:
+        return []
+    missing, path = [], os.path.abspath(run_dir)
+    while not os.path.lexists(path) and path != os.path.dirname(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_new(run_dir: str, created: list[str]) -> None:
+    """A refused command creates nothing: remove the lock file and the directories `created` by taking the
+    lock, if nothing else was written into them. (Deleting a lock file is safe here, unlike in general:
+    the directory is seconds old and was never a run, so no other process has waited on it.)"""
+    try:
+        if os.listdir(run_dir) == [LOCK_FILE]:
+            os.remove(os.path.join(run_dir, LOCK_FILE))
+        for directory in created:
+            os.rmdir(directory)  # an empty one only: anything written there since stays
+    except OSError:
+        pass
 
 
 def acquire(run_dir: str) -> Handle:
