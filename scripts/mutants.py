@@ -292,7 +292,7 @@ MUTATIONS = [
       "tests/test_fault.py::test_rollback_restores_the_newest_checkpoint_and_skips_the_bad_batches"),
     # ---- checkpoint ---------------------------------------------------------------------------------
     M("links-in-checkpoints-followed", "tpu_llm/platform/run_layout.py",
-      "        if entry.is_symlink():  # from the directory entry", "        if False:  # from the directory entry",
+      "    if entry.is_symlink():  # from the directory entry", "    if False:  # from the directory entry",
       "tests/test_run_directory.py -k 'planted and ckpt'"),
     M("links-below-the-top-unseen", "tpu_llm/platform/run_layout.py",
       "        if entry.is_dir(follow_symlinks=False):", "        if False:",
