@@ -92,8 +92,8 @@ def validate(cfg: Config) -> None:
 def _validate_no_nul(cfg: Config) -> None:
     """No text value holds a NUL byte: run_dir, train.init_from, data.train are paths, and os.stat raises
     ValueError on one (a traceback); a YAML config ("\\0") or the Python API can give one."""
-    for section in (cfg, *(v for v in vars(cfg).values() if dataclasses.is_dataclass(v))):
-        prefix = "" if section is cfg else next(k for k, v in vars(cfg).items() if v is section) + "."
+    sections = [("", cfg)] + [(f"{name}.", v) for name, v in vars(cfg).items() if dataclasses.is_dataclass(v)]
+    for prefix, section in sections:
         for key, value in vars(section).items():
             _check(not (isinstance(value, str) and "\0" in value),
                    lambda: f"{prefix}{key}={ascii(value)[:80]} holds a NUL byte, which no path or name may hold")

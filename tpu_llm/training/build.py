@@ -20,12 +20,12 @@ from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.parallel import comm, tpu
 from tpu_llm.parallel.distribute import Distribution, get_strategy
-from tpu_llm.platform.run_layout import CHECKPOINT_DIR, CHECKPOINT_PREFIX, check_run_tree
+from tpu_llm.platform.run_layout import check_run_tree
 from tpu_llm.tokenizers import build_tokenizer, check_covers, load_tokenizer
 from tpu_llm.tokenizers.hf import check_pretokenized
 from tpu_llm.training import line_log, run_lock
 from tpu_llm.training.assemble import assemble
-from tpu_llm.training.checkpoint import Checkpointer, check_init_from, restore_init_from
+from tpu_llm.training.checkpoint import Checkpointer, check_init_from, index_files, restore_init_from
 from tpu_llm.training.run_directory import (check_run_dir, check_run_dir_owner, check_run_dir_reachable, record_run,
                                             resolve_tokenizer)
 from tpu_llm.training.trainer import Trainer
@@ -140,14 +140,9 @@ def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tupl
         check_covers(tokenizer, cfg.sample.prompt, "sample.prompt")
     if dist.is_chief:
         check_run_dir(cfg, unstated)
-    if cfg.train.init_from and not has_checkpoint_files(cfg.run_dir):  # a new run: it starts from those weights
+    if cfg.train.init_from and not index_files(cfg.run_dir):  # a new run (a resume does not read init_from)
         check_init_from(cfg.train.init_from, cfg.model, tokenizer)
     return (train_src, val_src), tokenizer
-
-
-def has_checkpoint_files(run_dir: str) -> bool:
-    """Whether `run_dir` holds a checkpoint's index file: a resume, which does not read train.init_from."""
-    return bool(tf.io.gfile.glob(os.path.join(run_dir, CHECKPOINT_DIR, f"{CHECKPOINT_PREFIX}*.index")))
 
 
 def build_run(cfg: Config, dist: Distribution | None = None, unstated: str = "") -> Run:

@@ -173,7 +173,7 @@ class Checkpointer:
         checkpoint whose index file is there (the ones kept by checkpoint.keep_every_hours, which TF
         leaves out of the state file, or all of them when the state file is missing or unreadable)."""
         recorded = list(reversed(self.manager.checkpoints)) if self.manager else []
-        found = tf.io.gfile.glob(os.path.join(self.directory, f"{CHECKPOINT_PREFIX}*.index"))
+        found = index_files(self.run_dir)
         known = {os.path.basename(p) for p in recorded}
         others = sorted((p[: -len(".index")] for p in found if os.path.basename(p)[: -len(".index")] not in known),
                         key=lambda p: -1 if (step := checkpoint_step(p)) is None else step, reverse=True)
@@ -341,6 +341,11 @@ class Checkpointer:
             raise UserError(f"saving checkpoint {name} in {self.directory} failed ({first_line(e)}); "
                             f"the newest usable checkpoint is {latest or 'none yet'}; free space or fix permissions "
                             "in the run directory, then run the same command to resume") from None
+
+
+def index_files(run_dir: str) -> list[str]:
+    """The `ckpt-*.index` files in `run_dir`'s checkpoints/ (every checkpoint's, recorded or not)."""
+    return tf.io.gfile.glob(os.path.join(run_dir, CHECKPOINT_DIR, f"{CHECKPOINT_PREFIX}*.index"))
 
 
 def check_confined(directory: str, paths: list[str | None]) -> None:

@@ -5,15 +5,12 @@ it before paying for a TPU hour; scripts/docs_check.py runs the docs' long train
 
 from __future__ import annotations
 
-import os
-
-import tensorflow as tf
-
 from tpu_llm.config import Config
 from tpu_llm.parallel import pipeline
 from tpu_llm.parallel.distribute import get_strategy
-from tpu_llm.platform.run_layout import CHECKPOINT_DIR, CHECKPOINT_PREFIX, checkpoint_name, checkpoint_step
+from tpu_llm.platform.run_layout import checkpoint_name, checkpoint_step
 from tpu_llm.training.build import check_run
+from tpu_llm.training.checkpoint import index_files
 from tpu_llm.training.header import layout_lines, setup_lines
 
 
@@ -28,8 +25,7 @@ def layout(cfg: Config, dist, vocab_size: int) -> list[str]:
 def newest_checkpoint(run_dir: str) -> tuple[str, int] | None:
     """(name, step) of the newest checkpoint file in `run_dir` (by its step number; its readability is
     checked only when training restores it), or None."""
-    indexes = tf.io.gfile.glob(os.path.join(run_dir, CHECKPOINT_DIR, f"{CHECKPOINT_PREFIX}*.index"))
-    steps = [step for step in (checkpoint_step(index, ".index") for index in indexes) if step is not None]
+    steps = [step for step in (checkpoint_step(index, ".index") for index in index_files(run_dir)) if step is not None]
     return (checkpoint_name(max(steps)), max(steps)) if steps else None
 
 
