@@ -47,7 +47,6 @@ class ShardedMoment(Trackable):
 
     def __init__(self, variable, name: str, replicas: int):
         self.shape = [int(d) for d in variable.shape] or [1]  # a scalar is kept as one row
-        self.replicas = replicas
         self.rows = shard_rows(self.shape[0], replicas)
         self.logical_shape = [int(d) for d in variable.shape]
         self.strategy = tf.distribute.get_strategy()  # (created in the run's strategy scope)
@@ -68,8 +67,9 @@ class _MomentSlices(SaveableObject):
     def __init__(self, moment: ShardedMoment, name: str):
         self.moment = moment
         specs, self.owners = [], []
-        for r, component in enumerate(moment.components()):
-            n = owned(moment.shape[0], len(moment.components()), r)
+        components = moment.components()
+        for r, component in enumerate(components):
+            n = owned(moment.shape[0], len(components), r)
             if n == 0:
                 continue
             rest = moment.shape[1:]
@@ -150,9 +150,9 @@ class ShardedAdamW(Trackable):
         for i, (grad, var) in enumerate(zip(grads, variables)):
             applied = tf.reduce_all(tf.math.is_finite(grad))  # a skipped step's gradients are NaN
             rows = self.m[i].rows
-            w = _my_rows(tf.convert_to_tensor(var), rows, self.replicas, replica)
+            w = _my_rows(tf.convert_to_tensor(var), rows, replica)
             dtype = w.dtype
-            g = tf.cast(_my_rows(grad, rows, self.replicas, replica), dtype)
+            g = tf.cast(_my_rows(grad, rows, replica), dtype)
             m, v = self.m[i].value, self.v[i].value
             lr_v = tf.cast(lr, dtype)
             if self.decays[i]:  # decoupled weight decay before the step (Keras' AdamW, as ReducedGradientsAdamW)
@@ -187,12 +187,15 @@ def _rows(variable) -> int:
     return int(variable.shape[0]) if variable.shape.rank else 1
 
 
-def _my_rows(tensor, rows: int, replicas: int, replica):
-    """Replica `replica`'s rows of `tensor` (a scalar as one row), padded with zeros past the end. The pad
-    keeps every shape static (XLA; the replica id is a tensor on TPU); XLA fuses it into the slice."""
+def _my_rows(tensor, rows: int, replica):
+    """Replica `replica`'s `rows` rows of `tensor` (a scalar as one row), zeros past its end: a gather of
+    those rows alone (never a padded copy of the whole tensor), of a static shape whatever the replica id
+    (a tensor on TPU)."""
     t = tf.reshape(tensor, [1]) if tensor.shape.rank == 0 else tensor
-    padded = tf.pad(t, [[0, rows * replicas - int(t.shape[0])]] + [[0, 0]] * (t.shape.rank - 1))
-    return tf.gather(tf.reshape(padded, [replicas, rows, *t.shape[1:]]), replica)
+    index = replica * rows + tf.range(rows)
+    inside = index < int(t.shape[0])
+    picked = tf.gather(t, tf.minimum(index, int(t.shape[0]) - 1))
+    return tf.where(tf.reshape(inside, [rows] + [1] * (t.shape.rank - 1)), picked, tf.zeros_like(picked))
 
 
 def _assign_everywhere(ctx, variables, values, iterations) -> None:
