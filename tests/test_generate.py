@@ -42,25 +42,44 @@ def test_same_seed_same_sample_different_seed_different_sample():
 
 
 def naive_greedy(model, prompt, n):
-    """Greedy decoding by re-running the whole (cropped) context for every token: no cache."""
+    """Greedy decoding by re-running the whole window for every token, no cache: the window is the newest
+    max_len tokens of the prompt, grows by each new token, and when it would pass max_len starts again
+    from the newest half of the context (the sampler's cache refill)."""
+    L = model.cfg.max_len
     context = list(prompt)
+    start = max(len(context) - L, 0)
     for _ in range(n):
-        window = context[-model.cfg.max_len:]
-        context.append(int(tf.argmax(model(tf.constant([window]))[0, -1])))
+        context.append(int(tf.argmax(model(tf.constant([context[start:]]))[0, -1])))
+        if len(context) - start > L:
+            start = len(context) - L // 2
     return context[len(prompt):]
 
 
 def test_cached_generation_matches_recompute_and_runs_past_the_context():
     tf.keras.utils.set_random_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, max_len=8), 40).build_weights()
+    rng = np.random.default_rng(0)  # an initialised model repeats one token, whatever its window
+    model.set_weights([w + rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
     sampler = Sampler(model, eos_id=39, vocab_size=40)
     prompt = [3, 1, 4, 1, 5]
     cached = sampler.generate(prompt, 3, temperature=0.0)
     assert cached == naive_greedy(model, prompt, 3)
-    long = sampler.generate(prompt, 20, temperature=0.0)  # beyond max_len=8: the cache is refilled
-    assert len(long) == 20 and long[:3] == cached
+    long = sampler.generate(prompt, 20, temperature=0.0)  # beyond max_len=8: the cache is refilled, twice
+    assert long == naive_greedy(model, prompt, 20) and long[:3] == cached
+    assert sampler.generate(prompt * 3, 4, temperature=0.0) == naive_greedy(model, prompt * 3, 4)  # cropped
     assert sampler.generate(prompt, 20, temperature=1.0, seed=5) == sampler.generate(prompt, 20, temperature=1.0,
                                                                                       seed=5)
+
+
+def test_stop_at_eos_ends_the_sample_before_the_first_end_of_text():
+    tf.keras.utils.set_random_seed(0)
+    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=16, max_len=8), 10).build_weights()
+    sampler = Sampler(model, eos_id=0, vocab_size=10)
+    seed = next(seed for seed in range(50) if 0 in sampler.generate([1], 12, temperature=3.0, seed=seed)[1:])
+    ids = sampler.generate([1], 12, temperature=3.0, seed=seed)
+    stopped = sampler.generate([1], 12, temperature=3.0, seed=seed, stop_at_eos=True)
+    assert stopped == ids[:ids.index(0)] and len(stopped) < 12
+    assert sampler.generate([], 0) == [] and len(sampler.generate([], 5, temperature=1.0)) == 5  # empty prompt
 
 
 def test_padded_vocabulary_ids_are_never_sampled():

@@ -11,12 +11,9 @@
   export.json                   what was exported from where, the vocabulary and end-of-text id
 
 The weights are the run's newest readable checkpoint, restored exactly as `tpu-llm generate` restores
-it. `generate` is `generate.Sampler`'s algorithm written as one graph: prefill the KV cache with the
-prompt (its newest max_len tokens; an empty prompt starts after end-of-text), then one single-token
-decode per new token, refilling the cache from the newest half of the context when it is full, and
-the same stateless draws keyed by (seed, i). Every tensor in the loop has a static shape (the cache is
-[batch, heads, max_len, head_dim]), so the loop can be XLA-compiled, as a TPU needs; it is saved as a
-plain graph so that any TensorFlow build (and TF Serving) can run it. Logits are cropped to the
+it. `generate` is the graph `tpu-llm generate` samples with (model/sampling.py's `generate_ids`: the
+KV cache, the refill when it is full, the same stateless draws keyed by (seed, i)), saved as a plain
+graph so that any TensorFlow build (and TF Serving) can run it. Logits are cropped to the
 tokenizer's ids: a vocabulary padded past it (model.vocab_size) is never sampled, as in `generate`.
 
 The export is written to a temporary directory beside `output` and renamed into place, so a failed
@@ -38,7 +35,7 @@ import keras
 import tensorflow as tf
 
 from tpu_llm.errors import UserError
-from tpu_llm.model.sampling import sample_logits
+from tpu_llm.model.sampling import GENERATE_SIGNATURE, generate_ids
 from tpu_llm.platform.run_layout import EXPORT_DIR, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
 from tpu_llm.training.checkpoint import load_for_generation
@@ -68,58 +65,9 @@ class ServingModule(tf.Module):
         logits = tf.function(lambda tokens: {"logits": self.model(tokens)[..., :self.vocab_size]},
                              input_signature=[tokens], autograph=False).get_concrete_function()
         generate = tf.function(
-            lambda *args: {"ids": self.generate_ids(*args)}, autograph=False, input_signature=[
-                tokens,
-                tf.TensorSpec([], tf.int32, name="max_new_tokens"),
-                tf.TensorSpec([], tf.float32, name="temperature"),
-                tf.TensorSpec([], tf.int32, name="top_k"),
-                tf.TensorSpec([], tf.float32, name="top_p"),
-                tf.TensorSpec([], tf.int64, name="seed"),
-            ]).get_concrete_function()
+            lambda *args: {"ids": generate_ids(self.model, *args, eos_id=self.eos_id, vocab_size=self.vocab_size)},
+            input_signature=GENERATE_SIGNATURE, autograph=False).get_concrete_function()
         return {"logits": logits, "generate": generate, "serving_default": logits}
-
-    def generate_ids(self, tokens, max_new_tokens, temperature, top_k, top_p, seed):
-        model, L = self.model, self.max_len
-        half = max(L // 2, 1)
-        batch = tf.shape(tokens)[0]
-        tokens = tf.cond(tf.shape(tokens)[1] > 0, lambda: tokens[:, -L:],
-                         lambda: tf.fill([batch, 1], tf.constant(self.eos_id, tf.int32)))
-        # the newest L tokens of the context, left-padded; a refill reads only its newest `half`,
-        # which are real tokens by then (the cache holds L of them when it is full)
-        pad = tf.fill([batch, L], tf.constant(self.eos_id, tf.int32))
-        context = tf.concat([pad, tokens], axis=1)[:, -L:]
-        context.set_shape([None, L])
-
-        def prefill(window):
-            logits, cache = model.call_with_cache(window, model.empty_cache(batch), 0)
-            return logits[:, -1, :self.vocab_size], cache
-
-        logits, cache = prefill(tokens)
-        pos = tf.shape(tokens)[1]
-        max_new_tokens = tf.maximum(max_new_tokens, 0)
-        out = tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=tf.TensorShape([None]))
-
-        def body(i, logits, cache, pos, context, out):
-            token = sample_logits(logits, temperature, top_k, top_p, tf.stack([seed, tf.cast(i, tf.int64)]))
-            out = out.write(i, token)
-            context = tf.concat([context[:, 1:], token[:, None]], axis=1)
-
-            def refill():
-                logits, cache = prefill(context[:, -half:])
-                return logits, cache, tf.constant(half, tf.int32)
-
-            def decode():
-                logits, new = model.call_with_cache(token[:, None], cache, pos)
-                return logits[:, -1, :self.vocab_size], new, pos + 1
-
-            logits, cache, pos = tf.cond(pos >= L, refill, decode)
-            return i + 1, logits, cache, pos, context, out
-
-        loop = tf.while_loop(lambda i, *_: i < max_new_tokens, body,
-                             (tf.constant(0), logits, cache, pos, context, out))
-        # (max_new_tokens, batch); TensorArray cannot stack zero elements of a shape unknown when traced
-        ids = tf.cond(max_new_tokens > 0, loop[-1].stack, lambda: tf.zeros([0, batch], tf.int32))
-        return tf.transpose(tf.reshape(ids, [max_new_tokens, batch]))
 
 
 def export_target(run_dir: str, output: str, default: str, overwrite: bool) -> tuple[str, str]:
