@@ -22,11 +22,10 @@ SETTINGS = ("none", "state")
 def measure(replicas: int, setting: str, steps: int) -> dict:
     """In this process (split into `replicas` logical CPUs): build the run, count the optimizer bytes on
     replica 1's device, train `steps` steps in host calls of steps/2, time the second call."""
-    import tensorflow as tf
-
     from tpu_llm.config import load_config
     from tpu_llm.tools import plan
     from tpu_llm.tools.bench import config_path
+    from tpu_llm.training import sharded_adamw
     from tpu_llm.training.controller import build_run
 
     with tempfile.TemporaryDirectory() as work:
@@ -35,13 +34,7 @@ def measure(replicas: int, setting: str, steps: int) -> dict:
                                                 "train.steps_per_loop": steps // 2, "train.eval_every": 0,
                                                 "checkpoint.every_steps": 0, "sample.num_samples": 0})
         run = build_run(cfg)
-        device = run.dist.strategy.extended.worker_devices[1]
-        held = 0
-        for v in run.optimizer.variables:
-            v = v if isinstance(v, tf.Variable) else v.value  # (Keras' hold a TF variable)
-            for part in run.dist.strategy.experimental_local_results(v):
-                if part.device == device and part.shape.rank:  # (the step counter: a scalar on every device)
-                    held += part.shape.num_elements() * part.dtype.size
+        held = sharded_adamw.bytes_on(run.optimizer, run.dist.strategy, run.dist.strategy.extended.worker_devices[1])
         run.trainer.run(run.train_iterator, steps // 2, steps // 2)  # compiles
         start = time.perf_counter()
         run.trainer.run(run.train_iterator, steps // 2, steps // 2)

@@ -207,3 +207,16 @@ def _assign_everywhere(ctx, variables, values, iterations) -> None:
         strategy.extended.update(_tf_variable(iterations), lambda v: v.assign_add(1), group=False)
 
     ctx.merge_call(update, args=(values,))
+
+
+def bytes_on(optimizer, strategy, device: str) -> int:
+    """The bytes of the optimizer's state (`optimizer.variables`: AdamW's moments, whole or divided) that
+    `device` holds, counted from the variables where TF placed them (the step counter, a scalar on every
+    device, left out): what `tpu-llm bench memory --only shard` and the doctor's shard line compare with
+    the planner's optimizer bytes."""
+    held = 0
+    for v in optimizer.variables:
+        for part in strategy.experimental_local_results(_tf_variable(v)):
+            if part.device == device and part.shape.rank:
+                held += part.shape.num_elements() * part.dtype.size
+    return held

@@ -1,5 +1,6 @@
 """The lines measured on the data-parallel run (one replica per TPU core, GPU or logical CPU): replicas,
-bfloat16, checkpoint, input and plan, and the profiler trace of two of its steps."""
+bfloat16, checkpoint, input and plan, the profiler trace of two of its steps, and the same run with
+AdamW's moments divided over the replicas (shard state)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm.config import Config
+from tpu_llm.config.checks import shard_refusal
 from tpu_llm.data import dataset as data
 from tpu_llm.errors import UserError
 from tpu_llm.parallel import tpu
 from tpu_llm.tools import plan
 from tpu_llm.tools.doctor.report import Check, status
-from tpu_llm.training import profiler
+from tpu_llm.training import build, profiler, sharded_adamw
 
 BF16_TOLERANCE = 0.02  # |bf16 - f32| / f32 of the mean loss (tests/test_pipeline.py uses the same)
 PLAN_RATIO = (0.5, 200.0)  # measured / planned step time: below, the planner's FLOPs or peak are wrong;
@@ -132,3 +134,40 @@ def check_plan(cfg: Config, dist, step_seconds: float) -> Check:
                  f"{PLAN_RATIO[0]:g}x-{PLAN_RATIO[1]:g}x for this tiny model)",
                  {"accelerator": name, "measured_seconds": step_seconds, "predicted_seconds": predicted,
                   "ratio": ratio})
+
+
+SHARD_LOSS_TOLERANCE = 1e-5  # relative: the divided update is Keras' arithmetic element by element, so
+# the loss is equal to the whole one's up to the order XLA sums in (bit-identical on logical CPUs)
+SHARD_PLAN_TOLERANCE = 0.05  # measured / planned optimizer bytes per device: ceil(rows / R) pads a little
+
+
+def check_shard_state(make_cfg, dist, steps: int, f32, f32_loss: float) -> Check:
+    """parallel.shard_optimizer=state on the data-parallel replicas: the same steps on the same batches
+    give the float32 run's mean loss, and replica 0's device holds 1/R of the moments the float32 run's
+    holds, the planner's optimizer bytes for the config (training/sharded_adamw.py)."""
+    replicas = dist.num_replicas
+    if replicas < 2:
+        return Check("shard state", "SKIP", "one replica: nothing to divide the optimizer's moments over")
+    cfg = make_cfg(1, 1, "float32", "shard-state")
+    cfg.parallel.shard_optimizer = "state"
+    why = shard_refusal(cfg, dist.name)
+    if why:
+        return Check("shard state", "SKIP", why)
+    run = build.build_run(cfg, dist)
+    half = steps // 2 or 1
+    first = run.trainer.run(run.train_iterator, half, half)["loss"]
+    second = run.trainer.run(run.train_iterator, steps - half, steps - half)["loss"]
+    loss = (first * half + second * (steps - half)) / steps
+    rel = abs(loss - f32_loss) / abs(f32_loss) if f32_loss else float("inf")
+    device = dist.strategy.extended.worker_devices[0]
+    held = sharded_adamw.bytes_on(run.optimizer, dist.strategy, device)
+    whole = sharded_adamw.bytes_on(f32.optimizer, dist.strategy, device)
+    cpu = plan.Accelerator("cpu", "CPU", 1, 1e11, 0.0, "the planner's memory only")
+    planned = plan.plan(cfg, cpu, check=False).memory[0].optimizer
+    ok = np.isfinite(loss) and rel <= SHARD_LOSS_TOLERANCE and abs(held / planned - 1) <= SHARD_PLAN_TOLERANCE
+    return Check("shard state", status(ok), f"AdamW's moments divided over {replicas} replicas: {held / 1024:,.1f} "
+                 f"KiB on {device.split('/')[-1].lower().replace('device:', '')} ({held / whole:.1%} of the whole "
+                 f"{whole / 1024:,.1f}; plan {planned / 1024:,.1f}), mean loss {rel:.1e} from the whole run's "
+                 f"(tolerance {SHARD_LOSS_TOLERANCE:g})",
+                 {"replicas": replicas, "device": device, "bytes": held, "whole_bytes": whole,
+                  "planned_bytes": planned, "loss": loss, "whole_loss": f32_loss, "relative": rel})

@@ -30,6 +30,8 @@ FIX = {
     "hlo mlir": "with the MLIR bridge the stages' or groups' matmuls land on too few cores, or the step does not "
                 "compile: do not set TF_XLA_FLAGS=--tf_mlir_enable_mlir_bridge=true for model-parallel runs here; "
                 "report it with doctor.json and the HLO dump it names",
+    "shard state": "train with parallel.shard_optimizer=none here (each replica keeps the whole moments) and report "
+                   "it with doctor.json",
     "memory": "train with train.loss_chunk=0 model.attention=dense if the results differ, and plan with a margin if "
               "the memory differs from the planner's; report it with doctor.json",
 }
