@@ -391,6 +391,13 @@ def lora_alpha_edited(bench: Bench, run_dir: Path) -> list[str]:
     return ["train", "--config", str(config), f"--run_dir={run_dir}", f"--train.steps={STEPS}"]
 
 
+def freeze_edited(bench: Bench, run_dir: Path) -> list[str]:
+    """A run stopped at ckpt-8 that trained every layer, resumed with train.freeze=embeddings: AdamW's moments,
+    saved by position among the trainable variables, would be restored into other layers."""
+    Proc(bench.work / "freeze-drift-prepare.log", bench.train_args(run_dir, EVERY)).wait()
+    return bench.train_args(run_dir) + ["--train.freeze=embeddings"]
+
+
 def corrupted_tokenizer(bench: Bench, run_dir: Path) -> list[str]:
     Proc(bench.work / "tokenizer-prepare.log", bench.train_args(run_dir, EVERY)).wait()
     (run_dir / "tokenizer.json").write_text('{"kind": "byte", "vocab')  # torn mid-write
@@ -913,6 +920,9 @@ ROWS = [
     Row("config-drift", "train.lora_alpha edited in a LoRA run's config.yaml (8 -> 16), then the resume",
         "exit 2, one line naming train.lora_alpha and both values; the run directory unchanged",
         refused_row(lora_alpha_edited, "was trained with train.lora_alpha=8.0, this config has 16.0"), reference=False),
+    Row("freeze-drift", "a run that trained every layer, resumed with --train.freeze=embeddings",
+        "exit 2, one line naming train.freeze and both values; the run directory unchanged",
+        refused_row(freeze_edited, "was trained with train.freeze='', this config has 'embeddings'"), reference=False),
     Row("hardlink-goodput", "goodput.jsonl hard-linked to a file outside the run directory", "exit 2, one line "
         "naming the hard link; nothing appended through it", refused_row(special_file("goodput.jsonl", "hardlink"),
                                                                          "goodput.jsonl has 2 hard links")),

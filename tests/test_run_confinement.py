@@ -204,11 +204,25 @@ def test_the_trained_state_record_names_adapter_keys_not_layout_keys(tmp_path):
 
     lora = {"train.lora_rank": 2, "train.lora_alpha": 4.0}
     one = trained_state(tiny_config(tmp_path, **lora))
-    assert one == {"lora_rank": 2, "lora_alpha": 4.0, "lora_base_dtype": "float32", "lora_targets": "c_attn"}
+    assert one == {"lora_rank": 2, "lora_alpha": 4.0, "lora_base_dtype": "float32", "lora_targets": "c_attn",
+                   "freeze": ""}
     layout = {"cpu_devices": 2, "parallel.pipeline_stages": 2, "parallel.microbatches": 2, "parallel.tensor": 2}
     assert trained_state(tiny_config(tmp_path, **lora, **layout)) == one
-    assert trained_state(tiny_config(tmp_path)) == {"lora_rank": 0}
+    assert trained_state(tiny_config(tmp_path)) == {"lora_rank": 0, "freeze": ""}
+    assert trained_state(tiny_config(tmp_path), optimizer=False) == {"lora_rank": 0}  # generation: no moments
+    frozen = trained_state(tiny_config(tmp_path, **{"train.freeze": "blocks:1, embeddings,blocks:0-1"}))
+    assert frozen["freeze"] == "embeddings,blocks:0,blocks:1"  # one spelling of the same layers
     weights = tf.Variable([1.0, 2.0])
     Checkpointer(str(tmp_path / "run"), 2, trained=one, weights=weights).save(1)
     with pytest.raises(UserError, match=r"was trained with train.lora_rank=2, this config has 0 .*another --run_dir"):
         Checkpointer(str(tmp_path / "run"), 2, trained={"lora_rank": 0}, weights=weights).restore_latest()
+    # train.freeze: compared where both sides record it (not by generation, nor against a checkpoint from before)
+    Checkpointer(str(tmp_path / "all"), 2, trained={"lora_rank": 0, "freeze": ""}, weights=weights).save(1)
+    with pytest.raises(UserError, match=r"was trained with train.freeze='', this config has 'embeddings' .*its AdamW "
+                                        r"moments belong to other layers.*--train.init_from="):
+        Checkpointer(str(tmp_path / "all"), 2, trained={"lora_rank": 0, "freeze": "embeddings"},
+                     weights=weights).restore_latest()
+    assert Checkpointer(str(tmp_path / "all"), 2, trained={"lora_rank": 0}, weights=weights).restore_latest()
+    Checkpointer(str(tmp_path / "old"), 2, trained={"lora_rank": 0}, weights=weights).save(1)
+    assert Checkpointer(str(tmp_path / "old"), 2, trained={"lora_rank": 0, "freeze": "embeddings"},
+                        weights=weights).restore_latest()

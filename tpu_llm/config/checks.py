@@ -331,17 +331,23 @@ def adapter_differences(saved: dict, current) -> list[str]:
 ADAPTER_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")  # train.*: what made the adapters
 
 
-def trained_state(cfg) -> dict:
+def trained_state(cfg, optimizer: bool = True) -> dict:
     """The train.* keys that decide the set, shape or meaning of a run's trained state (a validated
     `cfg`), as each checkpoint records them: a resume or a `generate` with another value dropped the
     adapters or read them at another scale, without a word. The targets are PEFT's module names (""
-    spelt out as the family's default). Layout keys (cpu_devices, parallel.*) are not among them: a run
-    may resume in another layout."""
+    spelt out as the family's default). With `optimizer` (training, not generation), also train.freeze in
+    one spelling ("blocks:1,embeddings"): AdamW's moments are saved by position in the list of trainable
+    variables, so another freeze would restore them into other layers (or fail on a shape). Layout keys
+    (cpu_devices, parallel.*) are not among them: a run may resume in another layout."""
     t = cfg.train
-    if not t.lora_rank:
-        return {"lora_rank": 0}
-    return {"lora_rank": t.lora_rank, "lora_alpha": t.lora_alpha, "lora_base_dtype": t.lora_base_dtype,
-            "lora_targets": ",".join(lora_targets(t.lora_targets, cfg.model.family))}
+    state = {"lora_rank": 0}
+    if t.lora_rank:
+        state = {"lora_rank": t.lora_rank, "lora_alpha": t.lora_alpha, "lora_base_dtype": t.lora_base_dtype,
+                 "lora_targets": ",".join(lora_targets(t.lora_targets, cfg.model.family))}
+    if optimizer:
+        named, blocks = spec.frozen_layers(t.freeze, cfg.model.n_layer)
+        state["freeze"] = ",".join(sorted(named) + [f"blocks:{b}" for b in sorted(blocks)])
+    return state
 
 
 def check_base_run(saved: dict, source: str) -> None:

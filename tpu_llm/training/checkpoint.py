@@ -244,13 +244,18 @@ class Checkpointer:
             raise Unreadable(f"its trained_state is not JSON ({str(text)[:60]!r})") from None
         saved = saved if isinstance(saved, dict) else {}
         keys = set(saved) | set(self.trained)  # the rank first: with no adapters, the others are not recorded
-        for key in [k for k in ADAPTER_KEYS if k in keys] + sorted(keys - set(ADAPTER_KEYS)):
+        # the others (train.freeze) only where both record them: a checkpoint from before they were recorded,
+        # and generation, which builds no optimizer, do not compare them
+        others = sorted(k for k in (set(saved) & set(self.trained)) - set(ADAPTER_KEYS))
+        for key in [k for k in ADAPTER_KEYS if k in keys] + others:
             theirs, ours = saved.get(key), self.trained.get(key)
             if theirs != ours:
+                what, fresh = ("its adapters would be dropped or misread", "a new run with another --run_dir") \
+                    if key in ADAPTER_KEYS else ("its AdamW moments belong to other layers", "a new run from its "
+                                                 f"weights: --run_dir NEW --train.init_from={self.run_dir}")
                 raise UserError(f"checkpoint {path} was trained with train.{key}={theirs!r}, this config has {ours!r} "
-                                f"(an edited {CONFIG_FILE}?): its adapters would be dropped or misread; set "
-                                f"train.{key}={theirs!r} again ({self.run_dir}/{CONFIG_FILE}, or --train.{key} for "
-                                "train), or start a new run with another --run_dir")
+                                f"(an edited {CONFIG_FILE}?): {what}; set train.{key}={theirs!r} again "
+                                f"({self.run_dir}/{CONFIG_FILE}, or --train.{key} for train), or start {fresh}")
 
     def _check_tokenizer(self, path: str) -> None:
         theirs = self.read(path, "tokenizer")
@@ -428,8 +433,7 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
     check_tokenizer_fits(run_dir, tokenizer, cfg)
     model = GPT.from_config(cfg).build_weights()
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
-                        trained=trained_state(cfg),
-                      model=model)
+                        trained=trained_state(cfg, optimizer=False), model=model)
     path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
     if path is None:
         raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")
