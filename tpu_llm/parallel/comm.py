@@ -416,10 +416,12 @@ class Comm:
         if not self.local:
             return step
 
+        def outer_step():
+            self.strategy.run(self.local.outer_step)
+
         def with_outer_step(element):
             out = step(element)
-            if self.local.due(iterations):  # every sync_every steps: average
-                self.strategy.run(self.local.outer_step)
+            tf.cond(self.local.due(iterations), outer_step, lambda: None)  # every sync_every steps: average
             return out
         return with_outer_step
 

@@ -1,7 +1,7 @@
 """The compiled training and evaluation loops (Orbit-style: many steps per host call).
 
-`Trainer.train_loop(iterator, n)` is one `tf.function` that runs n optimizer steps with a `tf.range`
-loop. Each step is `strategy.run(replica_step)`, which reads as one line: loss and gradients (the stage
+`Trainer.train_loop(iterator, n)` is one `tf.function` that runs n optimizer steps in a `tf.while_loop`
+(written out: autograph is off, see `__init__`). Each step is `strategy.run(replica_step)`, which reads as one line: loss and gradients (the stage
 pipeline's forward and backward over the micro-batches, a `tf.function(jit_compile=True)`: the program
 a TPU compiles; on CPU the same code compiles with XLA) -> the gradient exchange (parallel/comm.py) ->
 global norm -> clip -> finite check -> compression state committed -> guarded update
@@ -103,7 +103,7 @@ class Trainer:
         # lost. So there the functions are plain Python inside the replica step; elsewhere a nested
         # function, XLA-compiled where the strategy allows it.
         nested = (lambda fn: fn) if dist.placement.tpu_strategy is not None else \
-            (lambda fn: tf.function(fn, jit_compile=jit))
+            (lambda fn: tf.function(fn, jit_compile=jit, autograph=False))
         self._loss_and_grads = nested(self._loss_and_grads_fn)
         # asynchronous workers also measure how stale their gradients were when applied
         self.loss_and_grads = Staleness(self.strategy, self._loss_and_grads) if dist.asynchronous else \
@@ -112,8 +112,10 @@ class Trainer:
         self.step = self.exchange.wrap(lambda element: self.strategy.run(self.replica_step, args=element),
                                        optimizer.iterations)
         self._eval_loss = nested(self._eval_loss_fn)
-        self.train_loop = tf.function(self._train_loop)
-        self.eval_loop = tf.function(self._eval_loop)
+        # autograph off: the loops are tf.while_loops already, and converting every function the step
+        # calls (ours and Keras') cost seconds of each process's start (5.4 s of a 29 s tiny run)
+        self.train_loop = tf.function(self._train_loop, autograph=False)
+        self.eval_loop = tf.function(self._eval_loop, autograph=False)
 
     # ---- per replica -----------------------------------------------------------------------------
 
@@ -180,12 +182,16 @@ class Trainer:
         ys = tf.reshape(targets, [k, -1, targets.shape[-1]])
         loss_sum, grads = micro(xs[0], ys[0])
         last = len(self.pipeline.stages) - 1  # the stage computing the loss
-        for i in tf.range(1, k):
+
+        def accumulate(i, loss_sum, grads):
             loss_i, grads_i = micro(xs[i], ys[i])
             with self.pipeline.placement.at(layers=last):
                 loss_sum += loss_i
             # each stage's gradients summed where the stage lives (on TPU: its logical core), not on core 0
             grads = self.by_stage(lambda pairs: [g + gi for g, gi in pairs], list(zip(grads, grads_i)))
+            return i + 1, loss_sum, grads
+
+        _, loss_sum, grads = tf.while_loop(lambda i, *_: i < k, accumulate, (tf.constant(1), loss_sum, grads))
         return loss_sum / k, grads
 
     def _eval_step(self, inputs, targets):
@@ -252,24 +258,28 @@ class Trainer:
         return self.strategy.experimental_local_results(per_replica)[0]
 
     def _train_loop(self, iterator, num_steps):
-        loss_sum = staleness_sum = staleness_max = grad_norm = bad = tf.constant(0.0)
-        first_bad = tf.constant(-1, tf.int64)  # the optimizer step (0-based) of the first skipped step
-        done = tf.constant(0)
-        # a signal stops the loop at the next step boundary; tested in the loop's condition, not by a
-        # `break` (which autograph turns into a tf.cond around the rest of the body: the whole step,
-        # optimizer update included, would run inside a cond branch)
-        while tf.logical_and(done < num_steps, tf.logical_not(self._stopping())):
+        zero = tf.constant(0.0)
+        # (done, loss_sum, bad, first_bad, grad_norm, staleness_sum, staleness_max); first_bad: the optimizer
+        # step (0-based) of the first skipped step, -1 if none
+        start = (tf.constant(0), zero, zero, tf.constant(-1, tf.int64), zero, zero, zero)
+
+        # a signal stops the loop at the next step boundary: tested in the loop's condition, never by a
+        # branch around the step (the whole step, optimizer update included, would run inside a cond)
+        def more(done, *_):
+            return tf.logical_and(done < num_steps, tf.logical_not(self._stopping()))
+
+        def one_step(done, loss_sum, bad, first_bad, grad_norm, staleness_sum, staleness_max):
             step = tf.identity(self.optimizer.iterations)
             element = next(iterator)  # (inputs, targets[, data position update])
             loss, norm, staleness, ok = self.step(element)
             ok = self._first(ok)
             loss_sum += tf.where(ok > 0, self._first(loss), 0.0)  # a skipped step's loss may be NaN
-            bad += 1.0 - ok
             first_bad = tf.where(tf.logical_and(first_bad < 0, ok < 1), step, first_bad)
-            grad_norm = self._first(norm)
-            staleness_sum += self._first(staleness)
-            staleness_max = tf.maximum(staleness_max, self._first(staleness))
-            done += 1
+            staleness = self._first(staleness)
+            return (done + 1, loss_sum, bad + 1.0 - ok, first_bad, self._first(norm), staleness_sum + staleness,
+                    tf.maximum(staleness_max, staleness))
+
+        done, loss_sum, bad, first_bad, grad_norm, staleness_sum, staleness_max = tf.while_loop(more, one_step, start)
         good = tf.maximum(tf.cast(done, tf.float32) - bad, 1.0)
         # one loop's figures, as tensors: `call_output` makes a host call's CallOutput of its loops'
         return {"loss": loss_sum / good, "grad_norm": grad_norm,
@@ -280,11 +290,12 @@ class Trainer:
         return self.stop_flag > 0 if self.stop_flag is not None else tf.constant(False)
 
     def _eval_loop(self, iterator, num_steps):
-        total = tf.constant(0.0)
-        for _ in tf.range(num_steps):
+        def one_batch(i, total):
             inputs, targets = next(iterator)
             loss = self.strategy.run(self._eval_step, args=(inputs, targets))
-            total += self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None)
+            return i + 1, total + self.strategy.reduce(tf.distribute.ReduceOp.MEAN, loss, axis=None)
+
+        _, total = tf.while_loop(lambda i, _: i < num_steps, one_batch, (tf.constant(0), tf.constant(0.0)))
         return total / tf.cast(num_steps, tf.float32)
 
 
