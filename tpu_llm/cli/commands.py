@@ -135,7 +135,9 @@ def export(run_dir: str, output: str = "", overwrite: bool = False, format: str 
         print(f"exported  {meta['run_dir']} at step {meta['step']} to {meta['output']}")
         print(f"saved     a run directory: its {meta['params']:,} weights (any LoRA adapters merged in) at step 0, "
               f"config.yaml without adapters, the {meta['tokenizer']} tokenizer")
-        print(f"use       tpu-llm train ... --train.init_from={shlex.quote(meta['output'])}")
+        out = shlex.quote(meta["output"])
+        print(f"use       train.init_from={out}, e.g. tpu-llm train --config {out}/config.yaml --run_dir NEW "
+              f"--train.init_from={out} --train.lora_rank=8")
         return
     if format == "peft":
         from tpu_llm.interop import peft
