@@ -29,11 +29,13 @@ HOLE = "\u00abHOLE\u00bb"  # an f-string's {expression}: a value only known when
 COMMAND_LINE = re.compile(r"`((?:[A-Z_]+=\S+\s+)*(?:tpu-llm|make)\s[^`]*)`")
 # outside backticks: a printed next step (`next      tpu-llm generate --run_dir ...`, up to two spaces or
 # the line's end) and a make command in parentheses (`(make data-upload OVERWRITE=1)`)
-PRINTED = re.compile(r"(?<![\w-])(tpu-llm (?:[a-z]+ )?[a-z]+ --.*?)(?=\s{2}|$)|\((make [a-z][\w-]*(?:\s+[A-Z_]+=[^\s)]+)*)\)",
-                     re.M)
+PRINTED = re.compile(r"(?<![\w-])(tpu-llm (?:[a-z]+ )?[a-z]+ --.*?)(?=\s{2}|$)"
+                     r"|\((make [a-z][\w-]*(?:\s+[A-Z_]+=[^\s)]+)*)\)", re.M)
 # values the parser takes as text but a command refuses when it runs: a hint must name a valid one
 CHOICES = {("export", "format"): EXPORT_FORMATS, ("data prepare", "tokenizer"): TOKENIZERS,
            ("bench", "suite"): BENCH_SUITES, ("launch", "network"): ("auto", "open")}
+# flags a command refuses to run without, though the parser lets them default (the command says why)
+NEEDED = {"data prepare": ("output",), "plan": ("accelerator",)}
 
 
 def _text(node: ast.AST) -> str:
@@ -147,6 +149,10 @@ def test_every_tpu_llm_hint_parses(line):
     assert not problems, f"`{line}`: {'; '.join(problems)}"
     if " ".join(words) in COMMANDS:  # a command named, not a command line
         return
+    name = " ".join(words[:2]) if " ".join(words[:2]) in COMMANDS else words[0]
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    missing = [f"--{flag}" for flag in NEEDED.get(name, ()) if not any(a.startswith(f"--{flag}=") for a in own)]
+    assert not missing, f"`{line}` lacks {', '.join(missing)}, without which `tpu-llm {name}` refuses to run"
     with contextlib.redirect_stdout(io.StringIO()):
         try:
             parse(argv)
