@@ -23,11 +23,15 @@ The export is written to a temporary directory beside `output` and renamed into 
 export never leaves a half-written one, and an existing export is replaced only with --overwrite:
 renamed aside, the new one renamed in, and only then deleted (`staged_directory`). An `output` that
 is a symbolic link is refused: replacing it would delete through the link.
+
+`export_run` (`--format run`) writes a run directory instead: the newest weights (a LoRA run's adapters
+merged in) as a new run's checkpoint at step 0, a base that train.init_from accepts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -202,8 +206,6 @@ def export_run(run_dir: str, output: str = "") -> dict:
     tokenizer: a base run for train.init_from, whatever the tokenizer (`--format hf` writes none for byte,
     char or sentencepiece, so its round trip through `tpu-llm import` cannot make one). `output` must be
     new (or empty), as `tpu-llm import`'s --run_dir: a run directory is never replaced."""
-    import dataclasses
-
     run_dir = str(run_dir).rstrip("/")
     output = str(output or f"{run_dir}{RUN_SUFFIX}").rstrip("/")
     check_run_dir_reachable(run_dir)
