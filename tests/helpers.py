@@ -470,6 +470,28 @@ def clean_env(**extra) -> dict:
     return {**env, **{k: str(v) for k, v in extra.items()}}
 
 
+def make_problem(words: list[str]) -> str:
+    """What is wrong with the `make` command line `words` ("" if nothing): each word but `make` a target
+    of the Makefile (a pattern, `make tpu-*` in prose, must match one) or NAME=VALUE with a setting that
+    the Makefile or what it runs (tpu_llm/cloud/, scripts/faults.py) reads. Docs and hints alike."""
+    import fnmatch
+    import re
+
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([\w-]+):", makefile, flags=re.M))
+    readers = [makefile, *(p.read_text() for p in (ROOT / "tpu_llm" / "cloud").glob("*.py")),
+               (ROOT / "scripts" / "faults.py").read_text()]
+    settings = {name for text in readers for name in re.findall(r"\b([A-Z][A-Z0-9_]+)\b", text)}
+    at = words.index("make")
+    for word in words[:at] + words[at + 1:]:
+        if "=" in word:
+            if word.split("=")[0] not in settings:
+                return f"make setting {word.split('=')[0]} is read by nothing"
+        elif not fnmatch.filter(targets, word):
+            return f"make {word}: no such target in the Makefile ({', '.join(sorted(targets))})"
+    return ""
+
+
 def make(target: str, **env) -> subprocess.CompletedProcess:
     """`make TARGET DRY_RUN=1` in the repository, without re-checking .venv."""
     return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", target, "DRY_RUN=1",

@@ -202,17 +202,7 @@ def make_commands():
 def test_every_documented_make_command_names_a_target_and_known_settings(words):
     """Argument validity of the `make` commands the checker cannot run (Cloud TPU, long suites): each
     names a target of the Makefile, and each NAME=VALUE a setting the Makefile or what it runs reads."""
-    import fnmatch
-    import re
+    from helpers import make_problem
 
-    makefile = (ROOT / "Makefile").read_text()
-    targets = set(re.findall(r"^([\w-]+):", makefile, flags=re.M))
-    readers = [makefile, *(p.read_text() for p in (ROOT / "tpu_llm" / "cloud").glob("*.py")),
-               (ROOT / "scripts" / "faults.py").read_text()]
-    settings = {name for text in readers for name in re.findall(r"\b([A-Z][A-Z0-9_]+)\b", text)}
-    at = words.index("make")
-    for word in words[:at] + words[at + 1:]:
-        if "=" in word:
-            assert word.split("=")[0] in settings, f"make setting {word.split('=')[0]} is read by nothing"
-        else:  # (a pattern in prose, `make tpu-*`, must match some target)
-            assert fnmatch.filter(targets, word), f"make {word}: no such target in the Makefile ({', '.join(sorted(targets))})"
+    problem = make_problem(words)
+    assert not problem, problem

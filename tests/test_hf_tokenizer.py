@@ -252,6 +252,9 @@ def test_training_on_text_with_the_hf_tokenizer_is_refused_and_the_run_directory
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: data.tokenizer=hf trains on pre-tokenized shards only") and \
         err.count("\n") == 1 and "tpu-llm data prepare" in err, err
+    # the command it names reads this run's text with its tokenizer (issue 50: a hint works as printed)
+    assert f"`tpu-llm data prepare --tokenizer hf --input '{tmp_path / 'corpus' / '*.txt'}' --output SHARDS " \
+           f"--tokenizer_model {gpt2_dirs['tokenizer.json']}`" in err, err
     assert snapshot(tmp_path) == before
 
 

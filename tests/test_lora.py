@@ -207,7 +207,8 @@ def test_a_run_with_other_lora_settings_is_refused(base_run):
                                                                 "has 'c_attn')")):
         with pytest.raises(UserError, match=re.escape(words)):
             build_run(lora_cfg(tmp, "run", steps=2, **overrides))
-    with pytest.raises(UserError, match=r"train.init_from=.* is a LoRA run \(train.lora_rank=2\); start from a merged"):
+    with pytest.raises(UserError, match=r"train.init_from=.* is a LoRA run \(train.lora_rank=2\); start from a copy "
+                                        r"of it with its adapters merged in: `tpu-llm export --run_dir .* --format run"):
         build_run(lora_cfg(tmp, "next", **{"train.init_from": str(tmp / "run")}))
     assert_config_drift_is_refused(tmp / "run")
 

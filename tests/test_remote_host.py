@@ -267,6 +267,9 @@ def test_sentencepiece_text_is_refused_for_a_remote_tpu(tmp_path):
         tpu.check_remote_data(cfg, (Source(["gs://b/a.txt"], "text"), Source(["gs://b/b.txt"], "text")))
     assert str(error.value).startswith("data.tokenizer=sentencepiece tokenizes text with tensorflow-text's ops, "
                                        "which the TF servers on the hosts of tpu='grpc://10.0.0.2:8470' do not have")
+    # the command it names reads the run's own model file (issue 50: a hint works as printed)
+    assert f"`tpu-llm data prepare --tokenizer sentencepiece --tokenizer_model {tmp_path / 'sp.model'} --output " \
+        "gs://BUCKET/shards`" in str(error.value)
     tpu.check_remote_data(cfg, (Source(["gs://b/a.tfrecord"], "tfrecord"),) * 2)  # shards: tokenized already
     for kind in ("byte", "char"):
         cfg.data.tokenizer = kind

@@ -7,6 +7,7 @@ have been checked.
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from tpu_llm import __version__
@@ -94,6 +95,9 @@ def generate(run_dir: str, prompt: str = "", prompt_file: str = "", max_new_toke
                 num_return_sequences=num_return_sequences)
 
 
+EXPORT_FORMATS = ("savedmodel", "hf", "peft", "run")
+
+
 @command("export", "write a run's newest checkpoint as a SavedModel plus Keras weights, or in the HF layout",
          "tpu-llm export --run_dir runs/tiny --output exports/tiny",
          details="""
@@ -104,18 +108,37 @@ config.yaml and the tokenizer are written beside it. See tpu_llm/interop/export.
 transformers' AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or LlamaForCausalLM). See
 tpu_llm/interop/hf_export.py and docs/hugging-face.md; a LoRA run's adapters come merged into the weights.
 --format peft: a LoRA run's adapters (adapter_config.json, adapter_model.safetensors), which
-peft.PeftModel.from_pretrained puts on the base transformers model. See docs/lora.md.""",
+peft.PeftModel.from_pretrained puts on the base transformers model. See docs/lora.md.
+--format run: a new run directory (default <run_dir>-merged) holding the newest weights as its checkpoint
+at step 0, a LoRA run's adapters merged in, with the run's config and tokenizer: a base run for
+train.init_from (a LoRA run is none; docs/lora.md).""",
          run_dir="the run directory of a `tpu-llm train` run", output="where to write (default <run_dir>/export, "
-         "<run_dir>/hf or <run_dir>/peft with those formats)", overwrite="replace an earlier export at --output",
-         format="savedmodel | hf (Hugging Face: safetensors and config.json) | peft (a LoRA run's adapters)",
+         "<run_dir>/hf or <run_dir>/peft with those formats, <run_dir>-merged with run)",
+         overwrite="replace an earlier export at --output (not with run: a run directory is never replaced)",
+         format="savedmodel | hf (Hugging Face: safetensors and config.json) | peft (a LoRA run's adapters) | run "
+                "(a new run directory, adapters merged: a base for train.init_from)",
          dtype="--format hf: weights as auto (an imported run's own dtype, else float32) | float32 | bfloat16 | float16")
 def export(run_dir: str, output: str = "", overwrite: bool = False, format: str = "savedmodel", dtype: str = "auto"):
     from tpu_llm.interop import export
 
-    if format not in ("savedmodel", "hf", "peft"):
-        near = nearest(format, ("savedmodel", "hf", "peft"))
+    if format not in EXPORT_FORMATS:
+        near = nearest(format, EXPORT_FORMATS)
         raise UserError(f"--format={format!r}; " + (f"did you mean {near!r}? " if near else "") +
-                        "choose savedmodel, hf or peft")
+                        "choose savedmodel, hf, peft or run")
+    if format == "run":
+        if dtype != "auto" or overwrite:
+            raise UserError("--format run takes neither --dtype (its weights are float32) nor --overwrite (a run "
+                            "directory is never replaced: give a new --output)")
+        meta = export.export_run(run_dir, output)
+        for note in meta.get("notes", []):
+            print(f"warning   {note}", file=sys.stderr, flush=True)
+        print(f"exported  {meta['run_dir']} at step {meta['step']} to {meta['output']}")
+        print(f"saved     a run directory: its {meta['params']:,} weights (any LoRA adapters merged in) at step 0, "
+              f"config.yaml without adapters, the {meta['tokenizer']} tokenizer")
+        out = shlex.quote(meta["output"])
+        print(f"use       train.init_from={out}, e.g. tpu-llm train --config {out}/config.yaml --run_dir NEW "
+              f"--train.init_from={out} --train.lora_rank=8")
+        return
     if format == "peft":
         from tpu_llm.interop import peft
 

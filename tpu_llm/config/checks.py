@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 
 from tpu_llm.config.reading import REPR
 from tpu_llm.config.reading import check as _check
@@ -355,6 +356,7 @@ def check_base_run(saved: dict, source: str) -> None:
     with adapters, whose weights are no base model's (the adapters would be dropped)."""
     rank = saved.get("train", {}).get("lora_rank")
     if rank:
-        raise UserError(f"train.init_from={source!r} is a LoRA run (train.lora_rank={rank}); "
-                        f"start from a merged copy of it: `tpu-llm export --format hf {source} DIR`, then "
-                        "`tpu-llm import DIR --run_dir BASE` and train.init_from=BASE")
+        # BASE: a new run directory (tests/test_hints.py runs this command as printed, then the init_from)
+        raise UserError(f"train.init_from={source!r} is a LoRA run (train.lora_rank={rank}); start from a copy of it "
+                        f"with its adapters merged in: `tpu-llm export --run_dir {shlex.quote(source)} --format run "
+                        "--output BASE`, then train.init_from=BASE")

@@ -95,7 +95,7 @@ def resolve_sources(cfg: DataConfig) -> tuple[Source, Source]:
     if fmt == "tfrecord":  # few shards (data prepare's default is 8): the last ones, the stream's tail
         if len(train_files) < 2:
             raise UserError(f"data.train={cfg.train!r} is one shard: none can be held out for validation; write "
-                            "2 or more with `tpu-llm data prepare --shards N`, or set data.validation")
+                            "2 or more with `tpu-llm data prepare --output DIR --shards N`, or set data.validation")
         ordered = sorted(train_files)
         held = max(1, round(frac * len(ordered)))
         return (Source(ordered[:-held], fmt, description=f"{cfg.train}: {len(ordered) - held} files"),

@@ -20,11 +20,15 @@ The export is written to a temporary directory beside `output` and renamed into 
 export never leaves a half-written one, and an existing export is replaced only with --overwrite:
 renamed aside, the new one renamed in, and only then deleted (`staged_directory`). An `output` that
 is a symbolic link is refused: replacing it would delete through the link.
+
+`export_run` (`--format run`) writes a run directory instead: the newest weights (a LoRA run's adapters
+merged in) as a new run's checkpoint at step 0, a base that train.init_from accepts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -34,12 +38,15 @@ import uuid
 import keras
 import tensorflow as tf
 
+from tpu_llm.config.checks import trained_state
 from tpu_llm.errors import UserError
 from tpu_llm.model.sampling import GENERATE_SIGNATURE, generate_ids
-from tpu_llm.platform.run_layout import EXPORT_DIR, checkpoint_step
+from tpu_llm.platform.files import write_atomically
+from tpu_llm.platform.run_layout import CONFIG_FILE, EXPORT_DIR, MARKER_FILE, checkpoint_step
 from tpu_llm.tokenizers import save_tokenizer
-from tpu_llm.training.checkpoint import load_for_generation
-from tpu_llm.training.run_directory import check_run_dir_reachable
+from tpu_llm.training.checkpoint import Checkpointer, load_for_generation
+from tpu_llm.training.run_directory import (check_run_dir_owner, check_run_dir_reachable, check_run_dir_usable,
+                                            is_run_dir)
 
 WEIGHTS_FILE = "model.weights.h5"
 META_FILE = "export.json"
@@ -135,6 +142,41 @@ def export(run_dir: str, output: str = "", overwrite: bool = False) -> dict:
         with tf.io.gfile.GFile(os.path.join(tmp, META_FILE), "w") as f:
             f.write(json.dumps(meta, indent=1) + "\n")
     return {**meta, "output": output, "notes": notes}  # notes: e.g. the newest checkpoint was unreadable
+
+
+RUN_SUFFIX = "-merged"  # --format run's default --output: <run_dir>-merged, beside the run
+
+
+def export_run(run_dir: str, output: str = "") -> dict:
+    """`tpu-llm export --format run`: a new run directory `output` (default <run_dir>-merged) holding
+    `run_dir`'s newest weights as its checkpoint at step 0, a LoRA run's adapters merged into its kernels
+    (load_float32), with the run's config without adapters (train.lora_rank=0, no train.init_from) and its
+    tokenizer: a base run for train.init_from, whatever the tokenizer (`--format hf` writes none for byte,
+    char or sentencepiece, so its round trip through `tpu-llm import` cannot make one). `output` must be
+    new (or empty), as `tpu-llm import`'s --run_dir: a run directory is never replaced."""
+    run_dir = str(run_dir).rstrip("/")
+    output = str(output or f"{run_dir}{RUN_SUFFIX}").rstrip("/")
+    check_run_dir_reachable(run_dir)
+    check_run_dir_reachable(output)
+    if f"{run_dir}/".startswith(f"{output}/") or f"{output}/".startswith(f"{run_dir}/"):
+        raise UserError(f"--output {output!r} is the run directory, holds it or is inside it; give a new directory "
+                        f"beside it, e.g. the default {run_dir}{RUN_SUFFIX}")
+    check_run_dir_owner(output)  # not another tool's directory ...
+    if is_run_dir(output):  # ... and never an existing run
+        raise UserError(f"--output {output!r} already holds a tpu-llm run; give a new directory")
+    model, tokenizer, cfg, checkpoint, notes = load_float32(run_dir)  # the adapters merged
+    cfg = dataclasses.replace(cfg, run_dir=output, train=dataclasses.replace(cfg.train, init_from=""))
+    check_run_dir_usable(os.path.dirname(output) or ".")
+    with staged_directory(output, f"the run directory {output!r}", EXPORT_FIX) as tmp:
+        tf.io.gfile.makedirs(tmp)
+        write_atomically(os.path.join(tmp, MARKER_FILE), "a tpu-llm run directory (tpu_llm/training/checkpoint.py)\n")
+        write_atomically(os.path.join(tmp, CONFIG_FILE), cfg.to_yaml())
+        save_tokenizer(tokenizer, tmp)
+        # the model only (a run started from it adds its own optimizer), with its model section and tokenizer
+        Checkpointer(tmp, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
+                     trained=trained_state(cfg), model=model).save(0)
+    return {"run_dir": run_dir, "checkpoint": checkpoint, "step": checkpoint_step(checkpoint), "output": output,
+            "params": model.num_params(), "tokenizer": tokenizer.kind, "notes": notes}
 
 
 def _save_weights(model, path: str) -> None:

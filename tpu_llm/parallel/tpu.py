@@ -31,6 +31,7 @@ import glob
 import importlib.util
 import math
 import os
+import shlex
 import socket
 import threading
 from collections.abc import Mapping
@@ -175,11 +176,13 @@ def check_remote_paths(cfg, *, env: Mapping[str, str] | None = None) -> None:
 def check_remote_data(cfg, sources) -> None:
     """After the data is resolved: text tokenized on the TPU hosts must need core TF ops only."""
     text = [s for s in sources if s.format == "text"]
-    if text and cfg.data.tokenizer not in REMOTE_OK:
+    if text and cfg.data.tokenizer not in REMOTE_OK:  # the command names the run's own text and model file
+        given = "".join(f" --{flag} {shlex.quote(value)}" for flag, value in
+                        (("input", cfg.data.train), ("tokenizer_model", cfg.data.tokenizer_model)) if value)
         raise UserError(f"data.tokenizer={cfg.data.tokenizer} tokenizes text with tensorflow-text's ops, which the TF "
                         f"servers on the hosts of tpu={cfg.tpu!r} do not have; pre-tokenize it with `tpu-llm data prepare "
-                        f"--tokenizer {cfg.data.tokenizer} --output gs://BUCKET/shards` and train on the shards, or use "
-                        f"data.tokenizer={' or '.join(REMOTE_OK)}")
+                        f"--tokenizer {cfg.data.tokenizer}{given} --output gs://BUCKET/shards` and train on the shards, "
+                        f"or use data.tokenizer={' or '.join(REMOTE_OK)}")
 
 
 def _bounded(fn, seconds: float):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 
 import numpy as np
 import tensorflow as tf
@@ -392,10 +393,12 @@ def write_hf_tokenizer(tok: HFTokenizer, folder: str, model_max_length: int | No
     return list(files)
 
 
-def check_pretokenized(kind: str, sources) -> None:
-    """Training with data.tokenizer=hf reads TFRecord shards only (see the module docstring)."""
+def check_pretokenized(kind: str, sources, text: str = "", model: str = "") -> None:
+    """Training with data.tokenizer=hf reads TFRecord shards only (see the module docstring). `text` and
+    `model` (data.train, data.tokenizer_model) go into the command the refusal names, as given."""
     if kind == "hf" and any(s.format == "text" for s in sources):
+        text, model = shlex.quote(text) if text else "FILES", shlex.quote(model) if model else "DIR"
         raise UserError("data.tokenizer=hf trains on pre-tokenized shards only (Hugging Face's tokenizers run in Python, "
                         "which the input pipelines of TPU hosts and remote workers cannot call); run `tpu-llm data prepare "
-                        "--tokenizer hf --tokenizer_model DIR --output SHARDS` first, then train with "
+                        f"--tokenizer hf --input {text} --output SHARDS --tokenizer_model {model}` first, then train with "
                         "--data.train='SHARDS/*.tfrecord'")

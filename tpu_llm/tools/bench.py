@@ -258,7 +258,8 @@ def families(steps: int = 2000, configs=FAMILY_CONFIGS, plan_config: str = PLAN_
               f"| {100 * r['mfu']:>5.2f}% |")
     cfg = load_config(config_path(plan_config), {})
     plans = [plan.plan(cfg, name, check=False) for name in accelerators]
-    print(f"\n`tpu-llm plan --config {plan_config}` ({plan._params(cfg, plans[0].vocab):,} parameters; "
+    print(f"\n`tpu-llm plan --config {plan_config} --accelerator ACCELERATOR` "
+          f"({plan._params(cfg, plans[0].vocab):,} parameters; "
           f"{cfg.parallel.pipeline_stages} stages x {cfg.parallel.microbatches} micro-batches, remat "
           f"{'on' if cfg.parallel.remat else 'off'}, batch {cfg.train.batch_size} x {cfg.data.seq_len}; MFU {plans[0].mfu:.0%} "
           "of peak while busy assumed)")

@@ -114,7 +114,8 @@ def check_run(cfg: Config, dist: Distribution, unstated: str = "") -> tuple[tupl
     check_batch_split(cfg.train.batch_size, dist.num_replicas, cfg.train.grad_accum, cfg.parallel.microbatches)
     keras.utils.set_random_seed(cfg.train.seed)
     train_src, val_src = sources.resolve_sources(cfg.data)
-    check_pretokenized(cfg.data.tokenizer, (train_src, val_src))  # hf: shards only, on any platform
+    # hf: shards only, on any platform
+    check_pretokenized(cfg.data.tokenizer, (train_src, val_src), cfg.data.train, cfg.data.tokenizer_model)
     if dist.io_device:  # a remote TPU: its hosts tokenize, with core TF ops only
 
         tpu.check_remote_data(cfg, (train_src, val_src))

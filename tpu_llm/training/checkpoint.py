@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import stat
 import tempfile
@@ -21,8 +22,9 @@ from tpu_llm.config import ModelConfig, config_from_dict
 from tpu_llm.config.checks import ADAPTER_KEYS, check_base_run, trained_state
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT, adapters
-from tpu_llm.platform.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE, SPEC_FILE,
-                                         UNFINISHED_SUFFIX, check_run_tree, checkpoint_name, checkpoint_step)
+from tpu_llm.platform.run_layout import (CHECKPOINT_DIR, CHECKPOINT_PREFIX, CHECKPOINT_STATE, CONFIG_FILE,
+                                         SP_MODEL_FILE, SPEC_FILE, UNFINISHED_SUFFIX, check_run_tree, checkpoint_name,
+                                         checkpoint_step)
 from tpu_llm.tokenizers import Tokenizer, content_hash, load_tokenizer
 from tpu_llm.training.fault import CLUSTER_ERRORS
 from tpu_llm.training.run_directory import (check_tokenizer_fits, first_line, model_changes, model_differences,
@@ -44,9 +46,25 @@ def check_init_from(source: str, current: ModelConfig, tokenizer: Tokenizer) -> 
     theirs = load_tokenizer(source)
     if theirs is not None and theirs.spec() != tokenizer.spec():
         raise UserError(f"train.init_from={source!r} was trained with another tokenizer ({theirs.kind}) than this "
-                        f"run's ({tokenizer.kind}); prepare the data with its tokenizer (`tpu-llm data prepare "
-                        f"--tokenizer {theirs.kind} --tokenizer_model {source}`)")
+                        f"run's ({tokenizer.kind}); {same_tokenizer(theirs.kind, source)}")
     check_base_run(saved, source)  # no adapters of its own: they are no base weights
+
+
+def same_tokenizer(kind: str, source: str) -> str:
+    """How a new run reads its data with the tokenizer of the run `source` (of `kind`), for the refusal of a
+    train.init_from with another; a command in it must work as printed (tests/test_hints.py)."""
+    if kind == "byte":
+        return "set data.tokenizer=byte"
+    if kind == "char":  # a char vocabulary is its text's own characters: no other text rebuilds it
+        return (f"a char vocabulary is built from the text: train on the text {source!r} was trained on (its "
+                f"{CONFIG_FILE}'s data.train), or start from a run with another tokenizer")
+    if kind == "sentencepiece":
+        model = shlex.quote(os.path.join(source, SP_MODEL_FILE))
+        return f"set --data.tokenizer=sentencepiece --data.tokenizer_model={model}"
+    # hf: tokenized once into shards, which carry the tokenizer (cli/commands.train_flags)
+    return (f"tokenize the data with it: `tpu-llm data prepare --input 'corpus/*.txt' --output SHARDS --tokenizer hf "
+            f"--tokenizer_model {shlex.quote(source)}`, then train with --data.train='SHARDS/*.tfrecord' "
+            "--data.tokenizer=hf")
 
 
 def restore_init_from(source: str, current: ModelConfig, model, tokenizer: Tokenizer, io_device: str = "") -> str:
