@@ -1,0 +1,177 @@
+"""lm-evaluation-harness on a run (tpu_llm/eval/, `tpu-llm eval`; issue 49) against lm-eval's own `hf` backend.
+
+A tiny random GPT-2 and Llama are saved with transformers and imported (tests/test_hf.py's `build`); the local
+tasks of tests/data/eval_tasks (multiple choice, rolling perplexity, greedy generation; JSON lines read by
+`datasets`, no network) are evaluated with lm-eval's HFLM on the HF directory (torch, CPU) and with TpuLM on the
+run. Every request's loglikelihood agrees within 1e-4 (a rolling sum within 1e-4 relative) with the same
+is_greedy, every generation is the same text, and so every metric is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON files only; before `datasets` is imported
+lm_eval = pytest.importorskip("lm_eval", reason="the evaluation tests need lm-eval: pip install -e '.[eval]'")
+from test_hf import build, torch  # noqa: E402  (skips without torch and transformers, as test_hf.py does)
+
+from tpu_llm import cli  # noqa: E402
+from tpu_llm.errors import UserError  # noqa: E402
+from tpu_llm.eval import require_lm_eval  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS_DIR = "tests/data/eval_tasks"  # the YAML's data_files are relative to the repository
+TASKS = ["tiny_choice", "tiny_ppl", "tiny_gen"]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(REPO)
+
+
+def evaluate_both(family: str, root: Path) -> dict:
+    """lm-eval's results with samples for TASKS, from HFLM on the HF directory and TpuLM on the imported run."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from tpu_llm.eval.backend import TpuLM
+
+    os.chdir(REPO)
+    made = build(family, root, dtypes=("float32",))["float32"]
+    manager = TaskManager(include_path=TASKS_DIR, include_defaults=False)  # ~15 s less
+    ours = TpuLM.from_run(made["run_dir"], batch_size=8)
+    reference = HFLM(pretrained=made["hf_dir"], device="cpu", batch_size=4, dtype="float32")
+    out = {"dirs": made, "ours": ours, "reference": reference}
+    for name, lm in (("ours", ours), ("reference", reference)):
+        out[f"{name}_results"] = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=manager, log_samples=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return evaluate_both("gpt2", tmp_path_factory.mktemp("eval_gpt2"))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return evaluate_both("llama", tmp_path_factory.mktemp("eval_llama"))
+
+
+def close(a: float, b: float, relative: bool = False) -> bool:
+    return abs(a - b) <= 1e-4 * (max(1.0, abs(b)) if relative else 1.0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_request_and_metric_equals_lm_evals_hf_backend(family, request):
+    run = request.getfixturevalue(family)
+    ours, ref = run["ours_results"], run["reference_results"]
+    for task in TASKS:
+        mine, theirs = ours["samples"][task], ref["samples"][task]
+        assert len(mine) == len(theirs) > 0, task
+        for a, b in zip(mine, theirs):
+            assert a["arguments"] == b["arguments"], task  # the same requests
+            for (got,), (want,) in zip(a["resps"], b["resps"]):
+                if task == "tiny_choice":  # (loglikelihood, is_greedy)
+                    assert close(got[0], want[0]) and got[1] == want[1], (task, got, want)
+                elif task == "tiny_ppl":  # a sum over rolling windows
+                    assert close(got, want, relative=True), (task, got, want)
+                else:  # greedy text, cut at `until`
+                    assert got == want, (task, got, want)
+        for metric, value in theirs_metrics(ref, task).items():
+            got = ours["results"][task][metric]
+            assert close(got, value, relative=True) if "perplexity" in metric or "bits" in metric else got == value, \
+                (task, metric, got, value)
+    # the perplexity texts are longer than one window of max_len (64) tokens: rolling windows were used
+    assert max(len(run["ours"].tok_encode(s["arguments"][0][0])) for s in ours["samples"]["tiny_ppl"]) > 64
+
+
+def theirs_metrics(results: dict, task: str) -> dict:
+    return {k: v for k, v in results["results"][task].items() if k != "alias" and "stderr" not in k}
+
+
+def test_greedy_continuations_are_greedy_in_both(gpt2):
+    """Continuations that are the model's own argmax tokens (so is_greedy is True), scored with the context cut
+    from the left past max_len, as lm-eval's hf backend cuts it."""
+    ours, reference = gpt2["ours"], gpt2["reference"]
+    model = reference.model
+    requests = []
+    for length in (3, 20, 70):  # 70 + 3 > max_len + 1: the context loses tokens from the left
+        context = [(7 * i + length) % 290 + 1 for i in range(length)]
+        ids = list(context)
+        with torch.no_grad():
+            for _ in range(3):
+                ids.append(int(model(torch.tensor([ids[-64:]])).logits[0, -1].argmax()))
+        requests += [(None, context, ids[length:]), (None, context, [ids[length] + 1, 5])]
+    notes = []
+    ours.say, ours._truncated = notes.append, False
+    got, want = ours._loglikelihood_tokens(requests), reference._loglikelihood_tokens(requests)
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [g for _, g in got][:4] == [True, False] * 2  # cut from the left, the argmax saw another context
+    assert all(close(a, b) for (a, _), (b, _) in zip(got, want)), (got, want)
+    assert len(notes) == 1 and "dropped from the left" in notes[0]  # said once
+
+
+def test_cli_prints_lm_evals_table_and_writes_its_json(gpt2, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--tasks", "tiny_choice", "--include_path",
+                     TASKS_DIR, "--limit", "4", "--batch_size", "4", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "|tiny_choice|" in printed and "acc_norm" in printed and f"wrote     {out}" in printed
+    saved = json.loads(out.read_text())
+    assert saved["n-samples"]["tiny_choice"] == {"original": 8, "effective": 4} and "samples" not in saved
+    first4 = [s["acc"] for s in gpt2["reference_results"]["samples"]["tiny_choice"][:4]]
+    assert saved["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit", "0"], "error: --limit=0: give a number of documents per task >= 1"),
+    (["--limit", "x"], "error: --limit='x' must be an integer"),
+    (["--tasks", " , "], "error: --tasks: give one or more lm-eval task names"),
+    (["--include_path", "no/such/dir"], "error: --include_path 'no/such/dir' is not a directory"),
+    (["--batch_size", "0"], "error: --batch_size=0: give 1 or more rows"),
+])
+def test_cli_refuses_in_one_line(flags, message, tmp_path, capsys):
+    args = {"--run_dir": str(tmp_path / "run"), "--tasks": "tiny_choice", "--include_path": TASKS_DIR}
+    args.update(dict(zip(flags[::2], flags[1::2])))
+    assert cli.main(["eval", *[x for kv in args.items() for x in kv]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_an_unknown_task_names_the_close_matches():
+    from tpu_llm.eval.run import check_tasks, task_manager
+
+    manager = task_manager(TASKS_DIR, ["tiny_choice"])  # only the local tasks: lm-eval's own index takes ~15 s
+    assert manager.all_tasks == sorted(TASKS)
+    check_tasks(["tiny_choice", "tiny_*"], manager)  # names and lm-eval's glob patterns
+    with pytest.raises(UserError, match=r"^--tasks: lm-eval has no task 'tiny_choise'; did you mean tiny_choice, tiny_gen\? "
+                                        r"list them with `lm-eval ls tasks`, or give your own task YAML's folder"):
+        check_tasks(["tiny_choice", "tiny_choise"], manager)
+
+
+def test_a_run_without_checkpoint_is_the_loaders_error(gpt2, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(gpt2["dirs"]["run_dir"], run)
+    shutil.rmtree(run / "checkpoints")
+    assert cli.main(["eval", "--run_dir", str(run), "--tasks", "tiny_choice", "--include_path", TASKS_DIR]) == 2
+    err = capsys.readouterr().err
+    assert "has no checkpoint in checkpoints/ yet" in err and err.count("\n") == 1, err
+
+
+def test_without_lm_eval_the_error_names_the_extra(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    with pytest.raises(UserError, match=r"pip install 'tpu-llm\[eval\]'"):
+        require_lm_eval()
+    assert cli.main(["eval", "--run_dir", "r", "--tasks", "tiny_choice"]) == 2
+    assert capsys.readouterr().err == ("error: evaluation needs lm-evaluation-harness (lm_eval), which is not "
+                                       "installed: pip install 'tpu-llm[eval]'\n")
