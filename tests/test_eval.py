@@ -1,6 +1,6 @@
 """lm-evaluation-harness on a run (tpu_llm/eval/, `tpu-llm eval`; issue 49) against lm-eval's own `hf` backend.
 
-A tiny random GPT-2 and Llama are saved with transformers and imported (tests/test_hf.py's `build`); the local
+A tiny random GPT-2, Llama (its tokenizer putting BOS in front, as Llama's does) and Qwen2 are saved with transformers and imported (tests/test_hf.py's `build`); the local
 tasks of tests/data/eval_tasks (multiple choice, rolling perplexity, greedy generation; JSON lines read by
 `datasets`, no network) are evaluated with lm-eval's HFLM on the HF directory (torch, CPU) and with TpuLM on the
 run. Every request's loglikelihood agrees within 1e-4 (a rolling sum within 1e-4 relative) with the same
@@ -13,12 +13,15 @@ import json
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON files only; before `datasets` is imported
 lm_eval = pytest.importorskip("lm_eval", reason="the evaluation tests need lm-eval: pip install -e '.[eval]'")
-from test_hf import build, torch  # noqa: E402  (skips without torch and transformers, as test_hf.py does)
+import test_hf  # noqa: E402  (skips without torch and transformers)
+from helpers import write_bpe_tokenizer  # noqa: E402
+from test_hf import build, torch, transformers  # noqa: E402
 
 from tpu_llm import cli  # noqa: E402
 from tpu_llm.errors import UserError  # noqa: E402
@@ -37,18 +40,36 @@ def offline(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-def evaluate_both(family: str, root: Path) -> dict:
-    """lm-eval's results with samples for TASKS, from HFLM on the HF directory and TpuLM on the imported run."""
+def write_bos_tokenizer(folder) -> None:
+    """write_bpe_tokenizer's tokenizer with a post-processor that puts BOS in front of every text, as Llama's."""
+    from tokenizers import Tokenizer, processors
+
+    write_bpe_tokenizer(folder)
+    path = os.path.join(folder, "tokenizer.json")
+    tok = Tokenizer.from_file(path)
+    bos = ("<|endoftext|>", tok.token_to_id("<|endoftext|>"))
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+                                                       special_tokens=[bos])
+    tok.save(path)
+
+
+def evaluate_both(family: str, root: Path, bos: bool = False) -> dict:
+    """lm-eval's results with samples for TASKS, from HFLM on the HF directory and TpuLM on the imported run;
+    `bos`: the tokenizer puts BOS in front of each text (lm-eval encodes with the tokenizer's special tokens)."""
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     from tpu_llm.eval.backend import TpuLM
 
     os.chdir(REPO)
-    made = build(family, root, dtypes=("float32",))["float32"]
+    with mock.patch.object(test_hf, "write_bpe_tokenizer", write_bos_tokenizer if bos else write_bpe_tokenizer):
+        made = build(family, root, dtypes=("float32",))["float32"]
     manager = TaskManager(include_path=TASKS_DIR, include_defaults=False)  # ~15 s less
     ours = TpuLM.from_run(made["run_dir"], batch_size=8)
-    reference = HFLM(pretrained=made["hf_dir"], device="cpu", batch_size=4, dtype="float32")
+    # the directory's tokenizer.json as it is (AutoTokenizer would give Qwen2's class, which rebuilds the
+    # pre-tokenizer of this GPT-2-style test tokenizer); the bos and eos tokens from tokenizer_config.json
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(made["hf_dir"])
+    reference = HFLM(pretrained=made["hf_dir"], tokenizer=tokenizer, device="cpu", batch_size=4, dtype="float32")
     out = {"dirs": made, "ours": ours, "reference": reference}
     for name, lm in (("ours", ours), ("reference", reference)):
         out[f"{name}_results"] = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=manager, log_samples=True)
@@ -62,16 +83,23 @@ def gpt2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return evaluate_both("llama", tmp_path_factory.mktemp("eval_llama"))
+    return evaluate_both("llama", tmp_path_factory.mktemp("eval_llama"), bos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return evaluate_both("qwen2", tmp_path_factory.mktemp("eval_qwen2"))
 
 
 def close(a: float, b: float, relative: bool = False) -> bool:
     return abs(a - b) <= 1e-4 * (max(1.0, abs(b)) if relative else 1.0)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_every_request_and_metric_equals_lm_evals_hf_backend(family, request):
     run = request.getfixturevalue(family)
+    bos = run["reference"].tokenizer.bos_token_id
+    assert (run["ours"].tok_encode("a")[0] == bos) == (family == "llama")  # Llama's tokenizer puts BOS in front
     ours, ref = run["ours_results"], run["reference_results"]
     for task in TASKS:
         mine, theirs = ours["samples"][task], ref["samples"][task]
