@@ -194,6 +194,17 @@ def test_a_run_without_checkpoint_is_the_loaders_error(gpt2, tmp_path, capsys):
     assert "has no checkpoint in checkpoints/ yet" in err and err.count("\n") == 1, err
 
 
+def test_a_dataset_that_cannot_be_loaded_is_one_line_naming_it(gpt2, tmp_path, capsys):
+    text = (REPO / TASKS_DIR / "tiny_choice.yaml").read_text()
+    (tmp_path / "gone.yaml").write_text(text.replace("task: tiny_choice", "task: gone_choice")
+                                        .replace("tiny_choice.jsonl", "gone.jsonl"))
+    assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--tasks", "gone_choice",
+                     "--include_path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: a task's dataset could not be loaded (") and "gone.jsonl" in err, err
+    assert "HF_DATASETS_OFFLINE=1, or point --include_path to task YAML over local files" in err, err
+
+
 def test_without_lm_eval_the_error_names_the_extra(monkeypatch, capsys):
     import sys
 

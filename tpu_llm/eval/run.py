@@ -85,8 +85,15 @@ def evaluate(model, names: list[str], manager, num_fewshot: int | None = None, l
     """lm-eval's results dictionary for `names` evaluated with `model` (an lm-eval LM, e.g. TpuLM)."""
     import lm_eval
 
-    return lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
-                                   task_manager=manager, log_samples=log_samples)
+    try:
+        return lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
+                                       task_manager=manager, log_samples=log_samples)
+    except (ConnectionError, FileNotFoundError) as e:  # datasets' own errors derive from these two
+        reason = " ".join(str(e).split())[:300]
+        raise UserError(f"a task's dataset could not be loaded ({reason}); without network access fill the datasets "
+                        "cache on a machine that has it and set HF_DATASETS_OFFLINE=1, or point --include_path to "
+                        "task YAML over local files (dataset_path: json, dataset_kwargs: {data_files: ...}; "
+                        "docs/evaluation.md)") from None
 
 
 def results_json(results: dict) -> str:
