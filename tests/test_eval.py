@@ -159,6 +159,15 @@ def test_cli_prints_lm_evals_table_and_writes_its_json(gpt2, tmp_path, capsys):
     assert saved["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
 
 
+def test_python_api_evaluate_gives_the_same_numbers(gpt2):
+    import tpu_llm
+
+    results = tpu_llm.load(gpt2["dirs"]["run_dir"]).evaluate(["tiny_choice"], include_path=TASKS_DIR, limit=4,
+                                                             batch_size=4)
+    first4 = [s["acc"] for s in gpt2["reference_results"]["samples"]["tiny_choice"][:4]]
+    assert results["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--limit", "0"], "error: --limit=0: give a number of documents per task >= 1"),
     (["--limit", "x"], "error: --limit='x' must be an integer"),

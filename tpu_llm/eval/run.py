@@ -104,12 +104,29 @@ def results_json(results: dict) -> str:
     return json.dumps(kept, indent=2, default=handle_non_serializable, ensure_ascii=False)
 
 
+def prepare(tasks: str | list[str], include_path: str = "", num_fewshot: int | None = None, limit: int | None = None,
+            batch_size: int = 8, output: str = "") -> tuple[list[str], object]:
+    """(task names, lm-eval's TaskManager) once every argument and task name is checked; nothing loaded yet."""
+    text = tasks if isinstance(tasks, str) else ",".join(tasks)
+    names = check_arguments(text, include_path, num_fewshot, limit, batch_size, output)
+    manager = task_manager(include_path, names)
+    check_tasks(names, manager)
+    return names, manager
+
+
+def on_weights(model, tokenizer, config, tasks: str | list[str], include_path: str = "", num_fewshot: int | None = None,
+               limit: int | None = None, batch_size: int = 8) -> dict:
+    """lm-eval's results for `tasks` on a model already loaded (`tpu_llm.load(run_dir).evaluate`)."""
+    names, manager = prepare(tasks, include_path, num_fewshot, limit, batch_size)
+    from tpu_llm.eval.backend import TpuLM
+
+    return evaluate(TpuLM(model, tokenizer, config, batch_size=batch_size), names, manager, num_fewshot, limit)
+
+
 def run(run_dir: str, tasks: str, include_path: str = "", num_fewshot: int | None = None, limit: int | None = None,
         batch_size: int = 8, output: str = "", say: Callable[[str], None] = print) -> dict:
     """`tpu-llm eval`: check, load, evaluate, print the table, write `output`; returns lm-eval's results."""
-    names = check_arguments(tasks, include_path, num_fewshot, limit, batch_size, output)
-    manager = task_manager(include_path, names)
-    check_tasks(names, manager)
+    names, manager = prepare(tasks, include_path, num_fewshot, limit, batch_size, output)
     from lm_eval.utils import make_table
 
     from tpu_llm.eval.backend import TpuLM
