@@ -147,6 +147,16 @@ def test_greedy_continuations_are_greedy_in_both(gpt2):
     assert len(notes) == 1 and "dropped from the left" in notes[0]  # said once
 
 
+def test_generation_longer_than_the_context_is_one_line(gpt2):
+    from lm_eval.api.instance import Instance
+
+    request = Instance(request_type="generate_until", doc={}, idx=0,
+                       arguments=("Hello", {"until": ["\n"], "max_gen_toks": 64, "do_sample": False}))
+    with pytest.raises(UserError, match=r"^a task asks for up to 64 new tokens \(its max_gen_toks\), which leaves no "
+                                        r"room for its prompt in this model's max_len=64"):
+        gpt2["ours"].generate_until([request], disable_tqdm=True)
+
+
 def test_cli_prints_lm_evals_table_and_writes_its_json(gpt2, tmp_path, capsys):
     out = tmp_path / "results.json"
     assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--tasks", "tiny_choice", "--include_path",

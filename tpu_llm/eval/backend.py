@@ -31,6 +31,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from tpu_llm.errors import UserError
 from tpu_llm.model.sampling import Sampler
 from tpu_llm.training.checkpoint import load_for_generation
 
@@ -198,10 +199,12 @@ class TpuLM(TemplateLM):
             temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if kwargs.pop("do_sample", False) else 0.0
             room = self.max_length - max_gen_toks
             if room <= 0:
-                raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for a context in max_len={self.max_length}")
+                raise UserError(f"a task asks for up to {max_gen_toks} new tokens (its max_gen_toks), which leaves no "
+                                f"room for its prompt in this model's max_len={self.max_length}; evaluate a model with a "
+                                "longer context, or give the task a smaller max_gen_toks in its YAML")
             prompt = self.tok_encode(context, left_truncate_len=room)
             ids = self._sampler.generate(prompt, max_gen_toks, temperature=temperature,
-                                         top_k=int(kwargs.pop("top_k", 0) or 0), top_p=float(kwargs.pop("top_p", 1.0)),
+                                         top_k=int(kwargs.pop("top_k", 0) or 0), top_p=float(kwargs.pop("top_p", 1.0) or 1.0),
                                          seed=0, stop_at_eos=True)
             text = postprocess_generated_text(self.tok_decode(ids), stop=until, think_end_token=None)
             out.append(text)
