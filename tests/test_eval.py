@@ -147,6 +147,32 @@ def test_greedy_continuations_are_greedy_in_both(gpt2):
     assert len(notes) == 1 and "dropped from the left" in notes[0]  # said once
 
 
+def test_generation_in_chunks_stops_early_and_gives_the_same_texts(gpt2):
+    """generate_until asks the sampler for a few tokens at a time and stops once an `until` string shows: the
+    texts are still lm-eval's hf backend's (its greedy texts cut at a stop string taken from their middle)."""
+    from lm_eval.api.instance import Instance
+
+    ours, requests, expected = gpt2["ours"], [], []
+    for sample in gpt2["reference_results"]["samples"]["tiny_gen"]:
+        context, kwargs = sample["arguments"][0]
+        text = sample["resps"][0][0]
+        assert len(text) >= 8, text
+        stop = text[4:6]
+        requests.append(Instance(request_type="generate_until", doc={}, idx=0,
+                                 arguments=(context, {**kwargs, "until": [*kwargs["until"], stop]})))
+        expected.append(text.split(stop)[0])
+    calls = []
+    generate = ours._sampler.generate
+    with mock.patch.object(ours._sampler, "generate", lambda *a, **k: calls.append(a[1]) or generate(*a, **k)):
+        ours.gen_chunk = 3
+        try:
+            texts = ours.generate_until(requests, disable_tqdm=True)
+        finally:
+            ours.gen_chunk = 32
+    assert texts == expected
+    assert set(calls) <= {3, 1} and len(calls) < 6 * len(requests)  # 16 tokens a request: 6 calls unless stopped
+
+
 def test_generation_longer_than_the_context_is_one_line(gpt2):
     from lm_eval.api.instance import Instance
 

@@ -10,7 +10,8 @@ so that the same task gives the same requests and the same numbers:
 - loglikelihood_rolling scores disjoint windows of max_len tokens (lm_eval.utils.get_rolling_token_windows,
   context_len 1), the first one after the prefix token;
 - generate_until encodes the context left-truncated to max_len - max_gen_toks, generates greedily at
-  temperature 0 (stopping at end-of-text) and cuts the text at the first `until` string.
+  temperature 0 (stopping at end-of-text, or after the chunk of `gen_chunk` tokens whose text holds an `until`
+  string) and cuts the text at the first `until` string.
 
 Scoring is batched: requests sorted longest first, `batch_size` rows a batch (short batches padded with empty
 rows), each row padded on the right to the smallest of a few static lengths (powers of two up to max_len). One
@@ -68,6 +69,7 @@ class TpuLM(TemplateLM):
         self._scorers: dict[int, Callable] = {}
         self._sampler: Sampler | None = None
         self._truncated = False
+        self.gen_chunk = 32  # new tokens per sampler call in generate_until, between checks for `until`
 
     @classmethod
     def from_run(cls, run_dir: str, **kwargs) -> "TpuLM":
@@ -185,6 +187,22 @@ class TpuLM(TemplateLM):
 
     # ---- generation -------------------------------------------------------------------------------------
 
+    def _generate(self, prompt: list[int], max_gen_toks: int, until: list[str], **sampling) -> list[int]:
+        """Up to `max_gen_toks` new ids after `prompt`, `gen_chunk` at a time, stopping at end-of-text or after
+        the chunk whose text holds an `until` string (the text is cut there afterwards, as lm-eval's hf backend
+        cuts it: a greedy continuation's beginning does not depend on where generation stops)."""
+        ids: list[int] = []
+        while len(ids) < max_gen_toks:
+            n = min(self.gen_chunk, max_gen_toks - len(ids))
+            new = self._sampler.generate(prompt + ids, n, seed=len(ids), stop_at_eos=True, **sampling)
+            ids += new
+            if len(new) < n:  # end-of-text
+                break
+            text = self.tok_decode(ids)
+            if any(term and term in text for term in until):
+                break
+        return ids
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation, greedy at temperature 0 (the task's default), cut at its `until`."""
         if self._sampler is None:
@@ -202,10 +220,9 @@ class TpuLM(TemplateLM):
                 raise UserError(f"a task asks for up to {max_gen_toks} new tokens (its max_gen_toks), which leaves no "
                                 f"room for its prompt in this model's max_len={self.max_length}; evaluate a model with a "
                                 "longer context, or give the task a smaller max_gen_toks in its YAML")
-            prompt = self.tok_encode(context, left_truncate_len=room)
-            ids = self._sampler.generate(prompt, max_gen_toks, temperature=temperature,
-                                         top_k=int(kwargs.pop("top_k", 0) or 0), top_p=float(kwargs.pop("top_p", 1.0) or 1.0),
-                                         seed=0, stop_at_eos=True)
+            prompt = self.tok_encode(context, left_truncate_len=room) or [self.eot_token_id]
+            ids = self._generate(prompt, max_gen_toks, until, temperature=temperature,
+                                 top_k=int(kwargs.pop("top_k", 0) or 0), top_p=float(kwargs.pop("top_p", 1.0) or 1.0))
             text = postprocess_generated_text(self.tok_decode(ids), stop=until, think_end_token=None)
             out.append(text)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
