@@ -8,7 +8,7 @@ eval extras), on this machine's CPU (docs/evaluation.md, "Speed"):
 
 256 requests (contexts of 8 to 199 tokens, continuations of 1 to 7), batch size 16, scored twice: the first
 pass includes XLA's compilation of one program per length bucket, the second is the steady state. The model
-is written once to DIR (default /tmp/tpu-llm-bench-eval) and reused.
+is written once to DIR (default: tpu-llm-bench-eval in the system's temporary folder) and reused.
 """
 
 import contextlib
@@ -16,6 +16,7 @@ import io
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("ours", "hf") or len(argv) > 2:
         print(__doc__.strip().splitlines()[0], "\nusage: bench_eval.py ours|hf [DIR]", file=sys.stderr)
         return 2
-    hf_dir, run_dir = model_dirs(argv[1] if len(argv) > 1 else "/tmp/tpu-llm-bench-eval")
+    hf_dir, run_dir = model_dirs(argv[1] if len(argv) > 1 else os.path.join(tempfile.gettempdir(), "tpu-llm-bench-eval"))
     if argv[0] == "ours":
         from tpu_llm.eval.backend import TpuLM
 
