@@ -40,7 +40,8 @@ TOOLS_STAMP := $(TOOLS)/.installed
 # One TensorFlow wheel per environment, chosen by extra (pyproject.toml): here the CPU one, with
 # tensorflow-text for SentencePiece and Hugging Face interop (hf): what training needs, all `make train`
 # installs. `make test` adds the test tools (dev) and the reference implementation the import/export
-# tests compare with (reference: torch CPU and transformers, ~1 GB that training never uses).
+# tests compare with (reference: torch CPU and transformers, ~1 GB that training never uses) and
+# lm-evaluation-harness (eval: `tpu-llm eval` and its equivalence tests against lm-eval's own hf backend).
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -48,7 +49,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[cpu,sentencepiece,hf,dev,reference]'
+	$(BIN)/python -m pip install --quiet -e '.[cpu,sentencepiece,hf,dev,reference,eval]'
 	@touch $(DEV_STAMP)
 
 $(TOOLS_STAMP):

@@ -25,7 +25,7 @@ LAYERS = [
     {"parallel"},
     {"training"},
     {"harness"},  # the offline compile harness: the run's step traced and compiled (training/assemble.py's)
-    {"interop", "tools"},
+    {"interop", "tools", "eval"},  # eval: lm-evaluation-harness on a loaded run (issue 49)
     {"api"},  # tpu_llm.load and tpu_llm.train, what the CLI calls too
     {"cli", "__main__"},
 ]

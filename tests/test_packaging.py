@@ -99,8 +99,15 @@ def test_make_train_installs_what_training_needs_and_make_test_adds_the_test_ext
     installs = [line for line in makefile.splitlines() if "pip install --quiet -e" in line]
     train, test = [set(line.split("[", 1)[1].split("]", 1)[0].split(",")) for line in installs]
     assert train == {"cpu", "sentencepiece", "hf"}  # no torch or transformers for `make train` (issue 30)
-    assert test == train | {"dev", "reference"}
+    assert test == train | {"dev", "reference", "eval"}  # eval: lm-eval, for tests/test_eval.py (issue 49)
     assert "\ntrain: $(STAMP)" in makefile and "\ntest: $(DEV_STAMP)" in makefile
+
+
+def test_eval_extra_is_lm_eval_0_4_without_tensorflow_or_torch():
+    ev = environment("eval")
+    # 0.4.9 fails to import beside transformers 5; 0.4.13's hf backend is what tests/test_eval.py matches
+    assert ev["lm-eval"].specifier == SpecifierSet(">=0.4.13,<0.5")
+    assert not {"tensorflow", "tensorflow-tpu", "torch"} & set(PROJECT["optional-dependencies"]["eval"])
 
 
 def test_keras_is_bounded_to_the_verified_minors_and_installed_within_them():

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm.config import Config, SampleConfig, config_from_dict, load_config
+from tpu_llm.eval import run as eval_run  # (lm_eval itself loads only when evaluate is called)
 from tpu_llm.model.transformer import GPT
 from tpu_llm.tokenizers import check_covers
 from tpu_llm.training import controller
@@ -105,6 +106,15 @@ class LoadedRun:
         the best beam of a beam search (see `samples`)."""
         return self.samples(prompt, 1, max_new_tokens, temperature, top_k, top_p, seed, num_beams=num_beams,
                             length_penalty=length_penalty, early_stopping=early_stopping)[0]
+
+    def evaluate(self, tasks: str | Sequence[str], include_path: str = "", num_fewshot: int | None = None,
+                 limit: int | None = None, batch_size: int = 8) -> dict:
+        """lm-evaluation-harness `tasks` (names, groups or tags; a list or comma-separated) on these weights, as
+        `tpu-llm eval` runs them (the `eval` extra; docs/evaluation.md): lm-eval's results dictionary, whose
+        `results[task]` holds each metric (e.g. `"acc,none"`). `include_path`: a folder of your own task YAML
+        (trusted: a task YAML can run Python); `limit`: documents per task (None: all)."""
+        return eval_run.on_weights(self.model, self.tokenizer, self.config, list(tasks) if not isinstance(tasks, str)
+                                   else tasks, include_path, num_fewshot, limit, batch_size)
 
 
 def load(run_dir: str) -> LoadedRun:

@@ -469,3 +469,23 @@ def report(run_dir: str, plot: str = ""):
     from tpu_llm.tools.report import report as make_report  # no TensorFlow for a local run directory
 
     make_report(run_dir, plot)
+
+
+@command("eval", "score a run on lm-evaluation-harness tasks (the eval extra; docs/evaluation.md)",
+         "tpu-llm eval --run_dir runs/tiny --tasks tiny_choice --include_path tests/data/eval_tasks", details="""
+Runs EleutherAI's lm-evaluation-harness (lm_eval, `pip install 'tpu-llm[eval]'`) with this run as its model:
+lm-eval builds the requests and computes the metrics, tpu-llm scores them (loglikelihood, rolling
+perplexity, greedy generation) on the newest readable checkpoint. Prints lm-eval's table; --output writes
+its results as JSON. A task YAML can run Python (`!function`): --include_path is trusted input.""",
+         run_dir="the run directory of a `tpu-llm train` or `tpu-llm import` run",
+         tasks="lm-eval task, group or tag names, comma-separated (hellaswag,arc_easy)",
+         include_path="a folder of your own task YAML files (trusted: they can run Python)",
+         num_fewshot="few-shot examples per prompt (default: each task's own)",
+         limit="documents per task, >= 1 (default: all)",
+         batch_size="requests scored at once", output="the results JSON to write")
+def eval_(run_dir: str, tasks: str, include_path: str = "", num_fewshot: str = "", limit: str = "",
+          batch_size: int = 8, output: str = ""):
+    from tpu_llm.eval.run import run as run_eval, whole_number
+
+    run_eval(run_dir, tasks, include_path, whole_number("num_fewshot", num_fewshot), whole_number("limit", limit),
+             batch_size, output)

@@ -154,6 +154,11 @@ class HFTokenizer:
             text = text.decode("utf-8", errors="replace")
         return self._trim(self._tok.encode(text).ids)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """HF's ids for `text` with no special tokens added (no BOS): how lm-eval's hf backend encodes a
+        causal model's context and continuation (tpu_llm/eval/backend.py)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
     def _trim(self, ids: list[int]) -> list[int]:
         return ids[:-1] if self._drop_eos and ids[-1:] == [self.eos_id] else ids
 

@@ -1,0 +1,261 @@
+"""lm-evaluation-harness on a run (tpu_llm/eval/, `tpu-llm eval`; issue 49) against lm-eval's own `hf` backend.
+
+A tiny random GPT-2, Llama (its tokenizer putting BOS in front, as Llama's does) and Qwen2 are saved with transformers and imported (tests/test_hf.py's `build`); the local
+tasks of tests/data/eval_tasks (multiple choice, rolling perplexity, greedy generation; JSON lines read by
+`datasets`, no network) are evaluated with lm-eval's HFLM on the HF directory (torch, CPU) and with TpuLM on the
+run. Every request's loglikelihood agrees within 1e-4 (a rolling sum within 1e-4 relative) with the same
+is_greedy, every generation is the same text, and so every metric is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON files only; before `datasets` is imported
+lm_eval = pytest.importorskip("lm_eval", reason="the evaluation tests need lm-eval: pip install -e '.[eval]'")
+import test_hf  # noqa: E402  (skips without torch and transformers)
+from helpers import write_bpe_tokenizer  # noqa: E402
+from test_hf import build, torch, transformers  # noqa: E402
+
+from tpu_llm import cli  # noqa: E402
+from tpu_llm.errors import UserError  # noqa: E402
+from tpu_llm.eval import require_lm_eval  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS_DIR = "tests/data/eval_tasks"  # the YAML's data_files are relative to the repository
+TASKS = ["tiny_choice", "tiny_ppl", "tiny_gen"]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(REPO)
+
+
+def write_bos_tokenizer(folder) -> None:
+    """write_bpe_tokenizer's tokenizer with a post-processor that puts BOS in front of every text, as Llama's."""
+    from tokenizers import Tokenizer, processors
+
+    write_bpe_tokenizer(folder)
+    path = os.path.join(folder, "tokenizer.json")
+    tok = Tokenizer.from_file(path)
+    bos = ("<|endoftext|>", tok.token_to_id("<|endoftext|>"))
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+                                                       special_tokens=[bos])
+    tok.save(path)
+
+
+def evaluate_both(family: str, root: Path, bos: bool = False) -> dict:
+    """lm-eval's results with samples for TASKS, from HFLM on the HF directory and TpuLM on the imported run;
+    `bos`: the tokenizer puts BOS in front of each text (lm-eval encodes with the tokenizer's special tokens)."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from tpu_llm.eval.backend import TpuLM
+
+    os.chdir(REPO)
+    with mock.patch.object(test_hf, "write_bpe_tokenizer", write_bos_tokenizer if bos else write_bpe_tokenizer):
+        made = build(family, root, dtypes=("float32",))["float32"]
+    manager = TaskManager(include_path=TASKS_DIR, include_defaults=False)  # ~15 s less
+    ours = TpuLM.from_run(made["run_dir"], batch_size=8)
+    # the directory's tokenizer.json as it is (AutoTokenizer would give Qwen2's class, which rebuilds the
+    # pre-tokenizer of this GPT-2-style test tokenizer); the bos and eos tokens from tokenizer_config.json
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(made["hf_dir"])
+    reference = HFLM(pretrained=made["hf_dir"], tokenizer=tokenizer, device="cpu", batch_size=4, dtype="float32")
+    out = {"dirs": made, "ours": ours, "reference": reference}
+    for name, lm in (("ours", ours), ("reference", reference)):
+        out[f"{name}_results"] = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=manager, log_samples=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return evaluate_both("gpt2", tmp_path_factory.mktemp("eval_gpt2"))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return evaluate_both("llama", tmp_path_factory.mktemp("eval_llama"), bos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return evaluate_both("qwen2", tmp_path_factory.mktemp("eval_qwen2"))
+
+
+def close(a: float, b: float, relative: bool = False) -> bool:
+    return abs(a - b) <= 1e-4 * (max(1.0, abs(b)) if relative else 1.0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_every_request_and_metric_equals_lm_evals_hf_backend(family, request):
+    run = request.getfixturevalue(family)
+    bos = run["reference"].tokenizer.bos_token_id
+    assert (run["ours"].tok_encode("a")[0] == bos) == (family == "llama")  # Llama's tokenizer puts BOS in front
+    ours, ref = run["ours_results"], run["reference_results"]
+    for task in TASKS:
+        mine, theirs = ours["samples"][task], ref["samples"][task]
+        assert len(mine) == len(theirs) > 0, task
+        for a, b in zip(mine, theirs):
+            assert a["arguments"] == b["arguments"], task  # the same requests
+            for (got,), (want,) in zip(a["resps"], b["resps"]):
+                if task == "tiny_choice":  # (loglikelihood, is_greedy)
+                    assert close(got[0], want[0]) and got[1] == want[1], (task, got, want)
+                elif task == "tiny_ppl":  # a sum over rolling windows
+                    assert close(got, want, relative=True), (task, got, want)
+                else:  # greedy text, cut at `until`
+                    assert got == want, (task, got, want)
+        for metric, value in theirs_metrics(ref, task).items():
+            got = ours["results"][task][metric]
+            assert close(got, value, relative=True) if "perplexity" in metric or "bits" in metric else got == value, \
+                (task, metric, got, value)
+    # the perplexity texts are longer than one window of max_len (64) tokens: rolling windows were used
+    assert max(len(run["ours"].tok_encode(s["arguments"][0][0])) for s in ours["samples"]["tiny_ppl"]) > 64
+
+
+def theirs_metrics(results: dict, task: str) -> dict:
+    return {k: v for k, v in results["results"][task].items() if k != "alias" and "stderr" not in k}
+
+
+def test_greedy_continuations_are_greedy_in_both(gpt2):
+    """Continuations that are the model's own argmax tokens (so is_greedy is True), scored with the context cut
+    from the left past max_len, as lm-eval's hf backend cuts it."""
+    ours, reference = gpt2["ours"], gpt2["reference"]
+    model = reference.model
+    requests = []
+    for length in (3, 20, 70):  # 70 + 3 > max_len + 1: the context loses tokens from the left
+        context = [(7 * i + length) % 290 + 1 for i in range(length)]
+        ids = list(context)
+        with torch.no_grad():
+            for _ in range(3):
+                ids.append(int(model(torch.tensor([ids[-64:]])).logits[0, -1].argmax()))
+        requests += [(None, context, ids[length:]), (None, context, [ids[length] + 1, 5])]
+    notes = []
+    ours.say, ours._truncated = notes.append, False
+    got, want = ours._loglikelihood_tokens(requests), reference._loglikelihood_tokens(requests)
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [g for _, g in got][:4] == [True, False] * 2  # cut from the left, the argmax saw another context
+    assert all(close(a, b) for (a, _), (b, _) in zip(got, want)), (got, want)
+    assert len(notes) == 1 and "dropped from the left" in notes[0]  # said once
+
+
+def test_generation_in_chunks_stops_early_and_gives_the_same_texts(gpt2):
+    """generate_until asks the sampler for a few tokens at a time and stops once an `until` string shows: the
+    texts are still lm-eval's hf backend's (its greedy texts cut at a stop string taken from their middle)."""
+    from lm_eval.api.instance import Instance
+
+    ours, requests, expected = gpt2["ours"], [], []
+    for sample in gpt2["reference_results"]["samples"]["tiny_gen"]:
+        context, kwargs = sample["arguments"][0]
+        text = sample["resps"][0][0]
+        assert len(text) >= 8, text
+        stop = text[4:6]
+        requests.append(Instance(request_type="generate_until", doc={}, idx=0,
+                                 arguments=(context, {**kwargs, "until": [*kwargs["until"], stop]})))
+        expected.append(text.split(stop)[0])
+    calls = []
+    generate = ours._sampler.generate
+    with mock.patch.object(ours._sampler, "generate", lambda *a, **k: calls.append(a[1]) or generate(*a, **k)):
+        ours.gen_chunk = 3
+        try:
+            texts = ours.generate_until(requests, disable_tqdm=True)
+        finally:
+            ours.gen_chunk = 32
+    assert texts == expected
+    assert set(calls) <= {3, 1} and len(calls) < 6 * len(requests)  # 16 tokens a request: 6 calls unless stopped
+
+
+def test_generation_longer_than_the_context_is_one_line(gpt2):
+    from lm_eval.api.instance import Instance
+
+    request = Instance(request_type="generate_until", doc={}, idx=0,
+                       arguments=("Hello", {"until": ["\n"], "max_gen_toks": 64, "do_sample": False}))
+    with pytest.raises(UserError, match=r"^a task asks for up to 64 new tokens \(its max_gen_toks\), which leaves no "
+                                        r"room for its prompt in this model's max_len=64"):
+        gpt2["ours"].generate_until([request], disable_tqdm=True)
+
+
+def test_cli_prints_lm_evals_table_and_writes_its_json(gpt2, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--tasks", "tiny_choice", "--include_path",
+                     TASKS_DIR, "--limit", "4", "--batch_size", "4", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "|tiny_choice|" in printed and "acc_norm" in printed and f"wrote     {out}" in printed
+    saved = json.loads(out.read_text())
+    assert saved["n-samples"]["tiny_choice"] == {"original": 8, "effective": 4} and "samples" not in saved
+    first4 = [s["acc"] for s in gpt2["reference_results"]["samples"]["tiny_choice"][:4]]
+    assert saved["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
+
+
+def test_python_api_evaluate_gives_the_same_numbers(gpt2):
+    import tpu_llm
+
+    results = tpu_llm.load(gpt2["dirs"]["run_dir"]).evaluate(["tiny_choice"], include_path=TASKS_DIR, limit=4,
+                                                             batch_size=4)
+    first4 = [s["acc"] for s in gpt2["reference_results"]["samples"]["tiny_choice"][:4]]
+    assert results["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit", "0"], "error: --limit=0: give a number of documents per task >= 1"),
+    (["--limit", "x"], "error: --limit='x' must be an integer"),
+    (["--tasks", " , "], "error: --tasks: give one or more lm-eval task names"),
+    (["--include_path", "no/such/dir"], "error: --include_path 'no/such/dir' is not a directory"),
+    (["--batch_size", "0"], "error: --batch_size=0: give 1 or more rows"),
+])
+def test_cli_refuses_in_one_line(flags, message, tmp_path, capsys):
+    args = {"--run_dir": str(tmp_path / "run"), "--tasks": "tiny_choice", "--include_path": TASKS_DIR}
+    args.update(dict(zip(flags[::2], flags[1::2])))
+    assert cli.main(["eval", *[x for kv in args.items() for x in kv]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_an_unknown_task_names_the_close_matches():
+    from tpu_llm.eval.run import check_tasks, task_manager
+
+    manager = task_manager(TASKS_DIR, ["tiny_choice"])  # only the local tasks: lm-eval's own index takes ~15 s
+    assert manager.all_tasks == sorted(TASKS)
+    check_tasks(["tiny_choice", "tiny_*"], manager)  # names and lm-eval's glob patterns
+    with pytest.raises(UserError, match=r"^--tasks: lm-eval has no task 'tiny_choise'; did you mean tiny_choice, tiny_gen\? "
+                                        r"list them with `lm-eval ls tasks`, or give your own task YAML's folder"):
+        check_tasks(["tiny_choice", "tiny_choise"], manager)
+
+
+def test_a_run_without_checkpoint_is_the_loaders_error(gpt2, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(gpt2["dirs"]["run_dir"], run)
+    shutil.rmtree(run / "checkpoints")
+    assert cli.main(["eval", "--run_dir", str(run), "--tasks", "tiny_choice", "--include_path", TASKS_DIR]) == 2
+    err = capsys.readouterr().err
+    assert "has no checkpoint in checkpoints/ yet" in err and err.count("\n") == 1, err
+
+
+def test_a_dataset_that_cannot_be_loaded_is_one_line_naming_it(gpt2, tmp_path, capsys):
+    text = (REPO / TASKS_DIR / "tiny_choice.yaml").read_text()
+    (tmp_path / "gone.yaml").write_text(text.replace("task: tiny_choice", "task: gone_choice")
+                                        .replace("tiny_choice.jsonl", "gone.jsonl"))
+    assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--tasks", "gone_choice",
+                     "--include_path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: a task's dataset could not be loaded (") and "gone.jsonl" in err, err
+    assert "HF_DATASETS_OFFLINE=1, or point --include_path to task YAML over local files" in err, err
+
+
+def test_without_lm_eval_the_error_names_the_extra(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    with pytest.raises(UserError, match=r"pip install 'tpu-llm\[eval\]'"):
+        require_lm_eval()
+    assert cli.main(["eval", "--run_dir", "r", "--tasks", "tiny_choice"]) == 2
+    assert capsys.readouterr().err == ("error: evaluation needs lm-evaluation-harness (lm_eval), which is not "
+                                       "installed: pip install 'tpu-llm[eval]'\n")

@@ -1,0 +1,143 @@
+"""`tpu-llm eval`: lm-evaluation-harness tasks on a run's newest checkpoint, through `TpuLM`.
+
+The arguments are checked before anything loads (`check_arguments`), the task names against lm-eval's own
+index (its TaskManager, which also reads --include_path's YAML) before the model loads, and the run's
+checkpoint by the loader `tpu-llm generate` uses. lm-eval computes every metric; this module only prints its
+table (lm_eval.utils.make_table) and writes its results dictionary as JSON.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from typing import Callable
+
+from tpu_llm.errors import UserError
+from tpu_llm.eval import require_lm_eval
+
+
+def whole_number(flag: str, text: str) -> int | None:
+    """--flag's integer, None when not given."""
+    if text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--{flag}={text!r} must be an integer") from None
+
+
+def task_list(tasks: str) -> list[str]:
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise UserError("--tasks: give one or more lm-eval task names, comma-separated (e.g. --tasks hellaswag,arc_easy)")
+    return names
+
+
+def check_arguments(tasks: str, include_path: str, num_fewshot: int, limit: int, batch_size: int,
+                    output: str) -> list[str]:
+    """The task names; UserError for an argument no evaluation could use (nothing is loaded yet)."""
+    if limit is not None and limit <= 0:
+        raise UserError(f"--limit={limit}: give a number of documents per task >= 1 (leave it out for all of them)")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise UserError(f"--num_fewshot={num_fewshot}: give 0 or more examples")
+    if batch_size < 1:
+        raise UserError(f"--batch_size={batch_size}: give 1 or more rows")
+    if include_path and not os.path.isdir(include_path):
+        raise UserError(f"--include_path {include_path!r} is not a directory (give the folder of your task YAML files)")
+    if output and not os.path.isdir(os.path.dirname(os.path.abspath(output))):
+        raise UserError(f"--output {output!r}: its directory does not exist")
+    return task_list(tasks)
+
+
+def task_manager(include_path: str = "", names: list[str] = ()):
+    """lm-eval's TaskManager over the YAML files under `include_path` (trusted: a task YAML can run Python
+    through `!function`) and, unless every one of `names` is among those, lm-eval's own tasks (indexing its
+    ~15,000 task, group and tag names takes ~15 s)."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if names and all(known(name, local) for name in names):
+            return local
+    return TaskManager(include_path=include_path or None)
+
+
+def known(name: str, manager) -> bool:
+    return name in manager.all_tasks or bool(manager.match_tasks([name])) or (
+        name.endswith((".yaml", ".yml")) and os.path.isfile(name))
+
+
+def check_tasks(names: list[str], manager) -> None:
+    """UserError naming the close matches of the first name lm-eval knows no task, group or tag by."""
+    for name in names:
+        if known(name, manager):
+            continue
+        close = difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise UserError(f"--tasks: lm-eval has no task {name!r}; {hint}list them with `lm-eval ls tasks`, or give "
+                        "your own task YAML's folder with --include_path DIR")
+
+
+def evaluate(model, names: list[str], manager, num_fewshot: int | None = None, limit: int | None = None,
+             log_samples: bool = False) -> dict:
+    """lm-eval's results dictionary for `names` evaluated with `model` (an lm-eval LM, e.g. TpuLM)."""
+    import lm_eval
+
+    try:
+        return lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
+                                       task_manager=manager, log_samples=log_samples)
+    except (ConnectionError, FileNotFoundError) as e:  # datasets' own errors derive from these two
+        reason = " ".join(str(e).split())[:300]
+        raise UserError(f"a task's dataset could not be loaded ({reason}); without network access fill the datasets "
+                        "cache on a machine that has it and set HF_DATASETS_OFFLINE=1, or point --include_path to "
+                        "task YAML over local files (dataset_path: json, dataset_kwargs: {data_files: ...}; "
+                        "docs/evaluation.md)") from None
+
+
+def results_json(results: dict) -> str:
+    """The results as lm-eval's `--output_path` writes them (per-sample records left out)."""
+    from lm_eval.utils import handle_non_serializable
+
+    kept = {k: v for k, v in results.items() if k != "samples"}
+    return json.dumps(kept, indent=2, default=handle_non_serializable, ensure_ascii=False)
+
+
+def prepare(tasks: str | list[str], include_path: str = "", num_fewshot: int | None = None, limit: int | None = None,
+            batch_size: int = 8, output: str = "") -> tuple[list[str], object]:
+    """(task names, lm-eval's TaskManager) once every argument and task name is checked; nothing loaded yet."""
+    text = tasks if isinstance(tasks, str) else ",".join(tasks)
+    names = check_arguments(text, include_path, num_fewshot, limit, batch_size, output)
+    manager = task_manager(include_path, names)
+    check_tasks(names, manager)
+    return names, manager
+
+
+def on_weights(model, tokenizer, config, tasks: str | list[str], include_path: str = "", num_fewshot: int | None = None,
+               limit: int | None = None, batch_size: int = 8) -> dict:
+    """lm-eval's results for `tasks` on a model already loaded (`tpu_llm.load(run_dir).evaluate`)."""
+    names, manager = prepare(tasks, include_path, num_fewshot, limit, batch_size)
+    from tpu_llm.eval.backend import TpuLM
+
+    return evaluate(TpuLM(model, tokenizer, config, batch_size=batch_size), names, manager, num_fewshot, limit)
+
+
+def run(run_dir: str, tasks: str, include_path: str = "", num_fewshot: int | None = None, limit: int | None = None,
+        batch_size: int = 8, output: str = "", say: Callable[[str], None] = print) -> dict:
+    """`tpu-llm eval`: check, load, evaluate, print the table, write `output`; returns lm-eval's results."""
+    names, manager = prepare(tasks, include_path, num_fewshot, limit, batch_size, output)
+    from lm_eval.utils import make_table
+
+    from tpu_llm.eval.backend import TpuLM
+
+    model = TpuLM.from_run(run_dir, batch_size=batch_size)
+    results = evaluate(model, names, manager, num_fewshot, limit)
+    say(make_table(results))
+    if "groups" in results:
+        say(make_table(results, "groups"))
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(results_json(results))
+        say(f"wrote     {output}")
+    return results
