@@ -216,13 +216,19 @@ def test_the_trained_state_record_names_adapter_keys_not_layout_keys(tmp_path):
     Checkpointer(str(tmp_path / "run"), 2, trained=one, weights=weights).save(1)
     with pytest.raises(UserError, match=r"was trained with train.lora_rank=2, this config has 0 .*another --run_dir"):
         Checkpointer(str(tmp_path / "run"), 2, trained={"lora_rank": 0}, weights=weights).restore_latest()
-    # train.freeze: compared where both sides record it (not by generation, nor against a checkpoint from before)
-    Checkpointer(str(tmp_path / "all"), 2, trained={"lora_rank": 0, "freeze": ""}, weights=weights).save(1)
+    # train.freeze: compared where both sides record it and the checkpoint holds moments (not by generation,
+    # nor against a checkpoint from before, nor against a model-only one: tpu-llm import, export --format run)
+    moments = tf.Variable([0.5, 0.5])  # (stands in for the optimizer: what the check looks for is its name)
+    Checkpointer(str(tmp_path / "all"), 2, trained={"lora_rank": 0, "freeze": ""}, weights=weights,
+                 optimizer=moments).save(1)
     with pytest.raises(UserError, match=r"was trained with train.freeze='', this config has 'embeddings' .*its AdamW "
                                         r"moments belong to other layers.*--train.init_from="):
         Checkpointer(str(tmp_path / "all"), 2, trained={"lora_rank": 0, "freeze": "embeddings"},
-                     weights=weights).restore_latest()
+                     weights=weights, optimizer=moments).restore_latest()
     assert Checkpointer(str(tmp_path / "all"), 2, trained={"lora_rank": 0}, weights=weights).restore_latest()
+    Checkpointer(str(tmp_path / "imported"), 2, trained={"lora_rank": 0, "freeze": ""}, weights=weights).save(0)
+    assert Checkpointer(str(tmp_path / "imported"), 2, trained={"lora_rank": 0, "freeze": "embeddings"},
+                        weights=weights, optimizer=moments).restore_latest()
     Checkpointer(str(tmp_path / "old"), 2, trained={"lora_rank": 0}, weights=weights).save(1)
     assert Checkpointer(str(tmp_path / "old"), 2, trained={"lora_rank": 0, "freeze": "embeddings"},
                         weights=weights).restore_latest()

@@ -174,7 +174,7 @@ def export_run(run_dir: str, output: str = "") -> dict:
         save_tokenizer(tokenizer, tmp)
         # the model only (a run started from it adds its own optimizer), with its model section and tokenizer
         Checkpointer(tmp, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
-                     trained=trained_state(cfg), model=model).save(0)
+                     trained=trained_state(cfg, optimizer=False), model=model).save(0)
     return {"run_dir": run_dir, "checkpoint": checkpoint, "step": checkpoint_step(checkpoint), "output": output,
             "params": model.num_params(), "tokenizer": tokenizer.kind, "notes": notes}
 

@@ -200,8 +200,8 @@ def import_checkpoint(source: str, run_dir: str, max_len: int = 0, allow_non_fin
             meta = {"source": source, "architecture": architecture, "dtype": dtype, "config": hf}
             write_atomically(os.path.join(tmp, IMPORT_FILE), json.dumps(meta, indent=1) + "\n")
             # the model only (train adds the optimizer), and the tokenizer it goes with
-            Checkpointer(tmp, keep=cfg.checkpoint.keep, tokenizer=tokenizer, trained=trained_state(cfg),
-                         model=net).save(0)
+            Checkpointer(tmp, keep=cfg.checkpoint.keep, tokenizer=tokenizer,
+                         trained=trained_state(cfg, optimizer=False), model=net).save(0)
     finally:
         keras.mixed_precision.set_global_policy(policy)
     return {"run_dir": run_dir, "family": cfg.model.family, "dtype": dtype, "eos_id": eos,

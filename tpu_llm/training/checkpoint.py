@@ -221,7 +221,7 @@ class Checkpointer:
             if self.tokenizer and "tokenizer" in held:  # (none before issue 40)
                 self._check_tokenizer(path)
             if self.trained is not None and "trained_state" in held:  # (none before issue 50)
-                self._check_trained(path)
+                self._check_trained(path, optimizer="optimizer" in held)
             # the optimizer too if the checkpoint has one: `tpu-llm import` saves the model alone (step 0)
             objects = {k: v for k, v in self.trackables.items()
                        if k not in self.NOT_RESTORED and (k in held or k == "model")}
@@ -252,9 +252,10 @@ class Checkpointer:
                             f"config has {ours}): the model section changed since it was saved (an edited "
                             "config.yaml?); resume with the model section it was made with, or use another --run_dir")
 
-    def _check_trained(self, path: str) -> None:
-        """Refuse a checkpoint whose trained state (its adapters) was made with other train.* keys than
-        this config's (an edited config.yaml): a UserError naming the key, both values and the fixes."""
+    def _check_trained(self, path: str, optimizer: bool) -> None:
+        """Refuse a checkpoint whose trained state (its adapters; with `optimizer`, the checkpoint holding
+        AdamW's moments, also train.freeze) was made with other train.* keys than this config's (an edited
+        config.yaml): a UserError naming the key, both values and the fixes."""
         text = self.read(path, "trained_state")
         try:
             saved = json.loads(text.decode() if isinstance(text, bytes) else str(text))
@@ -262,9 +263,10 @@ class Checkpointer:
             raise Unreadable(f"its trained_state is not JSON ({str(text)[:60]!r})") from None
         saved = saved if isinstance(saved, dict) else {}
         keys = set(saved) | set(self.trained)  # the rank first: with no adapters, the others are not recorded
-        # the others (train.freeze) only where both record them: a checkpoint from before they were recorded,
-        # and generation, which builds no optimizer, do not compare them
-        others = sorted(k for k in (set(saved) & set(self.trained)) - set(ADAPTER_KEYS))
+        # the others (train.freeze) only where both record them and the checkpoint has moments to misplace: a
+        # checkpoint from before they were recorded, a model-only one (import, export --format run) and
+        # generation, which builds no optimizer, do not compare them
+        others = sorted(k for k in (set(saved) & set(self.trained)) - set(ADAPTER_KEYS)) if optimizer else []
         for key in [k for k in ADAPTER_KEYS if k in keys] + others:
             theirs, ours = saved.get(key), self.trained.get(key)
             if theirs != ours:
