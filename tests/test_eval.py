@@ -204,6 +204,49 @@ def test_python_api_evaluate_gives_the_same_numbers(gpt2):
     assert results["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
 
 
+def test_a_lora_run_evaluates_as_its_merged_copy(gpt2, tmp_path):
+    """A LoRA run (random adapters on the imported GPT-2, a checkpoint as training leaves it) scores every request
+    as its copy with the adapters merged in (`tpu-llm export --format run`) does, and not as the base does."""
+    import numpy as np
+
+    from tpu_llm.config import load_config
+    from tpu_llm.eval.backend import TpuLM
+    from tpu_llm.model import GPT
+    from tpu_llm.model import adapters as lora
+    from tpu_llm.model import families
+    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation
+
+    base, _, cfg = load_for_generation(gpt2["dirs"]["run_dir"])
+    cfg = load_config(None, {"train.lora_rank": 2, "train.lora_alpha": 4.0,
+                             "train.lora_targets": ",".join(families.get("gpt2").peft_targets)}, base=cfg)
+    adapted = GPT(cfg.model, cfg.model.vocab_size, lora.adapters_for(cfg)).build_weights()
+    lora.copy_base(base, adapted)
+    rng = np.random.default_rng(5)
+    for layer in lora.adapted(adapted):  # (B starts at zero: the adapters would change nothing)
+        for weights in (layer.lora_a, layer.lora_b):
+            weights.assign(rng.normal(0, 0.2, tuple(weights.shape)).astype(np.float32))
+    run, merged = tmp_path / "lora-run", tmp_path / "merged"
+    shutil.copytree(gpt2["dirs"]["run_dir"], run, ignore=shutil.ignore_patterns("checkpoints"))
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    Checkpointer(str(run), keep=1, model_config=cfg.model, model=adapted).save(0)
+    assert cli.main(["export", "--run_dir", str(run), "--format", "run", "--output", str(merged)]) == 0
+
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=TASKS_DIR, include_defaults=False)
+    scores = {}
+    for name, where in (("lora", run), ("merged", merged)):
+        results = lm_eval.simple_evaluate(model=TpuLM.from_run(str(where), batch_size=8), tasks=TASKS[:2],
+                                          task_manager=manager, log_samples=True, limit=3)
+        scores[name] = [r for task in TASKS[:2] for s in results["samples"][task] for (r,) in s["resps"]]
+    base_scores = [r for task in TASKS[:2] for s in gpt2["ours_results"]["samples"][task][:3] for (r,) in s["resps"]]
+    value = lambda r: r[0] if isinstance(r, (tuple, list)) else r  # noqa: E731  (loglikelihood, is_greedy) or a sum
+    assert len(scores["lora"]) == len(scores["merged"]) == len(base_scores) > 0
+    for a, b in zip(scores["lora"], scores["merged"]):
+        assert close(value(a), value(b), relative=True), (a, b)
+    assert max(abs(value(a) - value(b)) for a, b in zip(scores["lora"], base_scores)) > 0.01  # the adapters count
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--limit", "0"], "error: --limit=0: give a number of documents per task >= 1"),
     (["--limit", "x"], "error: --limit='x' must be an integer"),
