@@ -308,7 +308,7 @@ def test_text_perplexity_equals_lm_evals_one_document_task(gpt2, tmp_path, capsy
     (["--text", "{file}"], b" \n\n", "error: --text '{file}' is empty (no text but whitespace); give a plain UTF-8"),
     (["--text", "{file}"], b"caf\xe9", "error: --text '{file}' is not UTF-8 (byte 3 is 0xe9); convert it, e.g. iconv"),
     (["--text", "{dir}/missing.txt"], None, "error: --text '{dir}/missing.txt' cannot be read (No such file"),
-    (["--text", "{file}", "--tasks", "tiny_ppl"], b"x", "error: tpu-llm eval: --tasks and --text both given; give one"),
+    (["--text", "{file}", "--tasks", "tiny_ppl"], b"x", "error: tpu-llm eval: --tasks and --text both given"),
     ([], None, "error: tpu-llm eval: give --tasks NAMES (lm-eval tasks) or --text FILE"),
     (["--text", "{file}", "--limit", "2"], b"x", "error: --limit applies to --tasks, not to --text"),
     (["--tasks", "tiny_choice", "--log_samples"], None, "error: --log_samples writes its files next to the results: "
