@@ -492,11 +492,6 @@ wikitext task reports them.""",
          log_samples="also write each task's per-sample records next to --output")
 def eval_(run_dir: str, tasks: str = "", text: str = "", include_path: str = "", num_fewshot: str = "",
           limit: str = "", batch_size: int = 8, output: str = "", log_samples: bool = False):
-    from tpu_llm.eval.run import check_choice, run as run_eval, run_text, whole_number
+    from tpu_llm.eval.run import command
 
-    fewshot, most = whole_number("num_fewshot", num_fewshot), whole_number("limit", limit)
-    check_choice(tasks, text, include_path, fewshot, most, log_samples)
-    if text:
-        run_text(run_dir, text, batch_size, output)
-    else:
-        run_eval(run_dir, tasks, include_path, fewshot, most, batch_size, output, log_samples=log_samples)
+    command(run_dir, tasks, text, include_path, num_fewshot, limit, batch_size, output, log_samples)

@@ -222,3 +222,14 @@ def run_text(run_dir: str, path: str, batch_size: int = 8, output: str = "",
             f.write(text_eval.result_json(path, result))
         say(f"wrote     {output}")
     return result
+
+
+def command(run_dir: str, tasks: str, text: str, include_path: str, num_fewshot: str, limit: str, batch_size: int,
+            output: str, log_samples: bool) -> None:
+    """`tpu-llm eval` with its flags as given: --tasks (`run`) or --text (`run_text`)."""
+    fewshot, most = whole_number("num_fewshot", num_fewshot), whole_number("limit", limit)
+    check_choice(tasks, text, include_path, fewshot, most, log_samples)
+    if text:
+        run_text(run_dir, text, batch_size, output)
+    else:
+        run(run_dir, tasks, include_path, fewshot, most, batch_size, output, log_samples=log_samples)
