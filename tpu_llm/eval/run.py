@@ -172,11 +172,12 @@ def on_weights(model, tokenizer, config, tasks: str | list[str], include_path: s
 def text_on_weights(model, tokenizer, config, path: str, batch_size: int = 8) -> dict:
     """The perplexity of the text file `path` on a model already loaded (`tpu_llm.load(run_dir).perplexity`)."""
     from tpu_llm.eval import text as text_eval
-    from tpu_llm.eval.backend import TpuLM
 
     check_output(batch_size, "")
     content = text_eval.read_text(path)
     require_lm_eval()
+    from tpu_llm.eval.backend import TpuLM  # imports lm_eval
+
     return text_eval.perplexity(TpuLM(model, tokenizer, config, batch_size=batch_size), content)
 
 

@@ -43,7 +43,7 @@ def perplexity(model, text: str) -> dict:
     from lm_eval.api.task import ConfigurableTask
 
     request = Instance(request_type="loglikelihood_rolling", doc={"text": text}, arguments=(text,), idx=0)
-    (loglikelihood,) = model.loglikelihood_rolling([request], disable_tqdm=True)
+    loglikelihood = float(model.loglikelihood_rolling([request], disable_tqdm=True)[0])
     words, size = ConfigurableTask.count_words(text), ConfigurableTask.count_bytes(text)
     return {"tokens": len(model.tok_encode(text)), "words": words, "bytes": size, "loglikelihood": loglikelihood,
             "word_perplexity": weighted_perplexity([(loglikelihood, words)]),
