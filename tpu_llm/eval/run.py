@@ -40,7 +40,8 @@ def check_choice(tasks: str, text: str, include_path: str = "", num_fewshot: int
     """UserError unless exactly one of --tasks and --text is given, with only the flags that apply to it."""
     if bool(tasks) == bool(text):
         which = "--tasks and --text both given; give one: " if tasks else "give "
-        raise UserError(f"tpu-llm eval: {which}--tasks NAMES (lm-eval tasks) or --text FILE (a text file's perplexity)")
+        raise UserError(f"tpu-llm eval: {which}--tasks NAMES (lm-eval tasks) or --text FILE "
+                        "(a text file's perplexity)")
     if text:
         given = [flag for flag, value in (("--include_path", include_path), ("--num_fewshot", num_fewshot),
                                           ("--limit", limit), ("--log_samples", log_samples))
