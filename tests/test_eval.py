@@ -302,3 +302,87 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch, capsys):
     assert cli.main(["eval", "--run_dir", "r", "--tasks", "tiny_choice"]) == 2
     assert capsys.readouterr().err == ("error: evaluation needs lm-evaluation-harness (lm_eval), which is not "
                                        "installed: pip install 'tpu-llm[eval]'\n")
+
+
+def one_document_task(folder: Path, text: str) -> str:
+    """tiny_ppl's YAML as task `one_ppl` over a JSON-lines file holding `text` as its only document."""
+    (folder / "one.jsonl").write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+    yaml = (REPO / TASKS_DIR / "tiny_ppl.yaml").read_text()
+    (folder / "one_ppl.yaml").write_text(yaml.replace("task: tiny_ppl", "task: one_ppl")
+                                         .replace("tests/data/eval_tasks/tiny_text.jsonl", str(folder / "one.jsonl")))
+    return "one_ppl"
+
+
+def test_text_perplexity_equals_lm_evals_one_document_task(gpt2, tmp_path, capsys):
+    """`--text FILE` gives the metrics lm-eval's loglikelihood_rolling task gives for a task whose one document
+    is the file's text: the same windows (a text longer than max_len), words (lm-eval's re.split counts one
+    more at each end that is whitespace) and bytes (non-ASCII letters)."""
+    from lm_eval.tasks import TaskManager
+
+    first = json.loads((REPO / TASKS_DIR / "tiny_text.jsonl").read_text(encoding="utf-8").splitlines()[0])["text"]
+    text = "  " + first + "\n"
+    assert len(gpt2["ours"].tok_encode(text)) > 64 and len(text.encode()) > len(text)
+    task = one_document_task(tmp_path, text)
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    want = lm_eval.simple_evaluate(model=gpt2["ours"], tasks=[task], task_manager=manager)["results"][task]
+    path, out = tmp_path / "doc.txt", tmp_path / "doc.json"
+    path.write_bytes(text.encode("utf-8"))
+    assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--text", str(path), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["words"] == len(text.split()) + 2 and saved["bytes"] == len(text.encode("utf-8"))
+    assert saved["tokens"] == len(gpt2["ours"].tok_encode(text))
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert close(saved[metric], want[f"{metric},none"], relative=True), (metric, saved, want)
+        assert metric in printed and f"{saved[metric]:.4f}" in printed
+    assert f"|{path}" in printed and f"wrote     {out}" in printed
+    # the Python API, on each of tiny_ppl's documents: the loglikelihoods lm-eval's own run logged
+    import tpu_llm
+
+    loaded = tpu_llm.load(gpt2["dirs"]["run_dir"])
+    for k, sample in enumerate(gpt2["ours_results"]["samples"]["tiny_ppl"][:2]):
+        (path := tmp_path / f"{k}.txt").write_text(sample["doc"]["text"], encoding="utf-8")
+        got = loaded.perplexity(str(path))
+        assert close(got["loglikelihood"], sample["resps"][0][0], relative=True)
+        assert [got["words"], got["bytes"]] == [sample["word_perplexity"][1], sample["byte_perplexity"][1]]
+
+
+@pytest.mark.parametrize("flags, content, message", [
+    (["--text", "{file}"], b" \n\n", "error: --text '{file}' is empty (no text but whitespace); give a plain UTF-8"),
+    (["--text", "{file}"], b"caf\xe9", "error: --text '{file}' is not UTF-8 (byte 3 is 0xe9); convert it, e.g. iconv"),
+    (["--text", "{dir}/missing.txt"], None, "error: --text '{dir}/missing.txt' cannot be read (No such file"),
+    (["--text", "{file}", "--tasks", "tiny_ppl"], b"x", "error: tpu-llm eval: --tasks and --text both given"),
+    ([], None, "error: tpu-llm eval: give --tasks NAMES (lm-eval tasks) or --text FILE"),
+    (["--text", "{file}", "--limit", "2"], b"x", "error: --limit applies to --tasks, not to --text"),
+    (["--tasks", "tiny_choice", "--log_samples"], None, "error: --log_samples writes its files next to the results: "
+                                                        "give --output FILE.json too"),
+])
+def test_text_and_log_samples_refuse_in_one_line(flags, content, message, tmp_path, capsys):
+    file = tmp_path / "text.txt"
+    if content is not None:
+        file.write_bytes(content)
+    fill = {"file": str(file), "dir": str(tmp_path)}
+    assert cli.main(["eval", "--run_dir", str(tmp_path / "run"), *[f.format(**fill) for f in flags]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(**fill)) and err.count("\n") == 1, err
+
+
+def test_log_samples_writes_one_record_per_document_as_lm_eval_does(gpt2, tmp_path, capsys):
+    out = tmp_path / "choice.json"
+    assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--tasks", "tiny_choice", "--include_path",
+                     TASKS_DIR, "--output", str(out), "--log_samples"]) == 0
+    samples_file = tmp_path / "choice_samples_tiny_choice.jsonl"
+    assert f"wrote     {samples_file}" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    records = [json.loads(line) for line in samples_file.read_text(encoding="utf-8").splitlines()]
+    assert len(records) == saved["n-samples"]["tiny_choice"]["original"] == 8 and "samples" not in saved
+    reference = gpt2["reference_results"]["samples"]["tiny_choice"]
+    right = 0
+    for record, theirs in zip(records, reference):
+        assert record["doc_id"] == theirs["doc_id"] and set(record["arguments"]) == {
+            f"gen_args_{i}" for i in range(len(theirs["arguments"]))}  # lm-eval's EvaluationTracker layout
+        lls = [float(ll) for ll, _ in record["filtered_resps"]]
+        assert all(close(a, b[0][0]) for a, b in zip(lls, theirs["resps"]))
+        right += lls.index(max(lls)) == int(record["target"])
+        assert record["acc"] == (lls.index(max(lls)) == int(record["target"]))
+    assert saved["results"]["tiny_choice"]["acc,none"] == pytest.approx(right / len(records))

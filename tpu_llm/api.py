@@ -108,13 +108,20 @@ class LoadedRun:
                             length_penalty=length_penalty, early_stopping=early_stopping)[0]
 
     def evaluate(self, tasks: str | Sequence[str], include_path: str = "", num_fewshot: int | None = None,
-                 limit: int | None = None, batch_size: int = 8) -> dict:
+                 limit: int | None = None, batch_size: int = 8, log_samples: bool = False) -> dict:
         """lm-evaluation-harness `tasks` (names, groups or tags; a list or comma-separated) on these weights, as
         `tpu-llm eval` runs them (the `eval` extra; docs/evaluation.md): lm-eval's results dictionary, whose
         `results[task]` holds each metric (e.g. `"acc,none"`). `include_path`: a folder of your own task YAML
-        (trusted: a task YAML can run Python); `limit`: documents per task (None: all)."""
+        (trusted: a task YAML can run Python); `limit`: documents per task (None: all); `log_samples`: also
+        lm-eval's per-sample records, in `results["samples"][task]`."""
         return eval_run.on_weights(self.model, self.tokenizer, self.config, list(tasks) if not isinstance(tasks, str)
-                                   else tasks, include_path, num_fewshot, limit, batch_size)
+                                   else tasks, include_path, num_fewshot, limit, batch_size, log_samples)
+
+    def perplexity(self, text_file: str, batch_size: int = 8) -> dict:
+        """The perplexity of a UTF-8 text file on these weights, the whole file as one document, as
+        `tpu-llm eval --text` computes it (the `eval` extra): {"tokens", "words", "bytes", "loglikelihood",
+        "word_perplexity", "byte_perplexity", "bits_per_byte"}, lm-eval's metrics of its wikitext task."""
+        return eval_run.text_on_weights(self.model, self.tokenizer, self.config, text_file, batch_size)
 
 
 def load(run_dir: str) -> LoadedRun:

@@ -3,7 +3,8 @@
 The arguments are checked before anything loads (`check_arguments`), the task names against lm-eval's own
 index (its TaskManager, which also reads --include_path's YAML) before the model loads, and the run's
 checkpoint by the loader `tpu-llm generate` uses. lm-eval computes every metric; this module only prints its
-table (lm_eval.utils.make_table) and writes its results dictionary as JSON.
+table (lm_eval.utils.make_table) and writes its results dictionary as JSON, and with --log_samples its
+per-sample records as `lm_eval --log_samples` writes them. `--text FILE` is tpu_llm/eval/text.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ def task_list(tasks: str) -> list[str]:
     return names
 
 
+def check_choice(tasks: str, text: str, include_path: str = "", num_fewshot: int | None = None,
+                 limit: int | None = None, log_samples: bool = False) -> None:
+    """UserError unless exactly one of --tasks and --text is given, with only the flags that apply to it."""
+    if bool(tasks) == bool(text):
+        which = "--tasks and --text both given; give one: " if tasks else "give "
+        raise UserError(f"tpu-llm eval: {which}--tasks NAMES (lm-eval tasks) or --text FILE "
+                        "(a text file's perplexity)")
+    if text:
+        given = [flag for flag, value in (("--include_path", include_path), ("--num_fewshot", num_fewshot),
+                                          ("--limit", limit), ("--log_samples", log_samples))
+                 if value not in ("", None, False)]
+        if given:
+            raise UserError(f"{given[0]} applies to --tasks, not to --text (the whole file is one document)")
+
+
 def check_arguments(tasks: str, include_path: str, num_fewshot: int, limit: int, batch_size: int,
                     output: str) -> list[str]:
     """The task names; UserError for an argument no evaluation could use (nothing is loaded yet)."""
@@ -41,13 +57,17 @@ def check_arguments(tasks: str, include_path: str, num_fewshot: int, limit: int,
         raise UserError(f"--limit={limit}: give a number of documents per task >= 1 (leave it out for all of them)")
     if num_fewshot is not None and num_fewshot < 0:
         raise UserError(f"--num_fewshot={num_fewshot}: give 0 or more examples")
-    if batch_size < 1:
-        raise UserError(f"--batch_size={batch_size}: give 1 or more rows")
+    check_output(batch_size, output)
     if include_path and not os.path.isdir(include_path):
         raise UserError(f"--include_path {include_path!r} is not a directory (give the folder of your task YAML files)")
+    return task_list(tasks)
+
+
+def check_output(batch_size: int, output: str) -> None:
+    if batch_size < 1:
+        raise UserError(f"--batch_size={batch_size}: give 1 or more rows")
     if output and not os.path.isdir(os.path.dirname(os.path.abspath(output))):
         raise UserError(f"--output {output!r}: its directory does not exist")
-    return task_list(tasks)
 
 
 def task_manager(include_path: str = "", names: list[str] = ()):
@@ -104,6 +124,32 @@ def results_json(results: dict) -> str:
     return json.dumps(kept, indent=2, default=handle_non_serializable, ensure_ascii=False)
 
 
+def sample_record(sample: dict) -> dict:
+    """A per-sample record as lm-eval's EvaluationTracker.save_results_samples writes it (arguments as
+    gen_args_i/arg_j, responses made JSON-safe, the target as text), so lm-eval's readers of them read ours."""
+    from lm_eval.utils import sanitize_list
+
+    arguments = {f"gen_args_{i}": {f"arg_{j}": a for j, a in enumerate(arg)}
+                 for i, arg in enumerate(sample["arguments"])}
+    return {**sample, "arguments": arguments, "resps": sanitize_list(sample["resps"]),
+            "filtered_resps": sanitize_list(sample["filtered_resps"]), "target": str(sample["target"])}
+
+
+def write_samples(output: str, samples: dict) -> list[str]:
+    """`<output stem>_samples_<task>.jsonl` per task, one record a document; the paths written. lm-eval's own
+    names carry the time (samples_<task>_<date>.jsonl) and append; these are overwritten, like `output`."""
+    from lm_eval.utils import handle_non_serializable
+
+    paths = []
+    for task, records in samples.items():
+        path = f"{os.path.splitext(output)[0]}_samples_{task}.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            for sample in records:
+                f.write(json.dumps(sample_record(sample), default=handle_non_serializable, ensure_ascii=False) + "\n")
+        paths.append(path)
+    return paths
+
+
 def prepare(tasks: str | list[str], include_path: str = "", num_fewshot: int | None = None, limit: int | None = None,
             batch_size: int = 8, output: str = "") -> tuple[list[str], object]:
     """(task names, lm-eval's TaskManager) once every argument and task name is checked; nothing loaded yet."""
@@ -115,24 +161,40 @@ def prepare(tasks: str | list[str], include_path: str = "", num_fewshot: int | N
 
 
 def on_weights(model, tokenizer, config, tasks: str | list[str], include_path: str = "", num_fewshot: int | None = None,
-               limit: int | None = None, batch_size: int = 8) -> dict:
+               limit: int | None = None, batch_size: int = 8, log_samples: bool = False) -> dict:
     """lm-eval's results for `tasks` on a model already loaded (`tpu_llm.load(run_dir).evaluate`)."""
     names, manager = prepare(tasks, include_path, num_fewshot, limit, batch_size)
     from tpu_llm.eval.backend import TpuLM
 
-    return evaluate(TpuLM(model, tokenizer, config, batch_size=batch_size), names, manager, num_fewshot, limit)
+    return evaluate(TpuLM(model, tokenizer, config, batch_size=batch_size), names, manager, num_fewshot, limit,
+                    log_samples)
+
+
+def text_on_weights(model, tokenizer, config, path: str, batch_size: int = 8) -> dict:
+    """The perplexity of the text file `path` on a model already loaded (`tpu_llm.load(run_dir).perplexity`)."""
+    from tpu_llm.eval import text as text_eval
+
+    check_output(batch_size, "")
+    content = text_eval.read_text(path)
+    require_lm_eval()
+    from tpu_llm.eval.backend import TpuLM  # imports lm_eval
+
+    return text_eval.perplexity(TpuLM(model, tokenizer, config, batch_size=batch_size), content)
 
 
 def run(run_dir: str, tasks: str, include_path: str = "", num_fewshot: int | None = None, limit: int | None = None,
-        batch_size: int = 8, output: str = "", say: Callable[[str], None] = print) -> dict:
-    """`tpu-llm eval`: check, load, evaluate, print the table, write `output`; returns lm-eval's results."""
+        batch_size: int = 8, output: str = "", say: Callable[[str], None] = print, log_samples: bool = False) -> dict:
+    """`tpu-llm eval`: check, load, evaluate, print the table, write `output` (and with `log_samples` the
+    per-sample records next to it); returns lm-eval's results."""
+    if log_samples and not output:
+        raise UserError("--log_samples writes its files next to the results: give --output FILE.json too")
     names, manager = prepare(tasks, include_path, num_fewshot, limit, batch_size, output)
     from lm_eval.utils import make_table
 
     from tpu_llm.eval.backend import TpuLM
 
     model = TpuLM.from_run(run_dir, batch_size=batch_size)
-    results = evaluate(model, names, manager, num_fewshot, limit)
+    results = evaluate(model, names, manager, num_fewshot, limit, log_samples)
     say(make_table(results))
     if "groups" in results:
         say(make_table(results, "groups"))
@@ -140,4 +202,36 @@ def run(run_dir: str, tasks: str, include_path: str = "", num_fewshot: int | Non
         with open(output, "w", encoding="utf-8") as f:
             f.write(results_json(results))
         say(f"wrote     {output}")
+        for path in write_samples(output, results["samples"]) if log_samples else []:
+            say(f"wrote     {path}")
     return results
+
+
+def run_text(run_dir: str, path: str, batch_size: int = 8, output: str = "",
+             say: Callable[[str], None] = print) -> dict:
+    """`tpu-llm eval --text FILE`: the file's perplexity as one document; prints a table, writes `output`."""
+    from tpu_llm.eval import text as text_eval
+
+    check_output(batch_size, output)
+    content = text_eval.read_text(path)
+    require_lm_eval()
+    from tpu_llm.eval.backend import TpuLM
+
+    result = text_eval.perplexity(TpuLM.from_run(run_dir, batch_size=batch_size), content)
+    say(text_eval.table(path, result))
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(text_eval.result_json(path, result))
+        say(f"wrote     {output}")
+    return result
+
+
+def command(run_dir: str, tasks: str, text: str, include_path: str, num_fewshot: str, limit: str, batch_size: int,
+            output: str, log_samples: bool) -> None:
+    """`tpu-llm eval` with its flags as given: --tasks (`run`) or --text (`run_text`)."""
+    fewshot, most = whole_number("num_fewshot", num_fewshot), whole_number("limit", limit)
+    check_choice(tasks, text, include_path, fewshot, most, log_samples)
+    if text:
+        run_text(run_dir, text, batch_size, output)
+    else:
+        run(run_dir, tasks, include_path, fewshot, most, batch_size, output, log_samples=log_samples)
