@@ -262,6 +262,27 @@ def test_cli_refuses_in_one_line(flags, message, tmp_path, capsys):
     assert err.startswith(message) and err.count("\n") == 1, err
 
 
+def test_text_the_vocabulary_cannot_hold_is_said_once_for_tasks_and_refused_for_a_text_file():
+    """A char vocabulary (built from other data) lacks a task's characters: scoring goes on with one note (one
+    emoji in one document should not stop an evaluation); --text's file is the user's own, so it is refused."""
+    from types import SimpleNamespace
+
+    from tpu_llm.eval import text as text_eval
+    from tpu_llm.eval.backend import TpuLM
+    from tpu_llm.tokenizers.core import CharTokenizer
+
+    notes = []
+    lm = TpuLM(None, CharTokenizer("abc d"), SimpleNamespace(model=SimpleNamespace(max_len=64)), say=notes.append)
+    assert lm.tok_encode("a bad cab") == [1, 0, 2, 1, 4, 0, 3, 1, 2] and notes == []  # (ids: ' ' 0, a 1, ...)
+    lm.tok_encode("abé")
+    lm.tok_encode("ü and é")
+    assert len(notes) == 1 and notes[0].startswith("note: the tasks' text holds characters the run's char vocabulary "
+                                                   "does not hold ('é'): they are scored as the tokenizer"), notes
+    with pytest.raises(UserError, match=r"^--text 'notes.txt' has 2 character\(s\) that the run's char vocabulary "
+                                        r"does not hold: 'é', 'ü'; remove or replace them"):
+        text_eval.perplexity(lm, "abé dü", "notes.txt")
+
+
 def test_an_unknown_task_names_the_close_matches():
     from tpu_llm.eval.run import check_tasks, task_manager
 

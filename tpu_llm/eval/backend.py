@@ -69,6 +69,7 @@ class TpuLM(TemplateLM):
         self._scorers: dict[int, Callable] = {}
         self._sampler: Sampler | None = None
         self._truncated = False
+        self._covered: dict[str, bool] = {}  # each character seen in a request: does the vocabulary hold it?
         self.gen_chunk = 32  # new tokens per sampler call in generate_until, between checks for `until`
 
     @classmethod
@@ -92,8 +93,25 @@ class TpuLM(TemplateLM):
                    **kwargs) -> list[int]:
         if add_special_tokens is None:  # the tokenizer's default, unless the text already begins with BOS
             add_special_tokens = not (self._prefix_text and string.startswith(self._prefix_text))
+        self._check_covered(string)
         ids = self.tok.encode(string) if add_special_tokens else self._encode(string)
         return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def _check_covered(self, text: str) -> None:
+        """Say once that the tasks' text holds characters the run's vocabulary does not (a char vocabulary built
+        from other data): they encode to the unknown id, or to nothing, which training never showed the model.
+        Not a refusal: one emoji in one of thousands of documents should not stop an evaluation."""
+        new = [ch for ch in dict.fromkeys(text) if ch not in self._covered]
+        if not new:
+            return
+        lacking = set(self.tok.missing("".join(new)))  # (each character is checked on its own: one pass for all)
+        first = not any(held is False for held in self._covered.values())
+        self._covered.update((ch, ch not in lacking) for ch in new)
+        if lacking and first:
+            shown = ", ".join(repr(ch) for ch in [c for c in new if c in lacking][:10])
+            self.say(f"note: the tasks' text holds characters the run's {self.tok.kind} vocabulary does not hold "
+                     f"({shown}): they are scored as the tokenizer encodes them (the unknown id, or nothing), which "
+                     "the model never saw in training, so those requests' numbers mean little (said once)")
 
     def tok_decode(self, tokens) -> str:
         return self.tok.decode(tokens)

@@ -179,7 +179,7 @@ def text_on_weights(model, tokenizer, config, path: str, batch_size: int = 8) ->
     require_lm_eval()
     from tpu_llm.eval.backend import TpuLM  # imports lm_eval
 
-    return text_eval.perplexity(TpuLM(model, tokenizer, config, batch_size=batch_size), content)
+    return text_eval.perplexity(TpuLM(model, tokenizer, config, batch_size=batch_size), content, path)
 
 
 def run(run_dir: str, tasks: str, include_path: str = "", num_fewshot: int | None = None, limit: int | None = None,
@@ -217,7 +217,7 @@ def run_text(run_dir: str, path: str, batch_size: int = 8, output: str = "",
     require_lm_eval()
     from tpu_llm.eval.backend import TpuLM
 
-    result = text_eval.perplexity(TpuLM.from_run(run_dir, batch_size=batch_size), content)
+    result = text_eval.perplexity(TpuLM.from_run(run_dir, batch_size=batch_size), content, path)
     say(text_eval.table(path, result))
     if output:
         with open(output, "w", encoding="utf-8") as f:

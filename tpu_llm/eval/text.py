@@ -35,9 +35,13 @@ def read_text(path: str) -> str:
     return text
 
 
-def perplexity(model, text: str) -> dict:
-    """{tokens, words, bytes, loglikelihood, word_perplexity, byte_perplexity, bits_per_byte} of `text` as one
-    document scored by `model` (an lm-eval LM, e.g. TpuLM)."""
+def perplexity(model, text: str, path: str = "the text") -> dict:
+    """{tokens, words, bytes, loglikelihood, word_perplexity, byte_perplexity, bits_per_byte} of `text` (the
+    file `path`) as one document scored by `model` (TpuLM). Characters the run's vocabulary cannot hold are a
+    UserError, as in a prompt: they would be scored as the unknown id, a perplexity of text nobody wrote."""
+    from tpu_llm.tokenizers.core import check_covers
+
+    check_covers(model.tok, text, f"--text {path!r}")
     from lm_eval.api.instance import Instance
     from lm_eval.api.metrics import bits_per_byte, weighted_perplexity
     from lm_eval.api.task import ConfigurableTask
