@@ -464,6 +464,14 @@ MUTATIONS = [
       "return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)",
       "return tokenizer.decode(ids)",
       "tests/test_hf_tokenizer.py::test_continuation_keeps_the_space_llama_decoding_drops"),
+    # ---- evaluation (issue 49) ----------------------------------------------------------------------------
+    M("eval-merged-adapters-at-the-wrong-scale", "tpu_llm/model/adapters.py",
+      "return float_kernel(layer) + tf.matmul(layer.lora_a, layer.lora_b) * layer.scale",
+      "return float_kernel(layer) + tf.matmul(layer.lora_a, layer.lora_b)",
+      "tests/test_eval.py::test_a_lora_run_evaluates_as_its_merged_copy"),
+    M("eval-vocabulary-not-checked", "tpu_llm/eval/backend.py",
+      "        self._check_covered(string)\n", "",
+      "tests/test_eval.py::test_text_the_vocabulary_cannot_hold_is_said_once_for_tasks_and_refused_for_a_text_file"),
     # ---- beam search (issue 41) --------------------------------------------------------------------------
     M("beam-cache-not-reordered", "tpu_llm/model/beam_search.py",
       "cache = [(tf.gather(k, rows), tf.gather(v, rows)) for k, v in cache]", "cache = list(cache)",
