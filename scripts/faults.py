@@ -398,6 +398,15 @@ def freeze_edited(bench: Bench, run_dir: Path) -> list[str]:
     return bench.train_args(run_dir) + ["--train.freeze=embeddings"]
 
 
+def text_outside_the_vocabulary(bench: Bench, run_dir: Path) -> list[str]:
+    """A char-vocabulary run asked for the perplexity of a text holding a character its data never had: it
+    would be scored as the unknown id, a perplexity of text nobody wrote."""
+    Proc(bench.work / "eval-vocabulary-prepare.log", bench.train_args(run_dir, EVERY, "--data.tokenizer=char")).wait()
+    notes = run_dir.parent / "notes.txt"
+    notes.write_text("def parrot():\n    return '\U0001F99C'\n", encoding="utf-8")
+    return ["eval", "--run_dir", str(run_dir), "--text", str(notes)]
+
+
 def corrupted_tokenizer(bench: Bench, run_dir: Path) -> list[str]:
     Proc(bench.work / "tokenizer-prepare.log", bench.train_args(run_dir, EVERY)).wait()
     (run_dir / "tokenizer.json").write_text('{"kind": "byte", "vocab')  # torn mid-write
@@ -923,6 +932,10 @@ ROWS = [
     Row("freeze-drift", "a run that trained every layer, resumed with --train.freeze=embeddings",
         "exit 2, one line naming train.freeze and both values; the run directory unchanged",
         refused_row(freeze_edited, "was trained with train.freeze='', this config has 'embeddings'"), reference=False),
+    Row("eval-vocabulary", "`eval --text` of a file holding a character a char-vocabulary run never saw",
+        "exit 2, one line naming the character; the run directory unchanged",
+        refused_row(text_outside_the_vocabulary, "character(s) that the run's char vocabulary does not hold"),
+        reference=False),
     Row("hardlink-goodput", "goodput.jsonl hard-linked to a file outside the run directory", "exit 2, one line "
         "naming the hard link; nothing appended through it", refused_row(special_file("goodput.jsonl", "hardlink"),
                                                                          "goodput.jsonl has 2 hard links")),
