@@ -50,7 +50,7 @@ TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.m
         "--data.seq_len=16", "--data.shuffle_buffer=64", "--train.batch_size=4", "--train.warmup_steps=1",
         f"--train.decay_steps={STEPS}", f"--train.steps_per_loop={LOOP}", f"--checkpoint.every_steps={EVERY}",
         "--train.eval_every=0", "--train.eval_steps=2", "--sample.num_samples=0"]
-CLUSTER = [f"--train.batch_size=8", "--train.steps_per_loop=2", "--cluster.timeout_seconds=10"]
+CLUSTER = ["--train.batch_size=8", "--train.steps_per_loop=2", "--cluster.timeout_seconds=10"]
 
 # Runs tpu_llm's CLI with a hook in TF's checkpoint bookkeeping: when checkpoint FAULT_SAVE is being
 # recorded (its files are written; the state file is written last), send FAULT_SIGNAL to itself.
