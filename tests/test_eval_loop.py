@@ -96,3 +96,9 @@ def test_a_missing_include_path_is_one_line_at_the_start(tmp_path):
         tpu_llm.train(tiny_config(tmp_path, **{"train.eval_tasks": "tiny_choice",
                                                "train.eval_include_path": "nowhere"}))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_include_path_without_tasks_is_refused_with_the_config():
+    with pytest.raises(UserError, match=r"^config: train.eval_include_path='tests/data/eval_tasks' is set but "
+                                        r"train.eval_tasks is empty"):
+        tiny_config(Path("unused"), **{"data.train": "", "train.eval_include_path": TASKS_DIR})

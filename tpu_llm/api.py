@@ -53,7 +53,8 @@ def train(config: str | Config | None = None, *, say: Callable[[str], None] | No
     else:
         cfg = load_config(config, _overrides(overrides))
     started = started or time.time()
-    tasks = in_loop.check(cfg)  # train.eval_tasks' names, before anything is built: a typo fails in seconds
+    # train.eval_tasks' names, checked before anything is built: a typo fails in seconds, not hours later
+    tasks = in_loop.check(cfg, say or controller.say_now)
     return controller.train(cfg, say=say, samples=samples, started=started, unstated=unstated, tasks=tasks)
 
 

@@ -3,10 +3,11 @@
 `check` runs when the run starts (tpu_llm.train), before anything is built: the include path's folder and
 every task name against lm-eval's index (tpu_llm/eval/run.py's checks), so a misspelt task stops the run in
 seconds, not at its first evaluation hours later. Its `Tasks` goes to the controller, whose EvalTasks action
-(training/actions.py) makes a `TasksOnWeights` at the first evaluation; that evaluates the live model: one host copy of the weights
-(training/samples.local_copy, as the end-of-run samples read them) and one TpuLM on it, both kept, so that
-XLA compiles the scoring of each padded length once for the whole run; each evaluation only copies the
-newest weights in. `metrics` turns lm-eval's results into the flat record metrics.jsonl holds.
+(training/actions.py) makes a `TasksOnWeights` at the first evaluation; that evaluates the live model: one
+host copy of the weights (training/samples.local_copy, as the end-of-run samples read them) and one TpuLM on
+it, both kept, so that XLA compiles the scoring of each padded length once for the whole run; each
+evaluation only copies the newest weights in. `metrics` turns lm-eval's results into the flat record
+metrics.jsonl holds.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from tpu_llm.eval import require_lm_eval
 BATCH_SIZE = 8  # rows scored at once: `tpu-llm eval`'s default (the numbers do not depend on it)
 
 
-def check(cfg) -> "Tasks | None":
+def check(cfg, say=print) -> "Tasks | None":
     """train.eval_tasks checked (None when it is empty); a one-line UserError for a missing lm_eval, include
-    path or task."""
+    path or task. `say` hears a line first: indexing lm-eval's own tasks takes ~15 s."""
     from tpu_llm.eval import run as eval_run
 
     t = cfg.train
@@ -36,6 +37,7 @@ def check(cfg) -> "Tasks | None":
         raise UserError(f"train.eval_include_path={t.eval_include_path!r} is not a directory (give the folder of "
                         "your task YAML files; a relative path is read from where `tpu-llm train` runs)")
     names = eval_run.task_list(t.eval_tasks)
+    say(f"starting  checking train.eval_tasks={t.eval_tasks} against lm-eval's tasks ...")
     manager = eval_run.task_manager(t.eval_include_path, names)
     eval_run.check_tasks(names, manager, flag="train.eval_tasks", include="train.eval_include_path=DIR")
     return Tasks(names, manager)
