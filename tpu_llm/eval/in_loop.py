@@ -51,7 +51,8 @@ def metrics(results: dict) -> dict[str, float]:
     for task, values in results.get("results", {}).items():
         for key, value in values.items():
             metric, _, kind = key.partition(",")
-            if not kind or metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not kind or metric.endswith("_stderr") or not number:
                 continue
             out[f"{task}/{metric}" if kind == "none" else f"{task}/{metric}_{kind}"] = float(value)
     return out
@@ -94,7 +95,7 @@ class TasksOnWeights:
 
         if self.lm is None:
             self.copy = local_copy(model, self.cfg)
-            self.lm = TpuLM(self.copy, self.tokenizer, self.cfg, batch_size=BATCH_SIZE, say=self.say)
+            self.lm = TpuLM(self.copy, self.tokenizer, self.cfg, batch_size=BATCH_SIZE, say=self.say, bars=False)
         else:
             self.copy.set_weights(model.get_weights())  # the compiled scorers read these same variables
         # lm-eval seeds Python's and numpy's global generators: training's own draws must not change with it

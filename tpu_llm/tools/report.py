@@ -3,8 +3,8 @@
 Prints the goodput table of all the processes that trained the run (from <run_dir>/goodput.jsonl)
 and the newest losses and lm-eval task metrics (train.eval_tasks; from metrics.jsonl). Where matplotlib
 is importable it also draws the loss curves, the task metrics and the time per category into one PNG
-(<run_dir>/report.png unless --plot says otherwise);
-matplotlib is not a dependency of tpu-llm, and without it the report says so and prints the table only.
+(<run_dir>/report.png unless --plot says otherwise); matplotlib is not a dependency of tpu-llm, and
+without it the report says so and prints the table only.
 A local run directory is read without TensorFlow; a gs:// one through tf.io.gfile.
 """
 
