@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_llm.config import Config, SampleConfig, config_from_dict, load_config
+from tpu_llm.eval import in_loop
 from tpu_llm.eval import run as eval_run  # (lm_eval itself loads only when evaluate is called)
 from tpu_llm.model.transformer import GPT
 from tpu_llm.tokenizers import check_covers
@@ -51,7 +52,10 @@ def train(config: str | Config | None = None, *, say: Callable[[str], None] | No
         cfg = load_config(None, _overrides(overrides), base=config)
     else:
         cfg = load_config(config, _overrides(overrides))
-    return controller.train(cfg, say=say, samples=samples, started=started or time.time(), unstated=unstated)
+    started = started or time.time()
+    # train.eval_tasks' names, checked before anything is built: a typo fails in seconds, not hours later
+    tasks = in_loop.check(cfg, say or controller.say_now)
+    return controller.train(cfg, say=say, samples=samples, started=started, unstated=unstated, tasks=tasks)
 
 
 @dataclasses.dataclass

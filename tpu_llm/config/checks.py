@@ -15,7 +15,7 @@ from tpu_llm.config.reading import check as _check
 from tpu_llm.config.schema import (ATTENTIONS, BAD_STEP_ACTIONS, CAPS, COMMUNICATIONS, COMPRESSIONS, DATA_FORMATS,
                                    EARLY_STOPPING, EXECUTIONS, INT64, MAX_BEAMS, MAX_LENGTH_PENALTY, MAX_PARAMS,
                                    OUTER_OPTIMIZERS, PRECISIONS, SCHEDULES, SHARD_OPTIMIZER, STRATEGIES, TOKENIZERS,
-                                   CommConfig, Config, ModelConfig, SampleConfig)
+                                   CommConfig, Config, ModelConfig, SampleConfig, TrainConfig)
 from tpu_llm.errors import UserError
 from tpu_llm.model import families, spec
 from tpu_llm.model.families.base import divisors as _divisors
@@ -64,7 +64,7 @@ def validate(cfg: Config) -> None:
     _check(t.batch_size % t.grad_accum == 0,
            lambda: f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
                    f"valid grad_accum values: {_divisors(t.batch_size)}")
-    for name in ("warmup_steps", "decay_steps", "eval_every"):
+    for name in ("warmup_steps", "decay_steps", "eval_every", "eval_tasks_every", "eval_tasks_limit"):
         _check(getattr(t, name) >= 0, f"train.{name}={getattr(t, name)} must be >= 0")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}), lr > 0")
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
@@ -78,6 +78,7 @@ def validate(cfg: Config) -> None:
     _check(t.max_bad_steps >= 0, f"train.max_bad_steps={t.max_bad_steps} must be >= 0 (0 = stop at the first)")
     spec.frozen_layers(t.freeze, m.n_layer)
     validate_lora(cfg)
+    _validate_eval_tasks(t)
     profile_range(t.profile_steps, t.steps)
     _check(t.on_bad_step in BAD_STEP_ACTIONS,
            f"train.on_bad_step={t.on_bad_step!r}; valid choices: {', '.join(BAD_STEP_ACTIONS)}")
@@ -88,6 +89,15 @@ def validate(cfg: Config) -> None:
     _check(s.seed >= -INT64, f"sample.seed={s.seed} must be >= -2**63 (a 64-bit seed)")
     _validate_beams(s)
 
+
+
+def _validate_eval_tasks(t: TrainConfig) -> None:
+    """What needs neither lm-eval nor the disk. The include path's folder and the task names are checked when
+    the run starts (eval/in_loop.py): a saved config is validated too whenever its run loads, and a run
+    copied elsewhere must still load where the folder is missing."""
+    _check(t.eval_tasks != "" or not t.eval_include_path,
+           lambda: f"train.eval_include_path={t.eval_include_path!r} is set but train.eval_tasks is empty; name "
+                   "the tasks to run (e.g. train.eval_tasks=my_task), or drop the path")
 
 
 def _validate_no_nul(cfg: Config) -> None:

@@ -61,6 +61,8 @@ CAPS: dict[str, tuple[int, str]] = {
     "train.decay_steps": (COUNT, "steps: 10^9"),
     "train.eval_every": (COUNT, "steps: 10^9"),
     "train.eval_steps": (COUNT, "steps: 10^9"),
+    "train.eval_tasks_every": (COUNT, "steps: 10^9"),
+    "train.eval_tasks_limit": (COUNT, "documents: 10^9"),
     "train.max_bad_steps": (COUNT, "steps: 10^9"),
     "train.loss_chunk": (2**30, "tokens: 2^30"),
     "train.lora_rank": (WIDTH, "adapter ranks: 2^20, at most a width"),
@@ -150,6 +152,11 @@ class TrainConfig:
     clip_norm: float = 1.0  # global-norm gradient clipping; 0 = off
     eval_every: int = 100  # steps between validation passes; 0 = only at the end
     eval_steps: int = 10  # validation batches per pass
+    # lm-evaluation-harness tasks on the live weights during training (the `eval` extra; docs/evaluation.md):
+    eval_tasks: str = ""  # lm-eval task names, comma-separated, e.g. hellaswag,arc_easy; "" = off
+    eval_tasks_every: int = 0  # steps between task evaluations; 0 = only at the end
+    eval_tasks_limit: int = 100  # documents per task (lm-eval's --limit: a sample, the in-loop cost); 0 = all
+    eval_include_path: str = ""  # a folder of your own task YAML (lm-eval's --include_path); "" = lm-eval's tasks
     seed: int = 1337  # initial weights, data order and dropout
     max_bad_steps: int = 10  # steps with a non-finite loss/gradient skipped (not applied) before the run stops
     on_bad_step: str = "skip"  # skip (go on) | rollback (to the newest checkpoint, past the bad batches)

@@ -52,10 +52,11 @@ class TpuLM(TemplateLM):
     """lm-eval's model interface on a run's Keras `model` and tpu_llm `tokenizer` (see `from_run`).
 
     `batch_size` rows are scored at once; `max_gen_toks` is generate_until's default when a task gives none;
-    `say` gets the one-line notes (left truncation), default standard error."""
+    `say` gets the one-line notes (left truncation), default standard error; `bars=False` shows no progress
+    bars of requests (the training loop's evaluations, between its own progress lines)."""
 
     def __init__(self, model, tokenizer, config, batch_size: int = 8, max_gen_toks: int = 256,
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None, bars: bool = True):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -71,6 +72,7 @@ class TpuLM(TemplateLM):
         self._truncated = False
         self._covered: dict[str, bool] = {}  # each character seen in a request: does the vocabulary hold it?
         self.gen_chunk = 32  # new tokens per sampler call in generate_until, between checks for `until`
+        self.bars = bars
 
     @classmethod
     def from_run(cls, run_dir: str, **kwargs) -> "TpuLM":
@@ -168,7 +170,7 @@ class TpuLM(TemplateLM):
                                                            tuple(requests[i][1] + requests[i][2])))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         B, sizes = self.batch_size, buckets(self.max_length)
-        with tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood requests") as bar:
+        with tqdm(total=len(requests), disable=disable_tqdm or not self.bars, desc="loglikelihood requests") as bar:
             for start in range(0, len(order), B):
                 chunk = order[start:start + B]
                 rows = [self._row(requests[i][1], requests[i][2]) for i in chunk]
@@ -227,7 +229,7 @@ class TpuLM(TemplateLM):
             self._sampler = Sampler(self.model, self.tok.eos_id, self.vocab)
         eos = self._special_text(self.eot_token_id) or self.tok_decode([self.eot_token_id]) or None
         out = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="generate_until requests"):
+        for req in tqdm(requests, disable=disable_tqdm or not self.bars, desc="generate_until requests"):
             context, gen_kwargs = req.args
             kwargs = normalize_gen_kwargs(copy.deepcopy(gen_kwargs), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)

@@ -89,25 +89,27 @@ def known(name: str, manager) -> bool:
         name.endswith((".yaml", ".yml")) and os.path.isfile(name))
 
 
-def check_tasks(names: list[str], manager) -> None:
-    """UserError naming the close matches of the first name lm-eval knows no task, group or tag by."""
+def check_tasks(names: list[str], manager, flag: str = "--tasks", include: str = "--include_path DIR") -> None:
+    """UserError naming the close matches of the first name lm-eval knows no task, group or tag by (`flag` and
+    `include`: the command's flags, or the config keys of a run's train.eval_tasks)."""
     for name in names:
         if known(name, manager):
             continue
         close = difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise UserError(f"--tasks: lm-eval has no task {name!r}; {hint}list them with `lm-eval ls tasks`, or give "
-                        "your own task YAML's folder with --include_path DIR")
+        raise UserError(f"{flag}: lm-eval has no task {name!r}; {hint}list them with `lm-eval ls tasks`, or give "
+                        f"your own task YAML's folder with {include}")
 
 
 def evaluate(model, names: list[str], manager, num_fewshot: int | None = None, limit: int | None = None,
-             log_samples: bool = False) -> dict:
-    """lm-eval's results dictionary for `names` evaluated with `model` (an lm-eval LM, e.g. TpuLM)."""
+             log_samples: bool = False, bootstrap_iters: int = 100000) -> dict:
+    """lm-eval's results dictionary for `names` evaluated with `model` (an lm-eval LM, e.g. TpuLM);
+    `bootstrap_iters` 0 computes no bootstrapped standard errors (lm-eval's default is 100000)."""
     import lm_eval
 
     try:
         return lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
-                                       task_manager=manager, log_samples=log_samples)
+                                       task_manager=manager, log_samples=log_samples, bootstrap_iters=bootstrap_iters)
     except (ConnectionError, FileNotFoundError) as e:  # datasets' own errors derive from these two
         reason = " ".join(str(e).split())[:300]
         raise UserError(f"a task's dataset could not be loaded ({reason}); without network access fill the datasets "

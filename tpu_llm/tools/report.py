@@ -1,9 +1,10 @@
 """`tpu-llm report --run_dir R`: where a run's wall time went (training/goodput.py), and its losses.
 
 Prints the goodput table of all the processes that trained the run (from <run_dir>/goodput.jsonl)
-and the newest losses (from metrics.jsonl). Where matplotlib is importable it also draws the loss
-curves and the time per category into one PNG (<run_dir>/report.png unless --plot says otherwise);
-matplotlib is not a dependency of tpu-llm, and without it the report says so and prints the table only.
+and the newest losses and lm-eval task metrics (train.eval_tasks; from metrics.jsonl). Where matplotlib
+is importable it also draws the loss curves, the task metrics and the time per category into one PNG
+(<run_dir>/report.png unless --plot says otherwise); matplotlib is not a dependency of tpu-llm, and
+without it the report says so and prints the table only.
 A local run directory is read without TensorFlow; a gs:// one through tf.io.gfile.
 """
 
@@ -42,6 +43,21 @@ def read_metrics(run_dir: str) -> tuple[dict[str, list[tuple[int, float]]], list
     return out, skipped, len(lines)
 
 
+def task_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """{"tiny_choice/acc": [(step, value)], ...}: the "tasks" lines of metrics.jsonl (train.eval_tasks, lm-eval's
+    metrics on the live weights), each metric's numbers in the order logged; what is no number is left out."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for line in line_log.read_lines(os.path.join(run_dir, METRICS_FILE)):
+        entry = line_log.parse_line(line) or {}
+        step = line_log.whole(entry.get("step"))
+        if entry.get("split") != "tasks" or step is None:
+            continue
+        for key, value in entry.items():
+            if key not in ("split", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                out.setdefault(key, []).append((step, float(value)))
+    return out
+
+
 def say_skipped(path: str, skipped: list[int], total: int, what: str, warn) -> None:
     """Never partial data shown as whole: how many lines of `path` the report left out, and why."""
     if skipped:
@@ -50,8 +66,9 @@ def say_skipped(path: str, skipped: list[int], total: int, what: str, warn) -> N
              "leaves them out")
 
 
-def plot(figures: dict, curves: dict, path: str) -> str | None:
-    """Draw the loss curves and the seconds per category into the PNG `path`; None without matplotlib."""
+def plot(figures: dict, curves: dict, path: str, tasks: dict | None = None) -> str | None:
+    """Draw the loss curves, the task metrics' curves (if any) and the seconds per category into the PNG
+    `path`; None without matplotlib."""
     try:
         import matplotlib
 
@@ -59,12 +76,18 @@ def plot(figures: dict, curves: dict, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3 if tasks else 2, figsize=(16 if tasks else 11, 4))
+    left, right = axes[0], axes[-1]
     for split, points in curves.items():
         if points:
             left.plot(*zip(*points), label=split, marker="." if len(points) < 30 else None)
     left.set(xlabel="step", ylabel="loss", title="loss")
     left.legend()
+    for name, points in (tasks or {}).items():  # as the validation curve: a point per evaluation
+        axes[1].plot(*zip(*points), label=name, marker="." if len(points) < 30 else None)
+    if tasks:
+        axes[1].set(xlabel="step", title="tasks (lm-eval)")
+        axes[1].legend(fontsize="small")
     shown = [c for c in goodput.CATEGORIES if figures[c] > 0]
     right.barh(shown[::-1], [figures[c] for c in shown][::-1], color=["tab:green" if c == "productive" else "tab:gray"
                                                                      for c in shown][::-1])
@@ -112,6 +135,10 @@ def report(run_dir: str, plot_path: str = "", say=print, warn=None) -> dict:
         if points:
             step, loss = points[-1]
             say(f"loss      {split}: {loss:.4f} at step {step}")
-    written = plot(figures, curves, plot_path or os.path.join(run_dir, REPORT_FILE))
+    tasks = task_metrics(run_dir)
+    for name, points in tasks.items():
+        step, value = points[-1]
+        say(f"tasks     {name}: {value:.4f} at step {step}")
+    written = plot(figures, curves, plot_path or os.path.join(run_dir, REPORT_FILE), tasks)
     say(f"plot      {written}" if written else "plot      skipped: matplotlib is not installed (pip install matplotlib)")
     return figures

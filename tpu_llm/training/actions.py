@@ -6,7 +6,7 @@ controller._train runs a host call of up to train.steps_per_loop steps, cut wher
 
     to the call's reporters    RecordGoodput, CompiledLine, Summary, LogMetrics, ProgressLine
     to fault.Guard.after_call  non-finite steps: skipped, rolled back (the record's step moves back) or stop
-    to what is due at its step ProfileTrace, SynchroniseAtEnd, Evaluation, Checkpoint, GoodputAtSave
+    to what is due at its step ProfileTrace, SynchroniseAtEnd, Evaluation, EvalTasks, Checkpoint, GoodputAtSave
 
 and, once the steps are done, the run's summary (record.run_summary) to the end actions: DoneLine,
 RaisePeak, WeightsLine, LogSummary, Samples. Each writes to one place, in the order the lists give:
@@ -179,6 +179,32 @@ class Evaluation:
         self.phase.took(time.perf_counter() - began)
         self.log.write("validation", step, {"loss": self.loss})
         self.progress.message(f"eval      step {step}: validation loss {self.loss:.4f}")
+
+
+class EvalTasks:
+    """train.eval_tasks: lm-evaluation-harness tasks every train.eval_tasks_every steps and at the end, on the
+    live weights (no checkpoint read back): metrics.jsonl's "tasks" split, a progress line, goodput's
+    evaluation time. `tasks` is tpu_llm.eval.in_loop.Tasks (eval sits above training: the caller hands it
+    in). Only the chief evaluates and logs, from its host copy of the weights (as Samples reads them); the
+    other workers go on to the next host call, whose collectives wait for the chief."""
+
+    def __init__(self, run: Run, log: MetricsLog, progress: perf.Progress, ledger: goodput.Ledger, tasks):
+        self.run, self.log, self.progress, self.ledger = run, log, progress, ledger
+        self.tasks = tasks if run.dist.is_chief else None
+        self.evaluate = None  # built at the first evaluation, then kept: XLA compiles its scoring once
+
+    def __call__(self, record: CallRecord) -> None:
+        t = self.run.cfg.train
+        if self.tasks is None or not record.due(t.eval_tasks_every):
+            return
+        if self.evaluate is None:
+            self.progress.message(f"tasks     step {record.step}: {t.eval_tasks} (lm-eval, the first evaluation "
+                                  "compiles its scoring) ...")
+            self.evaluate = self.tasks.on_weights(self.run.cfg, self.run.tokenizer, self.progress.message)
+        with self.ledger.timed("evaluation", record.step):
+            values = self.evaluate(self.run.model)
+        self.log.write("tasks", record.step, values)
+        self.progress.message(self.tasks.line(record.step, values))
 
 
 class Checkpoint:

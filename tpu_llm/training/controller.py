@@ -30,10 +30,15 @@ def say_now(text: str) -> None:
     print(text, flush=True)
 
 
-def train(cfg: Config, say=None, samples: bool = True, started: float | None = None, unstated: str = "") -> dict:
+def train(cfg: Config, say=None, samples: bool = True, started: float | None = None, unstated: str = "",
+          tasks=None) -> dict:
     """Train `cfg` to `cfg.train.steps` (resuming from its run directory); returns a summary. `started`:
     the Unix time this run's wall time counts from (goodput.py; `tpu-llm train`: its process's start);
-    `unstated`: what the command left out (no --config, no --run_dir), named if the run directory refuses."""
+    `unstated`: what the command left out (no --config, no --run_dir), named if the run directory refuses;
+    `tasks`: train.eval_tasks checked against lm-eval (tpu_llm.eval.in_loop.check, a layer above this one;
+    tpu_llm.train passes it), or None when there are none."""
+    if cfg.train.eval_tasks and tasks is None:
+        raise ValueError("train.eval_tasks is set: pass tasks=tpu_llm.eval.in_loop.check(cfg) (tpu_llm.train does)")
     if serve_if_cluster_server(cfg):  # a parameter-server cluster's worker or ps task: serves, never returns
         return {}
     say = say or say_now
@@ -42,13 +47,13 @@ def train(cfg: Config, say=None, samples: bool = True, started: float | None = N
     run = build_run(cfg, unstated=unstated)
     ledger = goodput.Ledger(cfg.run_dir, started, run.dist.is_chief, run.lock)
     try:
-        return _train(run, say, samples, ledger)
+        return _train(run, say, samples, ledger, tasks)
     finally:
         ledger.close()  # (a killed process writes no end: the next one accounts for it)
         run.release()  # the run directory's lock (the process's end would release it too)
 
 
-def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
+def _train(run: Run, say, samples: bool, ledger: goodput.Ledger, tasks=None) -> dict:
     """The host loop: each call's record to the reporters, to the fault guard, then to what is due."""
     cfg, t = run.cfg, run.cfg.train
     tell = say  # the lines every process prints, chief or not
@@ -64,7 +69,7 @@ def _train(run: Run, say, samples: bool, ledger: goodput.Ledger) -> dict:
         reporters = [actions.RecordGoodput(ledger), actions.CompiledLine(say), calls, actions.LogMetrics(log),
                      actions.ProgressLine(progress, t.steps)]
         due = [actions.ProfileTrace(profiler, ledger, say, t.profile_steps, cfg.run_dir),
-               actions.SynchroniseAtEnd(run.trainer), evaluation,
+               actions.SynchroniseAtEnd(run.trainer), evaluation, actions.EvalTasks(run, log, progress, ledger, tasks),
                actions.Checkpoint(guard, ledger, cfg.checkpoint.every_steps),
                actions.GoodputAtSave(log, ledger, cfg.checkpoint.every_steps)]
         try:
@@ -103,7 +108,8 @@ def _start(run: Run, say, step: int) -> tuple[Throughput, MetricsLog, perf.Progr
     if step >= t.steps:
         say(f"nothing to do: the run is already at step {step} of train.steps={t.steps}")
     log = MetricsLog(cfg.run_dir, enabled=run.dist.is_chief, resume_step=step,
-                     device=run.dist.io_device, lock=run.lock)  # drops entries past `step`
+                     device=run.dist.io_device, lock=run.lock,  # drops entries past `step`
+                     extra=("tasks",) if t.eval_tasks else ())
     if log.dropped:
         say(f"metrics   dropped {log.dropped} entries logged after step {step} (metrics.jsonl and TensorBoard): "
             "the steps after the checkpoint are done again")
@@ -125,8 +131,10 @@ class HostCall:
 
     def end(self, step: int) -> int:
         t = self.run.cfg.train
+        tasks = _next_boundary(step, t.eval_tasks_every, t.steps) if t.eval_tasks else t.steps
         return min(step + t.steps_per_loop * self.run.dist.loops_per_call(), _next_boundary(step, t.eval_every, t.steps),
-                   _next_boundary(step, self.run.cfg.checkpoint.every_steps, t.steps), self.profiler.boundary(step))
+                   _next_boundary(step, self.run.cfg.checkpoint.every_steps, t.steps), self.profiler.boundary(step),
+                   tasks)
 
     def __call__(self, step: int) -> CallRecord:
         run, t = self.run, self.run.cfg.train

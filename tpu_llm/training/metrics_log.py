@@ -29,8 +29,8 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: str, enabled: bool = True, resume_step: int | None = None, device: str = "",
-                 lock: run_lock.Handle | None = None):
-        self.run_dir = run_dir
+                 lock: run_lock.Handle | None = None, extra: tuple[str, ...] = ()):
+        self.run_dir = run_dir  # extra: TensorBoard folders of more splits, e.g. "tasks" (train.eval_tasks)
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.logs = os.path.join(run_dir, LOGS_DIR)
         self.enabled, self.writers, self.lock = enabled, {}, lock
@@ -43,7 +43,7 @@ class MetricsLog:
         self.dropped = self.truncate(resume_step) if enabled and resume_step is not None else 0
         with tf.device(device or None):
             self.writers = {split: tf.summary.create_file_writer(os.path.join(run_dir, "logs", split))
-                            for split in ("train", "validation", "goodput")} if enabled else {}
+                            for split in ("train", "validation", "goodput", *extra)} if enabled else {}
 
     def truncate(self, step: int) -> int:
         """Drop the entries logged after `step` from metrics.jsonl and the event files; returns how
