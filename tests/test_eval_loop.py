@@ -102,3 +102,11 @@ def test_an_include_path_without_tasks_is_refused_with_the_config():
     with pytest.raises(UserError, match=r"^config: train.eval_include_path='tests/data/eval_tasks' is set but "
                                         r"train.eval_tasks is empty"):
         tiny_config(Path("unused"), **{"data.train": "", "train.eval_include_path": TASKS_DIR})
+
+
+@pytest.mark.parametrize("strategy", ["multi_worker", "parameter_server"])
+def test_a_cluster_strategy_is_refused_with_the_config(strategy):
+    """The chief evaluates alone: a multi-worker cluster's other processes would wait in their collectives."""
+    with pytest.raises(UserError, match=rf"^config: train.eval_tasks runs lm-eval on one process, which "
+                                        rf"strategy={strategy} does not support yet: set train.eval_tasks=''"):
+        tiny_config(Path("unused"), **{"data.train": "", "strategy": strategy, "train.eval_tasks": "tiny_choice"})

@@ -163,6 +163,8 @@ def _validate_run(cfg: Config) -> None:
            f"parallel.shard_optimizer={p.shard_optimizer!r}; valid choices: {', '.join(SHARD_OPTIMIZER)}")
     if p.shard_optimizer != "none":
         _check(shard_refusal(cfg, cfg.strategy) is None, shard_refusal(cfg, cfg.strategy) or "")
+    if cfg.train.eval_tasks:
+        _check(eval_tasks_refusal(cfg.strategy) is None, eval_tasks_refusal(cfg.strategy) or "")
     _check(cfg.cluster.timeout_seconds >= 0,
            f"cluster.timeout_seconds={cfg.cluster.timeout_seconds} must be >= 0 (0 = no timeout)")
 
@@ -257,6 +259,17 @@ def shard_refusal(cfg: Config, strategy: str) -> str | None:
     if cfg.precision == "mixed_float16":
         return (f"{what} does not support precision=mixed_float16 (Keras' loss-scale optimizer); use "
                 "mixed_bfloat16 or float32")
+    return None
+
+
+def eval_tasks_refusal(strategy: str) -> str | None:
+    """Why train.eval_tasks cannot run under `strategy`, or None. The chief evaluates alone on its copy of the
+    weights: multi-worker processes would wait for it in their next step's collectives (and stop at
+    cluster.timeout_seconds), and parameter-server training has not been tried with it. Checked here on the
+    config's strategy, and by training/assemble.py on the one strategy=auto chose."""
+    if strategy in ("parameter_server", "multi_worker"):
+        return (f"train.eval_tasks runs lm-eval on one process, which strategy={strategy} does not support yet: "
+                "set train.eval_tasks='' and evaluate the run's checkpoints with `tpu-llm eval`")
     return None
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import keras
 
 from tpu_llm.config import Config
-from tpu_llm.config.checks import shard_refusal
+from tpu_llm.config.checks import eval_tasks_refusal, shard_refusal
 from tpu_llm.errors import UserError
 from tpu_llm.model import GPT
 from tpu_llm.parallel import comm, pipeline
@@ -66,6 +66,8 @@ def assemble(cfg: Config, dist: Distribution, variables=contextlib.nullcontext) 
     """The compute of `cfg` on `dist`, under Keras' global dtype policy (build.set_precision's): the model,
     its optimizer (loss-scaled under mixed_float16), the gradient exchange and the stage pipeline.
     `variables`: a context entered around the creation of the model's and optimizer's variables."""
+    if cfg.train.eval_tasks and eval_tasks_refusal(dist.name):  # (the strategy auto chose)
+        raise UserError(eval_tasks_refusal(dist.name))
     local_sgd = comm.check(cfg.comm, dist)  # local SGD: per-replica copies of the weights and moments
     shard_over = optimizer_shards(cfg, dist)
     stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
