@@ -472,6 +472,9 @@ MUTATIONS = [
     M("eval-vocabulary-not-checked", "tpu_llm/eval/backend.py",
       "        self._check_covered(string)\n", "",
       "tests/test_eval.py::test_text_the_vocabulary_cannot_hold_is_said_once_for_tasks_and_refused_for_a_text_file"),
+    M("eval-in-the-loop-on-stale-weights", "tpu_llm/eval/in_loop.py",
+      "            self.copy.set_weights(model.get_weights())", "            pass",
+      "tests/test_eval_loop.py::test_tasks_are_logged_and_equal_an_evaluation_of_the_checkpoint"),
     # ---- beam search (issue 41) --------------------------------------------------------------------------
     M("beam-cache-not-reordered", "tpu_llm/model/beam_search.py",
       "cache = [(tf.gather(k, rows), tf.gather(v, rows)) for k, v in cache]", "cache = list(cache)",

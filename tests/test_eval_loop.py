@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evalloop")
     os.chdir(REPO)
     lines = []
-    cfg = tiny_config(tmp, **{"train.eval_tasks": "tiny_choice", "train.eval_include_path": TASKS_DIR,
+    cfg = tiny_config(tmp, **{"train.eval_tasks": "tiny_choice,tiny_ppl", "train.eval_include_path": TASKS_DIR,
                               "train.eval_tasks_every": 2, "train.eval_tasks_limit": LIMIT})
     tpu_llm.train(cfg, say=lines.append, samples=False)
     return Path(cfg.run_dir), lines
@@ -51,10 +51,13 @@ def test_tasks_are_logged_and_equal_an_evaluation_of_the_checkpoint(run):
     run_dir, lines = run
     records = metrics(run_dir, "tasks")
     assert [r["step"] for r in records] == [2, 4]
-    assert set(records[-1]) == {"split", "step", "tiny_choice/acc", "tiny_choice/acc_norm"}
-    results = tpu_llm.load(str(run_dir)).evaluate(["tiny_choice"], include_path=TASKS_DIR, limit=LIMIT)
-    assert records[-1]["tiny_choice/acc"] == results["results"]["tiny_choice"]["acc,none"]
-    assert records[-1]["tiny_choice/acc_norm"] == results["results"]["tiny_choice"]["acc_norm,none"]
+    perplexities = {f"tiny_ppl/{m}" for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
+    assert set(records[-1]) == {"split", "step", "tiny_choice/acc", "tiny_choice/acc_norm"} | perplexities
+    results = tpu_llm.load(str(run_dir)).evaluate(["tiny_choice", "tiny_ppl"], include_path=TASKS_DIR, limit=LIMIT)
+    for key in sorted(set(records[-1]) - {"split", "step"}):  # the perplexities: any other weights would show
+        task, metric = key.split("/")
+        assert records[-1][key] == pytest.approx(results["results"][task][f"{metric},none"], rel=1e-6), key
+    assert records[0]["tiny_ppl/bits_per_byte"] != records[-1]["tiny_ppl/bits_per_byte"]  # two steps of training
     # (the progress lines go to the progress stream, not to `say`; the record is the same numbers)
     from tpu_llm.eval.in_loop import line
 
