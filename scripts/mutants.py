@@ -475,6 +475,9 @@ MUTATIONS = [
     M("eval-in-the-loop-on-stale-weights", "tpu_llm/eval/in_loop.py",
       "            self.copy.set_weights(model.get_weights())", "            pass",
       "tests/test_eval_loop.py::test_tasks_are_logged_and_equal_an_evaluation_of_the_checkpoint"),
+    M("eval-git-describe-on-the-terminal", "tpu_llm/eval/run.py",
+      "    evaluator.get_git_commit_hash = commit\n", "",
+      "tests/test_eval.py::test_outside_a_checkout_git_stays_off_the_terminal_and_the_loop_skips_the_environment"),
     # ---- beam search (issue 41) --------------------------------------------------------------------------
     M("beam-cache-not-reordered", "tpu_llm/model/beam_search.py",
       "cache = [(tf.gather(k, rows), tf.gather(v, rows)) for k, v in cache]", "cache = list(cache)",

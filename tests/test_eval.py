@@ -283,6 +283,25 @@ def test_text_the_vocabulary_cannot_hold_is_said_once_for_tasks_and_refused_for_
         text_eval.perplexity(lm, "abé dü", "notes.txt")
 
 
+def test_outside_a_checkout_git_stays_off_the_terminal_and_the_loop_skips_the_environment(gpt2, monkeypatch, capfd):
+    """lm-eval's simple_evaluate runs `git describe` (its "fatal: not a git repository" went to the terminal)
+    and torch's collect_env (~5 s, at every evaluation of the training loop, which keeps only the metrics)."""
+    from lm_eval import evaluator
+    from lm_eval.tasks import TaskManager
+
+    from tpu_llm.eval.run import evaluate
+
+    monkeypatch.setenv("GIT_DIR", "/nonexistent")  # git fails as it does outside a checkout
+    manager = TaskManager(include_path=TASKS_DIR, include_defaults=False)
+    before = evaluator.get_git_commit_hash, evaluator.add_env_info
+    whole = evaluate(gpt2["ours"], ["tiny_choice"], manager, limit=1)
+    loop = evaluate(gpt2["ours"], ["tiny_choice"], manager, limit=1, bootstrap_iters=0, environment=False)
+    assert "fatal" not in capfd.readouterr().err
+    assert "git_hash" in whole and "pretty_env_info" in whole and "pretty_env_info" not in loop
+    assert loop["results"]["tiny_choice"]["acc,none"] == whole["results"]["tiny_choice"]["acc,none"]
+    assert (evaluator.get_git_commit_hash, evaluator.add_env_info) == before  # put back
+
+
 def test_an_unknown_task_names_the_close_matches():
     from tpu_llm.eval.run import check_tasks, task_manager
 

@@ -101,7 +101,8 @@ class TasksOnWeights:
         # lm-eval seeds Python's and numpy's global generators: training's own draws must not change with it
         states = random.getstate(), np.random.get_state()
         try:
-            results = eval_run.evaluate(self.lm, self.names, self.manager, limit=self.limit, bootstrap_iters=0)
+            results = eval_run.evaluate(self.lm, self.names, self.manager, limit=self.limit, bootstrap_iters=0,
+                                         environment=False)
         finally:
             random.setstate(states[0])
             np.random.set_state(states[1])

@@ -9,9 +9,11 @@ per-sample records as `lm_eval --log_samples` writes them. `--text FILE` is tpu_
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
+import subprocess
 from typing import Callable
 
 from tpu_llm.errors import UserError
@@ -102,20 +104,51 @@ def check_tasks(names: list[str], manager, flag: str = "--tasks", include: str =
 
 
 def evaluate(model, names: list[str], manager, num_fewshot: int | None = None, limit: int | None = None,
-             log_samples: bool = False, bootstrap_iters: int = 100000) -> dict:
+             log_samples: bool = False, bootstrap_iters: int = 100000, environment: bool = True) -> dict:
     """lm-eval's results dictionary for `names` evaluated with `model` (an lm-eval LM, e.g. TpuLM);
-    `bootstrap_iters` 0 computes no bootstrapped standard errors (lm-eval's default is 100000)."""
+    `bootstrap_iters` 0 computes no bootstrapped standard errors (lm-eval's default is 100000); without
+    `environment` the results leave out lm-eval's description of the machine (see `quiet_records`)."""
     import lm_eval
 
     try:
-        return lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
-                                       task_manager=manager, log_samples=log_samples, bootstrap_iters=bootstrap_iters)
+        with quiet_records(environment):
+            return lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
+                                           task_manager=manager, log_samples=log_samples,
+                                           bootstrap_iters=bootstrap_iters)
     except (ConnectionError, FileNotFoundError) as e:  # datasets' own errors derive from these two
         reason = " ".join(str(e).split())[:300]
         raise UserError(f"a task's dataset could not be loaded ({reason}); without network access fill the datasets "
                         "cache on a machine that has it and set HF_DATASETS_OFFLINE=1, or point --include_path to "
                         "task YAML over local files (dataset_path: json, dataset_kwargs: {data_files: ...}; "
                         "docs/evaluation.md)") from None
+
+
+@contextlib.contextmanager
+def quiet_records(environment: bool = True):
+    """What simple_evaluate records of its surroundings, without its side effects on the terminal and clock:
+    the working directory's commit without `git describe`'s stderr ("fatal: not a git repository" outside a
+    checkout, a line among tpu-llm's), and, unless `environment`, none of lm_eval.loggers.utils.add_env_info
+    (torch's collect_env, about 5 s with torch installed: paid at every evaluation of the training loop,
+    which keeps only the metrics). lm-eval offers no switch for either; its module's two names are swapped
+    for the call and put back."""
+    from lm_eval import evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def commit() -> str | None:  # lm-eval's get_git_commit_hash, with git's stderr kept off the terminal
+        try:
+            return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (subprocess.CalledProcessError, OSError):
+            return get_commit_from_path(os.getcwd())
+
+    saved = evaluator.get_git_commit_hash, evaluator.add_env_info
+    evaluator.get_git_commit_hash = commit
+    if not environment:
+        evaluator.add_env_info = lambda storage: None
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash, evaluator.add_env_info = saved
 
 
 def results_json(results: dict) -> str:
