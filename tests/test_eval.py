@@ -391,6 +391,7 @@ def test_text_perplexity_equals_lm_evals_one_document_task(gpt2, tmp_path, capsy
     (["--text", "{file}"], b" \n\n", "error: --text '{file}' is empty (no text but whitespace); give a plain UTF-8"),
     (["--text", "{file}"], b"caf\xe9", "error: --text '{file}' is not UTF-8 (byte 3 is 0xe9); convert it, e.g. iconv"),
     (["--text", "{dir}/missing.txt"], None, "error: --text '{dir}/missing.txt' cannot be read (No such file"),
+    (["--text", "{dir}/fifo"], "fifo", "error: --text {dir}/fifo is a named pipe (FIFO)"),  # never read: no hang
     (["--text", "{file}", "--tasks", "tiny_ppl"], b"x", "error: tpu-llm eval: --tasks and --text both given"),
     ([], None, "error: tpu-llm eval: give --tasks NAMES (lm-eval tasks) or --text FILE"),
     (["--text", "{file}", "--limit", "2"], b"x", "error: --limit applies to --tasks, not to --text"),
@@ -399,7 +400,9 @@ def test_text_perplexity_equals_lm_evals_one_document_task(gpt2, tmp_path, capsy
 ])
 def test_text_and_log_samples_refuse_in_one_line(flags, content, message, tmp_path, capsys):
     file = tmp_path / "text.txt"
-    if content is not None:
+    if content == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+    elif content is not None:
         file.write_bytes(content)
     fill = {"file": str(file), "dir": str(tmp_path)}
     assert cli.main(["eval", "--run_dir", str(tmp_path / "run"), *[f.format(**fill) for f in flags]]) == 2

@@ -70,7 +70,8 @@ class TpuLM(TemplateLM):
         self._scorers: dict[int, Callable] = {}
         self._sampler: Sampler | None = None
         self._truncated = False
-        self._covered: dict[str, bool] = {}  # each character seen in a request: does the vocabulary hold it?
+        self._covered: set[str] = set()  # each character seen in a request (the lacking ones said once)
+        self._lacking_said = False
         self.gen_chunk = 32  # new tokens per sampler call in generate_until, between checks for `until`
         self.bars = bars
 
@@ -106,11 +107,11 @@ class TpuLM(TemplateLM):
         new = [ch for ch in dict.fromkeys(text) if ch not in self._covered]
         if not new:
             return
-        lacking = set(self.tok.missing("".join(new)))  # (each character is checked on its own: one pass for all)
-        first = not any(held is False for held in self._covered.values())
-        self._covered.update((ch, ch not in lacking) for ch in new)
-        if lacking and first:
-            shown = ", ".join(repr(ch) for ch in [c for c in new if c in lacking][:10])
+        self._covered.update(new)
+        lacking = self.tok.missing("".join(new))  # (each character is checked on its own: one pass for all)
+        if lacking and not self._lacking_said:
+            self._lacking_said = True
+            shown = ", ".join(repr(ch) for ch in lacking[:10])
             self.say(f"note: the tasks' text holds characters the run's {self.tok.kind} vocabulary does not hold "
                      f"({shown}): they are scored as the tokenizer encodes them (the unknown id, or nothing), which "
                      "the model never saw in training, so those requests' numbers mean little (said once)")

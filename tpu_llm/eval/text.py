@@ -14,16 +14,18 @@ import json
 import os
 
 from tpu_llm.errors import UserError
+from tpu_llm.platform import files
 
 FIX = "give a plain UTF-8 text file"
+MAX_TEXT_BYTES = 256 << 20  # scored whole, in memory: far more text than a perplexity needs
 
 
 def read_text(path: str) -> str:
-    """The file's text; UserError naming the file for one that cannot be read, is empty or is not UTF-8."""
+    """The file's text; UserError naming the file for one that cannot be read, is empty or is not UTF-8. A
+    regular file only, as every file from outside (files.read_regular: a FIFO or a device is refused, not read)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
+        data = files.read_regular(path, MAX_TEXT_BYTES, "--text", "score a part of it", follow_links=True)
+    except OSError as e:  # (FileNotFoundError; the reader's other troubles are its own one-line UserErrors)
         raise UserError(f"--text {path!r} cannot be read ({e.strerror or e}); {FIX}") from None
     try:
         text = data.decode("utf-8")
