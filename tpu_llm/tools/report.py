@@ -24,11 +24,15 @@ def losses(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return read_metrics(run_dir)[0]
 
 
-def read_metrics(run_dir: str) -> tuple[dict[str, list[tuple[int, float]]], list[int], int]:
-    """(the curves of `losses`, the numbers of the lines skipped, the number of lines). A line is skipped
-    when it is torn or foreign: not a JSON object with a text split and a whole step, or a train or
-    validation line whose loss is not a number. The report says how many (`say_skipped`)."""
+def read_metrics(run_dir: str) -> tuple[dict[str, list[tuple[int, float]]], list[int], int,
+                                        dict[str, list[tuple[int, float]]]]:
+    """(the curves of `losses`, the numbers of the lines skipped, the number of lines, the task metrics). A
+    line is skipped when it is torn or foreign: not a JSON object with a text split and a whole step, or a
+    train or validation line whose loss is not a number. The report says how many (`say_skipped`). The task
+    metrics: {"tiny_choice/acc": [(step, value)], ...} from the "tasks" lines (train.eval_tasks, lm-eval's
+    metrics on the live weights), each metric's numbers in the order logged; what is no number is left out."""
     out: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
+    tasks: dict[str, list[tuple[int, float]]] = {}
     lines, skipped = line_log.read_lines(os.path.join(run_dir, METRICS_FILE)), []
     for number, line in enumerate(lines, 1):
         entry = line_log.parse_line(line) or {}
@@ -40,22 +44,11 @@ def read_metrics(run_dir: str) -> tuple[dict[str, list[tuple[int, float]]], list
                 out[split].append((step, float(loss)))  # (NaN passes: a diverged run's)
             else:
                 skipped.append(number)
-    return out, skipped, len(lines)
-
-
-def task_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """{"tiny_choice/acc": [(step, value)], ...}: the "tasks" lines of metrics.jsonl (train.eval_tasks, lm-eval's
-    metrics on the live weights), each metric's numbers in the order logged; what is no number is left out."""
-    out: dict[str, list[tuple[int, float]]] = {}
-    for line in line_log.read_lines(os.path.join(run_dir, METRICS_FILE)):
-        entry = line_log.parse_line(line) or {}
-        step = line_log.whole(entry.get("step"))
-        if entry.get("split") != "tasks" or step is None:
-            continue
-        for key, value in entry.items():
-            if key not in ("split", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                out.setdefault(key, []).append((step, float(value)))
-    return out
+        elif split == "tasks":
+            for key, value in entry.items():
+                if key not in ("split", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    tasks.setdefault(key, []).append((step, float(value)))
+    return out, skipped, len(lines), tasks
 
 
 def say_skipped(path: str, skipped: list[int], total: int, what: str, warn) -> None:
@@ -116,7 +109,7 @@ def report(run_dir: str, plot_path: str = "", say=print, warn=None) -> dict:
     goodput_path = os.path.join(run_dir, GOODPUT_FILE)
     records, skipped, total = goodput.read_records_counted(goodput_path)
     say_skipped(goodput_path, skipped, total, "a JSON object with a text kind and a time", warn)
-    curves, skipped, total = read_metrics(run_dir)
+    curves, skipped, total, tasks = read_metrics(run_dir)
     say_skipped(os.path.join(run_dir, METRICS_FILE), skipped, total, "a JSON object with a text split, a whole step "
                 "and (train, validation) a numeric loss", warn)
     if not records and not any(curves.values()):
@@ -135,7 +128,6 @@ def report(run_dir: str, plot_path: str = "", say=print, warn=None) -> dict:
         if points:
             step, loss = points[-1]
             say(f"loss      {split}: {loss:.4f} at step {step}")
-    tasks = task_metrics(run_dir)
     for name, points in tasks.items():
         step, value = points[-1]
         say(f"tasks     {name}: {value:.4f} at step {step}")
