@@ -1,6 +1,6 @@
 """lm-evaluation-harness on a run (tpu_llm/eval/, `tpu-llm eval`; issue 49) against lm-eval's own `hf` backend.
 
-A tiny random GPT-2, Llama (its tokenizer putting BOS in front, as Llama's does) and Qwen2 are saved with transformers and imported (tests/test_hf.py's `build`); the local
+A tiny random GPT-2, Llama (its tokenizer putting BOS in front, as Llama's does) and Qwen2 are saved with transformers and imported (tests/hf_reference.py's `build`); the local
 tasks of tests/data/eval_tasks (multiple choice, rolling perplexity, greedy generation; JSON lines read by
 `datasets`, no network) are evaluated with lm-eval's HFLM on the HF directory (torch, CPU) and with TpuLM on the
 run. Every request's loglikelihood agrees within 1e-4 (a rolling sum within 1e-4 relative) with the same
@@ -19,9 +19,8 @@ import pytest
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON files only; before `datasets` is imported
 lm_eval = pytest.importorskip("lm_eval", reason="the evaluation tests need lm-eval: pip install -e '.[eval]'")
-import test_hf  # noqa: E402  (skips without torch and transformers)
 from helpers import write_bpe_tokenizer  # noqa: E402
-from test_hf import build, torch, transformers  # noqa: E402
+from hf_reference import build, torch, transformers  # noqa: E402  (skips without torch and transformers)
 
 from tpu_llm import cli  # noqa: E402
 from tpu_llm.errors import UserError  # noqa: E402
@@ -62,8 +61,7 @@ def evaluate_both(family: str, root: Path, bos: bool = False) -> dict:
     from tpu_llm.eval.backend import TpuLM
 
     os.chdir(REPO)
-    with mock.patch.object(test_hf, "write_bpe_tokenizer", write_bos_tokenizer if bos else write_bpe_tokenizer):
-        made = build(family, root, dtypes=("float32",))["float32"]
+    made = build(family, root, dtypes=("float32",), tokenizer=write_bos_tokenizer if bos else write_bpe_tokenizer)["float32"]
     manager = TaskManager(include_path=TASKS_DIR, include_defaults=False)  # ~15 s less
     ours = TpuLM.from_run(made["run_dir"], batch_size=8)
     # the directory's tokenizer.json as it is (AutoTokenizer would give Qwen2's class, which rebuilds the

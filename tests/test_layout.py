@@ -136,6 +136,18 @@ def test_tests_import_the_package_without_sys_path_edits():
     assert not edits, edits
 
 
+def test_no_test_module_imports_another():
+    """Shared builders live in helper modules (tests/helpers.py and the like, docs/development.md), never in a
+    test file that another imports: that one would then run, or skip, with the other's module-level code."""
+    imports = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            imports += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not imports, imports
+
+
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 60
 REASON = "Long because"  # how a longer function's docstring starts the line that says why (nested ones too)
 

@@ -1,7 +1,8 @@
 """Issue 50 (Cloud 3): a Cloud run that reports only the truth.
 
-Offline, with the fakes of tests/test_tpu_ownership.py: the launch script `make train` sends to worker 0,
-run with bash in a scratch HOME (fake trainer, fake gcloud), and the driver against fake gcloud/terraform.
+Offline, with the fakes of tests/tpu_worker.py (issue 39's tests use them too): the launch script `make train`
+sends to worker 0, run with bash in a scratch HOME (fake trainer, fake gcloud), and the driver against fake
+gcloud/terraform.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import NAME, PROJECT, ZONE, clean_env, fake_cloud, make, one_error_line, outputs_json, write_outputs
-from test_tpu_ownership import DELETE, Worker0, launch_script, ready_tpu, single_host
+from tpu_worker import DELETE, Worker0, launch_script, ready_tpu, single_host
 
 pytestmark = pytest.mark.slow  # bash and the driver in subprocesses
 
