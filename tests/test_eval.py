@@ -245,6 +245,62 @@ def test_a_lora_run_evaluates_as_its_merged_copy(gpt2, tmp_path):
     assert max(abs(value(a) - value(b)) for a, b in zip(scores["lora"], base_scores)) > 0.01  # the adapters count
 
 
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "int8"])
+def test_a_lora_run_on_a_stored_base_scores_with_that_base(gpt2, tmp_path, base_dtype):
+    """A LoRA run whose frozen base is stored in bfloat16 or int8 (train.lora_base_dtype) is evaluated with that
+    base, as it trained: every request's loglikelihood equals the saved model's own (its logits, computed here
+    directly) within 1e-4, and differs from the float32 base's with the same adapters (so the stored base, not
+    a float32 copy, was loaded)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tpu_llm.config import load_config
+    from tpu_llm.eval.backend import TpuLM
+    from tpu_llm.model import GPT
+    from tpu_llm.model import adapters as lora
+    from tpu_llm.model import families
+    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation
+
+    base, tokenizer, cfg = load_for_generation(gpt2["dirs"]["run_dir"])
+    lora_keys = {"train.lora_rank": 2, "train.lora_alpha": 4.0,
+                 "train.lora_targets": ",".join(families.get("gpt2").peft_targets)}
+    models = {}
+    for dtype in ("float32", base_dtype):
+        c = load_config(None, {**lora_keys, "train.lora_base_dtype": dtype}, base=cfg)
+        models[dtype] = GPT(c.model, c.model.vocab_size, lora.adapters_for(c)).build_weights()
+        lora.copy_base(base, models[dtype])
+        rng = np.random.default_rng(5)  # the same adapters in both
+        for layer in lora.adapted(models[dtype]):
+            for weights in (layer.lora_a, layer.lora_b):
+                weights.assign(rng.normal(0, 0.2, tuple(weights.shape)).astype(np.float32))
+    run = tmp_path / "run"
+    shutil.copytree(gpt2["dirs"]["run_dir"], run, ignore=shutil.ignore_patterns("checkpoints"))
+    stored_cfg = load_config(None, {**lora_keys, "train.lora_base_dtype": base_dtype}, base=cfg)
+    (run / "config.yaml").write_text(stored_cfg.to_yaml())
+    Checkpointer(str(run), keep=1, model_config=stored_cfg.model, model=models[base_dtype]).save(0)
+
+    lm = TpuLM.from_run(str(run), batch_size=4)
+    stored = [v for v in lm.model.weights if "lora" not in v.path and v.dtype != "float32"]
+    assert stored, "the loaded model holds no base weight in " + base_dtype
+    texts = [("def add(a, b):", " return a + b"), ("The quick brown", " fox"), ("x", " = 1")]
+    requests = [((c, r), lm.tok_encode(c), lm.tok_encode(r)) for c, r in texts]
+    scores = [score for score, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
+
+    def direct(model) -> list[float]:
+        out = []
+        for _, context, continuation in requests:
+            whole = context + continuation
+            logits = tf.cast(model(tf.constant([whole[:-1]]), training=False), tf.float32)[0, :, :lm.vocab]
+            logprobs = tf.nn.log_softmax(logits).numpy()
+            n = len(continuation)
+            out.append(float(sum(logprobs[len(whole) - 1 - n + j, t] for j, t in enumerate(continuation))))
+        return out
+
+    for ours, saved in zip(scores, direct(models[base_dtype])):
+        assert close(ours, saved), (ours, saved)
+    assert max(abs(a - b) for a, b in zip(scores, direct(models["float32"]))) > 1e-4  # the stored base counts
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--limit", "0"], "error: --limit=0: give a number of documents per task >= 1"),
     (["--limit", "x"], "error: --limit='x' must be an integer"),
