@@ -202,31 +202,47 @@ def test_python_api_evaluate_gives_the_same_numbers(gpt2):
     assert results["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
 
 
-def test_a_lora_run_evaluates_as_its_merged_copy(gpt2, tmp_path):
-    """A LoRA run (random adapters on the imported GPT-2, a checkpoint as training leaves it) scores every request
-    as its copy with the adapters merged in (`tpu-llm export --format run`) does, and not as the base does."""
+def lora_model(imported: str, base_dtype: str = "float32"):
+    """(config, model): the imported GPT-2 run's weights under random LoRA adapters on every PEFT target, the frozen
+    base stored as `base_dtype` (train.lora_base_dtype). The adapters are seeded: the same for every base dtype
+    (and B is not zero, as it starts, where the adapters would change nothing)."""
     import numpy as np
 
     from tpu_llm.config import load_config
-    from tpu_llm.eval.backend import TpuLM
     from tpu_llm.model import GPT
     from tpu_llm.model import adapters as lora
     from tpu_llm.model import families
-    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation
+    from tpu_llm.training.checkpoint import load_for_generation
 
-    base, _, cfg = load_for_generation(gpt2["dirs"]["run_dir"])
-    cfg = load_config(None, {"train.lora_rank": 2, "train.lora_alpha": 4.0,
+    base, _, cfg = load_for_generation(imported)
+    cfg = load_config(None, {"train.lora_rank": 2, "train.lora_alpha": 4.0, "train.lora_base_dtype": base_dtype,
                              "train.lora_targets": ",".join(families.get("gpt2").peft_targets)}, base=cfg)
-    adapted = GPT(cfg.model, cfg.model.vocab_size, lora.adapters_for(cfg)).build_weights()
-    lora.copy_base(base, adapted)
+    model = GPT(cfg.model, cfg.model.vocab_size, lora.adapters_for(cfg)).build_weights()
+    lora.copy_base(base, model)
     rng = np.random.default_rng(5)
-    for layer in lora.adapted(adapted):  # (B starts at zero: the adapters would change nothing)
+    for layer in lora.adapted(model):
         for weights in (layer.lora_a, layer.lora_b):
             weights.assign(rng.normal(0, 0.2, tuple(weights.shape)).astype(np.float32))
-    run, merged = tmp_path / "lora-run", tmp_path / "merged"
-    shutil.copytree(gpt2["dirs"]["run_dir"], run, ignore=shutil.ignore_patterns("checkpoints"))
+    return cfg, model
+
+
+def save_run(imported: str, run: Path, cfg, model) -> Path:
+    """A copy of the imported run's directory holding `model` under `cfg`, a checkpoint as training leaves it."""
+    from tpu_llm.training.checkpoint import Checkpointer
+
+    shutil.copytree(imported, run, ignore=shutil.ignore_patterns("checkpoints"))
     (run / "config.yaml").write_text(cfg.to_yaml())
-    Checkpointer(str(run), keep=1, model_config=cfg.model, model=adapted).save(0)
+    Checkpointer(str(run), keep=1, model_config=cfg.model, model=model).save(0)
+    return run
+
+
+def test_a_lora_run_evaluates_as_its_merged_copy(gpt2, tmp_path):
+    """A LoRA run (random adapters on the imported GPT-2, a checkpoint as training leaves it) scores every request
+    as its copy with the adapters merged in (`tpu-llm export --format run`) does, and not as the base does."""
+    from tpu_llm.eval.backend import TpuLM
+
+    run = save_run(gpt2["dirs"]["run_dir"], tmp_path / "lora-run", *lora_model(gpt2["dirs"]["run_dir"]))
+    merged = tmp_path / "merged"
     assert cli.main(["export", "--run_dir", str(run), "--format", "run", "--output", str(merged)]) == 0
 
     from lm_eval.tasks import TaskManager
@@ -251,35 +267,13 @@ def test_a_lora_run_on_a_stored_base_scores_with_that_base(gpt2, tmp_path, base_
     base, as it trained: every request's loglikelihood equals the saved model's own (its logits, computed here
     directly) within 1e-4, and differs from the float32 base's with the same adapters (so the stored base, not
     a float32 copy, was loaded)."""
-    import numpy as np
     import tensorflow as tf
 
-    from tpu_llm.config import load_config
     from tpu_llm.eval.backend import TpuLM
-    from tpu_llm.model import GPT
-    from tpu_llm.model import adapters as lora
-    from tpu_llm.model import families
-    from tpu_llm.training.checkpoint import Checkpointer, load_for_generation
 
-    base, tokenizer, cfg = load_for_generation(gpt2["dirs"]["run_dir"])
-    lora_keys = {"train.lora_rank": 2, "train.lora_alpha": 4.0,
-                 "train.lora_targets": ",".join(families.get("gpt2").peft_targets)}
-    models = {}
-    for dtype in ("float32", base_dtype):
-        c = load_config(None, {**lora_keys, "train.lora_base_dtype": dtype}, base=cfg)
-        models[dtype] = GPT(c.model, c.model.vocab_size, lora.adapters_for(c)).build_weights()
-        lora.copy_base(base, models[dtype])
-        rng = np.random.default_rng(5)  # the same adapters in both
-        for layer in lora.adapted(models[dtype]):
-            for weights in (layer.lora_a, layer.lora_b):
-                weights.assign(rng.normal(0, 0.2, tuple(weights.shape)).astype(np.float32))
-    run = tmp_path / "run"
-    shutil.copytree(gpt2["dirs"]["run_dir"], run, ignore=shutil.ignore_patterns("checkpoints"))
-    stored_cfg = load_config(None, {**lora_keys, "train.lora_base_dtype": base_dtype}, base=cfg)
-    (run / "config.yaml").write_text(stored_cfg.to_yaml())
-    Checkpointer(str(run), keep=1, model_config=stored_cfg.model, model=models[base_dtype]).save(0)
-
-    lm = TpuLM.from_run(str(run), batch_size=4)
+    imported = gpt2["dirs"]["run_dir"]
+    models = {dtype: lora_model(imported, dtype) for dtype in ("float32", base_dtype)}  # the same adapters
+    lm = TpuLM.from_run(str(save_run(imported, tmp_path / "run", *models[base_dtype])), batch_size=4)
     stored = [v for v in lm.model.weights if "lora" not in v.path and v.dtype != "float32"]
     assert stored, "the loaded model holds no base weight in " + base_dtype
     texts = [("def add(a, b):", " return a + b"), ("The quick brown", " fox"), ("x", " = 1")]
@@ -296,9 +290,9 @@ def test_a_lora_run_on_a_stored_base_scores_with_that_base(gpt2, tmp_path, base_
             out.append(float(sum(logprobs[len(whole) - 1 - n + j, t] for j, t in enumerate(continuation))))
         return out
 
-    for ours, saved in zip(scores, direct(models[base_dtype])):
+    for ours, saved in zip(scores, direct(models[base_dtype][1])):
         assert close(ours, saved), (ours, saved)
-    assert max(abs(a - b) for a, b in zip(scores, direct(models["float32"]))) > 1e-4  # the stored base counts
+    assert max(abs(a - b) for a, b in zip(scores, direct(models["float32"][1]))) > 1e-4  # the stored base counts
 
 
 @pytest.mark.parametrize("flags, message", [
