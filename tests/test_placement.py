@@ -222,7 +222,7 @@ def test_the_compiled_audit_counts_every_matmul_of_the_step():
     the two of attention, its projection, the MLP's two) and the head's one, per micro-batch, and two
     backward matmuls for each; every variable the step reads is an input of the program."""
     audit = compiled(2, 2)
-    forward = 2 * (4 * 2 * 6 + 1)
+    forward = 2 * (2 * 2 * 6 + 1)
     assert sum(audit.counts["forward matmuls"].values()) == forward, "\n".join(audit.table())
     assert sum(audit.counts["backward matmuls"].values()) == 2 * forward
     model_and_moments = 3 * len(step(2, 2).model.trainable_variables)
@@ -260,7 +260,7 @@ def test_tensor_groups_move_slices_not_whole_kernels():
 
 def test_the_evaluation_step_runs_each_stage_on_its_own_core():
     audit = placement_audit.compiled(2, 2, which="eval", step=step(2, 2))
-    assert sum(audit.counts["forward matmuls"].values()) == 4 * 2 * 6 + 1  # one batch, no backward
+    assert sum(audit.counts["forward matmuls"].values()) == 2 * 2 * 6 + 1  # one batch, no backward
     problems, text = report(audit, {"unplaced", "uneven", "off its stage"})
     assert not problems, text
 
