@@ -123,6 +123,19 @@ def losses(run_dir) -> list:
     return [e["loss"] for e in map(json.loads, open(run_dir / "metrics.jsonl")) if e["split"] == "train"]
 
 
+_trained = set()
+
+
+def straight_run(tmp, base_dtype: str) -> str:
+    """`straight-DTYPE`: 4 steps with adapters on the base run's weights stored in `base_dtype`, on one
+    device; trained once per module (the resume test's reference and the layouts' single-device run)."""
+    run = f"straight-{base_dtype}"
+    if (tmp, run) not in _trained:
+        train(lora_cfg(tmp, run, base_dtype, **{"train.init_from": str(tmp / "base")}), say=quiet)
+        _trained.add((tmp, run))
+    return run
+
+
 @pytest.mark.parametrize("base_dtype", ["bfloat16", "int8"])
 def test_training_moves_only_the_adapters_resume_is_exact_and_export_is_float32(base_run, base_dtype):
     tmp, init = base_run, {"train.init_from": str(base_run / "base")}
@@ -130,7 +143,7 @@ def test_training_moves_only_the_adapters_resume_is_exact_and_export_is_float32(
     base = build_run(lora_cfg(tmp, f"fresh-{base_dtype}", base_dtype, **init)).model
     assert {v.dtype for v in base.weights if v.path.endswith("/kernel")} == {base_dtype}
     stored = by_path(base)
-    train(lora_cfg(tmp, f"straight-{base_dtype}", base_dtype, **init), say=quiet)
+    straight_run(tmp, base_dtype)
     train(lora_cfg(tmp, f"resumed-{base_dtype}", base_dtype, steps=2, **init), say=quiet)  # stops at a checkpoint ...
     train(lora_cfg(tmp, f"resumed-{base_dtype}", base_dtype, **init), say=quiet)  # ... and resumes
     assert losses(tmp / f"resumed-{base_dtype}") == losses(tmp / f"straight-{base_dtype}")
@@ -162,10 +175,10 @@ def test_training_moves_only_the_adapters_resume_is_exact_and_export_is_float32(
 def test_an_int8_base_trains_under_stages_and_groups_or_replicas_as_on_one_device(base_run, layout):
     tmp, init = base_run, {"train.init_from": str(base_run / "base")}
     name = "-".join(str(v) for v in layout.values())
-    train(lora_cfg(tmp, f"one-{name}", "int8", **init), say=quiet)
+    one_device = straight_run(tmp, "int8")
     train(lora_cfg(tmp, f"split-{name}", "int8", **init, **layout), say=quiet)
-    np.testing.assert_allclose(losses(tmp / f"split-{name}"), losses(tmp / f"one-{name}"), rtol=1e-4)
-    one, split = (by_path(load_for_generation(str(tmp / run))[0]) for run in (f"one-{name}", f"split-{name}"))
+    np.testing.assert_allclose(losses(tmp / f"split-{name}"), losses(tmp / one_device), rtol=1e-4)
+    one, split = (by_path(load_for_generation(str(tmp / run))[0]) for run in (one_device, f"split-{name}"))
     for path, value in one.items():
         atol = 1e-4 if path.endswith(lora.ADAPTERS) else 0  # the base: bit for bit in both
         np.testing.assert_allclose(split[path], value, atol=atol, rtol=0, err_msg=path)
