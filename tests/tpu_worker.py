@@ -6,6 +6,7 @@ driver (`ready_tpu`)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,8 +74,11 @@ class Worker0:
                 "PYTHONPATH": str(ROOT), **{k: str(v) for k, v in extra.items()}}
 
     def start(self, **extra) -> subprocess.Popen:
+        # SIGHUP as an ssh session's shell has it (default: fatal), even when the suite itself runs under
+        # nohup, whose ignored SIGHUP a child shell inherits and cannot reset
         return subprocess.Popen(["bash", "-c", self.script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=self.env(**extra), start_new_session=True)
+                                env=self.env(**extra), start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
     def log(self) -> str:
         path = self.home / "tpu-llm-train.log"
