@@ -74,14 +74,14 @@ NAN = """
 import os, sys
 import tensorflow as tf
 from tpu_llm.training.trainer import Trainer
-original = Trainer._loss_and_grads_fn
+original = Trainer._micro_fn  # each micro-batch (NaN in one: the step's sum is NaN)
 at = int(os.environ["FAULT_NAN_STEP"])
 def poisoned(self, inputs, targets):
     loss, grads = original(self, inputs, targets)
     bad = tf.equal(tf.cast(self.optimizer.iterations, tf.int32), at)
     nan = tf.constant(float("nan"))
     return tf.where(bad, nan, loss), [tf.where(bad, nan, g) for g in grads]
-Trainer._loss_and_grads_fn = poisoned
+Trainer._micro_fn = poisoned
 from tpu_llm.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -952,7 +952,8 @@ ROWS = [
           "checkpoint tensor finite", nan_row(flags)) for mode, flags in {
         "allreduce": [], "bf16": ["--comm.compression=bf16"], "powersgd": ["--comm.compression=powersgd",
                                                                           "--comm.rank=2"],
-        "topk": ["--comm.compression=topk", "--comm.topk_ratio=0.05"], "localsgd": ["--comm.sync_every=4"]}.items()],
+        "topk": ["--comm.compression=topk", "--comm.topk_ratio=0.05"], "localsgd": ["--comm.sync_every=4"],
+        "zero2": ["--parallel.shard_optimizer=grads", "--train.grad_accum=2"]}.items()],
     Row("zero-layout", "SIGTERM after step 12 of a 2-replica run with divided moments (shard_optimizer=state), "
         "resumed on 1 replica with whole ones (no dropout)", "143, then exit 0; every step's loss within 1e-5 of the 2-replica "
         "run left alone", other_layout_row(), reference=False),

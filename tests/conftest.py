@@ -57,7 +57,7 @@ def poison(monkeypatch):
     armed = tf.Variable(tf.zeros([64], tf.int32), trainable=False)
     from tpu_llm.training.trainer import Trainer
 
-    original = Trainer._loss_and_grads_fn
+    original = Trainer._micro_fn  # (a step's first micro-batch: NaN in one makes the step's sum NaN)
 
     def loss_and_grads(self, inputs, targets):
         loss, grads = original(self, inputs, targets)
@@ -67,7 +67,7 @@ def poison(monkeypatch):
         nan = tf.constant(float("nan"))
         return tf.where(bad, nan, loss), [tf.where(bad, nan, g) for g in grads]
 
-    monkeypatch.setattr(Trainer, "_loss_and_grads_fn", loss_and_grads)
+    monkeypatch.setattr(Trainer, "_micro_fn", loss_and_grads)
     return lambda *steps: [armed[s].assign(1) for s in steps]
 
 

@@ -244,7 +244,8 @@ def shard_refusal(cfg: Config, strategy: str) -> str | None:
     over synchronous replicas that all hold the whole model: not over parameter-server workers (no replicas
     in sync), not across multi-worker processes (each process would save only its own replicas' rows: not
     built yet), not beside pipeline stages or tensor groups (not built yet), not under local SGD (replicas
-    with weights of their own) or mixed_float16 (Keras' loss-scale optimizer owns that update). Checked
+    with weights of their own) or mixed_float16 (Keras' loss-scale optimizer owns that update); `grads`
+    not beside gradient compression either (it exchanges whole gradients). Checked
     here on the config's strategy, and by training/assemble.py on the one strategy=auto chose."""
     what = f"parallel.shard_optimizer={cfg.parallel.shard_optimizer}"
     if strategy in ("parameter_server", "multi_worker"):
@@ -256,6 +257,10 @@ def shard_refusal(cfg: Config, strategy: str) -> str | None:
     if cfg.comm.sync_every > 1:
         return (f"{what} and local SGD (comm.sync_every={cfg.comm.sync_every}): each replica keeps its own "
                 "weights and moments between syncs; set one of them back (parallel.shard_optimizer=none)")
+    if cfg.parallel.shard_optimizer == "grads" and cfg.comm.compression != "none":
+        return (f"{what} reduces each micro-batch's gradients to each replica's rows itself; comm.compression="
+                f"{cfg.comm.compression} compresses whole gradients: set comm.compression=none or "
+                "parallel.shard_optimizer=state")
     if cfg.precision == "mixed_float16":
         return (f"{what} does not support precision=mixed_float16 (Keras' loss-scale optimizer); use "
                 "mixed_bfloat16 or float32")

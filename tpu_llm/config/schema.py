@@ -20,7 +20,7 @@ BAD_STEP_ACTIONS = ("skip", "rollback")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 EXECUTIONS = ("xla", "graph", "eager")
 SCHEDULES = ("gpipe",)
-SHARD_OPTIMIZER = ("none", "state")  # parallel.shard_optimizer: state = ZeRO-1 (docs/memory.md)
+SHARD_OPTIMIZER = ("none", "state", "grads")  # parallel.shard_optimizer: state = ZeRO-1, grads = ZeRO-2 (docs/memory.md)
 COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
 ATTENTIONS = ("dense", "blockwise")
@@ -217,7 +217,9 @@ class ParallelConfig:
     schedule: str = "gpipe"  # gpipe (why not 1f1b: docs/pipeline-tensor.md)
     tensor: int = 1  # T: each block's attention heads and MLP units split over T devices (TPU: cores), Megatron-style
     remat: bool = False  # recompute each block's activations in the backward pass (less memory, ~1/3 more FLOPs)
-    # none | state: AdamW's moments divided over the data-parallel replicas (ZeRO-1), 8/R bytes per parameter
+    # none | state: AdamW's moments divided over the data-parallel replicas (ZeRO-1), 8/R bytes per parameter |
+    # grads: the moments and the accumulated gradients (ZeRO-2), each micro-batch's gradients reduced to each
+    # replica's rows
     shard_optimizer: str = "none"
 
 

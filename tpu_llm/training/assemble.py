@@ -73,7 +73,7 @@ def assemble(cfg: Config, dist: Distribution, variables=contextlib.nullcontext) 
     stages = pipeline.partition(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.pipeline_stages)
     with variables(), dist.strategy.scope(), comm.variable_scope(local_sgd):
         model = build_model(cfg, dist, stages)
-        optimizer = make_optimizer(cfg.train, model, shard_over)
+        optimizer = make_optimizer(cfg.train, model, shard_over, cfg.parallel.shard_optimizer == "grads")
         if keras.mixed_precision.global_policy().name == "mixed_float16":  # float16 gradients underflow unscaled
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             optimizer.build(model.trainable_variables)

@@ -53,8 +53,9 @@ def describe_run(run: Run, step: int, peak: float, peak_how: str) -> list[str]:
         lines.append("comm      off: one replica, nothing to exchange")
     shards = getattr(run.optimizer, "replicas", 1)
     if shards > 1:
-        lines.append(f"optimizer AdamW's moments divided over {shards} replicas (parallel.shard_optimizer=state): "
-                     f"each keeps 1/{shards} of them")
+        what = "AdamW's moments and the accumulated gradients" if run.optimizer.takes_rows else "AdamW's moments"
+        lines.append(f"optimizer {what} divided over {shards} replicas (parallel.shard_optimizer="
+                     f"{cfg.parallel.shard_optimizer}): each keeps 1/{shards} of them")
     elif cfg.parallel.shard_optimizer != "none":
         lines.append(f"optimizer parallel.shard_optimizer={cfg.parallel.shard_optimizer} has no effect: one replica")
     m = cfg.model

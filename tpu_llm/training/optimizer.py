@@ -103,17 +103,18 @@ def freeze(cfg: TrainConfig, model: GPT) -> list:
     return layers
 
 
-def make_optimizer(cfg: TrainConfig, model: GPT, shard_over: int = 1):
+def make_optimizer(cfg: TrainConfig, model: GPT, shard_over: int = 1, takes_rows: bool = False):
     """AdamW with decoupled weight decay on Dense kernels only; create inside the strategy scope. With
-    `shard_over` R > 1 replicas (parallel.shard_optimizer=state), its moments are divided over them
-    (sharded_adamw.ShardedAdamW); Keras' AdamW then builds none of its own."""
+    `shard_over` R > 1 replicas (parallel.shard_optimizer=state or grads), its moments are divided over them
+    (sharded_adamw.ShardedAdamW); Keras' AdamW then builds none of its own. `takes_rows` (grads): the
+    trainer hands it each replica's rows of the gradients, not whole ones."""
     optimizer = ReducedGradientsAdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay,
                                        beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon)
     decayed = {id(v) for v in decay_mask(model)}
     optimizer.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
                                                   if id(v) not in decayed])
     if shard_over > 1:
-        return ShardedAdamW(optimizer, model.trainable_variables, shard_over)
+        return ShardedAdamW(optimizer, model.trainable_variables, shard_over, takes_rows)
     optimizer.build(model.trainable_variables)
     return optimizer
 

@@ -1,4 +1,5 @@
-"""AdamW with its moments divided over the replicas (ZeRO-1: `parallel.shard_optimizer=state`).
+"""AdamW with its moments divided over the replicas (ZeRO-1: `parallel.shard_optimizer=state`; ZeRO-2,
+`grads`: the trainer also divides the accumulated gradients and hands this optimizer each replica's rows).
 
 Every replica holds the whole model and gets the whole all-reduced gradient, as in plain data
 parallelism, but keeps only its rows of each moment: rows [r*k, (r+1)*k) of every variable's first
@@ -99,7 +100,7 @@ def _reader(component, n: int, logical_shape: list):
 
 
 class ShardedAdamW(Trackable):
-    """The run's optimizer under `parallel.shard_optimizer=state`: `keras_adamw` (an unbuilt
+    """The run's optimizer under `parallel.shard_optimizer=state` or `grads`: `keras_adamw` (an unbuilt
     ReducedGradientsAdamW: step counter, schedule, betas, epsilon, weight decay and its exclusions) updating
     `variables` with moments divided over `replicas`. Create inside the strategy's scope.
 
@@ -109,8 +110,11 @@ class ShardedAdamW(Trackable):
 
     skips_non_finite = True  # optimizer.GuardedUpdate: a bad step's NaN gradients change nothing
 
-    def __init__(self, keras_adamw, variables: list, replicas: int):
+    def __init__(self, keras_adamw, variables: list, replicas: int, takes_rows: bool = False):
         self.keras, self.replicas = keras_adamw, replicas
+        # parallel.shard_optimizer=grads: `apply` gets each replica's rows of the reduced gradients (the
+        # trainer's divided accumulation), else whole gradients it takes its rows of
+        self.takes_rows = takes_rows
         self.var_list = list(variables)
         self.m = [ShardedMoment(v, f"{_name(v)}_momentum", replicas) for v in self.var_list]
         self.v = [ShardedMoment(v, f"{_name(v)}_velocity", replicas) for v in self.var_list]
@@ -150,9 +154,9 @@ class ShardedAdamW(Trackable):
         for i, (grad, var) in enumerate(zip(grads, variables)):
             applied = tf.reduce_all(tf.math.is_finite(grad))  # a skipped step's gradients are NaN
             rows = self.m[i].rows
-            w = _my_rows(tf.convert_to_tensor(var), rows, replica)
+            w = my_rows(tf.convert_to_tensor(var), rows, replica)
             dtype = w.dtype
-            g = tf.cast(_my_rows(grad, rows, replica), dtype)
+            g = tf.cast(grad if self.takes_rows else my_rows(grad, rows, replica), dtype)
             m, v = self.m[i].value, self.v[i].value
             lr_v = tf.cast(lr, dtype)
             if self.decays[i]:  # decoupled weight decay before the step (Keras' AdamW, as ReducedGradientsAdamW)
@@ -187,7 +191,7 @@ def _rows(variable) -> int:
     return int(variable.shape[0]) if variable.shape.rank else 1
 
 
-def _my_rows(tensor, rows: int, replica):
+def my_rows(tensor, rows: int, replica):
     """Replica `replica`'s `rows` rows of `tensor` (a scalar as one row), zeros past its end: a gather of
     those rows alone (never a padded copy of the whole tensor), of a static shape whatever the replica id
     (a tensor on TPU)."""

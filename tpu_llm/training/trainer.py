@@ -24,6 +24,9 @@ from tpu_llm.parallel.distribute import Distribution
 from tpu_llm.parallel.pipeline import Pipeline, owning_stage, partition
 from tpu_llm.platform import tf_compat
 from tpu_llm.training.optimizer import GuardedUpdate
+from tpu_llm.training.sharded_adamw import my_rows
+
+SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
 
 
 class ReplicaSeedGenerator(keras.random.SeedGenerator):
@@ -87,6 +90,9 @@ class Trainer:
         self.exchange = comm or AllReduce(self.num_replicas, self.by_stage)
         self.local_sgd = comm.local if comm is not None else None
         self.update = GuardedUpdate(optimizer, model.trainable_variables, self.by_stage)
+        # parallel.shard_optimizer=grads: the optimizer (ShardedAdamW) takes each replica's rows of the
+        # gradients, which the step reduces micro-batch by micro-batch (divided_loss_and_grads)
+        self.divided = optimizer if getattr(optimizer, "takes_rows", False) else None
         if dist.placement.tpu_strategy is not None and len(self.stage_groups) > 1:
             where = {id(v.value): s for v, s in zip(model.trainable_variables, stage_of)}
             inner = getattr(optimizer, "inner_optimizer", optimizer)  # under LossScaleOptimizer
@@ -105,6 +111,7 @@ class Trainer:
         nested = (lambda fn: fn) if dist.placement.tpu_strategy is not None else \
             (lambda fn: tf.function(fn, jit_compile=jit, autograph=False))
         self._loss_and_grads = nested(self._loss_and_grads_fn)
+        self._micro_grads = nested(self._micro_fn)  # (shard_optimizer=grads: one micro-batch per call)
         # asynchronous workers also measure how stale their gradients were when applied
         self.loss_and_grads = Staleness(self.strategy, self._loss_and_grads) if dist.asynchronous else \
             _not_stale(self._loss_and_grads)
@@ -122,9 +129,14 @@ class Trainer:
     def replica_step(self, inputs, targets, position=None):
         """One optimizer step on this replica; returns (loss, gradient norm, staleness, 1.0 if applied)."""
         ctx = tf.distribute.get_replica_context()
-        loss, grads, staleness = self.loss_and_grads(inputs, targets)  # this replica's, scaled for a SUM
-        loss, grads, pending = self.exchange.exchange(ctx, loss, grads)  # summed over the replicas (or not)
-        grad_norm = self.global_norm(grads)
+        if self.divided is None:
+            loss, grads, staleness = self.loss_and_grads(inputs, targets)  # this replica's, scaled for a SUM
+            loss, grads, pending = self.exchange.exchange(ctx, loss, grads)  # summed over the replicas (or not)
+            grad_norm = self.global_norm(grads)
+        else:  # this replica's rows of the summed gradients; the norm from every replica's rows
+            loss, grads = self.divided_loss_and_grads(ctx, inputs, targets)
+            staleness, pending = tf.constant(0.0), []
+            grad_norm = tf.sqrt(ctx.all_reduce(SUM, tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])))
         if self.clip_norm > 0:  # an overflow (inf norm) gives NaN grads: the guarded update skips them
             clip = self.clip_norm * self.update.loss_scale
             grads = self.by_stage(lambda gs: tf.clip_by_global_norm(gs, clip, use_norm=grad_norm)[0], grads)
@@ -164,17 +176,19 @@ class Trainer:
                 parts.append(tf.add_n([tf.reduce_sum(tf.square(grads[k])) for k in indices]))
         return tf.sqrt(tf.add_n(parts))
 
-    def _loss_and_grads_fn(self, inputs, targets):
-        """Mean loss over this replica's micro-batches, and gradients pre-scaled for a SUM reduce (and by
-        the loss scale under mixed_float16). The stage pipeline runs each stage's forward and backward
-        where the stage lives (one stage: the replica's device)."""
-        variables = self.model.trainable_variables
-        k = self.grad_accum
-        scale = 1.0 / (k * self.num_replicas)
+    def _micro_fn(self, inputs, targets):
+        """One micro-batch's loss, and its gradients pre-scaled for a SUM over the replicas and the
+        micro-batches (and by the loss scale under mixed_float16). The stage pipeline runs each stage's
+        forward and backward where the stage lives (one stage: the replica's device)."""
+        scale = 1.0 / (self.grad_accum * self.num_replicas)
+        # per-replica variables (local SGD) are not trainable tf.Variables: watched
+        return self.pipeline.loss_and_grads(inputs, targets, self.model.trainable_variables,
+                                            seed=lambda loss: self.update.scale_loss(loss * scale),
+                                            watch=self.local_sgd is not None)
 
-        def micro(x, y):  # per-replica variables (local SGD) are not trainable tf.Variables: watched
-            return self.pipeline.loss_and_grads(x, y, variables, seed=lambda loss: self.update.scale_loss(loss * scale),
-                                                watch=self.local_sgd is not None)
+    def _loss_and_grads_fn(self, inputs, targets):
+        """Mean loss over this replica's micro-batches, and the sum of their gradients (_micro_fn's)."""
+        k, micro = self.grad_accum, self._micro_fn
 
         if k == 1:
             return micro(inputs, targets)
@@ -193,6 +207,36 @@ class Trainer:
 
         _, loss_sum, grads = tf.while_loop(lambda i, *_: i < k, accumulate, (tf.constant(1), loss_sum, grads))
         return loss_sum / k, grads
+
+    def divided_loss_and_grads(self, ctx, inputs, targets):
+        """parallel.shard_optimizer=grads (ZeRO-2): the loss averaged over the replicas, and this replica's
+        rows of the gradients summed over the replicas and its micro-batches. Each micro-batch's gradients
+        are all-reduced and only this replica's rows kept (an all-reduce then a slice, which XLA's
+        reduce-scatter pass can fuse), so the running sum holds 1/R of the gradients. The micro-batches
+        run as a Python loop (one compiled call each): under MirroredStrategy a collective is a
+        merge_call, which a tf.while_loop's body (a graph of its own) cannot hold. On TPU the collective is
+        part of the replica's XLA program, and the loop a tf.while_loop (one copy of the step's program)."""
+        rows = [m.rows for m in self.divided.m]
+        replica, k = ctx.replica_id_in_sync_group, self.grad_accum
+
+        def reduced(grads):
+            return [my_rows(g, n, replica) for g, n in zip(ctx.all_reduce(SUM, grads), rows)]
+
+        xs = tf.reshape(inputs, [k, -1, inputs.shape[-1]])  # (k, b/k, T)
+        ys = tf.reshape(targets, [k, -1, targets.shape[-1]])
+        loss_sum, grads = self._micro_grads(xs[0], ys[0])
+        grads = reduced(grads)
+
+        def accumulate(i, loss_sum, grads):
+            loss_i, grads_i = self._micro_grads(xs[i], ys[i])
+            return i + 1, loss_sum + loss_i, [g + gi for g, gi in zip(grads, reduced(grads_i))]
+
+        if self.dist.placement.tpu_strategy is not None:
+            _, loss_sum, grads = tf.while_loop(lambda i, *_: i < k, accumulate, (tf.constant(1), loss_sum, grads))
+        else:
+            for i in range(1, k):
+                _, loss_sum, grads = accumulate(i, loss_sum, grads)
+        return ctx.all_reduce(MEAN, loss_sum / k), grads
 
     def _eval_step(self, inputs, targets):
         # the compiled function is called from a plain replica function, as in training: passed to
