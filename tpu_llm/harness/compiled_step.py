@@ -73,6 +73,7 @@ class Cluster:
     library: object  # FunctionDefLibrary: the functions it calls
     body: object  # the loop body's FunctionDef
     devices: dict  # op name -> its device, for the ops standing in for the TPU's collectives
+    edited: frozenset = frozenset()  # the functions of `library` whose collectives got a stand-in
     _functions: dict = dataclasses.field(default_factory=dict)
 
     def function(self, name: str) -> tuple[_Graph, list]:
@@ -136,7 +137,20 @@ def cluster(function) -> Cluster:
         graph_def.node.add(name=_feed(tensor), op="Placeholder").attr["dtype"].CopyFrom(dtype)
     fetches = sorted({name if ":" in name else name + ":0" for n in body_def.node if n.name not in inside
                       for name in n.input if not name.startswith("^") and name.split(":")[0] in inside})
-    return Cluster(graph_def, sorted(feeds), feeds, fetches, outer.library, bodies[0], devices)
+    # a sum over the replicas inside a function the replica computation calls (parallel.shard_optimizer=
+    # grads: the accumulation loop's body on TPU) gets the same stand-in, a change of op alone (the loop
+    # body cut out above is not one of them: its ops are in graph_def)
+    library, edited = type(outer.library)(), set()
+    library.CopyFrom(outer.library)
+    for f in library.function:
+        if f.signature.name == bodies[0].signature.name:
+            continue
+        for n in f.node_def:
+            if n.op == "CrossReplicaSum":
+                devices.setdefault(n.name, n.device)
+                _stand_in(n, None)
+                edited.add(f.signature.name)
+    return Cluster(graph_def, sorted(feeds), feeds, fetches, library, bodies[0], devices, frozenset(edited))
 
 
 def _function_names(node) -> list[str]:
@@ -243,7 +257,7 @@ def compile_hlo(cluster_: Cluster, args: list, arg_cores: list[int], stage: str 
                                         inputs, outputs, f"tpu_replica_computation_{next(_COMPILED)}")
     for i, core in enumerate(arg_cores):  # as DistributedTPURewritePass marks the _Arg nodes
         fdef.arg_attr[i].attr["_XlaSharding"].s = tf_compat.maximal_sharding(core)
-    return tf_compat.compiler_ir(fdef, cluster_.library, args, stage=stage)
+    return tf_compat.compiler_ir(fdef, cluster_.library, args, stage=stage, replaced=cluster_.edited)
 
 
 # ---- reading the HLO text --------------------------------------------------------------------------

@@ -148,15 +148,18 @@ def assign_core(tensor, core: int):
     return xla_sharding.assign_device(tensor, core, use_sharding_op=True)
 
 
-def compiler_ir(function_def, library, args, stage: str = "hlo") -> str:
+def compiler_ir(function_def, library, args, stage: str = "hlo", replaced=()) -> str:
     """What XLA's compiler makes of `function_def` (calling functions of `library`, a
     FunctionDefLibrary) for `args` on this process's CPU: `stage` "hlo" is tf2xla's output before XLA's
-    own passes. The function is registered for the call only."""
+    own passes. The function is registered for the call only; the functions of `library` named in
+    `replaced` take the place of the process's own of that name (edited copies of a traced step's)."""
     from tensorflow.python.eager import context
 
     ctx = context.context()
     ctx.ensure_initialized()
     for f in library.function:
+        if f.signature.name in replaced and ctx.has_function(f.signature.name):
+            ctx.remove_function(f.signature.name)
         if not ctx.has_function(f.signature.name):
             ctx.add_function_def(f)
     ctx.add_function_def(function_def)
