@@ -413,6 +413,16 @@ def test_the_moments_are_divided_over_the_replicas_only_with_the_setting(tmp_pat
     assert divided.gradients == whole.gradients
 
 
+def test_divided_gradients_hold_one_micro_batchs_whole_and_the_rows_of_their_sum(tmp_path):
+    # parallel.shard_optimizer=grads: the moments as with state; of the gradients, a micro-batch's whole
+    # and the replica's rows of the running sum (training/trainer.py divided_loss_and_grads): 4 (1 + 1/R)
+    over = {"cpu_devices": 4, "train.grad_accum": 2, "train.batch_size": 8}
+    whole = plan.plan(tiny_config(tmp_path, **over), CPU).memory[0]
+    divided = plan.plan(tiny_config(tmp_path, **over, **{"parallel.shard_optimizer": "grads"}), CPU).memory[0]
+    assert divided.optimizer == whole.optimizer / 4 and divided.parameters == whole.parameters
+    assert divided.gradients == pytest.approx(whole.gradients / 2 * (1 + 1 / 4))
+
+
 def test_the_advice_divides_the_moments_before_it_adds_stages():
     # docs/memory.md's example: a 1B GPT-2 whose AdamW state alone overflows a v5e chip
     gpt2 = Path(__file__).resolve().parent.parent / "configs" / "gpt2_125m.yaml"

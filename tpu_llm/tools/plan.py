@@ -111,12 +111,14 @@ class Plan:
     def _fix(self) -> str:
         """The smallest change that fits: more grad_accum, then remat, then AdamW's moments divided over the
         replicas (parallel.shard_optimizer=state, where it runs: one stage, one tensor group, 2+ replicas),
-        then more pipeline stages; at each, first as it is, then with the chunked loss, then also with
+        then the accumulated gradients too (grads), then more pipeline stages; at each, first as it is, then with the chunked loss, then also with
         blockwise attention (docs/memory.md)."""
         p, t, chips = self.cfg.parallel, self.cfg.train, self.acc.chips
         stage_options = [(p.pipeline_stages, p.shard_optimizer)]
         if p.shard_optimizer == "none" and p.pipeline_stages == 1 and p.tensor == 1 and self.replicas > 1:
             stage_options.append((1, "state"))
+        if p.shard_optimizer in ("none", "state") and p.pipeline_stages == 1 and p.tensor == 1 and self.replicas > 1:
+            stage_options.append((1, "grads"))  # (the gradients' running sum divided too)
         # (pipeline stages run with whole moments: training/sharded_adamw.py divides them over replicas only)
         stage_options += [(s, "none") for s in range(p.pipeline_stages + 1, self.cfg.model.n_layer + 1)
                           if self.acc.shared_memory or chips % (s * p.tensor) == 0]
@@ -207,7 +209,9 @@ class Plan:
                    f"peak, {_size(acc.memory_bytes)} HBM"]
         out += [f"layout    {self.replicas} replica(s) x {p.pipeline_stages} pipeline stage(s) x {p.tensor} tensor "
                 f"way(s); precision {self.precision}; remat {'on' if p.remat else 'off'}"
-                + (f"; AdamW's moments divided over the {self.replicas} replicas" if p.shard_optimizer == "state" else ""),
+                + ({"state": f"; AdamW's moments divided over the {self.replicas} replicas",
+                    "grads": f"; AdamW's moments and the accumulated gradients divided over the {self.replicas} "
+                             "replicas"}.get(p.shard_optimizer, "") if self.replicas > 1 else ""),
                 f"batch     {t.batch_size} x {cfg.data.seq_len} = {self.tokens_per_step:,} tokens per step; per "
                 f"replica {t.batch_size // self.replicas} = {t.grad_accum} grad_accum x {p.microbatches} "
                 f"micro-batch(es) of {self.micro_batch}",

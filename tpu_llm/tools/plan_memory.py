@@ -14,7 +14,10 @@ the stage partitioner read too; this docstring derives its activation terms.
                parallel.shard_optimizer=state each of the R replicas keeps 1/R of them (training/
                sharded_adamw.py: ceil(rows / R) rows of each variable; counted here as 8 / R bytes)
   gradients    4 bytes x the trainable parameters, twice with train.grad_accum > 1 (the running sum
-               and the new one); frozen layers get none
+               and the new one); frozen layers get none. parallel.shard_optimizer=grads: one micro-batch's
+               whole gradients and the replica's rows of their reduced sum, 4 (1 + 1/R) bytes whatever
+               grad_accum (training/trainer.py divided_loss_and_grads; also with grad_accum 1, where the
+               reduced rows sit beside the whole gradients: no saving then)
   activations  what the backward pass reads, for every micro-batch in flight. GPipe runs all M
                forwards before the backwards, so a stage holds the activations of its whole share of
                a micro-step: b = B / (R A) sequences of T tokens. Per block and token:
@@ -141,7 +144,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
                  tokens_micro: float, remat: bool, replicas: int = 1) -> Memory:
     """Memory of the chip running `stage`, holding `tokens` tokens of activations (a micro-step of its
     replica) of which `tokens_micro` are one micro-batch; `replicas`: the data-parallel replicas, over
-    which parallel.shard_optimizer=state divides AdamW's moments."""
+    which parallel.shard_optimizer=state divides AdamW's moments (and grads the gradients' running sum)."""
     m, stages = cfg.model, cfg.parallel.pipeline_stages
     c = m.n_embd
     n_blocks = len(stage.blocks)
@@ -182,7 +185,9 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     adapters = adapter_params(cfg, stage)  # LoRA: float32 variables beside the (frozen) weights
     trainable = params + adapters - frozen_params(cfg, stage, vocab)  # AdamW state and gradients: these only
     grads = 4 * trainable * (2 if cfg.train.grad_accum > 1 else 1)
-    shards = replicas if cfg.parallel.shard_optimizer == "state" else 1
+    shards = replicas if cfg.parallel.shard_optimizer in ("state", "grads") else 1
+    if cfg.parallel.shard_optimizer == "grads" and replicas > 1:  # a micro-batch's, then the replica's rows
+        grads = 4 * trainable * (1 + 1 / replicas)
     return Memory(parameter_bytes(cfg, stage, adapters), 8 * trainable / shards, grads, per_token * tokens, work)
 
 
