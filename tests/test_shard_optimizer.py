@@ -31,19 +31,31 @@ def checkpoint_values(run_dir) -> dict:
             if name.startswith(("model/", "optimizer/")) and "seed_generator" not in name}
 
 
+class FourReplicas(dict):
+    """The same 4 steps on 4 logical CPU replicas with accumulation 2, moments whole (`none`) and divided
+    (`state`), and moments and gradients divided (`grads`), a checkpoint every 2 steps: `[setting]` is its
+    run directory, trained at first use (pytest-xdist may give this module's tests to both workers: each
+    trains only what its tests read). `grads` runs the default execution, XLA (each micro-batch a call of
+    the compiled step, its collective between the calls); the others graphs, whose float32 sums XLA's
+    agree with to rounding (tests/test_pipeline.py)."""
+
+    def __init__(self, tmp):
+        super().__init__()
+        self.tmp = tmp
+        write_corpus(tmp / "corpus")
+
+    def __missing__(self, setting):
+        execution = {"execution": "xla"} if setting == "grads" else {}
+        train(tiny_config(self.tmp / setting, **{**EXACT, **execution}, cpu_devices=4, **{
+            "data.train": str(self.tmp / "corpus" / "*.txt"), "train.grad_accum": 2, "checkpoint.every_steps": 2,
+            "parallel.shard_optimizer": setting}), say=quiet)
+        self[setting] = self.tmp / setting / "run"
+        return self[setting]
+
+
 @pytest.fixture(scope="module")
 def four_replicas(tmp_path_factory):
-    """The same 4 steps on 4 logical CPU replicas with accumulation 2, moments whole and divided, and
-    moments and gradients divided (a checkpoint every 2 steps): {setting: run directory}."""
-    tmp = tmp_path_factory.mktemp("four")
-    write_corpus(tmp / "corpus")
-    runs = {}
-    for setting in ("none", "state", "grads"):
-        train(tiny_config(tmp / setting, **EXACT, cpu_devices=4, **{"data.train": str(tmp / "corpus" / "*.txt"),
-                          "train.grad_accum": 2, "checkpoint.every_steps": 2, "parallel.shard_optimizer": setting}),
-              say=quiet)
-        runs[setting] = tmp / setting / "run"
-    return runs
+    return FourReplicas(tmp_path_factory.mktemp("four"))
 
 
 def assert_same_state(run, reference, rtol: float = 0.0) -> None:
@@ -70,17 +82,6 @@ def test_divided_moments_train_exactly_like_whole_ones(four_replicas):
 
 def test_divided_gradients_train_like_whole_ones_to_summation_order(four_replicas):
     assert_same_state(four_replicas["grads"], four_replicas["none"], rtol=1e-5)
-
-
-def test_divided_gradients_under_the_xla_step(tmp_path):
-    # the default execution on CPUs and GPUs: each micro-batch a call of the XLA-compiled step, its
-    # collective between the calls (2 mirrored replicas; the runs above are graphs, TPU's loop: below)
-    runs = {}
-    for setting in ("none", "grads"):
-        train(tiny_config(tmp_path / setting, **{**EXACT, "execution": "xla", "train.steps": 2}, cpu_devices=2,
-                          **{"train.grad_accum": 2, "parallel.shard_optimizer": setting}), say=quiet)
-        runs[setting] = tmp_path / setting / "run"
-    assert_same_state(runs["grads"], runs["none"], rtol=1e-5)
 
 
 def test_with_lora_on_a_bfloat16_step_and_a_skipped_bad_step_too(tmp_path, poison):
