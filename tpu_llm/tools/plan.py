@@ -26,6 +26,7 @@ import os
 
 from tpu_llm.config import Config
 from tpu_llm.config.checks import adapters_per_block
+from tpu_llm.config.schema import SHARD_OPTIMIZER  # (in the order they divide more)
 from tpu_llm.errors import UserError
 from tpu_llm.model import spec
 from tpu_llm.parallel import pipeline
@@ -111,14 +112,12 @@ class Plan:
     def _fix(self) -> str:
         """The smallest change that fits: more grad_accum, then remat, then AdamW's moments divided over the
         replicas (parallel.shard_optimizer=state, where it runs: one stage, one tensor group, 2+ replicas),
-        then the accumulated gradients too (grads), then more pipeline stages; at each, first as it is, then with the chunked loss, then also with
-        blockwise attention (docs/memory.md)."""
+        then the accumulated gradients too (grads), then more pipeline stages; at each, first as it is, then
+        with the chunked loss, then also with blockwise attention (docs/memory.md)."""
         p, t, chips = self.cfg.parallel, self.cfg.train, self.acc.chips
         stage_options = [(p.pipeline_stages, p.shard_optimizer)]
-        if p.shard_optimizer == "none" and p.pipeline_stages == 1 and p.tensor == 1 and self.replicas > 1:
-            stage_options.append((1, "state"))
-        if p.shard_optimizer in ("none", "state") and p.pipeline_stages == 1 and p.tensor == 1 and self.replicas > 1:
-            stage_options.append((1, "grads"))  # (the gradients' running sum divided too)
+        if p.pipeline_stages == 1 and p.tensor == 1 and self.replicas > 1:  # each setting dividing more than this one
+            stage_options += [(1, shard) for shard in SHARD_OPTIMIZER[SHARD_OPTIMIZER.index(p.shard_optimizer) + 1:]]
         # (pipeline stages run with whole moments: training/sharded_adamw.py divides them over replicas only)
         stage_options += [(s, "none") for s in range(p.pipeline_stages + 1, self.cfg.model.n_layer + 1)
                           if self.acc.shared_memory or chips % (s * p.tensor) == 0]

@@ -19,14 +19,12 @@ import tensorflow as tf
 
 from tpu_llm.config import TrainConfig
 from tpu_llm.model import GPT
-from tpu_llm.parallel.comm import AllReduce, replica_variable
+from tpu_llm.parallel.comm import MEAN, SUM, AllReduce, replica_variable
 from tpu_llm.parallel.distribute import Distribution
 from tpu_llm.parallel.pipeline import Pipeline, owning_stage, partition
 from tpu_llm.platform import tf_compat
 from tpu_llm.training.optimizer import GuardedUpdate
 from tpu_llm.training.sharded_adamw import my_rows
-
-SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
 
 
 class ReplicaSeedGenerator(keras.random.SeedGenerator):
