@@ -47,7 +47,7 @@ def test_a_failing_model_parallel_run_leaves_every_data_parallel_line_measured(t
     assert len(err.strip().splitlines()) == 1
     lines = line_of(out)
     assert list(lines) == ["devices", "replicas", "bfloat16", "checkpoint", "input", "plan", "profile", "memory",
-                           "shard state", "model parallel"], out
+                           "shard state", "shard grads", "model parallel"], out
     assert [n for n, line in lines.items() if not line.startswith("PASS")] == ["model parallel"], out
     assert "2 stage(s) x 2 tensor group(s) stopped: RuntimeError: staged run broken on purpose" in \
         lines["model parallel"]
@@ -66,6 +66,8 @@ def test_a_failing_model_parallel_run_leaves_every_data_parallel_line_measured(t
     shard = checks["shard state"]["values"]  # 4 replicas: a quarter of the moments, bit-identical on CPUs
     assert shard["relative"] == 0.0 and shard["bytes"] <= 0.26 * shard["whole_bytes"], shard
     assert abs(shard["bytes"] / shard["planned_bytes"] - 1) <= data_parallel.SHARD_PLAN_TOLERANCE, shard
+    grads = checks["shard grads"]["values"]  # the gradients of 2 micro-batches too: summed in another order
+    assert grads["grad_accum"] == 2 and grads["relative"] < 1e-6 and grads["bytes"] == shard["bytes"], grads
     measured = checks["memory"]["values"]  # float32 on a CPU: the same sums in another order
     assert measured["loss_diff"] < 1e-5 and measured["grad_diff"] < 1e-5
     if measured["dense_peak"] is not None:  # this TF reports CPU allocations: the options must save memory
@@ -115,7 +117,8 @@ def test_the_model_parallel_line_fails_on_a_loss_apart_from_the_data_parallel_on
     assert "vs data-parallel 5.0000" in check.numbers and check.fix == ""
 
 
-def test_the_shard_line_fails_on_a_loss_apart_or_moments_not_divided(tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting", ["state", "grads"])
+def test_the_shard_lines_fail_on_a_loss_apart_or_moments_not_divided(tmp_path, monkeypatch, setting):
     # the divided run stubbed: its mean loss and the bytes its moments hold on replica 0's device
     make_cfg = lambda *_: doctor.tiny_config(str(tmp_path), "", "auto", 4, 1, 1, 4)  # noqa: E731
     cpu = plan.Accelerator("cpu", "CPU", 1, 1e11, 0.0, "")
@@ -125,21 +128,31 @@ def test_the_shard_line_fails_on_a_loss_apart_or_moments_not_divided(tmp_path, m
     whole_run = type("Run", (), {"optimizer": "whole"})()
     strategy = type("S", (), {"extended": type("E", (), {"worker_devices": ["/device:CPU:0"]})()})()
     dist = type("D", (), {"name": "mirrored", "num_replicas": 4, "strategy": strategy})()
+    built = []
     for loss, held, status in ((5.0, planned, "PASS"), (5.0 * (1 + 1e-3), planned, "FAIL"),
                                (float("nan"), planned, "FAIL"), (5.0, 4 * planned, "FAIL")):
         trainer = type("T", (), {"run": lambda self, it, n, m, loss=loss: {"loss": loss}})()
-        monkeypatch.setattr(data_parallel.build, "build_run",
-                            lambda cfg, d, trainer=trainer: type("Run", (), {"optimizer": "state", "trainer": trainer,
-                                                                             "train_iterator": None})())
+
+        def build_run(cfg, d, trainer=trainer):
+            built.append(cfg)
+            return type("Run", (), {"optimizer": "state", "trainer": trainer, "train_iterator": None})()
+        monkeypatch.setattr(data_parallel.build, "build_run", build_run)
         monkeypatch.setattr(data_parallel.sharded_adamw, "bytes_on",
                             lambda opt, s, device, held=held: held if opt == "state" else 4 * planned)
-        check = data_parallel.check_shard_state(make_cfg, dist, 4, whole_run, 5.0)
-        assert check.status == status, (check.line(), loss, held)
+        check = data_parallel.check_shard(setting, make_cfg, dist, 4, whole_run, 5.0)
+        assert check.status == status and check.name == f"shard {setting}", (check.line(), loss, held)
+    # the run it trains: the setting, and with grads micro-batches whose gradients there are to divide
+    assert {(c.parallel.shard_optimizer, c.train.grad_accum) for c in built} == \
+        {(setting, data_parallel.SHARD_ACCUM if setting == "grads" else 1)}
     one = type("D", (), {"name": "default", "num_replicas": 1})()
-    assert data_parallel.check_shard_state(make_cfg, one, 4, whole_run, 5.0).status == "SKIP"
+    assert data_parallel.check_shard(setting, make_cfg, one, 4, whole_run, 5.0).status == "SKIP"
     workers = type("D", (), {"name": "multi_worker", "num_replicas": 4})()
-    check = data_parallel.check_shard_state(make_cfg, workers, 4, whole_run, 5.0)
+    check = data_parallel.check_shard(setting, make_cfg, workers, 4, whole_run, 5.0)
     assert check.status == "SKIP" and "strategy=multi_worker is not supported yet" in check.numbers
+    if setting == "grads":  # 16 sequences do not split into 16 replicas x 2 micro-batches: said, not a crash
+        many = type("D", (), {"name": "mirrored", "num_replicas": 16, "strategy": strategy})()
+        check = data_parallel.check_shard(setting, make_cfg, many, 4, whole_run, 5.0)
+        assert check.status == "SKIP" and "does not split into 16 replicas x 2 micro-batches" in check.numbers
 
 
 def test_a_layout_that_does_not_fit_names_the_cores_and_what_fits():

@@ -413,14 +413,17 @@ def test_the_moments_are_divided_over_the_replicas_only_with_the_setting(tmp_pat
     assert divided.gradients == whole.gradients
 
 
-def test_divided_gradients_hold_one_micro_batchs_whole_and_the_rows_of_their_sum(tmp_path):
-    # parallel.shard_optimizer=grads: the moments as with state; of the gradients, a micro-batch's whole
-    # and the replica's rows of the running sum (training/trainer.py divided_loss_and_grads): 4 (1 + 1/R)
-    over = {"cpu_devices": 4, "train.grad_accum": 2, "train.batch_size": 8}
+@pytest.mark.parametrize("accum, rows", [(2, 2), (1, 1)])
+def test_divided_gradients_hold_one_micro_batchs_whole_and_the_rows_of_their_sums(tmp_path, accum, rows):
+    # parallel.shard_optimizer=grads: the moments as with state; of the gradients, a micro-batch's whole,
+    # the replica's rows of its reduced sum and (accumulating) of the running sum (training/trainer.py
+    # divided_loss_and_grads): 4 (1 + 2/R), 4 (1 + 1/R) without accumulation
+    over = {"cpu_devices": 4, "train.grad_accum": accum, "train.batch_size": 8}
     whole = plan.plan(tiny_config(tmp_path, **over), CPU).memory[0]
     divided = plan.plan(tiny_config(tmp_path, **over, **{"parallel.shard_optimizer": "grads"}), CPU).memory[0]
     assert divided.optimizer == whole.optimizer / 4 and divided.parameters == whole.parameters
-    assert divided.gradients == pytest.approx(whole.gradients / 2 * (1 + 1 / 4))
+    one_gradient = whole.gradients / (2 if accum > 1 else 1)
+    assert divided.gradients == pytest.approx(one_gradient * (1 + rows / 4))
 
 
 def test_the_advice_divides_the_moments_before_it_adds_stages():

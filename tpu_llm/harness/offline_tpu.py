@@ -154,8 +154,9 @@ class Step:
     def function(self, which: str = "train"):
         """The concrete train loop (one optimizer step per iteration) or evaluation loop."""
         k = self.grad_accum if which == "train" else 1
-        x = tf.zeros([REPLICAS * k, SEQ_LEN], tf.int32)
-        elements = (x, x, tf.zeros([REPLICAS * k, len(POSITION_FIELDS)], tf.int64)) if which == "train" else (x, x)
+        replicas = self.strategy.num_replicas_in_sync  # (a replica spans stages x tensor cores)
+        x = tf.zeros([replicas * k, SEQ_LEN], tf.int32)
+        elements = (x, x, tf.zeros([replicas * k, len(POSITION_FIELDS)], tf.int64)) if which == "train" else (x, x)
         dataset = tf.data.Dataset.from_tensors(elements).repeat()
         batches = iter(self.strategy.experimental_distribute_dataset(dataset))
         loop = self.trainer.train_loop if which == "train" else self.trainer.eval_loop
@@ -163,8 +164,9 @@ class Step:
 
 
 def build_step(stages: int, tensor: int, *, precision: str = "mixed_bfloat16", dropout: float = 0.1,
-               grad_accum: int = 2, family: str = "gpt2", shard_optimizer: str = "none") -> Step:
-    """A tiny model laid out as `stages` x `tensor` per replica on 2 replicas' worth of offline TPU
+               grad_accum: int = 2, family: str = "gpt2", shard_optimizer: str = "none",
+               replicas: int = REPLICAS) -> Step:
+    """A tiny model laid out as `stages` x `tensor` per replica on `replicas` replicas' worth of offline TPU
     cores, with its optimizer (LossScaleOptimizer under mixed_float16; AdamW's moments divided over the
     replicas with `shard_optimizer="state"`) and Trainer, as a run assembles them (training/assemble.py).
     The global dtype policy is left as it was."""
@@ -176,8 +178,8 @@ def build_step(stages: int, tensor: int, *, precision: str = "mixed_bfloat16", d
     cfg = load_config(None, {**model_keys, "data.seq_len": SEQ_LEN, "train.grad_accum": grad_accum,
                              "parallel.pipeline_stages": stages, "parallel.tensor": tensor,
                              "parallel.shard_optimizer": shard_optimizer})
-    strategy = offline_tpu_strategy(stages * tensor, REPLICAS * stages * tensor)
-    placement = Placement(Mesh(REPLICAS, stages, tensor), tpu_strategy=strategy)
+    strategy = offline_tpu_strategy(stages * tensor, replicas * stages * tensor)
+    placement = Placement(Mesh(replicas, stages, tensor), tpu_strategy=strategy)
     dist = Distribution(strategy, "tpu", "offline audit", "TPU", jit_compile=False, placement=placement)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(precision)
@@ -197,6 +199,7 @@ def build_step(stages: int, tensor: int, *, precision: str = "mixed_bfloat16", d
         step.function("train")  # traced under the policy the model was built with
         step.function("eval")
         step.seconds = time.perf_counter() - start
+        step.cfg = cfg  # what `tpu-llm plan` reads for the same model (tools/bench_shard.py)
     finally:
         keras.mixed_precision.set_global_policy(policy)
     return step

@@ -2,7 +2,8 @@
 assignment against the planner's memory for GPT-2 small and Llama-3.2-1B shapes, (b) training-step speed
 with each option on and off, (c) the longest sequence the planner fits on three TPU types, before and after,
 (d) LoRA's trainable state, gradients and temp against full fine-tuning's, in the compiled programs,
-(e) AdamW's moments whole and divided over the replicas (tools/bench_shard.py).
+(e) AdamW's moments whole and divided over the replicas, (f) the accumulated gradients divided too, in the
+compiled TPU step (tools/bench_shard.py).
 """
 
 from __future__ import annotations
@@ -305,5 +306,6 @@ def memory(steps: int = 60, only: str = "") -> None:
     if not only or only == "lora":
         lora_table()
     if not only or only == "shard":
-        from tpu_llm.tools.bench_shard import shard_table
+        from tpu_llm.tools.bench_shard import compiled_table, shard_table
         shard_table()
+        compiled_table()

@@ -1,14 +1,22 @@
-"""`tpu-llm bench memory --only shard` (docs/memory.md, table (e)): AdamW's moments whole
-(`parallel.shard_optimizer=none`) and divided over the replicas (`state`) on 2 and 4 logical CPU
-replicas: the optimizer bytes one replica's device holds (its variables, counted where TF placed them),
-the planner's figure for the same config, and the step time of each.
+"""`tpu-llm bench memory --only shard` (docs/memory.md, tables (e) and (f)).
 
-Each case runs in a fresh process: the logical devices are fixed once TensorFlow has started.
+(e) AdamW's moments whole (`parallel.shard_optimizer=none`) and divided over the replicas (`state`) on 2
+and 4 logical CPU replicas: the optimizer bytes one replica's device holds (its variables, counted where
+TF placed them), the planner's figure for the same config, and the step time of each.
+
+(f) The accumulated gradients divided (`grads`) against `none`: a gradient is no variable, so what a
+replica holds during the step is read from XLA's buffer assignment of the step TPUStrategy builds for
+one replica (compiled offline through TF's own TPU compiler code, tpu_llm/harness/, and XLA:CPU's passes,
+not a TPU's): its temporary bytes for each setting, the difference, and the planner's gradient saving.
+
+Each case runs in a fresh process: the logical devices and XLA's dump flag are fixed once TensorFlow
+has started.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +25,7 @@ import time
 CONFIG = "configs/tiny.yaml"
 REPLICAS = (2, 4)
 SETTINGS = ("none", "state")
+COMPILED_ACCUM = (2, 4)  # train.grad_accum in table (f): with 1 there is no running sum to divide
 
 
 def measure(replicas: int, setting: str, steps: int) -> dict:
@@ -46,6 +55,66 @@ def measure(replicas: int, setting: str, steps: int) -> dict:
             "step_ms": 1000 * seconds}
 
 
+def compiled(replicas: int) -> list[dict]:
+    """In this process (XLA_FLAGS already dumping into a directory of its own): for `none` and `grads` at
+    each COMPILED_ACCUM, the temporary bytes XLA's buffer assignment gives one replica's step, and the
+    planner's gradient bytes for the same model."""
+    import glob
+    import os
+    import re
+
+    from tpu_llm.harness import compiled_step, offline_tpu
+    from tpu_llm.tools import plan
+
+    dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
+    cpu = plan.Accelerator("cpu", "CPU", 1, 1e11, 0.0, "no RAM check")
+    rows = []
+    for accum in COMPILED_ACCUM:
+        for setting in ("none", "grads"):
+            step = offline_tpu.build_step(1, 1, precision="float32", dropout=0.0, grad_accum=accum,
+                                          shard_optimizer=setting, replicas=replicas)
+            function = step.function("train")
+            cluster = compiled_step.cluster(function)
+            args, _ = compiled_step.arguments(function, cluster, step.variables())
+            for f in glob.glob(os.path.join(dump, "*")):
+                os.remove(f)
+            compiled_step.compile_hlo(cluster, args, compiled_step.argument_cores(cluster), stage="optimized_hlo")
+            [assignment] = glob.glob(os.path.join(dump, "*buffer-assignment.txt"))
+            temp = re.search(r"size (\d+), preallocated-temp", open(assignment).read())
+            step.cfg.cpu_devices = replicas  # the planner's replica count on the "cpu" accelerator
+            rows.append({"replicas": replicas, "grad_accum": accum, "setting": setting,
+                         "temp_bytes": int(temp.group(1)) if temp else 0,
+                         "gradient_bytes": 4 * sum(v.shape.num_elements() for v in step.model.trainable_variables),
+                         "planned_gradients": plan.plan(step.cfg, cpu, check=False).memory[0].gradients})
+    return rows
+
+
+def compiled_table() -> list[dict]:
+    """Table (f), one process per replica count; printed as a markdown table."""
+    rows = []
+    for replicas in REPLICAS:
+        with tempfile.TemporaryDirectory(prefix="tpu-llm-shard-") as dump:
+            env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()}
+            done = subprocess.run([sys.executable, "-m", "tpu_llm.tools.bench_shard", "compiled", str(replicas)],
+                                  capture_output=True, text=True, timeout=1800, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench shard compiled {replicas} failed:\n{done.stderr[-2000:]}")
+        rows += json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\n(f) One replica's temporary bytes in the compiled TPU step, none vs grads (the offline harness's "
+          f"model: {rows[0]['gradient_bytes'] / 1024:,.0f} KiB of float32 gradients; XLA:CPU's buffer assignment)\n")
+    print("| replicas | grad_accum | none KiB | grads KiB | saved KiB | planner's saving KiB | measured / planned |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    by = {(r["replicas"], r["grad_accum"], r["setting"]): r for r in rows}
+    for replicas in REPLICAS:
+        for accum in COMPILED_ACCUM:
+            none, grads = by[replicas, accum, "none"], by[replicas, accum, "grads"]
+            saved = none["temp_bytes"] - grads["temp_bytes"]
+            planned = none["planned_gradients"] - grads["planned_gradients"]
+            print(f"| {replicas} | {accum} | {none['temp_bytes'] / 1024:,.0f} | {grads['temp_bytes'] / 1024:,.0f} | "
+                  f"{saved / 1024:,.0f} | {planned / 1024:,.0f} | {f'{saved / planned:.2f}' if planned else '-'} |")
+    return rows
+
+
 def shard_table(steps: int = 40) -> list[dict]:
     """Table (e), every case in its own process; printed as it goes and as a markdown table at the end."""
     rows = []
@@ -70,5 +139,9 @@ def shard_table(steps: int = 40) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":  # one case: python -m tpu_llm.tools.bench_shard REPLICAS SETTING STEPS (JSON on stdout)
-    print(json.dumps(measure(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))))
+if __name__ == "__main__":  # one case (JSON on stdout): python -m tpu_llm.tools.bench_shard REPLICAS SETTING STEPS,
+    # or python -m tpu_llm.tools.bench_shard compiled REPLICAS (with XLA_FLAGS=--xla_dump_to=DIR)
+    if sys.argv[1] == "compiled":
+        print(json.dumps(compiled(int(sys.argv[2]))))
+    else:
+        print(json.dumps(measure(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))))

@@ -15,9 +15,10 @@ the stage partitioner read too; this docstring derives its activation terms.
                sharded_adamw.py: ceil(rows / R) rows of each variable; counted here as 8 / R bytes)
   gradients    4 bytes x the trainable parameters, twice with train.grad_accum > 1 (the running sum
                and the new one); frozen layers get none. parallel.shard_optimizer=grads: one micro-batch's
-               whole gradients and the replica's rows of their reduced sum, 4 (1 + 1/R) bytes whatever
-               grad_accum (training/trainer.py divided_loss_and_grads; also with grad_accum 1, where the
-               reduced rows sit beside the whole gradients: no saving then)
+               whole gradients, the replica's rows of their reduced sum and, with grad_accum > 1, its
+               rows of the running sum: 4 (1 + 2/R) bytes (4 (1 + 1/R) with grad_accum 1, no saving then;
+               training/trainer.py divided_loss_and_grads). XLA's buffer assignment of the compiled TPU
+               step saves between 0.3x and 1.1x of what this counts at 4 replicas (docs/memory.md (f))
   activations  what the backward pass reads, for every micro-batch in flight. GPipe runs all M
                forwards before the backwards, so a stage holds the activations of its whole share of
                a micro-step: b = B / (R A) sequences of T tokens. Per block and token:
@@ -186,8 +187,8 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
     trainable = params + adapters - frozen_params(cfg, stage, vocab)  # AdamW state and gradients: these only
     grads = 4 * trainable * (2 if cfg.train.grad_accum > 1 else 1)
     shards = replicas if cfg.parallel.shard_optimizer in ("state", "grads") else 1
-    if cfg.parallel.shard_optimizer == "grads" and replicas > 1:  # a micro-batch's, then the replica's rows
-        grads = 4 * trainable * (1 + 1 / replicas)
+    if cfg.parallel.shard_optimizer == "grads" and replicas > 1:  # a micro-batch's, the rows of its sum and
+        grads = 4 * trainable * (1 + (2 if cfg.train.grad_accum > 1 else 1) / replicas)  # of the running sum
     return Memory(parameter_bytes(cfg, stage, adapters), 8 * trainable / shards, grads, per_token * tokens, work)
 
 

@@ -19,6 +19,8 @@ no tensor groups), the best-proven path, and the lines measured on it:
                   step's peak with and without them against `tpu-llm plan`'s
   shard state     the float32 run again with parallel.shard_optimizer=state: the same mean loss, and
                   1/R of AdamW's moments on each replica's device, the planner's optimizer bytes
+  shard grads     the same with parallel.shard_optimizer=grads and train.grad_accum=2: each micro-
+                  batch's gradients reduced over the replicas inside the step, each keeping its rows
 
 then, as its own check, the least proven path:
 
@@ -36,9 +38,9 @@ so a failing model-parallel run costs one line, never the others. A check that c
 check's FAIL, with its error; only a crash of the data-parallel run itself is the one `run` line.
 
 Two minutes on a v5e-8 by design: one TPU connection for everything (the model-parallel run's
-strategy reuses it: tpu._CONNECTED), a 2-block width-64 model, four training programs (float32 and
-bfloat16 data-parallel, float32 with divided moments, float32 model-parallel; the timed second call of the float32 run reuses its
-program), no evaluation, no samples. The float32 run's first call includes the compilation and is not
+strategy reuses it: tpu._CONNECTED), a 2-block width-64 model, five training programs (float32 and
+bfloat16 data-parallel, float32 with divided moments, with divided moments and gradients, float32
+model-parallel; the timed second call of the float32 run reuses its program), no evaluation, no samples. The float32 run's first call includes the compilation and is not
 timed. The memory line compiles a one-block model's step twice (dense, and with both options) on the
 first device: seconds. On a TPU VM the two hlo lines add two more programs (not measured on one).
 
@@ -71,7 +73,7 @@ from tpu_llm.parallel import tpu as tpus
 from tpu_llm.platform import xla_flags
 from tpu_llm.tools.doctor import hlo
 from tpu_llm.tools.doctor.data_parallel import (check_bfloat16, check_checkpoint, check_input, check_plan,
-                                                check_profile, check_replicas, check_shard_state,
+                                                check_profile, check_replicas, check_shard,
                                                 input_windows_per_second)
 from tpu_llm.tools.doctor.devices import check_devices, devices_fix
 from tpu_llm.tools.doctor.memory import check_memory, first_device
@@ -228,7 +230,7 @@ def _timed_float32_run(cfg: Config, dist, steps: int) -> tuple:
 def _data_parallel_checks(f32, make_cfg, cfg: Config, dist, steps: int, step_seconds: float,
                           f32_loss: float) -> list[Check]:
     """The lines measured on the data-parallel run: replicas, bfloat16, checkpoint, input, plan, profile,
-    memory, shard state; each check that crashes is its own FAIL."""
+    memory, shard state, shard grads; each check that crashes is its own FAIL."""
     def bfloat16() -> Check:
         try:
             bf16 = build.build_run(make_cfg(1, 1, "mixed_bfloat16", "bfloat16"), dist)
@@ -241,7 +243,8 @@ def _data_parallel_checks(f32, make_cfg, cfg: Config, dist, steps: int, step_sec
             _guarded("input", lambda: check_input(input_windows_per_second(f32), step_seconds, batch)),
             _guarded("plan", check_plan, cfg, dist, step_seconds), _guarded("profile", check_profile, f32),
             _guarded("memory", check_memory, first_device(dist.strategy)),
-            _guarded("shard state", check_shard_state, make_cfg, dist, steps, f32, f32_loss)]
+            _guarded("shard state", check_shard, "state", make_cfg, dist, steps, f32, f32_loss),
+            _guarded("shard grads", check_shard, "grads", make_cfg, dist, steps, f32, f32_loss)]
 
 
 def found_lines(found, remote: bool, runtime: str) -> list[str]:

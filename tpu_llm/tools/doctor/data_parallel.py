@@ -1,6 +1,6 @@
 """The lines measured on the data-parallel run (one replica per TPU core, GPU or logical CPU): replicas,
 bfloat16, checkpoint, input and plan, the profiler trace of two of its steps, and the same run with
-AdamW's moments divided over the replicas (shard state)."""
+AdamW's moments divided over the replicas (shard state), and the gradients too (shard grads)."""
 
 from __future__ import annotations
 
@@ -137,22 +137,34 @@ def check_plan(cfg: Config, dist, step_seconds: float) -> Check:
 
 
 SHARD_LOSS_TOLERANCE = 1e-5  # relative: the divided update is Keras' arithmetic element by element, so
-# the loss is equal to the whole one's up to the order XLA sums in (bit-identical on logical CPUs)
+# the loss is equal to the whole one's up to the order XLA sums in (state: bit-identical on logical CPUs;
+# grads sums each micro-batch over the replicas first: about 1e-7 there)
 SHARD_PLAN_TOLERANCE = 0.05  # measured / planned optimizer bytes per device: ceil(rows / R) pads a little
 
 
-def check_shard_state(make_cfg, dist, steps: int, f32, f32_loss: float) -> Check:
-    """parallel.shard_optimizer=state on the data-parallel replicas: the same steps on the same batches
-    give the float32 run's mean loss, and replica 0's device holds 1/R of the moments the float32 run's
-    holds, the planner's optimizer bytes for the config (training/sharded_adamw.py)."""
-    replicas = dist.num_replicas
+SHARD_ACCUM = 2  # shard grads: micro-batches per step, so there is a running sum of gradients to divide
+
+
+def check_shard(setting: str, make_cfg, dist, steps: int, f32, f32_loss: float) -> Check:
+    """The float32 run again with parallel.shard_optimizer=`setting` on the data-parallel replicas: the
+    same steps on the same batches give its mean loss, and replica 0's device holds 1/R of the moments the
+    float32 run's holds, the planner's optimizer bytes for the config (training/sharded_adamw.py).
+    `state` divides AdamW's moments; `grads` divides them and the running sum of the gradients over
+    SHARD_ACCUM micro-batches, each reduced over the replicas inside the step (training/trainer.py:
+    divided_loss_and_grads; on a TPU a tf.while_loop holding the collective, compiled only offline here)."""
+    name, replicas = f"shard {setting}", dist.num_replicas
     if replicas < 2:
-        return Check("shard state", "SKIP", "one replica: nothing to divide the optimizer's moments over")
-    cfg = make_cfg(1, 1, "float32", "shard-state")
-    cfg.parallel.shard_optimizer = "state"
+        return Check(name, "SKIP", "one replica: nothing to divide the optimizer's moments over")
+    cfg = make_cfg(1, 1, "float32", f"shard-{setting}")
+    cfg.parallel.shard_optimizer = setting
     why = shard_refusal(cfg, dist.name)
     if why:
-        return Check("shard state", "SKIP", why)
+        return Check(name, "SKIP", why)
+    if setting == "grads":
+        cfg.train.grad_accum = SHARD_ACCUM
+        if cfg.train.batch_size % (replicas * SHARD_ACCUM):
+            return Check(name, "SKIP", f"the doctor's batch of {cfg.train.batch_size} does not split into "
+                         f"{replicas} replicas x {SHARD_ACCUM} micro-batches")
     run = build.build_run(cfg, dist)
     half = steps // 2 or 1
     first = run.trainer.run(run.train_iterator, half, half)["loss"]
@@ -165,9 +177,12 @@ def check_shard_state(make_cfg, dist, steps: int, f32, f32_loss: float) -> Check
     cpu = plan.Accelerator("cpu", "CPU", 1, 1e11, 0.0, "the planner's memory only")
     planned = plan.plan(cfg, cpu, check=False).memory[0].optimizer
     ok = np.isfinite(loss) and rel <= SHARD_LOSS_TOLERANCE and abs(held / planned - 1) <= SHARD_PLAN_TOLERANCE
-    return Check("shard state", status(ok), f"AdamW's moments divided over {replicas} replicas: {held / 1024:,.1f} "
+    what = "AdamW's moments" if setting == "state" else \
+        f"AdamW's moments and the gradients of {SHARD_ACCUM} micro-batches"
+    return Check(name, status(ok), f"{what} divided over {replicas} replicas: moments {held / 1024:,.1f} "
                  f"KiB on {device.split('/')[-1].lower().replace('device:', '')} ({held / whole:.1%} of the whole "
                  f"{whole / 1024:,.1f}; plan {planned / 1024:,.1f}), mean loss {rel:.1e} from the whole run's "
                  f"(tolerance {SHARD_LOSS_TOLERANCE:g})",
                  {"replicas": replicas, "device": device, "bytes": held, "whole_bytes": whole,
-                  "planned_bytes": planned, "loss": loss, "whole_loss": f32_loss, "relative": rel})
+                  "planned_bytes": planned, "loss": loss, "whole_loss": f32_loss, "relative": rel,
+                  "grad_accum": cfg.train.grad_accum})

@@ -32,6 +32,8 @@ FIX = {
                 "report it with doctor.json and the HLO dump it names",
     "shard state": "train with parallel.shard_optimizer=none here (each replica keeps the whole moments) and report "
                    "it with doctor.json",
+    "shard grads": "train with parallel.shard_optimizer=state here (each replica keeps the whole gradients; the "
+                   "moments stay divided if the shard state line passes) and report it with doctor.json",
     "memory": "train with train.loss_chunk=0 model.attention=dense if the results differ, and plan with a margin if "
               "the memory differs from the planner's; report it with doctor.json",
 }
