@@ -426,6 +426,33 @@ def test_divided_gradients_hold_one_micro_batchs_whole_and_the_rows_of_their_sum
     assert divided.gradients == pytest.approx(one_gradient * (1 + rows / 4))
 
 
+@pytest.mark.parametrize("setting, reductions, gathers", [("none", 1, 0), ("state", 1, 1), ("grads", 4, 1)])
+def test_the_collectives_count_each_replicas_traffic_and_time_it_at_the_ici_bandwidth(setting, reductions, gathers):
+    # a ring all-reduce sends 2 (R-1)/R of the float32 gradients; `state` adds the all-gather of the updated
+    # rows, (R-1)/R of them; `grads` reduces every micro-batch; the time is the bytes over half of v5e's
+    # 400 GB/s bidirectional ICI per chip
+    cfg = load_config(None, {"train.grad_accum": 4, "train.batch_size": 32, "parallel.shard_optimizer": setting})
+    plan_ = plan.plan(cfg, "v5litepod-8", check=False)
+    trainable = 4.0 * spec.params(cfg.model, plan_.vocab)
+    sent, seconds = plan_.collectives()
+    assert sum(sent.values()) == pytest.approx((reductions * 2 + gathers) * 7 / 8 * trainable)
+    assert seconds == pytest.approx(sum(sent.values()) / 200e9)
+    [line] = [line for line in plan_.lines() if line.startswith("comm")]
+    assert ("4 gradient all-reduces" in line) == (setting == "grads") and "at half the 400 GB/s" in line
+    assert ("all-gather of the updated rows" in line) == (setting != "none")
+
+
+def test_the_collectives_are_not_timed_without_an_ici_figure_nor_printed_without_replicas(tmp_path):
+    # the Cloud TPU docs' v4 page gives no per-chip ICI bandwidth: bytes, no time; one replica: no line
+    v4 = plan.plan(load_config(None, {}), "v4-8", check=False)
+    [line] = [line for line in v4.lines() if line.startswith("comm")]
+    assert line.endswith("no ICI bandwidth figure for TPU v4: not timed") and v4.collectives()[1] is None
+    one = plan.plan(load_config(None, {}), "v5litepod-1", check=False)
+    assert one.collectives() == ({}, 0.0) and not [line for line in one.lines() if line.startswith("comm")]
+    cpus = plan.plan(tiny_config(tmp_path, cpu_devices=4), CPU)  # logical CPUs copy in one RAM: no line
+    assert cpus.collectives()[0] and not [line for line in cpus.lines() if line.startswith("comm")]
+
+
 def test_the_advice_divides_the_moments_before_it_adds_stages():
     # docs/memory.md's example: a 1B GPT-2 whose AdamW state alone overflows a v5e chip
     gpt2 = Path(__file__).resolve().parent.parent / "configs" / "gpt2_125m.yaml"

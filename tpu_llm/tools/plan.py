@@ -30,8 +30,9 @@ from tpu_llm.config.schema import SHARD_OPTIMIZER  # (in the order they divide m
 from tpu_llm.errors import UserError
 from tpu_llm.model import spec
 from tpu_llm.parallel import pipeline
-from tpu_llm.tools.plan_memory import GIB, Memory, attention_bytes, block_activation_bytes, loss_bytes, stage_memory
-from tpu_llm.tools.plan_time import Accelerator, accelerator, step_time
+from tpu_llm.tools.plan_memory import (GIB, Memory, attention_bytes, block_activation_bytes, loss_bytes, stage_memory,
+                                       trainable_params)
+from tpu_llm.tools.plan_time import ICI_GBPS, Accelerator, accelerator, collectives, step_time
 
 TIGHT = 0.9  # above this share of HBM a plan is flagged (and suggestions stay below it): padding, reserve
 SUGGESTED_LOSS_CHUNK = 1024  # train.loss_chunk a refusal suggests: a (1024, V) float32 tile, e.g. 0.2 GiB at V = 50k
@@ -248,12 +249,31 @@ class Plan:
         out.append(f"time      {_seconds(self.step_seconds)} per step at {100 * self.mfu:.0f}% of peak while busy: "
                    f"{self.tokens_per_step / self.step_seconds:,.0f} tokens/s, MFU {100 * effective:.1f}% "
                    "(all-reduce, optimizer update and transfers not counted)")
+        out += self._collective_lines()
         if acc.shared_memory and p.pipeline_stages > 1:
             out.append("note      logical CPUs share the cores: the bubble costs no time there; stages on several "
                        "devices run as a TF graph (not XLA), which keeps more intermediates than estimated")
         if acc.shared_memory and self.precision != "float32":
             out.append("note      XLA:CPU computes bfloat16 in float32 and keeps float32 copies: expect more memory")
         return out
+
+
+    def collectives(self) -> tuple[dict[str, float], float | None]:
+        """What the most loaded chip sends to the other replicas per step, and how long that takes
+        (plan_time.collectives): each stage's replicas reduce that stage's gradients."""
+        most = max(trainable_params(self.cfg, stage, self.vocab) for stage in self.stages)
+        return collectives(self.cfg, most, self.replicas, self.acc.kind)
+
+    def _collective_lines(self) -> list[str]:
+        sent, seconds = self.collectives()
+        if not sent or self.acc.shared_memory:  # logical CPUs: copies in one RAM, no interconnect
+            return []
+        what = ", ".join(f"{name} {_size(size)}" for name, size in sent.items())
+        if seconds is None:
+            return [f"comm      per chip per step: {what}; no ICI bandwidth figure for {self.acc.kind}: not timed"]
+        return [f"comm      per chip per step: {what}: {_seconds(seconds)} at half the {ICI_GBPS[self.acc.kind]} GB/s "
+                f"bidirectional ICI, {100 * seconds / self.step_seconds:.0f}% of the step time above if none of it "
+                "overlaps the backward pass"]
 
 
 def plan(cfg: Config, acc: Accelerator | str, mfu: float = 0.4, check: bool = True) -> Plan:

@@ -141,6 +141,12 @@ def adapter_params(cfg: Config, stage: pipeline.Stage) -> int:
     return len(stage.blocks) * adapters_per_block(cfg)
 
 
+def trainable_params(cfg: Config, stage: pipeline.Stage, vocab: int) -> int:
+    """The parameters of `stage` that have gradients and AdamW state: its weights and adapters, less what
+    train.freeze (or LoRA) freezes."""
+    return stage.params + adapter_params(cfg, stage) - frozen_params(cfg, stage, vocab)
+
+
 def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int, tokens: float,
                  tokens_micro: float, remat: bool, replicas: int = 1) -> Memory:
     """Memory of the chip running `stage`, holding `tokens` tokens of activations (a micro-step of its
@@ -184,7 +190,7 @@ def stage_memory(cfg: Config, stage: pipeline.Stage, vocab: int, act_bytes: int,
         if stages > 1 and m.tie_embeddings:  # the head reads the tied table held by the first stage: a copy and its gradient
             work += vocab * c * (act_bytes + 4)
     adapters = adapter_params(cfg, stage)  # LoRA: float32 variables beside the (frozen) weights
-    trainable = params + adapters - frozen_params(cfg, stage, vocab)  # AdamW state and gradients: these only
+    trainable = trainable_params(cfg, stage, vocab)  # AdamW state and gradients: these only
     grads = 4 * trainable * (2 if cfg.train.grad_accum > 1 else 1)
     shards = replicas if cfg.parallel.shard_optimizer in ("state", "grads") else 1
     if cfg.parallel.shard_optimizer == "grads" and replicas > 1:  # a micro-batch's, the rows of its sum and

@@ -11,6 +11,15 @@ t x peak x `mfu`, the fraction of peak a chip sustains while busy (an assumption
 backward takes 2x that when every weight trains (about 1x for a frozen base under adapters; remat adds a forward). `simulate` plays GPipe's schedule on those times; a step is grad_accum
 such pipelines. Not modelled: the gradient all-reduce, the optimizer update (~16 bytes of HBM traffic
 per parameter), stage-to-stage transfers and input stalls: the time is optimistic for a given mfu.
+
+Collectives, beside the step time (`collectives`): the bytes a chip sends per step between replicas
+(float32 gradients and weights of its stage's trainable parameters G): a ring all-reduce of the
+gradients, 2 (R-1)/R x 4G; parallel.shard_optimizer=state adds the all-gather of the updated rows,
+(R-1)/R x 4G; grads reduces each of the grad_accum micro-batches (counted as an all-reduce each, as the
+step is written; a reduce-scatter, which XLA may make of it on a TPU, sends half) plus the all-gather.
+Their time is those bytes over half the chip's bidirectional ICI bandwidth (Cloud TPU documentation:
+every port sending at once, so a lower bound), with no overlap with the backward pass, which XLA
+gives in part: an upper bound on what they add to the step when the ICI bandwidth is reached.
 """
 
 from __future__ import annotations
@@ -29,6 +38,25 @@ from tpu_llm.training import progress
 
 # HBM per chip, GiB (Cloud TPU documentation; ARCHITECTURE.md), keyed by device kind as tpu._TYPES spells it
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5p": 95, "TPU v6 lite": 32}
+# bidirectional inter-chip interconnect bandwidth per chip, GB/s (the Cloud TPU documentation's v5e, v5p and v6e
+# pages; its v4 page gives only the pod's all-reduce bandwidth, so v4's collectives are not timed)
+ICI_GBPS = {"TPU v5 lite": 400, "TPU v5p": 1200, "TPU v6 lite": 800}
+
+
+def collectives(cfg: Config, trainable: int, replicas: int, kind: str) -> tuple[dict[str, float], float | None]:
+    """({collective: bytes one chip sends per step}, seconds at the ICI bandwidth of `kind`, or None where
+    it is unknown) for `trainable` parameters over `replicas` replicas (the module docstring's formulas)."""
+    if replicas < 2:
+        return {}, 0.0
+    share, grads = (replicas - 1) / replicas, 4.0 * trainable
+    setting = cfg.parallel.shard_optimizer
+    reductions = cfg.train.grad_accum if setting == "grads" else 1
+    name = f"{reductions} gradient all-reduces" if reductions > 1 else "gradient all-reduce"
+    sent = {name: reductions * 2 * share * grads}
+    if setting in ("state", "grads"):
+        sent["all-gather of the updated rows"] = share * grads
+    bandwidth = ICI_GBPS.get(kind)
+    return sent, (sum(sent.values()) / (bandwidth * 1e9 / 2) if bandwidth else None)
 
 
 @dataclasses.dataclass(frozen=True)
