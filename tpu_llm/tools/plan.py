@@ -249,11 +249,14 @@ class Plan:
         out.append(f"time      {_seconds(self.step_seconds)} per step at {100 * self.mfu:.0f}% of peak while busy: "
                    f"{self.tokens_per_step / self.step_seconds:,.0f} tokens/s, MFU {100 * effective:.1f}% "
                    "(all-reduce, optimizer update and transfers not counted)")
-        out += self._collective_lines()
-        if acc.shared_memory and p.pipeline_stages > 1:
+        return out + self._collective_lines() + self._cpu_notes()
+
+    def _cpu_notes(self) -> list[str]:
+        out = []
+        if self.acc.shared_memory and self.cfg.parallel.pipeline_stages > 1:
             out.append("note      logical CPUs share the cores: the bubble costs no time there; stages on several "
                        "devices run as a TF graph (not XLA), which keeps more intermediates than estimated")
-        if acc.shared_memory and self.precision != "float32":
+        if self.acc.shared_memory and self.precision != "float32":
             out.append("note      XLA:CPU computes bfloat16 in float32 and keeps float32 copies: expect more memory")
         return out
 
