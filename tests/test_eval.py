@@ -119,6 +119,42 @@ def test_every_request_and_metric_equals_lm_evals_hf_backend(family, request):
     assert max(len(run["ours"].tok_encode(s["arguments"][0][0])) for s in ours["samples"]["tiny_ppl"]) > 64
 
 
+def test_scoring_split_over_replicas_gives_every_request_the_one_device_numbers(gpt2):
+    # data parallel: 2 logical CPU replicas (MirroredStrategy), 3 rows each per call (6 at once: the last call
+    # padded with empty rows); every request's loglikelihood within 1e-5 of the one-device run's, with the same
+    # is_greedy, every rolling sum within 1e-5 relative, every generation the same text (on one device)
+    import tensorflow as tf
+    from lm_eval.tasks import TaskManager
+
+    from tpu_llm.eval.backend import TpuLM
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    ours = TpuLM.from_run(gpt2["dirs"]["run_dir"], batch_size=3, strategy=strategy)
+    assert ours.replicas == 2 and len(ours.model.weights[0].value.values) == 2  # a copy of the weights on each device
+    results = lm_eval.simple_evaluate(model=ours, tasks=TASKS, log_samples=True,
+                                      task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False))
+    one = gpt2["ours_results"]
+    for task in TASKS:
+        for a, b in zip(results["samples"][task], one["samples"][task], strict=True):
+            for (got,), (want,) in zip(a["resps"], b["resps"], strict=True):
+                if task == "tiny_choice":
+                    assert abs(got[0] - want[0]) <= 1e-5 and got[1] == want[1], (got, want)
+                elif task == "tiny_ppl":
+                    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+                else:
+                    assert got == want, (got, want)
+
+
+def test_cli_scores_over_the_logical_cpus_it_is_given(gpt2, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--tasks", "tiny_choice", "--include_path",
+                     TASKS_DIR, "--limit", "4", "--batch_size", "1", "--cpu_devices", "2", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "devices   2 replicas (strategy=auto: cpu_devices=2 logical CPU devices" in printed, printed
+    first4 = [s["acc"] for s in gpt2["reference_results"]["samples"]["tiny_choice"][:4]]
+    assert json.loads(out.read_text())["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
+
+
 def theirs_metrics(results: dict, task: str) -> dict:
     return {k: v for k, v in results["results"][task].items() if k != "alias" and "stderr" not in k}
 
@@ -301,6 +337,7 @@ def test_a_lora_run_on_a_stored_base_scores_with_that_base(gpt2, tmp_path, base_
     (["--tasks", " , "], "error: --tasks: give one or more lm-eval task names"),
     (["--include_path", "no/such/dir"], "error: --include_path 'no/such/dir' is not a directory"),
     (["--batch_size", "0"], "error: --batch_size=0: give 1 or more rows"),
+    (["--cpu_devices", "0"], "error: --cpu_devices=0: give 1 or more logical CPU devices"),
 ])
 def test_cli_refuses_in_one_line(flags, message, tmp_path, capsys):
     args = {"--run_dir": str(tmp_path / "run"), "--tasks": "tiny_choice", "--include_path": TASKS_DIR}
@@ -308,6 +345,17 @@ def test_cli_refuses_in_one_line(flags, message, tmp_path, capsys):
     assert cli.main(["eval", *[x for kv in args.items() for x in kv]]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_a_cluster_in_tf_config_is_refused_not_joined(tmp_path, monkeypatch, capsys):
+    # the evaluation runs in this process: TF_CONFIG naming workers is one line, before anything is loaded
+    cluster = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(cluster))
+    assert cli.main(["eval", "--run_dir", str(tmp_path / "run"), "--tasks", "tiny_choice", "--include_path",
+                     TASKS_DIR]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: tpu-llm eval scores in this process over this machine's devices, but TF_CONFIG "
+                          "names a cluster (multi_worker): unset TF_CONFIG") and err.count("\n") == 1, err
 
 
 def test_text_the_vocabulary_cannot_hold_is_said_once_for_tasks_and_refused_for_a_text_file():

@@ -481,17 +481,19 @@ its results as JSON, and with --log_samples each task's per-sample records next 
 
 --text FILE instead of --tasks: the perplexity of a UTF-8 text file, the whole file as one document, in
 lm-eval's rolling windows and with its metrics (word_perplexity, byte_perplexity, bits_per_byte), as its
-wikitext task reports them.""",
+wikitext task reports them. Scored over every device found (train's strategy=auto; generation on one).""",
          run_dir="the run directory of a `tpu-llm train` or `tpu-llm import` run",
          tasks="lm-eval task, group or tag names, comma-separated (hellaswag,arc_easy); or --text",
          text="a UTF-8 text file to score as one document (instead of --tasks)",
          include_path="a folder of your own task YAML files (trusted: they can run Python)",
          num_fewshot="few-shot examples per prompt (default: each task's own)",
          limit="documents per task, >= 1 (default: all)",
-         batch_size="requests scored at once", output="the results JSON to write",
-         log_samples="also write each task's per-sample records next to --output")
+         batch_size="requests scored at once on each device", output="the results JSON to write",
+         log_samples="also write each task's per-sample records next to --output",
+         cpu_devices="logical CPU devices to score over when there is no accelerator", tpu="as train's tpu=")
 def eval_(run_dir: str, tasks: str = "", text: str = "", include_path: str = "", num_fewshot: str = "",
-          limit: str = "", batch_size: int = 8, output: str = "", log_samples: bool = False):
+          limit: str = "", batch_size: int = 8, output: str = "", log_samples: bool = False, cpu_devices: int = 1,
+          tpu: str = ""):
     from tpu_llm.eval.run import command
 
-    command(run_dir, tasks, text, include_path, num_fewshot, limit, batch_size, output, log_samples)
+    command(run_dir, tasks, text, include_path, num_fewshot, limit, batch_size, output, log_samples, cpu_devices, tpu)

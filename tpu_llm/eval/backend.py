@@ -17,6 +17,12 @@ Scoring is batched: requests sorted longest first, `batch_size` rows a batch (sh
 rows), each row padded on the right to the smallest of a few static lengths (powers of two up to max_len). One
 XLA-compiled function per length computes logits -> log_softmax -> the continuation's log-probabilities and
 whether each continuation token is the argmax, so only (batch,) arrays come back to the host.
+
+Data parallel: given a tf.distribute strategy of R replicas whose scope holds the model's variables (`from_run`
+with `strategy=`), each call scores R x batch_size rows, replica r its rows [r B, (r+1) B), through the
+strategy's own `run` (TPUStrategy compiles the replica function for the TPU cores; MirroredStrategy runs the
+XLA-compiled function on each device). A row's numbers do not depend on which replica scores it. Generation
+stays on one device (the first replica's copy of the weights).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class TpuLM(TemplateLM):
     bars of requests (the training loop's evaluations, between its own progress lines)."""
 
     def __init__(self, model, tokenizer, config, batch_size: int = 8, max_gen_toks: int = 256,
-                 say: Callable[[str], None] | None = None, bars: bool = True):
+                 say: Callable[[str], None] | None = None, bars: bool = True, strategy=None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -74,12 +80,16 @@ class TpuLM(TemplateLM):
         self._lacking_said = False
         self.gen_chunk = 32  # new tokens per sampler call in generate_until, between checks for `until`
         self.bars = bars
+        # data parallel over the replicas of `strategy` (None or one replica: this device alone)
+        self.strategy = strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None
+        self.replicas = strategy.num_replicas_in_sync if self.strategy else 1
 
     @classmethod
-    def from_run(cls, run_dir: str, **kwargs) -> "TpuLM":
-        """The backend on the newest readable checkpoint of `run_dir` (as `tpu-llm generate` loads it)."""
-        model, tokenizer, config = load_for_generation(run_dir)
-        return cls(model, tokenizer, config, **kwargs)
+    def from_run(cls, run_dir: str, strategy=None, **kwargs) -> "TpuLM":
+        """The backend on the newest readable checkpoint of `run_dir` (as `tpu-llm generate` loads it); with a
+        `strategy`, the weights are its variables and scoring is data parallel over its replicas."""
+        model, tokenizer, config = load_for_generation(run_dir, strategy=strategy)
+        return cls(model, tokenizer, config, strategy=strategy, **kwargs)
 
     # ---- TemplateLM's tokenization --------------------------------------------------------------------
 
@@ -131,14 +141,13 @@ class TpuLM(TemplateLM):
     # ---- loglikelihood ----------------------------------------------------------------------------------
 
     def _scorer(self, length: int) -> Callable:
-        """The compiled function for rows padded to `length`: (tokens, targets, mask) (B, length) ->
-        (sum of the targets' log-probabilities where mask is 1, whether each of them is the argmax)."""
+        """The compiled function for rows padded to `length`: (tokens, targets, mask) (R B, length) ->
+        (sum of the targets' log-probabilities where mask is 1, whether each of them is the argmax), (R B,)."""
         if length not in self._scorers:
-            B, V = self.batch_size, self.vocab
-            spec = [tf.TensorSpec([B, length], tf.int32)] * 2 + [tf.TensorSpec([B, length], tf.float32)]
+            B, V, R = self.batch_size, self.vocab, self.replicas
+            spec = [tf.TensorSpec([R * B, length], tf.int32)] * 2 + [tf.TensorSpec([R * B, length], tf.float32)]
 
-            @tf.function(jit_compile=True, input_signature=spec)
-            def score(tokens, targets, mask):
+            def score(tokens, targets, mask):  # (B, length) -> (B,), (B,)
                 logits = tf.cast(self.model(tokens, training=False)[..., :V], tf.float32)
                 logprobs = tf.nn.log_softmax(logits, axis=-1)
                 picked = tf.gather(logprobs, targets, axis=2, batch_dims=2)  # (B, length)
@@ -146,8 +155,32 @@ class TpuLM(TemplateLM):
                 return (tf.reduce_sum(picked * mask, axis=-1),
                         tf.reduce_all((greedy == targets) | (mask == 0), axis=-1))
 
-            self._scorers[length] = score
+            if self.strategy is None:
+                self._scorers[length] = tf.function(score, jit_compile=True, input_signature=spec)
+            else:
+                self._scorers[length] = self._replicated(score, spec)
         return self._scorers[length]
+
+    def _replicated(self, score: Callable, spec: list) -> Callable:
+        """`score` on every replica of the strategy, replica r taking rows [r B, (r+1) B) of the (R B, length)
+        inputs; the results concatenated in replica order. MirroredStrategy runs the replica function as is
+        (an XLA-compiled call on each device); TPUStrategy compiles the whole replica function for its cores."""
+        B, strategy = self.batch_size, self.strategy
+        on_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
+        compiled = score if on_tpu else tf.function(score, jit_compile=True)
+
+        def replica(tokens, targets, mask):
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            rows = [a[r * B:(r + 1) * B] for a in (tokens, targets, mask)]
+            return compiled(*rows)
+
+        @tf.function(input_signature=spec)
+        def scored(tokens, targets, mask):
+            totals, greedy = strategy.run(replica, args=(tokens, targets, mask))
+            return (tf.concat(strategy.experimental_local_results(totals), axis=0),
+                    tf.concat(strategy.experimental_local_results(greedy), axis=0))
+
+        return scored
 
     def _row(self, context: list[int], continuation: list[int]):
         """(input tokens, targets, mask) of one request, unpadded, as lm-eval's hf backend cuts it."""
@@ -170,7 +203,7 @@ class TpuLM(TemplateLM):
         order = sorted(range(len(requests)), key=lambda i: (-len(requests[i][1]) - len(requests[i][2]),
                                                            tuple(requests[i][1] + requests[i][2])))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
-        B, sizes = self.batch_size, buckets(self.max_length)
+        B, sizes = self.batch_size * self.replicas, buckets(self.max_length)
         with tqdm(total=len(requests), disable=disable_tqdm or not self.bars, desc="loglikelihood requests") as bar:
             for start in range(0, len(order), B):
                 chunk = order[start:start + B]

@@ -195,6 +195,28 @@ def prepare(tasks: str | list[str], include_path: str = "", num_fewshot: int | N
     return names, manager
 
 
+def scoring_strategy(cpu_devices: int = 1, tpu: str = "", say: Callable[[str], None] = print):
+    """The tf.distribute strategy `tpu-llm eval` scores over, found as `train`'s strategy=auto finds devices (a
+    TPU's cores, two or more GPUs, or `cpu_devices` logical CPUs), or None for one device. Before any other
+    TensorFlow work (it may split the CPU). One process: a TF_CONFIG cluster is refused, not joined."""
+    from tpu_llm.config import load_config
+    from tpu_llm.parallel.distribute import choose, get_strategy, look_around
+
+    if cpu_devices < 1:
+        raise UserError(f"--cpu_devices={cpu_devices}: give 1 or more logical CPU devices")
+    cfg = load_config(None, {"cpu_devices": cpu_devices, "tpu": tpu})
+    found = look_around(cfg)
+    name, _ = choose(cfg, found)
+    if name in ("multi_worker", "parameter_server"):
+        raise UserError(f"tpu-llm eval scores in this process over this machine's devices, but TF_CONFIG names a "
+                        f"cluster ({name}): unset TF_CONFIG for the evaluation")
+    dist = get_strategy(cfg, found)
+    if dist.num_replicas < 2:
+        return None
+    say(f"devices   {dist.num_replicas} replicas ({dist.reason}): the requests are scored in parallel over them")
+    return dist.strategy
+
+
 def on_weights(model, tokenizer, config, tasks: str | list[str], include_path: str = "", num_fewshot: int | None = None,
                limit: int | None = None, batch_size: int = 8, log_samples: bool = False) -> dict:
     """lm-eval's results for `tasks` on a model already loaded (`tpu_llm.load(run_dir).evaluate`)."""
@@ -218,9 +240,11 @@ def text_on_weights(model, tokenizer, config, path: str, batch_size: int = 8) ->
 
 
 def run(run_dir: str, tasks: str, include_path: str = "", num_fewshot: int | None = None, limit: int | None = None,
-        batch_size: int = 8, output: str = "", say: Callable[[str], None] = print, log_samples: bool = False) -> dict:
+        batch_size: int = 8, output: str = "", say: Callable[[str], None] = print, log_samples: bool = False,
+        cpu_devices: int = 1, tpu: str = "") -> dict:
     """`tpu-llm eval`: check, load, evaluate, print the table, write `output` (and with `log_samples` the
-    per-sample records next to it); returns lm-eval's results."""
+    per-sample records next to it); returns lm-eval's results. Data parallel over the devices
+    `scoring_strategy` finds."""
     if log_samples and not output:
         raise UserError("--log_samples writes its files next to the results: give --output FILE.json too")
     names, manager = prepare(tasks, include_path, num_fewshot, limit, batch_size, output)
@@ -228,7 +252,8 @@ def run(run_dir: str, tasks: str, include_path: str = "", num_fewshot: int | Non
 
     from tpu_llm.eval.backend import TpuLM
 
-    model = TpuLM.from_run(run_dir, batch_size=batch_size)
+    strategy = scoring_strategy(cpu_devices, tpu, say)
+    model = TpuLM.from_run(run_dir, batch_size=batch_size, strategy=strategy)
     results = evaluate(model, names, manager, num_fewshot, limit, log_samples)
     say(make_table(results))
     if "groups" in results:
@@ -243,7 +268,7 @@ def run(run_dir: str, tasks: str, include_path: str = "", num_fewshot: int | Non
 
 
 def run_text(run_dir: str, path: str, batch_size: int = 8, output: str = "",
-             say: Callable[[str], None] = print) -> dict:
+             say: Callable[[str], None] = print, cpu_devices: int = 1, tpu: str = "") -> dict:
     """`tpu-llm eval --text FILE`: the file's perplexity as one document; prints a table, writes `output`."""
     from tpu_llm.eval import text as text_eval
 
@@ -252,7 +277,8 @@ def run_text(run_dir: str, path: str, batch_size: int = 8, output: str = "",
     require_lm_eval()
     from tpu_llm.eval.backend import TpuLM
 
-    result = text_eval.perplexity(TpuLM.from_run(run_dir, batch_size=batch_size), content, path)
+    strategy = scoring_strategy(cpu_devices, tpu, say)
+    result = text_eval.perplexity(TpuLM.from_run(run_dir, batch_size=batch_size, strategy=strategy), content, path)
     say(text_eval.table(path, result))
     if output:
         with open(output, "w", encoding="utf-8") as f:
@@ -262,11 +288,12 @@ def run_text(run_dir: str, path: str, batch_size: int = 8, output: str = "",
 
 
 def command(run_dir: str, tasks: str, text: str, include_path: str, num_fewshot: str, limit: str, batch_size: int,
-            output: str, log_samples: bool) -> None:
+            output: str, log_samples: bool, cpu_devices: int = 1, tpu: str = "") -> None:
     """`tpu-llm eval` with its flags as given: --tasks (`run`) or --text (`run_text`)."""
     fewshot, most = whole_number("num_fewshot", num_fewshot), whole_number("limit", limit)
     check_choice(tasks, text, include_path, fewshot, most, log_samples)
     if text:
-        run_text(run_dir, text, batch_size, output)
+        run_text(run_dir, text, batch_size, output, cpu_devices=cpu_devices, tpu=tpu)
     else:
-        run(run_dir, tasks, include_path, fewshot, most, batch_size, output, log_samples=log_samples)
+        run(run_dir, tasks, include_path, fewshot, most, batch_size, output, log_samples=log_samples,
+            cpu_devices=cpu_devices, tpu=tpu)

@@ -7,6 +7,7 @@ its files and the link checks in tpu_llm/platform/run_layout.py.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -439,10 +440,11 @@ def _remove(path: str) -> None:
         pass  # best effort: a leftover of a failed save is never read (the state file does not name it)
 
 
-def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes: bool = False):
+def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes: bool = False, strategy=None):
     """(model, tokenizer, config) restored from the newest readable checkpoint in `run_dir`, plus that
     checkpoint's path with `with_checkpoint`, plus with `with_notes` the warnings to show (an unreadable
-    newest checkpoint is skipped for the one before: the caller must say so, as `train` does)."""
+    newest checkpoint is skipped for the one before: the caller must say so, as `train` does). With a
+    tf.distribute `strategy`, the weights are made in its scope: a copy on each replica (`tpu-llm eval`)."""
     check_run_tree(run_dir)  # generate and export read a run's files: never through a link, never a FIFO
     saved = read_saved_config(run_dir)
     tokenizer = load_tokenizer(run_dir) if saved else None
@@ -451,10 +453,11 @@ def load_for_generation(run_dir: str, with_checkpoint: bool = False, with_notes:
                         "pass the --run_dir of a `tpu-llm train` run")
     cfg = config_from_dict(saved, source=os.path.join(run_dir, CONFIG_FILE))
     check_tokenizer_fits(run_dir, tokenizer, cfg)
-    model = GPT.from_config(cfg).build_weights()
-    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
-                        trained=trained_state(cfg, optimizer=False), model=model)
-    path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = GPT.from_config(cfg).build_weights()
+        ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, model_config=cfg.model, tokenizer=tokenizer,
+                            trained=trained_state(cfg, optimizer=False), model=model)
+        path = ckpt.restore_latest()  # the newest readable one (a corrupt newest one is skipped)
     if path is None:
         raise UserError(f"{run_dir!r} has no checkpoint in {CHECKPOINT_DIR}/ yet; train it first")
     return (model, tokenizer, cfg) + ((path,) if with_checkpoint else ()) + ((ckpt.notes,) if with_notes else ())
