@@ -150,7 +150,7 @@ def test_cli_scores_over_the_logical_cpus_it_is_given(gpt2, tmp_path, capsys):
     assert cli.main(["eval", "--run_dir", gpt2["dirs"]["run_dir"], "--tasks", "tiny_choice", "--include_path",
                      TASKS_DIR, "--limit", "4", "--batch_size", "1", "--cpu_devices", "2", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "devices   2 replicas (strategy=auto: cpu_devices=2 logical CPU devices" in printed, printed
+    assert "devices   2 replicas (strategy=auto: cpu_devices=2 logical CPU devices): the requests" in printed, printed
     first4 = [s["acc"] for s in gpt2["reference_results"]["samples"]["tiny_choice"][:4]]
     assert json.loads(out.read_text())["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(first4) / 4)
 

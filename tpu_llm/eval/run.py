@@ -206,14 +206,14 @@ def scoring_strategy(cpu_devices: int = 1, tpu: str = "", say: Callable[[str], N
         raise UserError(f"--cpu_devices={cpu_devices}: give 1 or more logical CPU devices")
     cfg = load_config(None, {"cpu_devices": cpu_devices, "tpu": tpu})
     found = look_around(cfg)
-    name, _ = choose(cfg, found)
+    name, why = choose(cfg, found)
     if name in ("multi_worker", "parameter_server"):
         raise UserError(f"tpu-llm eval scores in this process over this machine's devices, but TF_CONFIG names a "
                         f"cluster ({name}): unset TF_CONFIG for the evaluation")
     dist = get_strategy(cfg, found)
     if dist.num_replicas < 2:
         return None
-    say(f"devices   {dist.num_replicas} replicas ({dist.reason}): the requests are scored in parallel over them")
+    say(f"devices   {dist.num_replicas} replicas ({why}): the requests are scored in parallel over them")
     return dist.strategy
 
 
