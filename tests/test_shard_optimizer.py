@@ -167,10 +167,8 @@ def test_the_compiled_tpu_step_takes_each_replicas_rows_of_the_moments(setting, 
     from tpu_llm.harness import compiled_step, offline_tpu
 
     step = offline_tpu.build_step(1, 1, precision="float32", dropout=0.0, grad_accum=accum, shard_optimizer=setting)
-    function = step.function("train")
-    cluster = compiled_step.cluster(function)
-    args, owners = compiled_step.arguments(function, cluster, step.variables())
-    module = compiled_step.Module.parse(compiled_step.compile_hlo(cluster, args, compiled_step.argument_cores(cluster)))
+    hlo, owners = compiled_step.step_hlo(step)
+    module = compiled_step.Module.parse(hlo)
     moments = {id(m.value): m for m in step.optimizer.m + step.optimizer.v}
     seen = 0
     for i, owner in enumerate(owners):

@@ -260,6 +260,16 @@ def compile_hlo(cluster_: Cluster, args: list, arg_cores: list[int], stage: str 
     return tf_compat.compiler_ir(fdef, cluster_.library, args, stage=stage, replaced=cluster_.edited)
 
 
+def step_hlo(step, which: str = "train", stage: str = "hlo") -> tuple[str, list]:
+    """Steps 1-3 on an offline step (harness/offline_tpu.py's Step): the HLO text of its `which` loop's
+    replica computation, each argument on the core TF's rewrite gives it, and the variable behind each
+    argument (None for the others)."""
+    function = step.function(which)
+    cluster_ = cluster(function)
+    args, owners = arguments(function, cluster_, step.variables())
+    return compile_hlo(cluster_, args, argument_cores(cluster_), stage), owners
+
+
 # ---- reading the HLO text --------------------------------------------------------------------------
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")

@@ -102,11 +102,24 @@ def train_step(cfg: Config, vocab: int):
 def _compiled(fn, x, dump: str) -> str:
     """XLA:CPU's buffer assignment of fn(x, x), compiled, not run."""
     fn.experimental_get_compiler_ir(x, x)(stage="optimized_hlo")
+    return buffer_assignment(dump)
+
+
+def buffer_assignment(dump: str) -> str:
+    """The text of the newest buffer assignment XLA dumped into `dump` (XLA_FLAGS=--xla_dump_to), the
+    program compiled last; `dump` is emptied for the next one."""
     newest = max(glob.glob(os.path.join(dump, "*buffer-assignment.txt")), key=os.path.getmtime)
-    text = open(newest).read()
-    for f in glob.glob(os.path.join(dump, "*")):
-        os.remove(f)
+    with open(newest) as f:
+        text = f.read()
+    for path in glob.glob(os.path.join(dump, "*")):
+        os.remove(path)
     return text
+
+
+def temp_bytes(assignment: str) -> int:
+    """A buffer assignment's "preallocated-temp": what the program holds beyond its inputs and outputs."""
+    temp = re.search(r"size (\d+), preallocated-temp", assignment)
+    return int(temp.group(1)) if temp else 0
 
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
@@ -161,9 +174,7 @@ def _compile_and_read(cfg: Config, vocab: int, dump: str, with_state: bool = Fal
 
     x = tf.zeros([cfg.train.batch_size, cfg.data.seq_len], tf.int32)
     text = _compiled(micro_step(cfg, model(cfg, vocab)), x, dump)
-    temp = re.search(r"size (\d+), preallocated-temp", text)
-    result = {"temp": int(temp.group(1)) if temp else 0,
-              "total": int(re.search(r"Total bytes used: (\d+)", text).group(1))}
+    result = {"temp": temp_bytes(text), "total": int(re.search(r"Total bytes used: (\d+)", text).group(1))}
     if with_state:
         result.update(state(cfg, vocab))
     return result

@@ -55,35 +55,23 @@ def measure(replicas: int, setting: str, steps: int) -> dict:
             "step_ms": 1000 * seconds}
 
 
-def compiled(replicas: int) -> list[dict]:
-    """In this process (XLA_FLAGS already dumping into a directory of its own): for `none` and `grads` at
-    each COMPILED_ACCUM, the temporary bytes XLA's buffer assignment gives one replica's step, and the
-    planner's gradient bytes for the same model."""
-    import glob
-    import os
-    import re
-
-    from tpu_llm.harness import compiled_step, offline_tpu
+def compiled(replicas: int, dump: str) -> list[dict]:
+    """In this process (XLA_FLAGS already dumping into `dump`): for `none` and `grads` at each COMPILED_ACCUM,
+    the temporary bytes XLA's buffer assignment gives one replica's step, and the planner's gradient bytes for
+    the same model."""
+    from tpu_llm.harness import compiled_step, offline_tpu, xla_memory
     from tpu_llm.tools import plan
 
-    dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
     cpu = plan.Accelerator("cpu", "CPU", 1, 1e11, 0.0, "no RAM check")
     rows = []
     for accum in COMPILED_ACCUM:
         for setting in ("none", "grads"):
             step = offline_tpu.build_step(1, 1, precision="float32", dropout=0.0, grad_accum=accum,
                                           shard_optimizer=setting, replicas=replicas)
-            function = step.function("train")
-            cluster = compiled_step.cluster(function)
-            args, _ = compiled_step.arguments(function, cluster, step.variables())
-            for f in glob.glob(os.path.join(dump, "*")):
-                os.remove(f)
-            compiled_step.compile_hlo(cluster, args, compiled_step.argument_cores(cluster), stage="optimized_hlo")
-            [assignment] = glob.glob(os.path.join(dump, "*buffer-assignment.txt"))
-            temp = re.search(r"size (\d+), preallocated-temp", open(assignment).read())
+            compiled_step.step_hlo(step, stage="optimized_hlo")
             step.cfg.cpu_devices = replicas  # the planner's replica count on the "cpu" accelerator
             rows.append({"replicas": replicas, "grad_accum": accum, "setting": setting,
-                         "temp_bytes": int(temp.group(1)) if temp else 0,
+                         "temp_bytes": xla_memory.temp_bytes(xla_memory.buffer_assignment(dump)),
                          "gradient_bytes": 4 * sum(v.shape.num_elements() for v in step.model.trainable_variables),
                          "planned_gradients": plan.plan(step.cfg, cpu, check=False).memory[0].gradients})
     return rows
@@ -95,7 +83,7 @@ def compiled_table() -> list[dict]:
     for replicas in REPLICAS:
         with tempfile.TemporaryDirectory(prefix="tpu-llm-shard-") as dump:
             env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()}
-            done = subprocess.run([sys.executable, "-m", "tpu_llm.tools.bench_shard", "compiled", str(replicas)],
+            done = subprocess.run([sys.executable, "-m", "tpu_llm.tools.bench_shard", "compiled", str(replicas), dump],
                                   capture_output=True, text=True, timeout=1800, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"bench shard compiled {replicas} failed:\n{done.stderr[-2000:]}")
@@ -140,8 +128,8 @@ def shard_table(steps: int = 40) -> list[dict]:
 
 
 if __name__ == "__main__":  # one case (JSON on stdout): python -m tpu_llm.tools.bench_shard REPLICAS SETTING STEPS,
-    # or python -m tpu_llm.tools.bench_shard compiled REPLICAS (with XLA_FLAGS=--xla_dump_to=DIR)
+    # or python -m tpu_llm.tools.bench_shard compiled REPLICAS DIR (with XLA_FLAGS=--xla_dump_to=DIR)
     if sys.argv[1] == "compiled":
-        print(json.dumps(compiled(int(sys.argv[2]))))
+        print(json.dumps(compiled(int(sys.argv[2]), sys.argv[3])))
     else:
         print(json.dumps(measure(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))))

@@ -260,7 +260,6 @@ class Plan:
             out.append("note      XLA:CPU computes bfloat16 in float32 and keeps float32 copies: expect more memory")
         return out
 
-
     def collectives(self) -> tuple[dict[str, float], float | None]:
         """What the most loaded chip sends to the other replicas per step, and how long that takes
         (plan_time.collectives): each stage's replicas reduce that stage's gradients."""

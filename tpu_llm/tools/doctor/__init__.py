@@ -40,8 +40,8 @@ check's FAIL, with its error; only a crash of the data-parallel run itself is th
 Two minutes on a v5e-8 by design: one TPU connection for everything (the model-parallel run's
 strategy reuses it: tpu._CONNECTED), a 2-block width-64 model, five training programs (float32 and
 bfloat16 data-parallel, float32 with divided moments, with divided moments and gradients, float32
-model-parallel; the timed second call of the float32 run reuses its program), no evaluation, no samples. The float32 run's first call includes the compilation and is not
-timed. The memory line compiles a one-block model's step twice (dense, and with both options) on the
+model-parallel; the timed second call of the float32 run reuses its program), no evaluation, no
+samples. The float32 run's first call includes the compilation and is not timed. The memory line compiles a one-block model's step twice (dense, and with both options) on the
 first device: seconds. On a TPU VM the two hlo lines add two more programs (not measured on one).
 
 This module runs the checks in that order (`run`); they live one family to a module beside it:
